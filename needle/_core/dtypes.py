@@ -1,0 +1,61 @@
+"""dtype names, their NumPy equivalents and the promotion rule.
+
+needle names dtypes by string. The course contract (NEEDLE_API §2.3) coerces every dtype it
+does not store (bool, ints, ``None``) to ``"float32"``; ``"float64"`` and ``"float16"`` are
+kept when asked for explicitly.
+
+Promotion rule: elementwise ops between arrays of *different* dtypes raise
+:class:`DTypeError` (convert explicitly with ``.astype``). Python and NumPy scalars are
+"weak": they take the array's dtype.
+
+Example:
+    >>> canonical_dtype("bool"), canonical_dtype(None), canonical_dtype("float64")
+    ('float32', 'float32', 'float64')
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import DTypeError
+
+SUPPORTED_DTYPES = ("float32", "float64", "float16")
+DEFAULT_DTYPE = "float32"
+ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2}
+
+
+def canonical_dtype(dtype, op: str = "dtype") -> str:
+    """Map any dtype spelling to one of :data:`SUPPORTED_DTYPES` (course coercion rules).
+
+    Raises:
+        DTypeError: for something that is not a dtype at all (e.g. ``"floot32"``).
+    """
+    if dtype is None:
+        return DEFAULT_DTYPE
+    if isinstance(dtype, str) and dtype in SUPPORTED_DTYPES:
+        return dtype
+    try:
+        name = np.dtype(dtype).name
+    except TypeError as exc:
+        raise DTypeError(
+            f"{op}: unknown dtype, expected one of {SUPPORTED_DTYPES} or a NumPy dtype, "
+            f"got {dtype!r}") from exc
+    if name in SUPPORTED_DTYPES:
+        return name
+    if name == "bool" or np.issubdtype(np.dtype(name), np.number):
+        return DEFAULT_DTYPE
+    raise DTypeError(
+        f"{op}: unsupported dtype, expected a numeric dtype, got {dtype!r}")
+
+
+def numpy_dtype(dtype: str) -> np.dtype:
+    """The NumPy dtype with the same layout as the needle dtype name."""
+    return np.dtype(dtype)
+
+
+def check_same_dtype(op: str, a: str, b: str) -> str:
+    """Return the common dtype, raising :class:`DTypeError` when they differ."""
+    if a != b:
+        raise DTypeError(
+            f"{op}: mixed dtypes, expected both operands {a}, got {a} and {b} "
+            f"(convert one with .astype)")
+    return a

@@ -1,0 +1,65 @@
+"""One error hierarchy for needle, rooted at :class:`NeedleError`.
+
+Messages follow one pattern: ``"<op>: <what is wrong>, expected <x>, got <y>"`` so the
+reader learns the operation, the expectation and the actual value in one line.
+
+Example:
+    >>> from needle._core.errors import ShapeError, NeedleError
+    >>> issubclass(ShapeError, NeedleError) and issubclass(ShapeError, ValueError)
+    True
+"""
+from __future__ import annotations
+
+
+class NeedleError(Exception):
+    """Root of every error needle raises on bad input or bad state."""
+
+
+class ShapeError(NeedleError, ValueError):
+    """Shapes (or sizes) that an operation cannot combine."""
+
+
+class DTypeError(NeedleError, TypeError):
+    """An unknown dtype, or dtypes mixed without a promotion rule."""
+
+
+class DeviceError(NeedleError, ValueError):
+    """An unknown device, or operands on different devices."""
+
+
+class AxisError(NeedleError, IndexError):
+    """An axis out of range for the array's number of dimensions."""
+
+
+class IndexOutOfRange(NeedleError, IndexError):
+    """An index or slice that falls outside the array."""
+
+
+class BackendUnavailable(NeedleError, RuntimeError):
+    """A backend (compiled CPU module, CuPy/GPU) that is not installed or not usable."""
+
+
+class GraphError(NeedleError, RuntimeError):
+    """Misuse of the autograd graph (backward through a freed graph, bad gradient from an op)."""
+
+
+class CommError(NeedleError, RuntimeError):
+    """A distributed operation that failed or timed out; names the op and the ranks."""
+
+
+class CheckpointError(NeedleError, RuntimeError):
+    """A checkpoint region whose recomputation differed from its first forward."""
+
+
+class MemoryPlanError(NeedleError, RuntimeError):
+    """A memory plan or trace that cannot be built or executed."""
+
+
+def expect(condition: bool, error: type[NeedleError], op: str, what: str, expected, got) -> None:
+    """Raise ``error`` with the standard message unless ``condition`` holds.
+
+    Example:
+        >>> expect(1 == 1, ShapeError, "add", "shapes differ", (2,), (2,))
+    """
+    if not condition:
+        raise error(f"{op}: {what}, expected {expected}, got {got}")

@@ -1,0 +1,165 @@
+"""Devices of the NDArray layer: ``cpu()`` (C++), ``cpu_numpy()`` (NumPy reference), ``cuda()``.
+
+A :class:`BackendDevice` pairs a name with a backend module that follows
+docs/backend_protocol.md. Backend modules are imported lazily and at most once; a missing
+backend gives a *disabled* device (``enabled()`` is False) instead of an import error, so
+``import needle`` works without the compiled module or without a GPU.
+
+Example:
+    >>> from needle.backend_ndarray import cpu_numpy
+    >>> d = cpu_numpy(); str(d), d.enabled()
+    ('cpu_numpy()', True)
+"""
+from __future__ import annotations
+
+import importlib
+import math
+
+import numpy as np
+
+from .._core.dtypes import canonical_dtype
+from .._core.errors import BackendUnavailable, DeviceError
+
+_MODULE_FOR_DEVICE = {
+    "cpu": "needle.backend_ndarray.ndarray_backend_cpu",
+    "cpu_numpy": "needle.backend_ndarray.ndarray_backend_numpy",
+    "cuda": "needle.backend_ndarray.ndarray_backend_cuda",
+}
+_DEVICES: dict[str, "BackendDevice"] = {}
+_LOAD_ERRORS: dict[str, str] = {}
+
+
+class BackendDevice:
+    """A device: a name and the backend module whose kernels run there."""
+
+    def __init__(self, name: str, mod):
+        self.name = name
+        self.mod = mod
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, BackendDevice) and self.name == other.name
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def __repr__(self) -> str:
+        return self.name + "()"
+
+    def __getattr__(self, name):
+        # Only reached for names not on the device itself: forward to the backend module so
+        # that course code can write device.matmul_tiled, device.__tile_size__, device.Array.
+        mod = self.__dict__.get("mod")
+        if mod is None:
+            reason = _LOAD_ERRORS.get(self.__dict__.get("name", "?"), "not built")
+            raise BackendUnavailable(
+                f"{self.__dict__.get('name')}(): backend is not available ({reason}); "
+                f"expected an enabled device, got a disabled one")
+        return getattr(mod, name)
+
+    def enabled(self) -> bool:
+        return self.mod is not None
+
+    # Constructors. Random draws go through NumPy's global generator, exactly one draw of
+    # the full shape per call (NEEDLE_API §11: the course goldens depend on it).
+    def randn(self, *shape, dtype="float32"):
+        return _nd().NDArray(np.random.randn(*shape), device=self, dtype=dtype)
+
+    def rand(self, *shape, dtype="float32"):
+        return _nd().NDArray(np.random.rand(*shape), device=self, dtype=dtype)
+
+    def one_hot(self, n, i, dtype="float32"):
+        return _nd().NDArray(np.eye(n, dtype=np.float64)[np.asarray(i, dtype=np.int64)],
+                             device=self, dtype=dtype)
+
+    def empty(self, shape, dtype="float32"):
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        return _nd().NDArray.make(shape, device=self, dtype=canonical_dtype(dtype, "empty"))
+
+    def full(self, shape, fill_value, dtype="float32"):
+        arr = self.empty(shape, dtype)
+        arr.fill(fill_value)
+        return arr
+
+    def zeros(self, *shape, dtype="float32"):
+        return self.full(_shape_args(shape), 0.0, dtype)
+
+    def ones(self, *shape, dtype="float32"):
+        return self.full(_shape_args(shape), 1.0, dtype)
+
+
+def _shape_args(shape) -> tuple:
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+        return tuple(shape[0])
+    return tuple(shape)
+
+
+def _nd():
+    from . import ndarray
+    return ndarray
+
+
+def _device(name: str) -> BackendDevice:
+    dev = _DEVICES.get(name)
+    if dev is None:
+        try:
+            mod = importlib.import_module(_MODULE_FOR_DEVICE[name])
+            if hasattr(mod, "available") and not mod.available():
+                _LOAD_ERRORS[name] = getattr(mod, "unavailable_reason", lambda: "no device")()
+                mod = None
+        except Exception as exc:  # noqa: BLE001 - a broken/missing backend disables the device
+            _LOAD_ERRORS[name] = f"{type(exc).__name__}: {exc}"
+            mod = None
+        dev = _DEVICES[name] = BackendDevice(name, mod)
+    return dev
+
+
+def cpu() -> BackendDevice:
+    """The compiled C++ CPU backend (disabled if the extension was not built)."""
+    return _device("cpu")
+
+
+def cpu_numpy() -> BackendDevice:
+    """The NumPy reference backend, always available."""
+    return _device("cpu_numpy")
+
+
+def cuda() -> BackendDevice:
+    """The CUDA backend; never raises, ``enabled()`` is False without CuPy or a GPU."""
+    return _device("cuda")
+
+
+def default_device() -> BackendDevice:
+    """``cpu()`` when the compiled module is built, else the NumPy reference backend."""
+    dev = cpu()
+    return dev if dev.enabled() else cpu_numpy()
+
+
+def all_devices() -> list[BackendDevice]:
+    """Every device whose backend is usable here."""
+    return [d for d in (cpu(), cuda(), cpu_numpy()) if d.enabled()]
+
+
+def device_by_name(name: str) -> BackendDevice:
+    """Look a device up by name (``"cpu"``, ``"cuda"``, ``"cpu_numpy"``, or with ``()``).
+
+    Raises:
+        DeviceError: for an unknown name.
+    """
+    key = name[:-2] if name.endswith("()") else name
+    if key not in _MODULE_FOR_DEVICE:
+        raise DeviceError(
+            f"device: unknown device, expected one of {sorted(_MODULE_FOR_DEVICE)}, got {name!r}")
+    return _device(key)
+
+
+def check_enabled(device: BackendDevice, op: str) -> BackendDevice:
+    if not isinstance(device, BackendDevice):
+        raise DeviceError(f"{op}: expected a BackendDevice, got {device!r}")
+    if device.mod is None:
+        reason = _LOAD_ERRORS.get(device.name, "not built")
+        raise BackendUnavailable(
+            f"{op}: device {device} is not available ({reason}), expected an enabled device")
+    return device
+
+
+prod = math.prod

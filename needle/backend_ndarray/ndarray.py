@@ -1,0 +1,566 @@
+"""The strided ``NDArray``: shape, strides and offset over a flat backend buffer.
+
+View operations (reshape of a compact array, permute, broadcast_to, getitem) share the
+buffer; everything else writes a new compact array through the device's kernels. Public
+methods validate their input and raise :mod:`needle._core.errors` subclasses; the backend
+kernels assume valid input (docs/backend_protocol.md).
+
+Example:
+    >>> import numpy as np
+    >>> from needle.backend_ndarray import NDArray, cpu_numpy
+    >>> a = NDArray(np.arange(6).reshape(2, 3), device=cpu_numpy())
+    >>> b = a.permute((1, 0))
+    >>> b.shape, b.strides, b._handle.ptr() == a._handle.ptr()
+    ((3, 2), (1, 3), True)
+"""
+from __future__ import annotations
+
+import builtins
+import math
+from functools import lru_cache
+
+import numpy as np
+
+from .._core.dtypes import canonical_dtype, numpy_dtype
+from .._core.errors import AxisError, DeviceError, DTypeError, IndexOutOfRange, ShapeError
+from .devices import (BackendDevice, all_devices, check_enabled, cpu, cpu_numpy, cuda,
+                      default_device, device_by_name)
+
+__all__ = ["NDArray", "BackendDevice", "cpu", "cpu_numpy", "cuda", "default_device",
+           "all_devices", "device_by_name", "prod"]
+
+prod = math.prod
+
+# When True, ``a @ b`` takes the course's tiled path (matmul_tiled) whenever the shapes allow.
+# Off by default because the backends' plain ``matmul`` is the fast packed kernel.
+USE_TILED_MATMUL = False
+
+
+@lru_cache(maxsize=4096)
+def _compact_strides(shape: tuple) -> tuple:
+    strides, stride = [], 1
+    for dim in reversed(shape):
+        strides.append(stride)
+        stride *= dim
+    return tuple(reversed(strides))
+
+
+def _is_scalar(x) -> bool:
+    return isinstance(x, (int, float, np.number))
+
+
+def _normalize_axis(axis: int, ndim: int, op: str) -> int:
+    if not isinstance(axis, (int, np.integer)):
+        raise AxisError(f"{op}: axis must be an int, expected int in [{-ndim}, {ndim}), "
+                        f"got {axis!r}")
+    if not -ndim <= axis < builtins.max(ndim, 1):
+        raise AxisError(f"{op}: axis out of range, expected an axis in [{-ndim}, {ndim}), "
+                        f"got {axis}")
+    return int(axis) % builtins.max(ndim, 1)
+
+
+def normalize_axes(axis, ndim: int, op: str) -> tuple:
+    """``None`` → all axes; int or sequence → sorted tuple of distinct non-negative axes."""
+    if axis is None:
+        return tuple(range(ndim))
+    axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
+    out = tuple(sorted(_normalize_axis(a, ndim, op) for a in axes))
+    if len(set(out)) != len(out):
+        raise AxisError(f"{op}: repeated axis, expected distinct axes, got {axis}")
+    return out
+
+
+class NDArray:
+    """An n-dimensional strided view of a flat buffer on a device.
+
+    Args:
+        other: an NDArray (copied, moved to ``device``), a NumPy array, or anything
+            ``np.array`` accepts.
+        device: target device (default: :func:`default_device`).
+        dtype: ``"float32"`` (default), ``"float64"`` or ``"float16"``; other dtypes
+            (bool, ints) are coerced to float32 as the course does.
+
+    Example:
+        >>> from needle.backend_ndarray import NDArray, cpu_numpy
+        >>> NDArray([[1, 2], [3, 4]], device=cpu_numpy()).sum(axis=1).numpy().tolist()
+        [3.0, 7.0]
+    """
+
+    __array_priority__ = 1000
+
+    def __init__(self, other, device=None, dtype=None):
+        if isinstance(other, NDArray):
+            device = other.device if device is None else device
+            dtype = other.dtype if dtype is None else dtype
+            if device == other.device and canonical_dtype(dtype) == other.dtype:
+                self._init(other._copy())
+                return
+            other = other.numpy()
+        device = default_device() if device is None else check_enabled(device, "NDArray")
+        dtype = canonical_dtype(dtype, "NDArray")
+        src = np.ascontiguousarray(np.asarray(other), dtype=numpy_dtype(dtype))
+        array = NDArray.make(src.shape, device=device, dtype=dtype)
+        device.from_numpy(src, array._handle)
+        self._init(array)
+
+    def _init(self, other: "NDArray") -> None:
+        self._shape = other._shape
+        self._strides = other._strides
+        self._offset = other._offset
+        self._device = other._device
+        self._handle = other._handle
+
+    @staticmethod
+    def compact_strides(shape) -> tuple:
+        """Row-major strides (in elements) for ``shape``."""
+        return _compact_strides(tuple(shape))
+
+    @staticmethod
+    def make(shape, strides=None, device=None, handle=None, offset=0, dtype="float32"):
+        """A new NDArray; allocates (uninitialised) memory when ``handle`` is None."""
+        array = NDArray.__new__(NDArray)
+        array._shape = tuple(shape)
+        array._strides = _compact_strides(array._shape) if strides is None else tuple(strides)
+        array._offset = offset
+        array._device = device if device is not None else default_device()
+        if handle is None:
+            array._handle = array._device.Array(math.prod(array._shape), dtype)
+        else:
+            array._handle = handle
+        return array
+
+    # ---- properties -------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple:
+        return self._shape
+
+    @property
+    def strides(self) -> tuple:
+        return self._strides
+
+    @property
+    def device(self) -> BackendDevice:
+        return self._device
+
+    @property
+    def dtype(self) -> str:
+        return self._handle.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self._shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self._shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self._handle.itemsize
+
+    @property
+    def flat(self) -> "NDArray":
+        """A 1-D view sharing memory (the array must be compact)."""
+        return self.reshape((self.size,))
+
+    def __repr__(self) -> str:
+        return f"NDArray({self.numpy()}, device={self.device}, dtype={self.dtype})"
+
+    def __str__(self) -> str:
+        return str(self.numpy())
+
+    # ---- conversion and layout ----------------------------------------------------------
+    def numpy(self) -> np.ndarray:
+        """A NumPy copy of the (possibly strided) array."""
+        return self._device.to_numpy(self._handle, self._shape, self._strides, self._offset)
+
+    def fill(self, value) -> None:
+        """Set every element of this (possibly strided) view to ``value``."""
+        if self.is_compact():
+            self._device.fill(self._handle, float(value))
+        else:
+            self._device.scalar_setitem(self.size, float(value), self._handle, self._shape,
+                                        self._strides, self._offset)
+
+    def to(self, device) -> "NDArray":
+        """This array on ``device`` (self when already there)."""
+        if device == self._device:
+            return self
+        return NDArray(self.numpy(), device=device, dtype=self.dtype)
+
+    def astype(self, dtype) -> "NDArray":
+        """A compact copy converted to ``dtype`` (self when the dtype already matches)."""
+        dtype = canonical_dtype(dtype, "astype")
+        if dtype == self.dtype:
+            return self
+        src = self.compact()
+        out = NDArray.make(self._shape, device=self._device, dtype=dtype)
+        self._device.ewise_cast(src._handle, out._handle)
+        return out
+
+    def is_compact(self) -> bool:
+        return (self._offset == 0 and self._strides == _compact_strides(self._shape)
+                and math.prod(self._shape) == self._handle.size)
+
+    def compact(self) -> "NDArray":
+        """Self if compact, else a compact copy."""
+        if self.is_compact():
+            return self
+        return self._copy()
+
+    def _copy(self) -> "NDArray":
+        out = NDArray.make(self._shape, device=self._device, dtype=self.dtype)
+        if out.size:
+            self._device.compact(self._handle, out._handle, self._shape, self._strides,
+                                 self._offset)
+        return out
+
+    def as_strided(self, shape, strides) -> "NDArray":
+        """A view with the given shape and strides (elements) on the same buffer."""
+        shape, strides = tuple(shape), tuple(strides)
+        if len(shape) != len(strides):
+            raise ShapeError(f"as_strided: expected len(shape) == len(strides), "
+                             f"got {shape} and {strides}")
+        return NDArray.make(shape, strides=strides, device=self._device, handle=self._handle,
+                            offset=self._offset)
+
+    def reshape(self, new_shape) -> "NDArray":
+        """A view with ``new_shape`` (one dim may be -1); non-compact arrays are copied first."""
+        new_shape = _resolve_reshape(self._shape, new_shape)
+        if new_shape == self._shape:
+            return self
+        base = self.compact()
+        return NDArray.make(new_shape, device=self._device, handle=base._handle,
+                            offset=base._offset)
+
+    def permute(self, new_axes) -> "NDArray":
+        """A view with axes reordered (``new_axes`` is a permutation of ``range(ndim)``)."""
+        axes = tuple(int(a) % builtins.max(self.ndim, 1) if isinstance(a, (int, np.integer)) else a
+                     for a in new_axes)
+        if sorted(axes) != list(range(self.ndim)):
+            raise AxisError(f"permute: expected a permutation of {tuple(range(self.ndim))}, "
+                            f"got {tuple(new_axes)}")
+        return self.as_strided(tuple(self._shape[a] for a in axes),
+                               tuple(self._strides[a] for a in axes))
+
+    def broadcast_to(self, new_shape) -> "NDArray":
+        """A view broadcast to ``new_shape`` (NumPy rules; stride 0 on broadcast dims)."""
+        new_shape = tuple(int(d) for d in new_shape)
+        lead = len(new_shape) - self.ndim
+        if lead < 0:
+            raise ShapeError(f"broadcast_to: cannot drop dimensions, expected at least "
+                             f"{self.ndim} dims, got {new_shape} for {self._shape}")
+        strides = [0] * lead
+        for dim, (old, new) in enumerate(zip(self._shape, new_shape[lead:])):
+            if old == new:
+                strides.append(self._strides[dim])
+            elif old == 1:
+                strides.append(0)
+            else:
+                raise ShapeError(f"broadcast_to: incompatible shapes, expected dims equal or 1, "
+                                 f"got {self._shape} -> {new_shape}")
+        return self.as_strided(new_shape, strides)
+
+    # ---- indexing ---------------------------------------------------------------------
+    def process_slice(self, sl, dim: int) -> slice:
+        """An explicit ``slice(start, stop, step)`` for dimension ``dim``."""
+        start, stop, step = sl.indices(self._shape[dim])
+        return slice(start, stop, step)
+
+    def _index_view(self, idxs, op: str) -> "NDArray":
+        if not isinstance(idxs, tuple):
+            idxs = (idxs,)
+        if len(idxs) > self.ndim:
+            raise IndexOutOfRange(f"{op}: too many indices, expected at most {self.ndim}, "
+                                  f"got {len(idxs)}")
+        idxs = idxs + (slice(None),) * (self.ndim - len(idxs))
+        shape, strides, offset = [], [], self._offset
+        for dim, idx in enumerate(idxs):
+            n = self._shape[dim]
+            if isinstance(idx, slice):
+                if idx.step == 0:
+                    raise IndexOutOfRange(f"{op}: slice step must be nonzero, got 0 "
+                                          f"on axis {dim}")
+                start, stop, step = idx.indices(n)
+                length = len(range(start, stop, step))
+            elif isinstance(idx, (int, np.integer)):
+                if not -n <= idx < n:
+                    raise IndexOutOfRange(f"{op}: index out of range on axis {dim}, "
+                                          f"expected [{-n}, {n}), got {idx}")
+                start, step, length = int(idx) % n, 1, 1
+            else:
+                raise IndexOutOfRange(f"{op}: unsupported index, expected int or slice, "
+                                      f"got {type(idx).__name__}")
+            offset += start * self._strides[dim] if length else 0
+            shape.append(length)
+            strides.append(self._strides[dim] * step)
+        return NDArray.make(tuple(shape), strides=tuple(strides), device=self._device,
+                            handle=self._handle, offset=offset)
+
+    def __getitem__(self, idxs) -> "NDArray":
+        """A view; an int index keeps its dimension with size 1 (course semantics)."""
+        return self._index_view(idxs, "getitem")
+
+    def __setitem__(self, idxs, other) -> None:
+        """Write ``other`` (an NDArray with as many elements, or a scalar) into the view."""
+        view = self._index_view(idxs, "setitem")
+        if isinstance(other, NDArray):
+            if other.size != view.size:
+                raise ShapeError(f"setitem: size mismatch, expected {view.size} elements "
+                                 f"(view {view.shape}), got {other.size} ({other.shape})")
+            _check_pair("setitem", self, other)
+            if view.size:
+                self._device.ewise_setitem(other.compact()._handle, self._handle, view._shape,
+                                           view._strides, view._offset)
+        elif _is_scalar(other):
+            self._device.scalar_setitem(view.size, float(other), self._handle, view._shape,
+                                        view._strides, view._offset)
+        else:
+            raise DTypeError(f"setitem: expected an NDArray or a scalar, "
+                             f"got {type(other).__name__}")
+
+    # ---- elementwise ------------------------------------------------------------------
+    def _ewise(self, other, ewise, scalar, op: str) -> "NDArray":
+        out = NDArray.make(self._shape, device=self._device, dtype=self._handle.dtype)
+        if isinstance(other, NDArray):
+            _check_pair(op, self, other)
+            if other._shape != self._shape:
+                raise ShapeError(f"{op}: shapes differ, expected {self._shape}, "
+                                 f"got {other._shape} (broadcast explicitly)")
+            ewise(self.compact()._handle, other.compact()._handle, out._handle)
+        else:
+            scalar(self.compact()._handle, _scalar_value(other, op), out._handle)
+        return out
+
+    def _unary(self, kernel) -> "NDArray":
+        out = NDArray.make(self._shape, device=self._device, dtype=self._handle.dtype)
+        kernel(self.compact()._handle, out._handle)
+        return out
+
+    def __add__(self, other):
+        d = self._device
+        return self._ewise(other, d.ewise_add, d.scalar_add, "add")
+
+    __radd__ = __add__
+
+    def __sub__(self, other):
+        d = self._device
+        return self._ewise(other, d.ewise_sub, d.scalar_sub, "sub")
+
+    def __rsub__(self, other):
+        return self._ewise(other, None, self._device.scalar_rsub, "rsub")
+
+    def __mul__(self, other):
+        d = self._device
+        return self._ewise(other, d.ewise_mul, d.scalar_mul, "mul")
+
+    __rmul__ = __mul__
+
+    def __truediv__(self, other):
+        d = self._device
+        return self._ewise(other, d.ewise_div, d.scalar_div, "div")
+
+    def __rtruediv__(self, other):
+        return self._ewise(other, None, self._device.scalar_rdiv, "rdiv")
+
+    def __neg__(self):
+        return self._unary(self._device.ewise_neg)
+
+    def __pow__(self, other):
+        d = self._device
+        return self._ewise(other, d.ewise_power, d.scalar_power, "power")
+
+    def __rpow__(self, other):
+        return self._ewise(other, None, self._device.scalar_rpower, "rpower")
+
+    def maximum(self, other):
+        d = self._device
+        return self._ewise(other, d.ewise_maximum, d.scalar_maximum, "maximum")
+
+    def minimum(self, other):
+        d = self._device
+        return self._ewise(other, d.ewise_minimum, d.scalar_minimum, "minimum")
+
+    # Comparisons return 1.0 / 0.0 in the array's dtype (so NDArray is unhashable).
+    def __eq__(self, other):
+        d = self._device
+        return self._ewise(other, d.ewise_eq, d.scalar_eq, "eq")
+
+    def __ge__(self, other):
+        d = self._device
+        return self._ewise(other, d.ewise_ge, d.scalar_ge, "ge")
+
+    def __le__(self, other):
+        if isinstance(other, NDArray):
+            return other.__ge__(self)
+        return self._ewise(other, None, self._device.scalar_le, "le")
+
+    def __ne__(self, other):
+        return 1 - (self == other)
+
+    def __gt__(self, other):
+        return 1 - (self <= other)
+
+    def __lt__(self, other):
+        return 1 - (self >= other)
+
+    __hash__ = None
+
+    def log(self):
+        return self._unary(self._device.ewise_log)
+
+    def exp(self):
+        return self._unary(self._device.ewise_exp)
+
+    def tanh(self):
+        return self._unary(self._device.ewise_tanh)
+
+    def sqrt(self):
+        return self._unary(self._device.ewise_sqrt)
+
+    def abs(self):
+        return self._unary(self._device.ewise_abs)
+
+    def sign(self):
+        return self._unary(self._device.ewise_sign)
+
+    def sigmoid(self):
+        return self._unary(self._device.ewise_sigmoid)
+
+    # ---- matmul -----------------------------------------------------------------------
+    def __matmul__(self, other: "NDArray") -> "NDArray":
+        """2-D matrix product (batched products live in :func:`matmul`)."""
+        if not isinstance(other, NDArray) or self.ndim != 2 or other.ndim != 2:
+            got = other.shape if isinstance(other, NDArray) else type(other).__name__
+            raise ShapeError(f"matmul: expected two 2-D arrays, got {self.shape} @ {got} "
+                             f"(use needle.backend_ndarray.matmul for batches)")
+        _check_pair("matmul", self, other)
+        (m, n), (n2, p) = self._shape, other._shape
+        if n != n2:
+            raise ShapeError(f"matmul: inner dimensions differ, expected a.shape[-1] == "
+                             f"b.shape[-2], got {self.shape} @ {other.shape}")
+        if USE_TILED_MATMUL and _tiled_ok(self._device, m, n, p):
+            return _matmul_tiled(self, other, m, n, p)
+        out = NDArray.make((m, p), device=self._device, dtype=self.dtype)
+        self._device.matmul(self.compact()._handle, other.compact()._handle, out._handle,
+                            m, n, p)
+        return out
+
+    # ---- reductions -------------------------------------------------------------------
+    def _reduce(self, axis, keepdims: bool, kernel, op: str) -> "NDArray":
+        axes = normalize_axes(axis, self.ndim, op)
+        keep = [a for a in range(self.ndim) if a not in axes]
+        view = self.permute(tuple(keep) + axes).compact()
+        reduce_size = math.prod(self._shape[a] for a in axes)
+        if keepdims:
+            out_shape = tuple(1 if a in axes else n for a, n in enumerate(self._shape))
+        else:
+            out_shape = tuple(self._shape[a] for a in keep)
+        out = NDArray.make(out_shape, device=self._device, dtype=self.dtype)
+        if out.size == 0:
+            return out
+        if reduce_size == 0:
+            if op != "sum":
+                raise ShapeError(f"{op}: zero-size reduction has no identity, expected a "
+                                 f"non-empty axis, got shape {self._shape} axis {axis}")
+            out.fill(0.0)
+            return out
+        kernel(view._handle, out._handle, reduce_size)
+        return out
+
+    def sum(self, axis=None, keepdims: bool = False) -> "NDArray":
+        return self._reduce(axis, keepdims, self._device.reduce_sum, "sum")
+
+    def max(self, axis=None, keepdims: bool = False) -> "NDArray":
+        return self._reduce(axis, keepdims, self._device.reduce_max, "max")
+
+    def min(self, axis=None, keepdims: bool = False) -> "NDArray":
+        return self._reduce(axis, keepdims, self._device.reduce_min, "min")
+
+    # ---- rearrangements -----------------------------------------------------------------
+    def flip(self, axes) -> "NDArray":
+        """A compact copy reversed along ``axes``."""
+        axes = normalize_axes(axes, self.ndim, "flip")
+        strides, offset = list(self._strides), self._offset
+        for a in axes:
+            if self._shape[a]:
+                offset += (self._shape[a] - 1) * self._strides[a]
+            strides[a] = -self._strides[a]
+        view = NDArray.make(self._shape, strides=tuple(strides), device=self._device,
+                            handle=self._handle, offset=offset)
+        return view._copy()
+
+    def pad(self, axes) -> "NDArray":
+        """Zero padding, one ``(before, after)`` pair per dimension, like ``np.pad``."""
+        axes = tuple(tuple(int(x) for x in pair) for pair in axes)
+        if len(axes) != self.ndim or any(len(p) != 2 or builtins.min(p) < 0 for p in axes):
+            raise ShapeError(f"pad: expected {self.ndim} non-negative (before, after) pairs, "
+                             f"got {axes}")
+        shape = tuple(n + lo + hi for n, (lo, hi) in zip(self._shape, axes))
+        out = NDArray.make(shape, device=self._device, dtype=self.dtype)
+        out.fill(0.0)
+        out[tuple(slice(lo, lo + n) for n, (lo, _) in zip(self._shape, axes))] = self
+        return out
+
+
+def _scalar_value(value, op: str) -> float:
+    if isinstance(value, (int, float, np.number)):
+        return float(value)
+    if isinstance(value, np.ndarray) and value.size == 1:
+        return float(value.reshape(-1)[0])
+    raise DTypeError(f"{op}: expected an NDArray or a scalar, got {type(value).__name__}"
+                     + (f" of shape {value.shape}" if hasattr(value, "shape") else ""))
+
+
+def _check_pair(op: str, a: NDArray, b: NDArray) -> None:
+    if a._device != b._device:
+        raise DeviceError(f"{op}: operands on different devices, expected {a.device}, "
+                          f"got {b.device}")
+    if a._handle.dtype != b._handle.dtype:
+        raise DTypeError(f"{op}: mixed dtypes, expected {a.dtype}, got {b.dtype} "
+                         f"(convert one with .astype)")
+
+
+def _resolve_reshape(shape: tuple, new_shape) -> tuple:
+    if isinstance(new_shape, (int, np.integer)):
+        new_shape = (new_shape,)
+    new_shape = tuple(int(d) for d in new_shape)
+    size = math.prod(shape)
+    if new_shape.count(-1) > 1 or any(d < -1 for d in new_shape):
+        raise ShapeError(f"reshape: invalid shape, expected non-negative dims and at most "
+                         f"one -1, got {new_shape}")
+    if -1 in new_shape:
+        known = math.prod(d for d in new_shape if d != -1)
+        if known == 0 or size % known:
+            raise ShapeError(f"reshape: cannot infer -1, expected size {size} divisible by "
+                             f"{known}, got {new_shape} for {shape}")
+        new_shape = tuple(size // known if d == -1 else d for d in new_shape)
+    if math.prod(new_shape) != size:
+        raise ShapeError(f"reshape: size differs, expected {size} elements ({shape}), "
+                         f"got {math.prod(new_shape)} ({new_shape})")
+    return new_shape
+
+
+def _tiled_ok(device: BackendDevice, m: int, n: int, p: int) -> bool:
+    mod = device.mod
+    tile = getattr(mod, "__tile_size__", 0)
+    return hasattr(mod, "matmul_tiled") and tile > 1 and not (m % tile or n % tile or p % tile)
+
+
+def _tile(a: NDArray, tile: int) -> NDArray:
+    rows, cols = a.shape
+    return a.compact().as_strided(
+        (rows // tile, cols // tile, tile, tile), (tile * cols, tile, cols, 1)).compact()
+
+
+def _matmul_tiled(a: NDArray, b: NDArray, m: int, n: int, p: int) -> NDArray:
+    tile = a.device.__tile_size__
+    t = NDArray.make((m // tile, p // tile, tile, tile), device=a.device, dtype=a.dtype)
+    a.device.matmul_tiled(_tile(a, tile)._handle, _tile(b, tile)._handle, t._handle, m, n, p)
+    return t.permute((0, 2, 1, 3)).compact().reshape((m, p))
+
+
+from .ndarray_functions import *  # noqa: E402,F401,F403 - the module functions of §3.1
+from .ndarray_functions import __all__ as _function_names  # noqa: E402
+
+__all__ += list(_function_names)

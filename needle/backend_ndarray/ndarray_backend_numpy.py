@@ -1,0 +1,173 @@
+"""The NumPy reference backend: the oracle every other backend's kernels are tested against.
+
+Follows docs/backend_protocol.md. Buffers are flat NumPy arrays; kernels assume the caller
+(:class:`needle.backend_ndarray.NDArray`) validated sizes and dtypes.
+
+Example:
+    >>> from needle.backend_ndarray import ndarray_backend_numpy as B
+    >>> a = B.Array(3); B.fill(a, 2.0); B.to_numpy(a, (3,), (1,), 0).tolist()
+    [2.0, 2.0, 2.0]
+"""
+from __future__ import annotations
+
+import numpy as np
+
+__device_name__ = "numpy"
+__tile_size__ = 1
+_ALIGNMENT = 256
+
+
+class Array:
+    """A flat buffer of ``size`` elements of ``dtype``, aligned to 256 bytes."""
+
+    __slots__ = ("array", "_raw")
+
+    def __init__(self, size: int, dtype: str = "float32"):
+        itemsize = np.dtype(dtype).itemsize
+        nbytes = max(int(size), 1) * itemsize
+        # Over-allocate raw bytes and slice at an aligned address so ptr() is 256-aligned
+        # like the compiled backends' buffers.
+        raw = np.empty(nbytes + _ALIGNMENT, dtype=np.uint8)
+        shift = (-raw.ctypes.data) % _ALIGNMENT
+        self._raw = raw
+        self.array = raw[shift:shift + nbytes].view(dtype)[: int(size)]
+
+    @property
+    def size(self) -> int:
+        return self.array.size
+
+    @property
+    def dtype(self) -> str:
+        return self.array.dtype.name
+
+    @property
+    def itemsize(self) -> int:
+        return self.array.itemsize
+
+    def ptr(self) -> int:
+        return self.array.ctypes.data
+
+
+def _view(a: Array, shape, strides, offset) -> np.ndarray:
+    item = a.array.itemsize
+    return np.lib.stride_tricks.as_strided(
+        a.array[offset:], tuple(shape), tuple(s * item for s in strides))
+
+
+def to_numpy(a: Array, shape, strides, offset) -> np.ndarray:
+    if a.array.size == 0 or 0 in tuple(shape):
+        return np.zeros(tuple(shape), dtype=a.array.dtype)
+    return _view(a, shape, strides, offset).copy()
+
+
+def from_numpy(a, out: Array) -> None:
+    out.array[:] = np.asarray(a).reshape(-1)[: out.size]
+
+
+def fill(out: Array, val) -> None:
+    out.array.fill(val)
+
+
+def compact(a: Array, out: Array, shape, strides, offset) -> None:
+    if out.size:
+        out.array[:] = _view(a, shape, strides, offset).reshape(-1)
+
+
+def ewise_setitem(a: Array, out: Array, shape, strides, offset) -> None:
+    if a.size:
+        _view(out, shape, strides, offset)[...] = a.array[: int(np.prod(shape))].reshape(shape)
+
+
+def scalar_setitem(size, val, out: Array, shape, strides, offset) -> None:
+    if size:
+        _view(out, shape, strides, offset)[...] = val
+
+
+def _cast(val, out: Array):
+    return out.array.dtype.type(val)
+
+
+def _binary(fn):
+    def kernel(a: Array, b: Array, out: Array) -> None:
+        out.array[:] = fn(a.array, b.array)
+    return kernel
+
+
+def _scalar(fn):
+    def kernel(a: Array, val, out: Array) -> None:
+        out.array[:] = fn(a.array, _cast(val, out))
+    return kernel
+
+
+def _unary(fn):
+    def kernel(a: Array, out: Array) -> None:
+        out.array[:] = fn(a.array)
+    return kernel
+
+
+ewise_add = _binary(np.add)
+ewise_sub = _binary(np.subtract)
+ewise_mul = _binary(np.multiply)
+ewise_div = _binary(np.divide)
+ewise_maximum = _binary(np.maximum)
+ewise_minimum = _binary(np.minimum)
+ewise_power = _binary(np.power)
+ewise_eq = _binary(lambda a, b: a == b)
+ewise_ge = _binary(lambda a, b: a >= b)
+
+scalar_add = _scalar(np.add)
+scalar_sub = _scalar(np.subtract)
+scalar_rsub = _scalar(lambda a, v: v - a)
+scalar_mul = _scalar(np.multiply)
+scalar_div = _scalar(np.divide)
+scalar_rdiv = _scalar(lambda a, v: v / a)
+scalar_power = _scalar(np.power)
+scalar_rpower = _scalar(lambda a, v: np.power(v, a))
+scalar_maximum = _scalar(np.maximum)
+scalar_minimum = _scalar(np.minimum)
+scalar_eq = _scalar(lambda a, v: a == v)
+scalar_ge = _scalar(lambda a, v: a >= v)
+scalar_le = _scalar(lambda a, v: a <= v)
+
+ewise_neg = _unary(np.negative)
+ewise_log = _unary(np.log)
+ewise_exp = _unary(np.exp)
+ewise_tanh = _unary(np.tanh)
+ewise_sqrt = _unary(np.sqrt)
+ewise_abs = _unary(np.abs)
+ewise_sign = _unary(np.sign)
+
+
+def ewise_sigmoid(a: Array, out: Array) -> None:
+    x = a.array.astype(np.float64) if a.array.dtype == np.float16 else a.array
+    # Split by sign so neither branch overflows exp.
+    e = np.exp(-np.abs(x))
+    out.array[:] = np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+def ewise_cast(a: Array, out: Array) -> None:
+    out.array[:] = a.array.astype(out.array.dtype)
+
+
+def matmul(a: Array, b: Array, out: Array, m: int, n: int, p: int) -> None:
+    out.array[:] = (a.array[: m * n].reshape(m, n) @ b.array[: n * p].reshape(n, p)).reshape(-1)
+
+
+def reduce_sum(a: Array, out: Array, reduce_size: int) -> None:
+    out.array[:] = a.array[: out.size * reduce_size].reshape(-1, reduce_size).sum(axis=1)
+
+
+def reduce_max(a: Array, out: Array, reduce_size: int) -> None:
+    out.array[:] = a.array[: out.size * reduce_size].reshape(-1, reduce_size).max(axis=1)
+
+
+def reduce_min(a: Array, out: Array, reduce_size: int) -> None:
+    out.array[:] = a.array[: out.size * reduce_size].reshape(-1, reduce_size).min(axis=1)
+
+
+def set_num_threads(n: int) -> None:
+    """NumPy's own kernels are single threaded here; BLAS threads are threadpoolctl's job."""
+
+
+def get_num_threads() -> int:
+    return 1

@@ -1,0 +1,141 @@
+"""MPI transport through mpi4py: Isend/Irecv polled against a deadline, native collectives.
+
+Every blocking wait is a poll on MPI_Test so that it can time out; MPI has no timeouts itself.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ._errors import CommError
+from ._transport import Channel, Request, poll_until
+
+
+def _mpi() -> Any:
+    from mpi4py import MPI  # imported lazily: needle works without an MPI library
+
+    return MPI
+
+
+class MpiRequest(Request):
+    def __init__(self, req: Any, nbytes: int, is_recv: bool):
+        self.req = req
+        self.nbytes = nbytes
+        self.is_recv = is_recv
+        self.status = _mpi().Status() if is_recv else None
+        self.done = False
+
+    def test(self) -> bool:
+        if self.done:
+            return True
+        try:
+            flag = self.req.Test(self.status)
+        except _mpi().Exception as exc:
+            self.done = True
+            raise CommError(
+                f"message size mismatch, expected {self.nbytes} bytes, got a larger message "
+                f"({exc.Get_error_string().splitlines()[0]})"
+            ) from None
+        if flag and self.is_recv:
+            got = self.status.Get_count(_mpi().BYTE)
+            if got != self.nbytes:
+                self.done = True
+                raise CommError(
+                    f"message size mismatch, expected {self.nbytes} bytes, got {got} bytes"
+                )
+        self.done = flag
+        return flag
+
+    def cancel(self) -> None:
+        if not self.done:
+            try:
+                self.req.Cancel()
+            except Exception:  # noqa: BLE001 - best effort after a timeout
+                pass
+
+
+def _bytes(buf: np.ndarray) -> list:
+    return [buf.reshape(-1).view(np.uint8), _mpi().BYTE]
+
+
+class MpiChannel(Channel):
+    backend = "mpi"
+
+    def __init__(self, comm: Any, world_ranks: list[int]):
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.ranks = world_ranks
+
+    def global_rank(self, group_rank: int) -> int:
+        return self.ranks[group_rank]
+
+    def isend(self, buf: np.ndarray, dst: int, tag: int) -> Request:
+        return MpiRequest(self.comm.Isend(_bytes(buf), dst, tag), buf.nbytes, False)
+
+    def irecv(self, buf: np.ndarray, src: int, tag: int) -> Request:
+        return MpiRequest(self.comm.Irecv(_bytes(buf), src, tag), buf.nbytes, True)
+
+    def native(self) -> "MpiNative":
+        return MpiNative(self)
+
+
+class MpiTransport:
+    backend = "mpi"
+
+    def __init__(self) -> None:
+        MPI = _mpi()
+        self.world = MPI.COMM_WORLD
+        self.rank = self.world.Get_rank()
+        self.size = self.world.Get_size()
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            raise CommError(
+                "init_process_group: the MPI library must support MPI_THREAD_MULTIPLE "
+                f"(async collectives run on a thread), got level {MPI.Query_thread()}"
+            )
+
+    def channels(self, count: int, ranks: list[int]) -> list[MpiChannel] | None:
+        """Collective over the world: ``count`` isolated channels among ``ranks``."""
+        MPI = _mpi()
+        member = self.rank in ranks
+        color = 0 if member else MPI.UNDEFINED
+        key = ranks.index(self.rank) if member else 0
+        comm = self.world.Split(color, key)
+        if not member:
+            return None
+        return [MpiChannel(comm.Dup(), list(ranks)) for _ in range(count)]
+
+    def close(self) -> None:
+        """Nothing to do: mpi4py finalizes MPI when the interpreter exits."""
+
+
+_OPS = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN"}
+
+
+class MpiNative:
+    """MPI's own collectives on a channel's communicator (nonblocking, polled to a deadline)."""
+
+    def __init__(self, channel: MpiChannel):
+        self.channel = channel
+        self.comm = channel.comm
+
+    def _wait(self, req: Any, op: str, deadline: float) -> None:
+        if not poll_until(req.Test, deadline):
+            raise CommError(
+                f"{op}: rank {self.channel.rank} timed out in the native MPI collective waiting "
+                f"for ranks {list(range(self.channel.size))}"
+            )
+
+    def all_reduce(self, arr: np.ndarray, op: str, deadline: float) -> None:
+        MPI = _mpi()
+        req = self.comm.Iallreduce(MPI.IN_PLACE, arr, op=getattr(MPI, _OPS[op]))
+        self._wait(req, "all_reduce", deadline)
+        if op == "mean":
+            arr /= self.channel.size
+
+    def broadcast(self, arr: np.ndarray, root: int, deadline: float) -> None:
+        self._wait(self.comm.Ibcast(_bytes(arr), root), "broadcast", deadline)
+
+    def barrier(self, deadline: float) -> None:
+        self._wait(self.comm.Ibarrier(), "barrier", deadline)

@@ -1,0 +1,212 @@
+"""Transport layer: nonblocking byte messages between ranks, addressed by (channel, peer, tag).
+
+A transport moves contiguous NumPy buffers. Each message is matched to receives in the order
+they were posted (as in MPI), and a receive checks that the message has exactly the number of
+bytes it expects, so a mismatch raises instead of writing past or into the wrong memory.
+
+``Channel`` is what the layers above use: a set of ranks (a process group), with group-local
+rank numbers, isolated from every other channel's messages.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict, deque
+from typing import Any, Callable
+
+import numpy as np
+
+from ._errors import CommError
+
+
+class Request:
+    """A nonblocking send or receive. ``test()`` progresses it; errors surface as CommError."""
+
+    what = "request"
+
+    def test(self) -> bool:
+        raise NotImplementedError
+
+    def wait(self, deadline: float) -> bool:
+        """Wait until done; return False if ``deadline`` (time.monotonic) passed first."""
+        return poll_until(self.test, deadline)
+
+    def cancel(self) -> None:
+        """Give up on the request (after a timeout)."""
+
+
+def poll_until(test: Callable[[], bool], deadline: float) -> bool:
+    """Spin on ``test`` briefly, then back off with sleeps so other threads get the GIL."""
+    spins = 0
+    while not test():
+        spins += 1
+        if spins < 64:
+            continue
+        if time.monotonic() > deadline:
+            return False
+        # sleep(0) drops the GIL so a compute thread can run; longer sleeps only once a wait
+        # is clearly long, so that latency-bound small messages stay fast.
+        time.sleep(0 if spins < 4000 else 2e-4)
+    return True
+
+
+class Channel:
+    """Point-to-point messaging among the ranks of one group (group-local numbering)."""
+
+    rank: int
+    size: int
+    backend: str
+
+    def isend(self, buf: np.ndarray, dst: int, tag: int) -> Request:
+        raise NotImplementedError
+
+    def irecv(self, buf: np.ndarray, src: int, tag: int) -> Request:
+        raise NotImplementedError
+
+    def global_rank(self, group_rank: int) -> int:
+        raise NotImplementedError
+
+    def native(self) -> Any | None:
+        """The transport's own collectives for this channel, or None when it has none."""
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Mailbox: MPI-style matching for the thread and TCP transports.
+
+
+class MailboxRecv(Request):
+    def __init__(self, box: "Mailbox", buf: np.ndarray, key: tuple):
+        self.box, self.buf, self.key = box, buf, key
+        self.done = False
+        self.error: str | None = None
+
+    def fill(self, payload: Any) -> None:
+        """Called under the mailbox lock with a matching message (bytes-like or a marker)."""
+        if isinstance(payload, _Gone):
+            self.error = payload.reason
+        else:
+            data = np.frombuffer(payload, dtype=np.uint8)
+            if data.nbytes != self.buf.nbytes:
+                self.error = (
+                    f"message size mismatch, expected {self.buf.nbytes} bytes, "
+                    f"got {data.nbytes} bytes"
+                )
+            elif data.nbytes:
+                self.buf.reshape(-1).view(np.uint8)[:] = data
+        self.done = True
+
+    def test(self) -> bool:
+        if self.done and self.error:
+            raise CommError(self.error)
+        return self.done
+
+    def wait(self, deadline: float) -> bool:
+        with self.box.cond:
+            while not self.done:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.box.cond.wait(min(left, 0.5))
+        return self.test()
+
+    def cancel(self) -> None:
+        self.box.cancel(self)
+
+
+class DoneRequest(Request):
+    def test(self) -> bool:
+        return True
+
+
+class _Gone:
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+class Mailbox:
+    """Incoming messages of one rank: unexpected messages and posted receives, per key.
+
+    A key is (channel id, source global rank, tag). Messages and receives are matched in order.
+    """
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self._unexpected: dict[tuple, deque] = defaultdict(deque)
+        self._posted: dict[tuple, deque] = defaultdict(deque)
+        self._gone: dict[int, str] = {}
+
+    def post(self, buf: np.ndarray, key: tuple) -> MailboxRecv:
+        req = MailboxRecv(self, buf, key)
+        with self.cond:
+            queue = self._unexpected.get(key)
+            if queue:
+                req.fill(queue.popleft())
+            elif key[1] in self._gone:
+                req.fill(_Gone(self._gone[key[1]]))
+            else:
+                self._posted[key].append(req)
+        return req
+
+    def deliver(self, key: tuple, payload: Any) -> None:
+        """Hand a message to the oldest matching receive, or keep it. ``payload`` is not copied
+        when kept, so callers pass memory that nobody will modify (a copy or a received frame)."""
+        with self.cond:
+            posted = self._posted.get(key)
+            if posted:
+                posted.popleft().fill(payload)
+                self.cond.notify_all()
+            else:
+                self._unexpected[key].append(payload)
+
+    def deliver_into(self, key: tuple, buf: np.ndarray) -> None:
+        """Like deliver, but copies ``buf`` when no receive is waiting (the sender may reuse it)."""
+        with self.cond:
+            posted = self._posted.get(key)
+            if posted:
+                posted.popleft().fill(buf.reshape(-1).view(np.uint8))
+                self.cond.notify_all()
+            else:
+                self._unexpected[key].append(buf.tobytes())
+
+    def mark_gone(self, src: int, reason: str) -> None:
+        """Fail receives from ``src`` that are waiting now or posted later (a rank left)."""
+        with self.cond:
+            self._gone[src] = reason
+            for key, posted in self._posted.items():
+                if key[1] == src:
+                    while posted:
+                        posted.popleft().fill(_Gone(reason))
+            self.cond.notify_all()
+
+    def cancel(self, req: MailboxRecv) -> None:
+        with self.cond:
+            posted = self._posted.get(req.key)
+            if posted and req in posted:
+                posted.remove(req)
+
+
+class MailboxChannel(Channel):
+    """Channel for transports that deliver into per-rank mailboxes (thread, tcp)."""
+
+    def __init__(self, transport: Any, channel_id: int, ranks: list[int]):
+        self.transport = transport
+        self.channel_id = channel_id
+        self.ranks = ranks
+        self.rank = ranks.index(transport.rank)
+        self.size = len(ranks)
+        self.backend = transport.backend
+
+    def global_rank(self, group_rank: int) -> int:
+        return self.ranks[group_rank]
+
+    def isend(self, buf: np.ndarray, dst: int, tag: int) -> Request:
+        key = (self.channel_id, self.transport.rank, tag)
+        return self.transport.send_bytes(buf, self.ranks[dst], key)
+
+    def irecv(self, buf: np.ndarray, src: int, tag: int) -> Request:
+        key = (self.channel_id, self.ranks[src], tag)
+        return self.transport.mailbox.post(buf, key)
+
+    def native(self) -> Any | None:
+        return self.transport.native_for(self)

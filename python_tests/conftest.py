@@ -1,0 +1,35 @@
+"""Shared fixtures: the ``device`` fixture runs a test on every available backend."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import needle.backend_ndarray as nd  # noqa: E402
+
+DEVICE_NAMES = ["cpu_numpy", "cpu", "cuda"]
+
+
+def _device_param(name):
+    dev = nd.device_by_name(name)
+    marks = [pytest.mark.cuda] if name == "cuda" else []
+    if not dev.enabled():
+        reason = f"{name}() backend not available here"
+        if name == "cpu":
+            # The compiled CPU backend is part of every install: its absence is a failure
+            # unless the run says explicitly that it is building without it.
+            if os.environ.get("NEEDLE_ALLOW_NO_CPU_BACKEND") != "1":
+                return pytest.param(dev, id=name, marks=marks)
+        marks.append(pytest.mark.skip(reason=reason))
+    return pytest.param(dev, id=name, marks=marks)
+
+
+@pytest.fixture(params=[_device_param(n) for n in DEVICE_NAMES])
+def device(request):
+    """Each backend device: cpu_numpy (reference), cpu (C++), cuda (when present)."""
+    return request.param

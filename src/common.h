@@ -1,0 +1,125 @@
+// Shared definitions of the C++ CPU backend: dtypes, float16 conversion, threading.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace needle {
+
+enum class DType : int { f32 = 0, f64 = 1, f16 = 2 };
+
+// float16 is stored as its 16 raw bits; kernels convert to float32, compute and round back.
+using half_bits = std::uint16_t;
+
+inline std::size_t itemsize(DType t) {
+  return t == DType::f64 ? 8 : (t == DType::f32 ? 4 : 2);
+}
+
+inline const char* dtype_name(DType t) {
+  return t == DType::f64 ? "float64" : (t == DType::f32 ? "float32" : "float16");
+}
+
+inline DType parse_dtype(const std::string& name) {
+  if (name == "float32") return DType::f32;
+  if (name == "float64") return DType::f64;
+  if (name == "float16") return DType::f16;
+  throw std::invalid_argument("Array: unknown dtype, expected float32, float64 or float16, got " +
+                              name);
+}
+
+// ---- float16 <-> float conversion (IEEE binary16, round to nearest even) -------------------
+
+inline float half_to_float(half_bits h) {
+  const std::uint32_t sign = std::uint32_t(h & 0x8000u) << 16;
+  const std::uint32_t exp = (h >> 10) & 0x1fu;
+  std::uint32_t mant = h & 0x3ffu;
+  std::uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (mant << 13);  // inf / nan
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112u) << 23) | (mant << 13);
+  } else if (mant == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    std::uint32_t e = 113;
+    while ((mant & 0x400u) == 0) { mant <<= 1; --e; }
+    bits = sign | (e << 23) | ((mant & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Rounds a double straight to binary16 (no intermediate float, so no double rounding).
+inline half_bits double_to_half(double d) {
+  std::uint64_t bits;
+  std::memcpy(&bits, &d, 8);
+  const half_bits sign = half_bits((bits >> 48) & 0x8000u);
+  const int exp = int((bits >> 52) & 0x7ff);
+  const std::uint64_t mant = bits & 0xfffffffffffffull;
+  if (exp == 0x7ff) return sign | (mant ? 0x7e00u : 0x7c00u);
+  const int e = exp - 1023;  // unbiased exponent
+  if (e > 15) return sign | 0x7c00u;
+  // Significand with the implicit bit, then the number of low bits to drop so that the
+  // result has 10 fraction bits (more for subnormal halves, whose exponent is fixed at -14).
+  const std::uint64_t sig = mant | (std::uint64_t(exp != 0) << 52);
+  int shift = 42 + (e < -14 ? (-14 - e) : 0);
+  if (shift > 53 + 10) return sign;  // far below the smallest subnormal: rounds to zero
+  std::uint64_t kept = sig >> shift;
+  const std::uint64_t rem = sig & ((std::uint64_t(1) << shift) - 1);
+  const std::uint64_t halfway = std::uint64_t(1) << (shift - 1);
+  if (rem > halfway || (rem == halfway && (kept & 1))) ++kept;
+  // For normals `kept` carries the implicit bit at 1<<10; adding the biased exponent - 1
+  // places it correctly, and a mantissa carry rolls into the exponent as IEEE requires.
+  std::uint32_t out = e < -14 ? std::uint32_t(kept) : std::uint32_t(kept) + (std::uint32_t(e + 14) << 10);
+  if (out >= 0x7c00u) out = 0x7c00u;
+  return half_bits(sign | out);
+}
+
+inline half_bits float_to_half(float f) { return double_to_half(double(f)); }
+
+// ---- threading --------------------------------------------------------------------------
+
+// Element counts below which a kernel stays on the calling thread: forking a team costs
+// microseconds and a second core only helps large work (PERF_NOTES).
+constexpr std::size_t kParallelMinElements = 100000;      // memory-bound loops
+constexpr std::size_t kParallelMinHeavyElements = 16384;  // exp/tanh/log/pow: compute-bound
+constexpr double kParallelMinFlops = 1e7;                 // matmul
+
+int num_threads();
+void set_num_threads(int n);
+
+// Calls fn(begin, end) on disjoint ranges covering [0, n), on up to num_threads() threads
+// when n >= threshold; ranges are multiples of `grain` so SIMD loops see aligned blocks.
+template <class Fn>
+void parallel_range(std::size_t n, std::size_t threshold, Fn&& fn, std::size_t grain = 64) {
+  const int nt = num_threads();
+#ifdef _OPENMP
+  if (nt > 1 && n >= threshold) {
+#pragma omp parallel num_threads(nt)
+    {
+      const std::size_t teams = std::size_t(omp_get_num_threads());
+      const std::size_t t = std::size_t(omp_get_thread_num());
+      std::size_t chunk = (n + teams - 1) / teams;
+      chunk = (chunk + grain - 1) / grain * grain;
+      const std::size_t begin = t * chunk < n ? t * chunk : n;
+      const std::size_t end = begin + chunk < n ? begin + chunk : n;
+      if (begin < end) fn(begin, end);
+    }
+    return;
+  }
+#endif
+  (void)nt;
+  (void)threshold;
+  (void)grain;
+  if (n) fn(std::size_t(0), n);
+}
+
+}  // namespace needle

@@ -1,0 +1,293 @@
+// Elementwise kernels. Included by kernels_base.cc and kernels_avx2.cc inside
+// `namespace needle::<isa>`, so every helper here exists once per instruction set and the
+// linker can never mix an AVX2 copy into the baseline path.
+//
+// float32 and float64 run the loops directly; float16 is converted block by block into
+// float32 scratch on the stack, computed in float32 and rounded back (round to nearest even).
+
+// ---- bit casts and float16 blocks ----------------------------------------------------------
+
+inline std::int32_t float_bits(float f) { std::int32_t i; std::memcpy(&i, &f, 4); return i; }
+inline float bits_float(std::int32_t i) { float f; std::memcpy(&f, &i, 4); return f; }
+
+inline void load_half(const half_bits* src, float* dst, std::size_t n) {
+  std::size_t i = 0;
+#ifdef __F16C__
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(
+                                  reinterpret_cast<const __m128i*>(src + i))));
+  for (; i < n; ++i) dst[i] = _cvtsh_ss(src[i]);
+#else
+  for (; i < n; ++i) dst[i] = half_to_float(src[i]);
+#endif
+}
+
+inline void store_half(const float* src, half_bits* dst, std::size_t n) {
+  std::size_t i = 0;
+#ifdef __F16C__
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i), kRound));
+  for (; i < n; ++i) dst[i] = _cvtss_sh(src[i], kRound);
+#else
+  for (; i < n; ++i) dst[i] = float_to_half(src[i]);
+#endif
+}
+
+// Elements per float16 scratch block: three blocks of floats stay well inside L1.
+constexpr std::size_t kHalfBlock = 512;
+
+// Runs `body(float* const* in, float* out, n)` over float16 arrays block by block.
+template <int NIn, class Body>
+void half_blocks(const half_bits* const* in, half_bits* out, std::size_t n, Body&& body) {
+  alignas(64) float buf[NIn + 1][kHalfBlock];
+  for (std::size_t s = 0; s < n; s += kHalfBlock) {
+    const std::size_t len = n - s < kHalfBlock ? n - s : kHalfBlock;
+    float* ins[NIn > 0 ? NIn : 1];
+    for (int k = 0; k < NIn; ++k) { load_half(in[k] + s, buf[k], len); ins[k] = buf[k]; }
+    body(static_cast<float* const*>(ins), buf[NIn], len);
+    store_half(buf[NIn], out + s, len);
+  }
+}
+
+// ---- fast float32 exp / tanh ---------------------------------------------------------------
+
+// exp(x) = 2^k * exp(r), k = round(x / ln 2), |r| <= ln2 / 2; exp(r) by its Taylor series to
+// r^7 (truncation < 0.05 ulp); 2^k applied in two halves so results down into the subnormal
+// range come out right. Max error ~2 ulp against the correctly rounded value; NaN and +-inf
+// behave as std::exp. Branch-free so that `omp simd` vectorises it.
+inline float fast_expf(float x) {
+  const float xc = x < -104.0f ? -104.0f : (x > 89.0f ? 89.0f : x);
+  const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const float t = xc * 1.44269504088896341f + magic;
+  const float k = t - magic;
+  const std::int32_t ki = float_bits(t) - float_bits(magic);
+  const float r = (xc - k * 0.693145751953125f) - k * 1.42860682030941723e-6f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const std::int32_t k1 = ki >> 1;
+  const float y = p * bits_float((k1 + 127) << 23) * bits_float((ki - k1 + 127) << 23);
+  const float inf = bits_float(0x7f800000);
+  return x != x ? x : (x > 88.72283935546875f ? inf : y);
+}
+
+// tanh: an odd polynomial fitted (least squares in float64, 0.78 ulp max in float32) below
+// |x| = 0.625, where (1 - e) / (1 + e) with e = exp(-2|x|) would cancel; that formula above.
+inline float fast_tanhf(float x) {
+  const float ax = x < 0.0f ? -x : x;
+  const float y = x * x;
+  float q = 0.002295607700943947f;
+  q = q * y - 0.008346729911863804f;
+  q = q * y + 0.02176986262202263f;
+  q = q * y - 0.05395938828587532f;
+  q = q * y + 0.13333304226398468f;
+  q = q * y - 0.3333333432674408f;
+  const float small = x + x * y * q;
+  const float e = fast_expf(-2.0f * ax);
+  const float big = (1.0f - e) / (1.0f + e);
+  const float large = x < 0.0f ? -big : big;
+  return x != x ? x : (ax < 0.625f ? small : large);
+}
+
+// ---- element functions ---------------------------------------------------------------------
+
+template <class T> inline T op_exp(T x) { return std::exp(x); }
+template <> inline float op_exp<float>(float x) { return fast_expf(x); }
+template <class T> inline T op_tanh(T x) { return std::tanh(x); }
+template <> inline float op_tanh<float>(float x) { return fast_tanhf(x); }
+
+template <BinOp OP, class T>
+inline T apply_bin(T a, T b) {
+  if constexpr (OP == BinOp::add) return a + b;
+  if constexpr (OP == BinOp::sub) return a - b;
+  if constexpr (OP == BinOp::mul) return a * b;
+  if constexpr (OP == BinOp::div) return a / b;
+  // NaN in either operand propagates, as in NumPy.
+  if constexpr (OP == BinOp::maximum) return (a > b || a != a) ? a : b;
+  if constexpr (OP == BinOp::minimum) return (a < b || a != a) ? a : b;
+  if constexpr (OP == BinOp::power) return std::pow(a, b);
+  if constexpr (OP == BinOp::eq) return a == b ? T(1) : T(0);
+  if constexpr (OP == BinOp::ge) return a >= b ? T(1) : T(0);
+}
+
+template <UnOp OP, class T>
+inline T apply_un(T x) {
+  if constexpr (OP == UnOp::neg) return -x;
+  if constexpr (OP == UnOp::log) return std::log(x);
+  if constexpr (OP == UnOp::exp) return op_exp(x);
+  if constexpr (OP == UnOp::tanh) return op_tanh(x);
+  if constexpr (OP == UnOp::sqrt) return std::sqrt(x);
+  if constexpr (OP == UnOp::abs) return std::abs(x);
+  if constexpr (OP == UnOp::sign) return x > T(0) ? T(1) : (x < T(0) ? T(-1) : x);
+  if constexpr (OP == UnOp::sigmoid) return T(1) / (T(1) + op_exp(-x));
+}
+
+inline bool is_heavy_un(UnOp op) {
+  return op == UnOp::log || op == UnOp::exp || op == UnOp::tanh || op == UnOp::sigmoid;
+}
+
+// ---- loops over compact arrays -------------------------------------------------------------
+
+template <BinOp OP, class T>
+void bin_loop(const T* a, const T* b, T* out, std::size_t n) {
+#pragma omp simd
+  for (std::size_t i = 0; i < n; ++i) out[i] = apply_bin<OP, T>(a[i], b[i]);
+}
+
+template <BinOp OP, class T>
+void scalar_loop(const T* a, T v, T* out, std::size_t n, bool reversed) {
+  if (reversed) {
+#pragma omp simd
+    for (std::size_t i = 0; i < n; ++i) out[i] = apply_bin<OP, T>(v, a[i]);
+  } else {
+#pragma omp simd
+    for (std::size_t i = 0; i < n; ++i) out[i] = apply_bin<OP, T>(a[i], v);
+  }
+}
+
+template <UnOp OP, class T>
+void un_loop(const T* a, T* out, std::size_t n) {
+#pragma omp simd
+  for (std::size_t i = 0; i < n; ++i) out[i] = apply_un<OP, T>(a[i]);
+}
+
+// ---- dtype dispatch ------------------------------------------------------------------------
+
+template <BinOp OP>
+void run_binary(DType t, const void* a, const void* b, void* out, std::size_t n) {
+  const std::size_t th = OP == BinOp::power ? kParallelMinHeavyElements : kParallelMinElements;
+  parallel_range(n, th, [&](std::size_t s, std::size_t e) {
+    if (t == DType::f32) {
+      bin_loop<OP>(static_cast<const float*>(a) + s, static_cast<const float*>(b) + s,
+                   static_cast<float*>(out) + s, e - s);
+    } else if (t == DType::f64) {
+      bin_loop<OP>(static_cast<const double*>(a) + s, static_cast<const double*>(b) + s,
+                   static_cast<double*>(out) + s, e - s);
+    } else {
+      const half_bits* in[2] = {static_cast<const half_bits*>(a) + s,
+                                static_cast<const half_bits*>(b) + s};
+      half_blocks<2>(in, static_cast<half_bits*>(out) + s, e - s,
+                     [](float* const* x, float* o, std::size_t len) {
+                       bin_loop<OP>(x[0], x[1], o, len);
+                     });
+    }
+  });
+}
+
+template <BinOp OP>
+void run_scalar(bool reversed, DType t, const void* a, double val, void* out, std::size_t n) {
+  const std::size_t th = OP == BinOp::power ? kParallelMinHeavyElements : kParallelMinElements;
+  // NumPy treats a Python scalar as the array's dtype: round it to float16 first.
+  const float vh = half_to_float(double_to_half(val));
+  parallel_range(n, th, [&](std::size_t s, std::size_t e) {
+    if (t == DType::f32) {
+      scalar_loop<OP>(static_cast<const float*>(a) + s, float(val),
+                      static_cast<float*>(out) + s, e - s, reversed);
+    } else if (t == DType::f64) {
+      scalar_loop<OP>(static_cast<const double*>(a) + s, val, static_cast<double*>(out) + s,
+                      e - s, reversed);
+    } else {
+      const half_bits* in[1] = {static_cast<const half_bits*>(a) + s};
+      half_blocks<1>(in, static_cast<half_bits*>(out) + s, e - s,
+                     [&](float* const* x, float* o, std::size_t len) {
+                       scalar_loop<OP>(x[0], vh, o, len, reversed);
+                     });
+    }
+  });
+}
+
+template <UnOp OP>
+void run_unary(DType t, const void* a, void* out, std::size_t n) {
+  const std::size_t th = is_heavy_un(OP) ? kParallelMinHeavyElements : kParallelMinElements;
+  parallel_range(n, th, [&](std::size_t s, std::size_t e) {
+    if (t == DType::f32) {
+      un_loop<OP>(static_cast<const float*>(a) + s, static_cast<float*>(out) + s, e - s);
+    } else if (t == DType::f64) {
+      un_loop<OP>(static_cast<const double*>(a) + s, static_cast<double*>(out) + s, e - s);
+    } else {
+      const half_bits* in[1] = {static_cast<const half_bits*>(a) + s};
+      half_blocks<1>(in, static_cast<half_bits*>(out) + s, e - s,
+                     [](float* const* x, float* o, std::size_t len) {
+                       un_loop<OP>(x[0], o, len);
+                     });
+    }
+  });
+}
+
+#define NEEDLE_BIN_CASES(CALL) \
+  CALL(add) CALL(sub) CALL(mul) CALL(div) CALL(maximum) CALL(minimum) CALL(power) CALL(eq) CALL(ge)
+
+void binary(BinOp op, DType t, const void* a, const void* b, void* out, std::size_t n) {
+  switch (op) {
+#define NEEDLE_CASE(name) case BinOp::name: return run_binary<BinOp::name>(t, a, b, out, n);
+    NEEDLE_BIN_CASES(NEEDLE_CASE)
+#undef NEEDLE_CASE
+  }
+  throw std::invalid_argument("ewise: unknown binary op");
+}
+
+void scalar(BinOp op, bool reversed, DType t, const void* a, double val, void* out,
+            std::size_t n) {
+  switch (op) {
+#define NEEDLE_CASE(name) \
+  case BinOp::name: return run_scalar<BinOp::name>(reversed, t, a, val, out, n);
+    NEEDLE_BIN_CASES(NEEDLE_CASE)
+#undef NEEDLE_CASE
+  }
+  throw std::invalid_argument("scalar: unknown op");
+}
+
+void unary(UnOp op, DType t, const void* a, void* out, std::size_t n) {
+  switch (op) {
+#define NEEDLE_CASE(name) case UnOp::name: return run_unary<UnOp::name>(t, a, out, n);
+    NEEDLE_CASE(neg) NEEDLE_CASE(log) NEEDLE_CASE(exp) NEEDLE_CASE(tanh) NEEDLE_CASE(sqrt)
+    NEEDLE_CASE(abs) NEEDLE_CASE(sign) NEEDLE_CASE(sigmoid)
+#undef NEEDLE_CASE
+  }
+  throw std::invalid_argument("ewise: unknown unary op");
+}
+
+// ---- casts ---------------------------------------------------------------------------------
+
+template <class From, class To>
+void cast_loop(const From* a, To* out, std::size_t n) {
+#pragma omp simd
+  for (std::size_t i = 0; i < n; ++i) out[i] = To(a[i]);
+}
+
+void cast_range(DType from, const void* a, DType to, void* out, std::size_t s, std::size_t e) {
+  const std::size_t n = e - s;
+  if (from == to) {
+    std::memcpy(static_cast<char*>(out) + s * itemsize(to),
+                static_cast<const char*>(a) + s * itemsize(from), n * itemsize(to));
+    return;
+  }
+  const float* af = static_cast<const float*>(a) + s;
+  const double* ad = static_cast<const double*>(a) + s;
+  const half_bits* ah = static_cast<const half_bits*>(a) + s;
+  float* of = static_cast<float*>(out) + s;
+  double* od = static_cast<double*>(out) + s;
+  half_bits* oh = static_cast<half_bits*>(out) + s;
+  if (from == DType::f32 && to == DType::f64) return cast_loop(af, od, n);
+  if (from == DType::f64 && to == DType::f32) return cast_loop(ad, of, n);
+  if (from == DType::f16 && to == DType::f32) return load_half(ah, of, n);
+  if (from == DType::f32 && to == DType::f16) return store_half(af, oh, n);
+  if (from == DType::f16 && to == DType::f64) {
+    for (std::size_t i = 0; i < n; ++i) od[i] = double(half_to_float(ah[i]));
+    return;
+  }
+  // float64 -> float16 rounds directly (through float32 it could round twice).
+  for (std::size_t i = 0; i < n; ++i) oh[i] = double_to_half(ad[i]);
+}
+
+void cast(DType from, const void* a, DType to, void* out, std::size_t n) {
+  parallel_range(n, kParallelMinElements,
+                 [&](std::size_t s, std::size_t e) { cast_range(from, a, to, out, s, e); });
+}

@@ -1,0 +1,124 @@
+// Reductions over contiguous blocks: out[r] = op(a[r*size : (r+1)*size]).
+// Included inside `namespace needle::<isa>` (see elementwise_impl.h).
+//
+// Sums add 2048-element blocks in vector lanes of the element type (float32 for float16) and
+// the block sums in double, so the error stays near that of NumPy's pairwise summation.
+// max/min propagate NaN like NumPy; an empty block gives 0 / -inf / +inf.
+
+constexpr std::size_t kSumBlock = 2048;
+constexpr int kLanes = 16;
+
+template <class T>
+T block_sum(const T* a, std::size_t n) {
+  T acc = T(0);
+#pragma omp simd reduction(+ : acc)
+  for (std::size_t i = 0; i < n; ++i) acc += a[i];
+  return acc;
+}
+
+template <RedOp OP, class T>
+inline T pick(T acc, T x) {
+  if constexpr (OP == RedOp::max) return (x > acc || x != x) ? x : acc;
+  return (x < acc || x != x) ? x : acc;
+}
+
+template <RedOp OP, class T>
+T block_extreme(const T* a, std::size_t n, T init) {
+  T lanes[kLanes];
+  for (int j = 0; j < kLanes; ++j) lanes[j] = init;
+  std::size_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+#pragma omp simd
+    for (int j = 0; j < kLanes; ++j) lanes[j] = pick<OP>(lanes[j], a[i + j]);
+  }
+  T acc = init;
+  for (; i < n; ++i) acc = pick<OP>(acc, a[i]);
+  for (int j = 0; j < kLanes; ++j) acc = pick<OP>(acc, lanes[j]);
+  return acc;
+}
+
+template <RedOp OP> constexpr double reduce_init() {
+  return OP == RedOp::sum ? 0.0 : (OP == RedOp::max ? -HUGE_VAL : HUGE_VAL);
+}
+
+template <RedOp OP>
+inline double combine(double acc, double x) {
+  if constexpr (OP == RedOp::sum) return acc + x;
+  return pick<OP>(acc, x);
+}
+
+// Reduces a[0..n) of dtype t; the partial result is exact in double for max/min.
+template <RedOp OP>
+double reduce_span(DType t, const void* a, std::size_t s, std::size_t e) {
+  double acc = reduce_init<OP>();
+  if (t == DType::f16) {
+    alignas(64) float buf[kHalfBlock];
+    for (std::size_t i = s; i < e; i += kHalfBlock) {
+      const std::size_t len = e - i < kHalfBlock ? e - i : kHalfBlock;
+      load_half(static_cast<const half_bits*>(a) + i, buf, len);
+      acc = combine<OP>(acc, OP == RedOp::sum ? block_sum(buf, len)
+                                               : block_extreme<OP>(buf, len, float(acc)));
+    }
+    return acc;
+  }
+  for (std::size_t i = s; i < e; i += kSumBlock) {
+    const std::size_t len = e - i < kSumBlock ? e - i : kSumBlock;
+    if (t == DType::f32) {
+      const float* p = static_cast<const float*>(a) + i;
+      acc = combine<OP>(acc, OP == RedOp::sum ? block_sum(p, len)
+                                               : block_extreme<OP>(p, len, float(acc)));
+    } else {
+      const double* p = static_cast<const double*>(a) + i;
+      acc = combine<OP>(acc, OP == RedOp::sum ? block_sum(p, len)
+                                               : block_extreme<OP>(p, len, acc));
+    }
+  }
+  return acc;
+}
+
+inline void store_value(DType t, void* out, std::size_t i, double v) {
+  if (t == DType::f32) static_cast<float*>(out)[i] = float(v);
+  else if (t == DType::f64) static_cast<double*>(out)[i] = v;
+  else static_cast<half_bits*>(out)[i] = double_to_half(v);
+}
+
+template <RedOp OP>
+void run_reduce(DType t, const void* a, void* out, std::size_t rows, std::size_t size) {
+  const int nt = num_threads();
+  if (rows >= std::size_t(nt) || rows * size < kParallelMinElements) {
+    // Enough rows to share out (or too little work to share at all): one row per task.
+    const std::size_t grain = 1;
+    const std::size_t threshold = size ? kParallelMinElements / size + 1 : rows + 1;
+    parallel_range(rows, threshold, [&](std::size_t r0, std::size_t r1) {
+      for (std::size_t r = r0; r < r1; ++r)
+        store_value(t, out, r, reduce_span<OP>(t, a, r * size, (r + 1) * size));
+    }, grain);
+    return;
+  }
+  // Few long rows: split every row across the threads and combine their partial results.
+  for (std::size_t r = 0; r < rows; ++r) {
+    double partial[64];
+    const int parts = nt < 64 ? nt : 64;
+    for (int k = 0; k < parts; ++k) partial[k] = reduce_init<OP>();
+    const std::size_t base = r * size;
+    const std::size_t chunk = (size + parts - 1) / parts;
+#pragma omp parallel for num_threads(parts) schedule(static, 1)
+    for (int k = 0; k < parts; ++k) {
+      const std::size_t s = std::size_t(k) * chunk < size ? std::size_t(k) * chunk : size;
+      const std::size_t e = s + chunk < size ? s + chunk : size;
+      if (s < e) partial[k] = reduce_span<OP>(t, a, base + s, base + e);
+    }
+    double acc = reduce_init<OP>();
+    for (int k = 0; k < parts; ++k) acc = combine<OP>(acc, partial[k]);
+    store_value(t, out, r, acc);
+  }
+}
+
+void reduce(RedOp op, DType t, const void* a, void* out, std::size_t rows, std::size_t size) {
+  switch (op) {
+    case RedOp::sum: return run_reduce<RedOp::sum>(t, a, out, rows, size);
+    case RedOp::max: return run_reduce<RedOp::max>(t, a, out, rows, size);
+    case RedOp::min: return run_reduce<RedOp::min>(t, a, out, rows, size);
+  }
+  throw std::invalid_argument("reduce: unknown op");
+}
