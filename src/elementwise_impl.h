@@ -96,6 +96,76 @@ inline float fast_tanhf(float x) {
   return x != x ? x : (ax < 0.625f ? small : large);
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// The same algorithms written with intrinsics, eight floats at a time: the auto-vectorised
+// versions spill their constants and lose ~2x to register pressure.
+inline __m256 exp8_core(__m256 xc) {  // xc already clamped to [-104, 89]
+  const __m256 magic = _mm256_set1_ps(12582912.0f);
+  const __m256 t = _mm256_fmadd_ps(xc, _mm256_set1_ps(1.44269504088896341f), magic);
+  const __m256 k = _mm256_sub_ps(t, magic);
+  const __m256i ki = _mm256_sub_epi32(_mm256_castps_si256(t), _mm256_castps_si256(magic));
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693145751953125f), xc);
+  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(1.42860682030941723e-6f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256i k1 = _mm256_srai_epi32(ki, 1);
+  const __m256i k2 = _mm256_sub_epi32(ki, k1);
+  const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k1, bias), 23));
+  const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k2, bias), 23));
+  return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+}
+
+inline __m256 exp8(__m256 x) {
+  // max/min return their second operand for NaN: NaN lanes are patched at the end.
+  const __m256 xc = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-104.0f)), _mm256_set1_ps(89.0f));
+  __m256 y = exp8_core(xc);
+  y = _mm256_blendv_ps(y, _mm256_set1_ps(HUGE_VALF),
+                       _mm256_cmp_ps(x, _mm256_set1_ps(88.72283935546875f), _CMP_GT_OQ));
+  return _mm256_blendv_ps(y, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+
+inline __m256 tanh8(__m256 x) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 ax = _mm256_andnot_ps(sign, x);
+  const __m256 y = _mm256_mul_ps(x, x);
+  __m256 q = _mm256_set1_ps(0.002295607700943947f);
+  q = _mm256_fmadd_ps(q, y, _mm256_set1_ps(-0.008346729911863804f));
+  q = _mm256_fmadd_ps(q, y, _mm256_set1_ps(0.02176986262202263f));
+  q = _mm256_fmadd_ps(q, y, _mm256_set1_ps(-0.05395938828587532f));
+  q = _mm256_fmadd_ps(q, y, _mm256_set1_ps(0.13333304226398468f));
+  q = _mm256_fmadd_ps(q, y, _mm256_set1_ps(-0.3333333432674408f));
+  const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(x, y), q, x);
+  // exp(-2|x|) underflows past |x| = 20 anyway, and 1 - e rounds to 1 long before.
+  const __m256 e = exp8_core(_mm256_max_ps(_mm256_mul_ps(ax, _mm256_set1_ps(-2.0f)),
+                                           _mm256_set1_ps(-40.0f)));
+  const __m256 one = _mm256_set1_ps(1.0f);
+  __m256 big = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+  big = _mm256_or_ps(big, _mm256_and_ps(x, sign));
+  const __m256 res = _mm256_blendv_ps(big, small, _mm256_cmp_ps(ax, _mm256_set1_ps(0.625f), _CMP_LT_OQ));
+  return _mm256_blendv_ps(res, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+
+inline __m256 sigmoid8(__m256 x) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  return _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+}
+
+// Applies fn to whole vectors, leaving the tail to `scalar`; returns the elements done.
+template <class Fn>
+inline std::size_t vec8_loop(const float* a, float* out, std::size_t n, Fn fn) {
+  std::size_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, fn(_mm256_loadu_ps(a + i)));
+  return i;
+}
+#endif
+
 // ---- element functions ---------------------------------------------------------------------
 
 template <class T> inline T op_exp(T x) { return std::exp(x); }
@@ -154,8 +224,14 @@ void scalar_loop(const T* a, T v, T* out, std::size_t n, bool reversed) {
 
 template <UnOp OP, class T>
 void un_loop(const T* a, T* out, std::size_t n) {
+  std::size_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (std::is_same_v<T, float> && OP == UnOp::exp) i = vec8_loop(a, out, n, exp8);
+  if constexpr (std::is_same_v<T, float> && OP == UnOp::tanh) i = vec8_loop(a, out, n, tanh8);
+  if constexpr (std::is_same_v<T, float> && OP == UnOp::sigmoid) i = vec8_loop(a, out, n, sigmoid8);
+#endif
 #pragma omp simd
-  for (std::size_t i = 0; i < n; ++i) out[i] = apply_un<OP, T>(a[i]);
+  for (std::size_t j = i; j < n; ++j) out[j] = apply_un<OP, T>(a[j]);
 }
 
 // ---- dtype dispatch ------------------------------------------------------------------------

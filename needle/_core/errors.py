@@ -51,6 +51,10 @@ class CheckpointError(NeedleError, RuntimeError):
     """A checkpoint region whose recomputation differed from its first forward."""
 
 
+class MemoryArgumentError(NeedleError, ValueError):
+    """A bad argument to a ``needle.memory`` function (unknown category, bad size, ...)."""
+
+
 class MemoryPlanError(NeedleError, RuntimeError):
     """A memory plan or trace that cannot be built or executed."""
 

@@ -54,7 +54,10 @@ class BackendDevice:
             raise BackendUnavailable(
                 f"{self.__dict__.get('name')}(): backend is not available ({reason}); "
                 f"expected an enabled device, got a disabled one")
-        return getattr(mod, name)
+        value = getattr(mod, name)
+        # Cache on the instance so the next lookup is a plain attribute hit (hot path).
+        self.__dict__[name] = value
+        return value
 
     def enabled(self) -> bool:
         return self.mod is not None

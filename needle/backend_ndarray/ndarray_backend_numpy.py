@@ -15,22 +15,45 @@ import numpy as np
 __device_name__ = "numpy"
 __tile_size__ = 1
 _ALIGNMENT = 256
+# Installed by needle.memory (layer L2) at import: an object with ``allocate(nbytes)``
+# returning a block with ``view(dtype, count)`` and ``release()``. L1 never imports L2.
+_ALLOCATOR = None
+
+
+def set_allocator(allocator) -> None:
+    """Route every buffer of this backend through ``allocator`` (None: plain NumPy)."""
+    global _ALLOCATOR
+    _ALLOCATOR = allocator
 
 
 class Array:
     """A flat buffer of ``size`` elements of ``dtype``, aligned to 256 bytes."""
 
-    __slots__ = ("array", "_raw")
+    __slots__ = ("array", "_raw", "_block", "__weakref__")
 
     def __init__(self, size: int, dtype: str = "float32"):
-        itemsize = np.dtype(dtype).itemsize
-        nbytes = max(int(size), 1) * itemsize
+        size = int(size)
+        nbytes = max(size, 1) * np.dtype(dtype).itemsize
+        self._block = None
+        if _ALLOCATOR is not None:
+            self._block = _ALLOCATOR.allocate(nbytes)
+            self._raw = None
+            self.array = self._block.view(dtype, size)
+            return
         # Over-allocate raw bytes and slice at an aligned address so ptr() is 256-aligned
         # like the compiled backends' buffers.
         raw = np.empty(nbytes + _ALIGNMENT, dtype=np.uint8)
         shift = (-raw.ctypes.data) % _ALIGNMENT
         self._raw = raw
-        self.array = raw[shift:shift + nbytes].view(dtype)[: int(size)]
+        self.array = raw[shift:shift + nbytes].view(dtype)[:size]
+
+    def __del__(self):
+        block = self._block
+        if block is not None:
+            try:
+                block.release()
+            except Exception:  # noqa: BLE001 - interpreter shutdown may have torn L2 down
+                pass
 
     @property
     def size(self) -> int:

@@ -25,27 +25,30 @@ class MpiRequest(Request):
         self.is_recv = is_recv
         self.status = _mpi().Status() if is_recv else None
         self.done = False
+        self.error: str | None = None
 
     def test(self) -> bool:
-        if self.done:
-            return True
+        if not self.done:
+            self._progress()
+        if self.error:
+            raise CommError(self.error)
+        return self.done
+
+    def _progress(self) -> None:
         try:
             flag = self.req.Test(self.status)
         except _mpi().Exception as exc:
             self.done = True
-            raise CommError(
+            self.error = (
                 f"message size mismatch, expected {self.nbytes} bytes, got a larger message "
                 f"({exc.Get_error_string().splitlines()[0]})"
-            ) from None
+            )
+            return
         if flag and self.is_recv:
             got = self.status.Get_count(_mpi().BYTE)
             if got != self.nbytes:
-                self.done = True
-                raise CommError(
-                    f"message size mismatch, expected {self.nbytes} bytes, got {got} bytes"
-                )
+                self.error = f"message size mismatch, expected {self.nbytes} bytes, got {got} bytes"
         self.done = flag
-        return flag
 
     def cancel(self) -> None:
         if not self.done:

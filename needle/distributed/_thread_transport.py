@@ -12,7 +12,13 @@ from typing import Any
 import numpy as np
 
 from ._errors import CommError
-from ._transport import DoneRequest, Mailbox, MailboxChannel, Request
+from ._transport import (
+    DoneRequest,
+    Mailbox,
+    MailboxChannel,
+    MailboxTransportMixin,
+    Request,
+)
 
 
 class ThreadWorld:
@@ -36,7 +42,7 @@ class ThreadWorld:
         return self._slots[channel_id]
 
 
-class ThreadTransport:
+class ThreadTransport(MailboxTransportMixin):
     backend = "thread"
 
     def __init__(self, rank: int, world: ThreadWorld):

@@ -210,3 +210,18 @@ class MailboxChannel(Channel):
 
     def native(self) -> Any | None:
         return self.transport.native_for(self)
+
+
+class MailboxTransportMixin:
+    """Channel ids come from a counter that advances identically on every rank, because every
+    rank calls ``init_process_group`` and ``new_group`` in the same order."""
+
+    rank: int
+    _next_channel = 0
+
+    def channels(self, count: int, ranks: list[int]) -> list[MailboxChannel] | None:
+        first = self._next_channel
+        self._next_channel = first + count
+        if self.rank not in ranks:
+            return None
+        return [MailboxChannel(self, first + i, ranks) for i in range(count)]

@@ -1,0 +1,163 @@
+"""Side-by-side benchmark of the C++ CPU backend's kernels against NumPy, in one run.
+
+Usage::
+
+    python bench/bench_ndarray.py            # full table (about two minutes on 2 cores)
+    python bench/bench_ndarray.py --quick    # fewer repeats and sizes
+
+What is timed, and how:
+
+* needle is called at the kernel level (``ndarray_backend_cpu``), writing into a pre-allocated
+  ``out`` buffer; NumPy runs its natural expression (``a @ b``, ``a + b``, ``np.exp(a)``,
+  ``a.sum()``), which allocates its result. The ``numpy out=`` column repeats NumPy with a
+  pre-allocated ``out`` where the ufunc allows it, for a like-for-like comparison.
+* needle's threads are set with ``set_num_threads``; NumPy/OpenBLAS's with threadpoolctl.
+* Timing alternates between *phases* (a block of NumPy calls, a pause, a block of needle calls,
+  a pause, ...) instead of single calls: OpenBLAS and OpenMP workers spin for ~0.1 s after a
+  call and would steal the core from the other library (PERF_NOTES). Each side reports the
+  median over all its calls.
+* This process drops ``OPENBLAS_CORETYPE`` and ``OPENBLAS_L2_SIZE`` from its environment
+  before NumPy loads, so OpenBLAS picks its kernel from the CPU it actually runs on.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import time
+
+for _var in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE"):
+    os.environ.pop(_var, None)
+
+import numpy as np  # noqa: E402
+from threadpoolctl import threadpool_info, threadpool_limits  # noqa: E402
+
+from needle.backend_ndarray import ndarray_backend_cpu as cpu  # noqa: E402
+
+PAUSE_S = 0.15  # longer than the spin-wait of either thread pool
+
+
+def _time_calls(fn, calls: int) -> list[float]:
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def compare(numpy_fn, needle_fn, phases: int, calls: int, numpy_out_fn=None):
+    """Median seconds per call for each side, timed in alternating phases."""
+    sides = {"numpy": numpy_fn, "needle": needle_fn}
+    if numpy_out_fn is not None:
+        sides["numpy_out"] = numpy_out_fn
+    results = {name: [] for name in sides}
+    for fn in sides.values():  # warm-up: page in buffers, start thread pools
+        fn()
+    for _ in range(phases):
+        for name, fn in sides.items():
+            time.sleep(PAUSE_S)
+            results[name] += _time_calls(fn, calls)
+    return {name: statistics.median(ts) for name, ts in results.items()}
+
+
+def _buffer(values: np.ndarray):
+    arr = cpu.Array(values.size, str(values.dtype))
+    cpu.from_numpy(values, arr)
+    return arr
+
+
+def bench_matmul(sizes, threads, phases: int) -> list[tuple]:
+    rows = []
+    rng = np.random.default_rng(0)
+    for n in sizes:
+        a = rng.standard_normal((n, n), dtype=np.float32)
+        b = rng.standard_normal((n, n), dtype=np.float32)
+        ha, hb, hc = _buffer(a), _buffer(b), cpu.Array(n * n)
+        calls = max(1, int(2e9 / (2 * n**3)))  # ~2 GFLOP per phase and side
+        for nt in threads:
+            cpu.set_num_threads(nt)
+            with threadpool_limits(limits=nt, user_api="blas"):
+                t = compare(lambda: a @ b, lambda: cpu.matmul(ha, hb, hc, n, n, n), phases, calls)
+            gflop = 2 * n**3 / 1e9
+            rows.append((f"matmul n={n}", nt, gflop / t["numpy"], gflop / t["needle"],
+                         t["numpy"] / t["needle"], "GFLOP/s"))
+    return rows
+
+
+ELEMENTWISE = {
+    # name: (numpy expression, numpy with out=, needle call, arrays moved per element)
+    "add": (lambda a, b, o: a + b, lambda a, b, o: np.add(a, b, out=o),
+            lambda a, b, o: cpu.ewise_add(a, b, o), 3),
+    "mul": (lambda a, b, o: a * b, lambda a, b, o: np.multiply(a, b, out=o),
+            lambda a, b, o: cpu.ewise_mul(a, b, o), 3),
+    "exp": (lambda a, b, o: np.exp(a), lambda a, b, o: np.exp(a, out=o),
+            lambda a, b, o: cpu.ewise_exp(a, o), 2),
+    "tanh": (lambda a, b, o: np.tanh(a), lambda a, b, o: np.tanh(a, out=o),
+             lambda a, b, o: cpu.ewise_tanh(a, o), 2),
+    "sum": (lambda a, b, o: a.sum(), None, lambda a, b, o: cpu.reduce_sum(a, o, a.size), 1),
+    "max": (lambda a, b, o: a.max(), None, lambda a, b, o: cpu.reduce_max(a, o, a.size), 1),
+}
+
+
+def bench_elementwise(sizes, threads, phases: int) -> list[tuple]:
+    rows = []
+    rng = np.random.default_rng(1)
+    for size in sizes:
+        a = rng.standard_normal(size, dtype=np.float32)
+        b = rng.standard_normal(size, dtype=np.float32)
+        o = np.empty_like(a)
+        ha, hb, ho, h1 = _buffer(a), _buffer(b), cpu.Array(size), cpu.Array(1)
+        calls = max(3, int(3e7 / size))
+        for name, (np_fn, np_out_fn, nd_fn, arrays) in ELEMENTWISE.items():
+            out = h1 if name in ("sum", "max") else ho
+            for nt in threads:
+                cpu.set_num_threads(nt)
+                with threadpool_limits(limits=1, user_api="blas"):
+                    t = compare(lambda: np_fn(a, b, o), lambda: nd_fn(ha, hb, out), phases,
+                                calls, (lambda: np_out_fn(a, b, o)) if np_out_fn else None)
+                gbytes = arrays * size * 4 / 1e9
+                row = (f"{name} {size:.0e}", nt, gbytes / t["numpy"], gbytes / t["needle"],
+                       t["numpy"] / t["needle"], "GB/s")
+                if "numpy_out" in t:
+                    row += (t["numpy_out"] / t["needle"],)
+                rows.append(row)
+    return rows
+
+
+def print_table(rows) -> None:
+    print("| kernel | threads | NumPy | needle | unit | needle/NumPy | vs NumPy out= |")
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+        name, nt, numpy_rate, needle_rate, ratio, unit = row[:6]
+        extra = f"{row[6]:.2f}x" if len(row) > 6 else "-"
+        print(f"| {name} | {nt} | {numpy_rate:.1f} | {needle_rate:.1f} | {unit} | "
+              f"{ratio:.2f}x | {extra} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--skip-matmul", action="store_true")
+    parser.add_argument("--skip-elementwise", action="store_true")
+    args = parser.parse_args()
+    phases = 2 if args.quick else 5
+    print(f"# {datetime.date.today()} {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} CPUs, NumPy {np.__version__}, needle kernels: {cpu._get_isa()}")
+    for info in threadpool_info():
+        print(f"# {info['user_api']}: {info['internal_api']} {info.get('version')} "
+              f"kernel={info.get('architecture')} threads={info['num_threads']}")
+    rows = []
+    if not args.skip_matmul:
+        sizes = [256, 1024] if args.quick else [256, 512, 1024, 2048]
+        rows += bench_matmul(sizes, args.threads, phases)
+    if not args.skip_elementwise:
+        rows += bench_elementwise([10**6, 10**7], args.threads, phases)
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""The backward engine: dependency counting over the graph, hooks, freeing as it goes.
+
+Nodes follow a small protocol (the engine never imports Tensor): ``op``, ``inputs``,
+``requires_grad``, ``cached_data``, ``grad``, ``_seq`` (creation order), ``_freed``,
+``_is_tuple``, ``_hooks``, ``_post_hooks``, ``_retains_grad`` and ``_free_graph()``.
+
+Order. Each node waits until every consumer inside this backward has handed it a partial
+gradient (a dependency count per node). Among ready nodes the one created last runs first,
+so gradients become ready in the reverse of the forward order. Leaves have nothing to run:
+they are finished the moment they are ready, so a parameter's post-accumulate hook fires as
+soon as its last consumer's backward step is done, before earlier layers run.
+
+Freeing. Without ``retain_graph`` a node's links to its inputs are cut right after its own
+backward step, and the engine keeps no list of all nodes: an activation that nobody else
+references is released as soon as its last backward use is over.
+"""
+from __future__ import annotations
+
+import heapq
+
+from .._core.errors import DeviceError, DTypeError, GraphError, ShapeError
+from .grad_mode import STATE
+
+
+def describe(node) -> str:
+    """A short human name for a node, used in error messages and hook notes."""
+    op = type(node.op).__name__ if node.op is not None else "leaf"
+    data = node.cached_data
+    if node._is_tuple:
+        return f"TensorTuple(len={len(data)}, op={op})"
+    return f"Tensor(shape={tuple(data.shape)}, dtype={data.dtype}, op={op})"
+
+
+def _count_dependencies(root) -> dict:
+    """Number of consumers of every node reachable from ``root`` through requires-grad edges."""
+    deps: dict[int, int] = {}
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if node._freed:
+            raise GraphError(
+                f"backward: graph already freed at {type(node.op).__name__}, expected a graph "
+                f"kept by retain_graph=True on the earlier backward, got a freed node")
+        for inp in node.inputs:
+            if inp.requires_grad:
+                key = id(inp)
+                if key in deps:
+                    deps[key] += 1
+                else:
+                    deps[key] = 1
+                    stack.append(inp)
+    return deps
+
+
+def _sum(parts):
+    grad = parts[0]
+    for part in parts[1:]:
+        grad = grad + part
+    return grad
+
+
+def _run_tensor_hooks(node, grad):
+    for fn in list(node._hooks.values()):
+        try:
+            new = fn(grad)
+        except Exception as exc:
+            exc.add_note(f"in a hook registered on {describe(node)}")
+            raise
+        if new is not None:
+            grad = new
+    return grad
+
+
+def _finish_leaf(leaf, grad, accumulate: bool) -> None:
+    if leaf._hooks:
+        grad = _run_tensor_hooks(leaf, grad)
+    if accumulate and leaf.grad is not None:
+        leaf.grad = leaf.grad + grad
+    else:
+        leaf.grad = grad
+    if leaf._post_hooks:
+        for fn in list(leaf._post_hooks.values()):
+            try:
+                fn(leaf)
+            except Exception as exc:
+                exc.add_note(f"in a post-accumulate-grad hook on {describe(leaf)}")
+                raise
+
+
+def check_gradients(node, grads, strict: bool) -> None:
+    """Raise naming the op when ``grads`` do not match ``node.inputs`` (count, shape, dtype,
+    device; dtype and device only when ``strict``)."""
+    inputs = node.inputs
+    name = type(node.op).__name__
+    if len(grads) != len(inputs):
+        raise GraphError(
+            f"{name}.gradient: wrong number of gradients, expected {len(inputs)} (one per "
+            f"input), got {len(grads)}")
+    for i, (inp, grad) in enumerate(zip(inputs, grads)):
+        if not inp.requires_grad:
+            continue
+        if getattr(grad, "_is_tuple", None) is not inp._is_tuple:
+            raise GraphError(
+                f"{name}.gradient: wrong gradient type for input {i}, expected "
+                f"{type(inp).__name__}, got {type(grad).__name__}")
+        if inp._is_tuple:
+            if len(grad.cached_data) != len(inp.cached_data):
+                raise ShapeError(
+                    f"{name}.gradient: wrong tuple length for input {i}, expected "
+                    f"{len(inp.cached_data)}, got {len(grad.cached_data)}")
+            continue
+        have, want = grad.cached_data, inp.cached_data
+        if have.shape != want.shape:
+            raise ShapeError(
+                f"{name}.gradient: wrong gradient shape for input {i}, expected "
+                f"{tuple(want.shape)}, got {tuple(have.shape)}")
+        if strict:
+            if have.dtype != want.dtype:
+                raise DTypeError(
+                    f"{name}.gradient: wrong gradient dtype for input {i}, expected "
+                    f"{want.dtype}, got {have.dtype}")
+            if have.device is not want.device and have.device != want.device:
+                raise DeviceError(
+                    f"{name}.gradient: wrong gradient device for input {i}, expected "
+                    f"{want.device}, got {have.device}")
+
+
+def run_backward(root, grad, *, retain_graph: bool, create_graph: bool, accumulate: bool,
+                 grad_all_nodes: bool, strict: bool) -> None:
+    """Propagate ``grad`` (d root) to every requires-grad node reachable from ``root``.
+
+    ``accumulate``: add into a leaf's existing ``.grad`` (PyTorch) instead of assigning it.
+    ``grad_all_nodes``: set ``.grad`` on non-leaf nodes too (the course's contract).
+    ``strict``: also check gradient dtypes and devices.
+    """
+    prev = STATE.grad_enabled
+    STATE.grad_enabled = create_graph
+    try:
+        if root.op is None:
+            _finish_leaf(root, grad, accumulate)
+            return
+        _propagate(root, grad, retain_graph, accumulate, grad_all_nodes, strict)
+    finally:
+        STATE.grad_enabled = prev
+
+
+def _propagate(root, grad, retain_graph, accumulate, grad_all_nodes, strict) -> None:
+    deps = _count_dependencies(root)
+    pending = {id(root): [grad]}
+    heap = [(-root._seq, root)]
+    del grad
+    while heap:
+        node = heapq.heappop(heap)[1]
+        grad = _sum(pending.pop(id(node)))
+        if node._hooks:
+            grad = _run_tensor_hooks(node, grad)
+        if grad_all_nodes or node._retains_grad:
+            node.grad = grad
+        grads = node.op.gradient_as_tuple(grad, node)
+        check_gradients(node, grads, strict)
+        inputs = node.inputs
+        if not retain_graph:
+            node._free_graph()
+        del node, grad
+        _deliver(inputs, grads, deps, pending, heap, accumulate)
+        del inputs, grads
+
+
+def _deliver(inputs, grads, deps, pending, heap, accumulate) -> None:
+    """Hand each input its partial gradient; schedule (or finish) inputs that became ready."""
+    for inp, part in zip(inputs, grads):
+        if not inp.requires_grad:
+            continue
+        key = id(inp)
+        parts = pending.get(key)
+        if parts is None:
+            pending[key] = [part]
+        else:
+            parts.append(part)
+        left = deps[key] - 1
+        deps[key] = left
+        if left == 0:
+            if inp.op is None:
+                _finish_leaf(inp, _sum(pending.pop(key)), accumulate)
+            else:
+                heapq.heappush(heap, (-inp._seq, inp))

@@ -1,0 +1,217 @@
+"""The typed kernel launcher of the CUDA backend, as pure Python (no CuPy needed).
+
+Everything that decides *how* a kernel is called lives here, so it is tested on machines
+without a GPU: which instantiation to pick for a dtype (:func:`kernel_name`), the exact element
+type a scalar is cast to (:func:`scalar_arg`: a bare Python float would reach the kernel as an
+8-byte double, wrong for a ``float`` or ``__half`` parameter), the grid for every kind of kernel
+(:func:`launch_config`), the packed strided view (:func:`pack_view`), the reduction plan
+(:func:`plan_reduce`), and the argument checks (:func:`prepare`). The CuPy side
+(``runtime.py``) only compiles, caches and calls.
+
+Example:
+    >>> from needle.backend_ndarray._cuda import launch as L
+    >>> L.kernel_name("ewise_add", "float16"), L.launch_config("elementwise", 1000)
+    ('ewise_add_f16', ((4,), (256,)))
+    >>> type(L.scalar_arg(0.1, "float32")).__name__
+    'float32'
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..._core.errors import DTypeError, ShapeError
+
+THREADS_PER_BLOCK = 256
+MAX_DIMS = 8
+MAX_GRID_X = 2**31 - 1
+MAX_GRID_Y = 65535
+# Rows of at most this many elements are reduced by one thread each (reduce_small_*).
+SMALL_REDUCE = 32
+# Each block of a split reduction gets at least this many elements.
+MIN_CHUNK = THREADS_PER_BLOCK * 16
+
+SUFFIX = {"float32": "f32", "float64": "f64", "float16": "f16"}
+# The type kernels compute in; reduction workspaces hold it.
+ACC_DTYPE = {"float32": "float32", "float64": "float64", "float16": "float32"}
+# (BM, BN) of matmul_<suffix> in cuda_kernels/matmul.cu.
+MATMUL_TILES = {"float32": (128, 128), "float16": (128, 128), "float64": (64, 64)}
+
+# Host image of `struct StridedView` in cuda_kernels/common.cuh: 19 int64, no padding.
+VIEW_DTYPE = np.dtype([("size", "<i8"), ("offset", "<i8"), ("ndim", "<i8"),
+                       ("shape", "<i8", (MAX_DIMS,)), ("strides", "<i8", (MAX_DIMS,))])
+assert VIEW_DTYPE.itemsize == 19 * 8
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """A kernel family: its source file, base name, parameter kinds and grid kind.
+
+    Parameter kinds: ``"a"`` array of the kernel dtype, ``"acc"`` array of its compute dtype,
+    ``"src"`` array of any dtype (the name gains the source suffix: casts), ``"scalar"``
+    (cast to the kernel dtype), ``"i64"`` (int64), ``"view"`` (a ``(shape, strides, offset)``
+    triple packed as a StridedView).
+    """
+
+    source: str
+    base: str
+    params: tuple
+    grid: str = "elementwise"
+
+
+def kernel_name(base: str, dtype: str, src_dtype: str | None = None) -> str:
+    """The extern "C" name of ``base`` for ``dtype`` (casts: ``ewise_cast_<src>_<dst>``)."""
+    if dtype not in SUFFIX:
+        raise DTypeError(f"cuda kernel {base}: unsupported dtype, expected one of "
+                         f"{tuple(SUFFIX)}, got {dtype!r}")
+    if src_dtype is not None:
+        return f"{base}_{SUFFIX[src_dtype]}_{SUFFIX[dtype]}"
+    return f"{base}_{SUFFIX[dtype]}"
+
+
+def scalar_arg(value, dtype: str) -> np.generic:
+    """``value`` as the kernel's exact element type (np.float32 / np.float64 / np.float16)."""
+    return np.dtype(dtype).type(value)
+
+
+def grid_1d(n: int, threads: int = THREADS_PER_BLOCK) -> int:
+    """Blocks for ``n`` work items, one per thread; capped (kernels loop grid-stride)."""
+    return max(1, min(-(-int(n) // threads), MAX_GRID_X))
+
+
+def launch_config(kind: str, work, dtype: str = "float32") -> tuple:
+    """``(grid, block)`` for a kernel kind: the one place grids are computed.
+
+    Kinds: ``"elementwise"`` (``work`` = element count; buffers are size-checked against
+    it), ``"indexed"`` (the same grid for kernels that index their inputs themselves:
+    strided views, which may broadcast a small buffer, and the tiled layout), ``"rows"`` (``work`` = number of
+    blocks: one per row or per (row, chunk)), ``"matmul"`` (``work`` = ``(m, p)``; tiles of
+    :data:`MATMUL_TILES` for ``dtype``).
+
+    Raises:
+        ShapeError: when the output needs more tile rows than a grid can hold.
+    """
+    block = (THREADS_PER_BLOCK,)
+    if kind in ("elementwise", "indexed"):
+        return (grid_1d(work),), block
+    if kind == "rows":
+        return (max(1, min(int(work), MAX_GRID_X)),), block
+    if kind == "matmul":
+        m, p = work
+        bm, bn = MATMUL_TILES[dtype]
+        rows = -(-int(m) // bm)
+        if rows > MAX_GRID_Y:
+            raise ShapeError(f"matmul: too many rows for the tiled kernel, expected "
+                             f"m <= {MAX_GRID_Y * bm}, got {m}")
+        return (max(1, -(-int(p) // bn)), max(1, rows)), block
+    raise ValueError(f"launch_config: unknown kernel kind {kind!r}")
+
+
+def merge_dims(shape, strides) -> tuple:
+    """Drop size-1 dims and merge neighbours that are contiguous with each other.
+
+    The merged view addresses the same elements in the same order, with fewer dims: cheaper
+    index arithmetic, and views of more than 8 dims usually fit the kernels' limit.
+    """
+    dims = [(int(n), int(s)) for n, s in zip(shape, strides) if int(n) != 1]
+    merged: list[list[int]] = []
+    for n, s in dims:
+        if merged and merged[-1][1] == s * n:
+            merged[-1][0] *= n
+            merged[-1][1] = s
+        else:
+            merged.append([n, s])
+    return tuple(n for n, _ in merged), tuple(s for _, s in merged)
+
+
+def pack_view(shape, strides, offset, op: str = "strided") -> np.ndarray:
+    """A one-element StridedView array (CuPy passes size-1 NumPy arrays by value).
+
+    Raises:
+        ShapeError: if the view still has more than :data:`MAX_DIMS` dims after merging.
+    """
+    size = math.prod(int(n) for n in shape)
+    mshape, mstrides = merge_dims(shape, strides)
+    if len(mshape) > MAX_DIMS:
+        raise ShapeError(f"{op}: too many dimensions for the CUDA kernels, expected at most "
+                         f"{MAX_DIMS} after merging, got shape {tuple(shape)} strides "
+                         f"{tuple(strides)}")
+    view = np.zeros(1, dtype=VIEW_DTYPE)
+    view["size"], view["offset"], view["ndim"] = size, int(offset), len(mshape)
+    view["shape"][0, :len(mshape)] = mshape
+    view["strides"][0, :len(mshape)] = mstrides
+    return view
+
+
+@dataclass(frozen=True)
+class ReducePlan:
+    """How to reduce ``rows`` rows of ``reduce_size``: kernel kind and chunks per row."""
+
+    kind: str  # "small" | "block" | "split"
+    chunks: int = 1
+
+
+def plan_reduce(rows: int, reduce_size: int, num_sms: int) -> ReducePlan:
+    """Pick the reduction kernels (see cuda_kernels/reduce.cu).
+
+    Short rows: one thread per row. Enough long rows to fill the GPU: one block per row.
+    Few long rows: split each row into chunks so that about 4 blocks per SM are busy, then
+    reduce the chunks' partials (two launches).
+    """
+    if reduce_size <= SMALL_REDUCE:
+        return ReducePlan("small")
+    target_blocks = 4 * max(1, num_sms)
+    if rows >= target_blocks:
+        return ReducePlan("block")
+    chunks = min(-(-target_blocks // rows), -(-reduce_size // MIN_CHUNK))
+    return ReducePlan("split", chunks) if chunks > 1 else ReducePlan("block")
+
+
+def _expected_dtype(kind: str, dtype: str) -> str | None:
+    return {"a": dtype, "acc": ACC_DTYPE[dtype], "src": None}.get(kind)
+
+
+def prepare(spec: KernelSpec, dtype: str, work, args, src_dtype: str | None = None):
+    """Check and convert the arguments of one launch: ``(name, grid, block, kernel_args)``.
+
+    Array arguments must be backend buffers (flat and contiguous by construction: they expose
+    ``ptr()``, ``dtype`` and ``size``) of the expected dtype; for elementwise kernels each must
+    hold at least ``work`` elements.
+
+    Raises:
+        DTypeError: an array of the wrong dtype or a non-buffer where an array is expected.
+        ShapeError: an array too small for the launch.
+    """
+    if len(args) != len(spec.params):
+        raise TypeError(f"{spec.base}: expected {len(spec.params)} arguments, got {len(args)}")
+    name = kernel_name(spec.base, dtype, src_dtype)
+    kernel_args = []
+    for kind, arg in zip(spec.params, args):
+        if kind in ("a", "acc", "src"):
+            kernel_args.append(_pointer_arg(spec, kind, arg, dtype, work))
+        elif kind == "scalar":
+            kernel_args.append(scalar_arg(arg, dtype))
+        elif kind == "i64":
+            kernel_args.append(np.int64(arg))
+        elif kind == "view":
+            kernel_args.append(pack_view(*arg, op=spec.base))
+        else:
+            raise ValueError(f"{spec.base}: unknown parameter kind {kind!r}")
+    grid, block = launch_config(spec.grid, work, dtype)
+    return name, grid, block, tuple(kernel_args)
+
+
+def _pointer_arg(spec: KernelSpec, kind: str, arg, dtype: str, work) -> np.uint64:
+    if not callable(getattr(arg, "ptr", None)) or not hasattr(arg, "dtype"):
+        raise DTypeError(f"{spec.base}: expected a contiguous CUDA buffer (Array), "
+                         f"got {type(arg).__name__}")
+    expected = _expected_dtype(kind, dtype)
+    if expected is not None and arg.dtype != expected:
+        raise DTypeError(f"{spec.base}: wrong buffer dtype, expected {expected}, "
+                         f"got {arg.dtype}")
+    if spec.grid == "elementwise" and kind in ("a", "src") and arg.size < work:
+        raise ShapeError(f"{spec.base}: buffer too small, expected at least {work} elements, "
+                         f"got {arg.size}")
+    return np.uint64(arg.ptr())

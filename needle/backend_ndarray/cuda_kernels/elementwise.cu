@@ -1,0 +1,141 @@
+// Elementwise kernels on compact arrays: binary, scalar, unary and dtype casts.
+//
+// One template per shape of operation, one functor per op, and extern "C" instantiations named
+// <op>_<f32|f64|f16> so that the Python side finds them by plain name. Each kernel computes in
+// Traits<T>::acc (float for float16) and guards its bounds with a grid-stride loop.
+#include "common.cuh"
+
+template <typename T, typename Op>
+__device__ __forceinline__ void binary_body(const T* __restrict__ a, const T* __restrict__ b,
+                                            T* __restrict__ out, long long n) {
+  NEEDLE_FOR_EACH(i, n) {
+    out[i] = Traits<T>::store(Op::apply(Traits<T>::load(a[i]), Traits<T>::load(b[i])));
+  }
+}
+
+template <typename T, typename Op>
+__device__ __forceinline__ void scalar_body(const T* __restrict__ a, T val, T* __restrict__ out,
+                                            long long n) {
+  const typename Traits<T>::acc v = Traits<T>::load(val);
+  NEEDLE_FOR_EACH(i, n) { out[i] = Traits<T>::store(Op::apply(Traits<T>::load(a[i]), v)); }
+}
+
+template <typename T, typename Op>
+__device__ __forceinline__ void unary_body(const T* __restrict__ a, T* __restrict__ out,
+                                           long long n) {
+  NEEDLE_FOR_EACH(i, n) { out[i] = Traits<T>::store(Op::apply(Traits<T>::load(a[i]))); }
+}
+
+// ---- binary functors (also used with the scalar as second operand) ----
+struct OpAdd { template <typename A> static __device__ A apply(A a, A b) { return a + b; } };
+struct OpSub { template <typename A> static __device__ A apply(A a, A b) { return a - b; } };
+struct OpRsub { template <typename A> static __device__ A apply(A a, A b) { return b - a; } };
+struct OpMul { template <typename A> static __device__ A apply(A a, A b) { return a * b; } };
+struct OpDiv { template <typename A> static __device__ A apply(A a, A b) { return a / b; } };
+struct OpRdiv { template <typename A> static __device__ A apply(A a, A b) { return b / a; } };
+struct OpPow { template <typename A> static __device__ A apply(A a, A b) { return m_pow(a, b); } };
+struct OpRpow { template <typename A> static __device__ A apply(A a, A b) { return m_pow(b, a); } };
+struct OpMax { template <typename A> static __device__ A apply(A a, A b) { return nan_max(a, b); } };
+struct OpMin { template <typename A> static __device__ A apply(A a, A b) { return nan_min(a, b); } };
+struct OpEq { template <typename A> static __device__ A apply(A a, A b) { return a == b ? A(1) : A(0); } };
+struct OpGe { template <typename A> static __device__ A apply(A a, A b) { return a >= b ? A(1) : A(0); } };
+struct OpLe { template <typename A> static __device__ A apply(A a, A b) { return a <= b ? A(1) : A(0); } };
+
+// ---- unary functors ----
+struct OpNeg { template <typename A> static __device__ A apply(A a) { return -a; } };
+struct OpLog { template <typename A> static __device__ A apply(A a) { return m_log(a); } };
+struct OpExp { template <typename A> static __device__ A apply(A a) { return m_exp(a); } };
+struct OpTanh { template <typename A> static __device__ A apply(A a) { return m_tanh(a); } };
+struct OpSqrt { template <typename A> static __device__ A apply(A a) { return m_sqrt(a); } };
+struct OpAbs { template <typename A> static __device__ A apply(A a) { return m_abs(a); } };
+struct OpSign {
+  template <typename A>
+  static __device__ A apply(A a) {
+    if (a != a) return a;  // NaN stays NaN, as np.sign
+    return a > A(0) ? A(1) : (a < A(0) ? A(-1) : A(0));
+  }
+};
+struct OpSigmoid {
+  // Split by sign so that exp never overflows: e = exp(-|x|) is in (0, 1].
+  template <typename A>
+  static __device__ A apply(A a) {
+    A e = m_exp(-m_abs(a));
+    return a >= A(0) ? A(1) / (A(1) + e) : e / (A(1) + e);
+  }
+};
+
+#define NEEDLE_BINARY_T(NAME, OP, SUF, T)                                                    \
+  extern "C" __global__ void __launch_bounds__(NEEDLE_THREADS)                               \
+      NAME##_##SUF(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ out,    \
+                   long long n) {                                                            \
+    binary_body<T, OP>(a, b, out, n);                                                        \
+  }
+#define NEEDLE_SCALAR_T(NAME, OP, SUF, T)                                                    \
+  extern "C" __global__ void __launch_bounds__(NEEDLE_THREADS)                               \
+      NAME##_##SUF(const T* __restrict__ a, T val, T* __restrict__ out, long long n) {       \
+    scalar_body<T, OP>(a, val, out, n);                                                      \
+  }
+#define NEEDLE_UNARY_T(NAME, OP, SUF, T)                                                     \
+  extern "C" __global__ void __launch_bounds__(NEEDLE_THREADS)                               \
+      NAME##_##SUF(const T* __restrict__ a, T* __restrict__ out, long long n) {              \
+    unary_body<T, OP>(a, out, n);                                                            \
+  }
+#define NEEDLE_ALL_TYPES(MACRO, NAME, OP) \
+  MACRO(NAME, OP, f32, float)             \
+  MACRO(NAME, OP, f64, double)            \
+  MACRO(NAME, OP, f16, half_t)
+
+NEEDLE_ALL_TYPES(NEEDLE_BINARY_T, ewise_add, OpAdd)
+NEEDLE_ALL_TYPES(NEEDLE_BINARY_T, ewise_sub, OpSub)
+NEEDLE_ALL_TYPES(NEEDLE_BINARY_T, ewise_mul, OpMul)
+NEEDLE_ALL_TYPES(NEEDLE_BINARY_T, ewise_div, OpDiv)
+NEEDLE_ALL_TYPES(NEEDLE_BINARY_T, ewise_maximum, OpMax)
+NEEDLE_ALL_TYPES(NEEDLE_BINARY_T, ewise_minimum, OpMin)
+NEEDLE_ALL_TYPES(NEEDLE_BINARY_T, ewise_power, OpPow)
+NEEDLE_ALL_TYPES(NEEDLE_BINARY_T, ewise_eq, OpEq)
+NEEDLE_ALL_TYPES(NEEDLE_BINARY_T, ewise_ge, OpGe)
+
+NEEDLE_ALL_TYPES(NEEDLE_SCALAR_T, scalar_add, OpAdd)
+NEEDLE_ALL_TYPES(NEEDLE_SCALAR_T, scalar_sub, OpSub)
+NEEDLE_ALL_TYPES(NEEDLE_SCALAR_T, scalar_rsub, OpRsub)
+NEEDLE_ALL_TYPES(NEEDLE_SCALAR_T, scalar_mul, OpMul)
+NEEDLE_ALL_TYPES(NEEDLE_SCALAR_T, scalar_div, OpDiv)
+NEEDLE_ALL_TYPES(NEEDLE_SCALAR_T, scalar_rdiv, OpRdiv)
+NEEDLE_ALL_TYPES(NEEDLE_SCALAR_T, scalar_power, OpPow)
+NEEDLE_ALL_TYPES(NEEDLE_SCALAR_T, scalar_rpower, OpRpow)
+NEEDLE_ALL_TYPES(NEEDLE_SCALAR_T, scalar_maximum, OpMax)
+NEEDLE_ALL_TYPES(NEEDLE_SCALAR_T, scalar_minimum, OpMin)
+NEEDLE_ALL_TYPES(NEEDLE_SCALAR_T, scalar_eq, OpEq)
+NEEDLE_ALL_TYPES(NEEDLE_SCALAR_T, scalar_ge, OpGe)
+NEEDLE_ALL_TYPES(NEEDLE_SCALAR_T, scalar_le, OpLe)
+
+NEEDLE_ALL_TYPES(NEEDLE_UNARY_T, ewise_neg, OpNeg)
+NEEDLE_ALL_TYPES(NEEDLE_UNARY_T, ewise_log, OpLog)
+NEEDLE_ALL_TYPES(NEEDLE_UNARY_T, ewise_exp, OpExp)
+NEEDLE_ALL_TYPES(NEEDLE_UNARY_T, ewise_tanh, OpTanh)
+NEEDLE_ALL_TYPES(NEEDLE_UNARY_T, ewise_sqrt, OpSqrt)
+NEEDLE_ALL_TYPES(NEEDLE_UNARY_T, ewise_abs, OpAbs)
+NEEDLE_ALL_TYPES(NEEDLE_UNARY_T, ewise_sign, OpSign)
+NEEDLE_ALL_TYPES(NEEDLE_UNARY_T, ewise_sigmoid, OpSigmoid)
+
+// ---- casts: ewise_cast_<from>_<to> for every ordered pair (identity included) ----
+template <typename In, typename Out>
+__device__ __forceinline__ void cast_body(const In* __restrict__ a, Out* __restrict__ out,
+                                          long long n) {
+  NEEDLE_FOR_EACH(i, n) { out[i] = Convert<Out, In>::apply(a[i]); }
+}
+
+#define NEEDLE_CAST(SIN, TIN, SOUT, TOUT)                                                    \
+  extern "C" __global__ void __launch_bounds__(NEEDLE_THREADS)                               \
+      ewise_cast_##SIN##_##SOUT(const TIN* __restrict__ a, TOUT* __restrict__ out,           \
+                                long long n) {                                               \
+    cast_body<TIN, TOUT>(a, out, n);                                                         \
+  }
+#define NEEDLE_CAST_FROM(SIN, TIN)    \
+  NEEDLE_CAST(SIN, TIN, f32, float)   \
+  NEEDLE_CAST(SIN, TIN, f64, double)  \
+  NEEDLE_CAST(SIN, TIN, f16, half_t)
+
+NEEDLE_CAST_FROM(f32, float)
+NEEDLE_CAST_FROM(f64, double)
+NEEDLE_CAST_FROM(f16, half_t)

@@ -1,0 +1,125 @@
+// Row reductions: `a` holds `rows` contiguous rows of `reduce_size` elements; reduce each.
+//
+// Three kernels per op and dtype; the launcher (needle/backend_ndarray/_cuda/launch.py,
+// plan_reduce) picks them:
+//   reduce_small_*   one thread per row, for short rows (<= 32 elements);
+//   reduce_block_*   one block per (row, chunk): 256 threads read the chunk coalesced, each
+//                    keeps a partial, then warp shuffles and shared memory combine the 256
+//                    partials. With chunks == 1 it writes the row's result directly;
+//   reduce_partial_* the same with chunks > 1, writing partials in the compute type
+//                    (float for float16) to a workspace, which reduce_final_* (In = compute
+//                    type, Out = element type) reduces with chunks as the row length.
+// Few long rows (a full sum) thus still spread over every SM.
+#include "common.cuh"
+
+// +inf without <math.h>'s INFINITY macro (not always defined under NVRTC).
+template <typename A> __device__ __forceinline__ A inf_value();
+template <> __device__ __forceinline__ float inf_value<float>() { return __int_as_float(0x7f800000); }
+template <> __device__ __forceinline__ double inf_value<double>() {
+  return __longlong_as_double(0x7ff0000000000000LL);
+}
+
+struct RedSum {
+  template <typename A> static __device__ A identity() { return A(0); }
+  template <typename A> static __device__ A combine(A a, A b) { return a + b; }
+};
+struct RedMax {
+  template <typename A> static __device__ A identity() { return -inf_value<A>(); }
+  template <typename A> static __device__ A combine(A a, A b) { return nan_max(a, b); }
+};
+struct RedMin {
+  template <typename A> static __device__ A identity() { return inf_value<A>(); }
+  template <typename A> static __device__ A combine(A a, A b) { return nan_min(a, b); }
+};
+
+// Combine one value per thread of the block; the result is valid in thread 0.
+// Needs blockDim.x to be a multiple of 32 (the launcher always uses 256).
+template <typename A, typename Op>
+__device__ __forceinline__ A block_reduce(A v) {
+  __shared__ A warp_partials[NEEDLE_THREADS / 32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int delta = 16; delta > 0; delta >>= 1) {
+    v = Op::template combine<A>(v, __shfl_down_sync(0xffffffffu, v, delta));
+  }
+  if (lane == 0) warp_partials[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    const int n_warps = blockDim.x >> 5;
+    v = lane < n_warps ? warp_partials[lane] : Op::template identity<A>();
+#pragma unroll
+    for (int delta = 16; delta > 0; delta >>= 1) {
+      v = Op::template combine<A>(v, __shfl_down_sync(0xffffffffu, v, delta));
+    }
+  }
+  __syncthreads();  // warp_partials may be reused by the caller's next iteration
+  return v;
+}
+
+template <typename In, typename Out, typename Op>
+__device__ __forceinline__ void block_body(const In* __restrict__ a, Out* __restrict__ out,
+                                           long long rows, long long reduce_size,
+                                           long long chunks) {
+  typedef typename Traits<In>::acc A;
+  const long long chunk_len = (reduce_size + chunks - 1) / chunks;
+  // Grid-stride over (row, chunk) pairs; the condition is uniform across the block, so every
+  // thread reaches the barriers in block_reduce.
+  for (long long blk = blockIdx.x; blk < rows * chunks; blk += gridDim.x) {
+    const long long row = blk / chunks, chunk = blk - row * chunks;
+    const long long begin = chunk * chunk_len;
+    const long long end = min(begin + chunk_len, reduce_size);
+    const In* src = a + row * reduce_size;
+    A acc = Op::template identity<A>();
+    for (long long k = begin + threadIdx.x; k < end; k += blockDim.x) {
+      acc = Op::template combine<A>(acc, Traits<In>::load(src[k]));
+    }
+    acc = block_reduce<A, Op>(acc);
+    if (threadIdx.x == 0) out[blk] = Convert<Out, A>::apply(acc);
+  }
+}
+
+template <typename In, typename Out, typename Op>
+__device__ __forceinline__ void small_body(const In* __restrict__ a, Out* __restrict__ out,
+                                           long long rows, long long reduce_size) {
+  typedef typename Traits<In>::acc A;
+  NEEDLE_FOR_EACH(row, rows) {
+    const In* src = a + row * reduce_size;
+    A acc = Op::template identity<A>();
+    for (long long k = 0; k < reduce_size; ++k) {
+      acc = Op::template combine<A>(acc, Traits<In>::load(src[k]));
+    }
+    out[row] = Convert<Out, A>::apply(acc);
+  }
+}
+
+#define NEEDLE_REDUCE_T(NAME, OP, SUF, T)                                                    \
+  extern "C" __global__ void __launch_bounds__(NEEDLE_THREADS)                               \
+      reduce_small_##NAME##_##SUF(const T* __restrict__ a, T* __restrict__ out,              \
+                                  long long rows, long long reduce_size) {                   \
+    small_body<T, T, OP>(a, out, rows, reduce_size);                                         \
+  }                                                                                          \
+  extern "C" __global__ void __launch_bounds__(NEEDLE_THREADS)                               \
+      reduce_block_##NAME##_##SUF(const T* __restrict__ a, T* __restrict__ out,              \
+                                  long long rows, long long reduce_size, long long chunks) { \
+    block_body<T, T, OP>(a, out, rows, reduce_size, chunks);                                 \
+  }                                                                                          \
+  extern "C" __global__ void __launch_bounds__(NEEDLE_THREADS)                               \
+      reduce_partial_##NAME##_##SUF(const T* __restrict__ a,                                 \
+                                    Traits<T>::acc* __restrict__ out, long long rows,        \
+                                    long long reduce_size, long long chunks) {               \
+    block_body<T, Traits<T>::acc, OP>(a, out, rows, reduce_size, chunks);                    \
+  }                                                                                          \
+  extern "C" __global__ void __launch_bounds__(NEEDLE_THREADS)                               \
+      reduce_final_##NAME##_##SUF(const Traits<T>::acc* __restrict__ a,                      \
+                                  T* __restrict__ out, long long rows, long long chunks) {   \
+    block_body<Traits<T>::acc, T, OP>(a, out, rows, chunks, 1);                              \
+  }
+
+#define NEEDLE_REDUCE_ALL(NAME, OP)        \
+  NEEDLE_REDUCE_T(NAME, OP, f32, float)    \
+  NEEDLE_REDUCE_T(NAME, OP, f64, double)   \
+  NEEDLE_REDUCE_T(NAME, OP, f16, half_t)
+
+NEEDLE_REDUCE_ALL(sum, RedSum)
+NEEDLE_REDUCE_ALL(max, RedMax)
+NEEDLE_REDUCE_ALL(min, RedMin)

@@ -1,0 +1,280 @@
+"""The CUDA backend: CuPy raw kernels behind the backend protocol (docs/backend_protocol.md).
+
+Kernels are the ``extern "C"`` functions of ``cuda_kernels/*.cu``, one instantiation per dtype
+(float32, float64, float16 computed in float), compiled once per device by NVRTC and launched
+through one typed launcher (``_cuda/launch.py`` + ``_cuda/runtime.py``). ``matmul`` uses
+cuBLAS through CuPy by default and our own tiled kernel after ``set_matmul_impl("tiled")``.
+Importing this module never fails; :func:`available` says whether it can run here, and the
+device lookup of ``needle.backend_ndarray`` disables ``cuda()`` when it is False.
+
+Example (on a machine with a GPU):
+    >>> from needle.backend_ndarray import ndarray_backend_cuda as B
+    >>> if B.available():
+    ...     a = B.Array(3); B.fill(a, 2.0); print(B.to_numpy(a, (3,), (1,), 0).tolist())
+    ... else:
+    ...     print([2.0, 2.0, 2.0])
+    [2.0, 2.0, 2.0]
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .._core.errors import DTypeError
+from ._cuda import launch as L
+from ._cuda import runtime
+from ._cuda.runtime import (available, get_allocator, set_allocator,  # noqa: F401 - API
+                            synchronize, unavailable_reason)
+
+__device_name__ = "cuda"
+__tile_size__ = 4
+MATMUL_IMPLS = ("cublas", "tiled")
+_matmul_impl = "cublas"  # measured faster (docs/cuda.md); "tiled" is our own kernel
+
+_EW, _ST, _RD, _MM = "elementwise.cu", "strided.cu", "reduce.cu", "matmul.cu"
+
+
+class Array:
+    """A flat device buffer of ``size`` elements of ``dtype`` from the backend's allocator."""
+
+    __slots__ = ("_owner", "_ptr", "_size", "_dtype", "_itemsize")
+
+    def __init__(self, size: int, dtype: str = "float32"):
+        dtype = np.dtype(dtype).name
+        if dtype not in L.SUFFIX:
+            raise DTypeError(f"cuda Array: unsupported dtype, expected one of "
+                             f"{tuple(L.SUFFIX)}, got {dtype!r}")
+        self._size = int(size)
+        self._dtype = dtype
+        self._itemsize = np.dtype(dtype).itemsize
+        # A zero-size array still owns a real (one-element) buffer so ptr() is a valid address.
+        self._owner = runtime.allocate(max(self._size, 1) * self._itemsize)
+        self._ptr = int(self._owner.ptr)
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def dtype(self) -> str:
+        return self._dtype
+
+    @property
+    def itemsize(self) -> int:
+        return self._itemsize
+
+    def ptr(self) -> int:
+        return self._ptr
+
+    def __repr__(self) -> str:
+        return f"cuda.Array(size={self._size}, dtype={self._dtype}, ptr={self._ptr:#x})"
+
+
+def _cupy_view(a: Array, count: int, offset: int = 0):
+    """A 1-D CuPy array over ``count`` elements of ``a`` from element ``offset`` (no copy)."""
+    cupy = runtime.cupy_module()
+    mem = cupy.cuda.UnownedMemory(a.ptr(), max(a.size, 1) * a.itemsize, a)
+    return cupy.ndarray((count,), dtype=a.dtype,
+                        memptr=cupy.cuda.MemoryPointer(mem, offset * a.itemsize))
+
+
+# ---- transfers, fill and strided copies ----------------------------------------------------
+def to_numpy(a: Array, shape, strides, offset) -> np.ndarray:
+    """A NumPy copy of the strided view; non-contiguous views are compacted on the GPU first."""
+    shape = tuple(int(n) for n in shape)
+    count = math.prod(shape)
+    if count == 0:
+        return np.zeros(shape, dtype=a.dtype)
+    mstrides = L.merge_dims(shape, strides)[1]
+    if mstrides in ((), (1,)):
+        src, start = a, int(offset)
+    else:
+        src, start = Array(count, a.dtype), 0
+        compact(a, src, shape, strides, offset)
+    return _cupy_view(src, count, start).get().reshape(shape)
+
+
+def from_numpy(np_array, out: Array) -> None:
+    """Copy ``out.size`` elements of a C-contiguous array to the device, cast to out's dtype."""
+    if out.size == 0:
+        return
+    src = np.ascontiguousarray(np.asarray(np_array).reshape(-1)[: out.size], dtype=out.dtype)
+    _cupy_view(out, out.size).set(src)
+
+
+_FILL = L.KernelSpec(_ST, "fill", ("a", "scalar", "i64"))
+_COMPACT = L.KernelSpec(_ST, "compact", ("a", "a", "view"), grid="indexed")
+_EWISE_SETITEM = L.KernelSpec(_ST, "ewise_setitem", ("a", "a", "view"), grid="indexed")
+_SCALAR_SETITEM = L.KernelSpec(_ST, "scalar_setitem", ("scalar", "a", "view"), grid="indexed")
+
+
+def fill(out: Array, val) -> None:
+    if out.size:
+        runtime.launch(_FILL, out.dtype, out.size, out, val, out.size)
+
+
+def compact(a: Array, out: Array, shape, strides, offset) -> None:
+    count = math.prod(shape)
+    if count:
+        runtime.launch(_COMPACT, out.dtype, count, a, out, (shape, strides, offset))
+
+
+def ewise_setitem(a: Array, out: Array, shape, strides, offset) -> None:
+    count = math.prod(shape)
+    if count:
+        runtime.launch(_EWISE_SETITEM, out.dtype, count, a, out, (shape, strides, offset))
+
+
+def scalar_setitem(size, val, out: Array, shape, strides, offset) -> None:
+    if size:
+        runtime.launch(_SCALAR_SETITEM, out.dtype, int(size), val, out,
+                       (shape, strides, offset))
+
+
+# ---- elementwise -------------------------------------------------------------------------
+def _binary(base: str):
+    spec = L.KernelSpec(_EW, base, ("a", "a", "a", "i64"))
+
+    def kernel(a: Array, b: Array, out: Array) -> None:
+        if out.size:
+            runtime.launch(spec, out.dtype, out.size, a, b, out, out.size)
+
+    kernel.__name__ = kernel.__qualname__ = base
+    return kernel
+
+
+def _scalar(base: str):
+    spec = L.KernelSpec(_EW, base, ("a", "scalar", "a", "i64"))
+
+    def kernel(a: Array, val, out: Array) -> None:
+        if out.size:
+            runtime.launch(spec, out.dtype, out.size, a, val, out, out.size)
+
+    kernel.__name__ = kernel.__qualname__ = base
+    return kernel
+
+
+def _unary(base: str):
+    spec = L.KernelSpec(_EW, base, ("a", "a", "i64"))
+
+    def kernel(a: Array, out: Array) -> None:
+        if out.size:
+            runtime.launch(spec, out.dtype, out.size, a, out, out.size)
+
+    kernel.__name__ = kernel.__qualname__ = base
+    return kernel
+
+
+ewise_add, ewise_sub = _binary("ewise_add"), _binary("ewise_sub")
+ewise_mul, ewise_div = _binary("ewise_mul"), _binary("ewise_div")
+ewise_maximum, ewise_minimum = _binary("ewise_maximum"), _binary("ewise_minimum")
+ewise_power, ewise_eq, ewise_ge = _binary("ewise_power"), _binary("ewise_eq"), _binary("ewise_ge")
+
+scalar_add, scalar_sub, scalar_rsub = _scalar("scalar_add"), _scalar("scalar_sub"), \
+    _scalar("scalar_rsub")
+scalar_mul, scalar_div, scalar_rdiv = _scalar("scalar_mul"), _scalar("scalar_div"), \
+    _scalar("scalar_rdiv")
+scalar_power, scalar_rpower = _scalar("scalar_power"), _scalar("scalar_rpower")
+scalar_maximum, scalar_minimum = _scalar("scalar_maximum"), _scalar("scalar_minimum")
+scalar_eq, scalar_ge, scalar_le = _scalar("scalar_eq"), _scalar("scalar_ge"), _scalar("scalar_le")
+
+ewise_neg, ewise_log, ewise_exp = _unary("ewise_neg"), _unary("ewise_log"), _unary("ewise_exp")
+ewise_tanh, ewise_sqrt, ewise_abs = _unary("ewise_tanh"), _unary("ewise_sqrt"), \
+    _unary("ewise_abs")
+ewise_sign, ewise_sigmoid = _unary("ewise_sign"), _unary("ewise_sigmoid")
+
+_CAST = L.KernelSpec(_EW, "ewise_cast", ("src", "a", "i64"))
+
+
+def ewise_cast(a: Array, out: Array) -> None:
+    """Compact ``a`` of any dtype into compact ``out`` of its own dtype (same size)."""
+    if out.size:
+        runtime.launch(_CAST, out.dtype, out.size, a, out, out.size, src_dtype=a.dtype)
+
+
+# ---- reductions --------------------------------------------------------------------------
+def _reduce(op: str):
+    small = L.KernelSpec(_RD, f"reduce_small_{op}", ("a", "a", "i64", "i64"))
+    block = L.KernelSpec(_RD, f"reduce_block_{op}", ("a", "a", "i64", "i64", "i64"), "rows")
+    partial = L.KernelSpec(_RD, f"reduce_partial_{op}", ("a", "acc", "i64", "i64", "i64"),
+                           "rows")
+    final = L.KernelSpec(_RD, f"reduce_final_{op}", ("acc", "a", "i64", "i64"), "rows")
+
+    def kernel(a: Array, out: Array, reduce_size: int) -> None:
+        rows, dtype = out.size, out.dtype
+        if rows == 0:
+            return
+        plan = L.plan_reduce(rows, reduce_size, runtime.num_sms(runtime.device_id()))
+        if plan.kind == "small":
+            runtime.launch(small, dtype, rows, a, out, rows, reduce_size)
+        elif plan.kind == "block":
+            runtime.launch(block, dtype, rows, a, out, rows, reduce_size, 1)
+        else:
+            work = Array(rows * plan.chunks, L.ACC_DTYPE[dtype])
+            runtime.launch(partial, dtype, rows * plan.chunks, a, work, rows, reduce_size,
+                           plan.chunks)
+            runtime.launch(final, dtype, rows, work, out, rows, plan.chunks)
+
+    kernel.__name__ = kernel.__qualname__ = f"reduce_{op}"
+    return kernel
+
+
+reduce_sum, reduce_max, reduce_min = _reduce("sum"), _reduce("max"), _reduce("min")
+
+
+# ---- matmul ------------------------------------------------------------------------------
+_MATMUL = L.KernelSpec(_MM, "matmul", ("a", "a", "a", "i64", "i64", "i64"), grid="matmul")
+_MATMUL_TILED = L.KernelSpec(_MM, "matmul_tiled", ("a", "a", "a", "i64", "i64", "i64", "i64"),
+                             grid="indexed")
+
+
+def set_matmul_impl(name: str) -> None:
+    """Choose ``matmul``'s path: ``"cublas"`` (CuPy, default) or ``"tiled"`` (our kernel)."""
+    global _matmul_impl
+    if name not in MATMUL_IMPLS:
+        raise ValueError(f"set_matmul_impl: unknown implementation, expected one of "
+                         f"{MATMUL_IMPLS}, got {name!r}")
+    _matmul_impl = name
+
+
+def get_matmul_impl() -> str:
+    return _matmul_impl
+
+
+def matmul(a: Array, b: Array, out: Array, m: int, n: int, p: int) -> None:
+    """``out (m×p) = a (m×n) @ b (n×p)``, compact row-major; overwrites ``out``."""
+    if m == 0 or p == 0:
+        return
+    if n == 0:
+        fill(out, 0.0)
+    elif _matmul_impl == "cublas":
+        _matmul_cublas(a, b, out, m, n, p)
+    else:
+        runtime.launch(_MATMUL, out.dtype, (m, p), a, b, out, m, n, p)
+
+
+def _matmul_cublas(a: Array, b: Array, out: Array, m: int, n: int, p: int) -> None:
+    cupy = runtime.cupy_module()
+    left = _cupy_view(a, m * n).reshape(m, n)
+    right = _cupy_view(b, n * p).reshape(n, p)
+    result = _cupy_view(out, m * p).reshape(m, p)
+    try:
+        cupy.matmul(left, right, out=result)
+    except TypeError:  # older CuPy without out=: one extra device copy
+        result[...] = cupy.matmul(left, right)
+
+
+def matmul_tiled(a: Array, b: Array, out: Array, m: int, n: int, p: int) -> None:
+    """The course's tiled layout with tile ``__tile_size__`` (see cuda_kernels/matmul.cu)."""
+    if m and p:
+        runtime.launch(_MATMUL_TILED, out.dtype, m * p, a, b, out, m, n, p, __tile_size__)
+
+
+# ---- threads -----------------------------------------------------------------------------
+def set_num_threads(n: int) -> None:
+    """Thread counts are the launcher's business on a GPU (256 per block): a no-op."""
+
+
+def get_num_threads() -> int:
+    return 1

@@ -1,0 +1,155 @@
+"""Dataset and DataLoader (NEEDLE_API §9).
+
+The DataLoader draws exactly one ``np.random.permutation(len(dataset))`` per pass, when the
+pass starts (``iter()``), and nothing else: the course's goldens depend on that. Its
+``state_dict()`` records the current pass's order and position so that a run can stop
+mid-epoch and resume with the very same remaining batches.
+
+Example:
+    >>> import numpy as np
+    >>> from needle.data import DataLoader, NDArrayDataset
+    >>> loader = DataLoader(NDArrayDataset(np.arange(10.0).reshape(5, 2)), batch_size=2)
+    >>> [b[0].shape for b in loader]
+    [(2, 2), (2, 2), (1, 2)]
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import numpy as np
+
+from .._core.errors import NeedleError, ShapeError
+from ..autograd import Tensor
+
+__all__ = ["Dataset", "DataLoader"]
+
+
+class Dataset:
+    """Abstract dataset: subclasses implement ``__getitem__`` and ``__len__``.
+
+    Args:
+        transforms: optional list of callables applied in order by :meth:`apply_transforms`.
+    """
+
+    def __init__(self, transforms: list | None = None):
+        self.transforms = transforms
+
+    def __getitem__(self, index) -> Any:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def apply_transforms(self, x):
+        if self.transforms is not None:
+            for transform in self.transforms:
+                x = transform(x)
+        return x
+
+
+def _split_batches(order: np.ndarray, batch_size: int) -> list[np.ndarray]:
+    return np.array_split(order, range(batch_size, len(order), batch_size))
+
+
+class DataLoader:
+    """Iterate over a dataset in minibatches of Tensors.
+
+    Args:
+        dataset: a :class:`Dataset` whose ``__getitem__`` accepts an index array and returns a
+            tuple of arrays with a leading batch axis (every needle dataset does; others are
+            fetched item by item and stacked).
+        batch_size: examples per batch; the last batch may be shorter unless ``drop_last``.
+        shuffle: draw a new random order (one ``np.random.permutation``) at each pass.
+        drop_last: skip a final short batch.
+        device, dtype: where the batch Tensors are created (default: the default device and
+            the course's dtype coercion).
+
+    Raises:
+        NeedleError: for a batch size below 1.
+    """
+
+    def __init__(self, dataset: Dataset, batch_size: int = 1, shuffle: bool = False, *,
+                 drop_last: bool = False, device=None, dtype=None):
+        if int(batch_size) < 1:
+            raise NeedleError(
+                f"DataLoader: batch_size must be positive, expected >= 1, got {batch_size}")
+        self.dataset = dataset
+        self.batch_size = int(batch_size)
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.device = device
+        self.dtype = dtype
+        self.ordering: list[np.ndarray] = _split_batches(np.arange(len(dataset)), self.batch_size)
+        self._batch_index = 0
+        self._started = False
+        self._resume_pending = False
+
+    def __len__(self) -> int:
+        n = len(self.dataset)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def __iter__(self) -> Iterator[tuple]:
+        if self._resume_pending:
+            # Continue the pass recorded by load_state_dict: no new permutation is drawn.
+            self._resume_pending = False
+            return self
+        n = len(self.dataset)
+        order = np.random.permutation(n) if self.shuffle else np.arange(n)
+        self.ordering = _split_batches(order, self.batch_size)
+        self._batch_index = 0
+        self._started = True
+        return self
+
+    def __next__(self) -> tuple:
+        if self._batch_index >= len(self.ordering):
+            raise StopIteration
+        indices = self.ordering[self._batch_index]
+        if self.drop_last and len(indices) < self.batch_size:
+            self._batch_index = len(self.ordering)
+            raise StopIteration
+        self._batch_index += 1
+        return tuple(Tensor(a, device=self.device, dtype=self.dtype, requires_grad=False)
+                     for a in self._fetch(indices))
+
+    def _fetch(self, indices: np.ndarray) -> tuple:
+        try:
+            batch = self.dataset[indices]
+        except (TypeError, IndexError, ValueError):
+            # A dataset that only understands integer indices: fetch and stack per item.
+            items = [self.dataset[int(i)] for i in indices]
+            items = [it if isinstance(it, tuple) else (it,) for it in items]
+            return tuple(np.stack([np.asarray(it[k]) for it in items])
+                         for k in range(len(items[0])))
+        return batch if isinstance(batch, tuple) else (batch,)
+
+    # ---- resumable position ------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The current pass's index order and the number of batches already served.
+
+        Example:
+            >>> import numpy as np
+            >>> from needle.data import DataLoader, NDArrayDataset
+            >>> dl = DataLoader(NDArrayDataset(np.zeros((6, 1))), 2, shuffle=True)
+            >>> it = iter(dl); _ = next(it); dl.state_dict()["batch_index"]
+            1
+        """
+        order = np.concatenate(self.ordering) if self.ordering else np.zeros(0, np.int64)
+        return {"order": order.astype(np.int64), "batch_index": self._batch_index,
+                "batch_size": self.batch_size, "in_pass": self._started}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a position: the next ``iter()`` continues that pass where it stopped.
+
+        Raises:
+            ShapeError: when the saved order does not cover this dataset.
+        """
+        order = np.asarray(state["order"], dtype=np.int64)
+        if order.shape != (len(self.dataset),):
+            raise ShapeError(
+                f"DataLoader.load_state_dict: order must cover the dataset, expected "
+                f"shape ({len(self.dataset)},), got {order.shape}")
+        self.batch_size = int(state.get("batch_size", self.batch_size))
+        self.ordering = _split_batches(order, self.batch_size)
+        self._batch_index = int(state["batch_index"])
+        self._started = bool(state.get("in_pass", True))
+        self._resume_pending = self._started

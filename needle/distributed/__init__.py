@@ -1,0 +1,55 @@
+"""needle.distributed: processes that communicate (layer L6).
+
+transport (mpi / tcp / thread) -> ProcessGroup -> point-to-point -> collectives -> DDP.
+
+Example:
+    >>> import numpy as np, needle.distributed as dist
+    >>> def job(rank):
+    ...     x = np.arange(3, dtype=np.float32) + rank
+    ...     dist.all_reduce(x, op="mean")
+    ...     return x.tolist()
+    >>> dist.spawn_threads(job, 2)
+    [[0.5, 1.5, 2.5], [0.5, 1.5, 2.5]]
+"""
+from __future__ import annotations
+
+from ._errors import CommError
+from ._group import ProcessGroup
+from ._work import Work
+from .collectives import (
+    all_gather,
+    all_reduce,
+    barrier,
+    broadcast,
+    gather,
+    reduce,
+    reduce_scatter,
+    scatter,
+)
+from .p2p import irecv, isend, recv, send
+from .process_group import (
+    destroy_process_group,
+    get_backend,
+    get_rank,
+    get_world_size,
+    init_process_group,
+    is_initialized,
+    new_group,
+    spawn_threads,
+)
+
+__all__ = [
+    "CommError", "ProcessGroup", "Work", "all_gather", "all_reduce", "barrier", "broadcast",
+    "destroy_process_group", "gather", "get_backend", "get_rank", "get_world_size", "init_process_group",
+    "irecv", "is_initialized", "isend", "new_group", "recv", "reduce", "reduce_scatter",
+    "scatter", "send", "spawn_threads",
+]
+
+
+def __getattr__(name: str):
+    # DDP needs the autograd; import it only when asked for.
+    if name == "DistributedDataParallel":
+        from .ddp import DistributedDataParallel
+
+        return DistributedDataParallel
+    raise AttributeError(f"module 'needle.distributed' has no attribute {name!r}")

@@ -1,0 +1,230 @@
+"""Collectives on Tensors, NDArrays and NumPy arrays, in place on the caller's objects.
+
+Each call validates its arguments on the calling thread, then runs (inline, or on the group's
+communication thread when ``async_op=True``) needle's own algorithm from ``_algorithms`` or,
+with ``algorithm="native"``, the transport's collective: ``MPI_Iallreduce`` and friends on mpi,
+a shared-memory reduction on thread; tcp has no native collectives.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from . import _algorithms as alg
+from ._buffers import Borrowed, borrow, dtype_name
+from ._errors import CommError, ShapeError
+from ._group import ProcessGroup, resolve
+from ._work import Work
+
+OPS = ("sum", "mean", "max", "min")
+
+
+def _op_name(op: str, where: str) -> str:
+    if op not in OPS:
+        raise CommError(f"{where}: unknown reduction, expected one of {OPS}, got {op!r}")
+    return op
+
+
+def _native(pg: ProcessGroup, where: str, algorithm: str, allowed: tuple[str, ...]) -> Any:
+    if algorithm not in allowed + ("native",):
+        raise CommError(
+            f"{where}: unknown algorithm, expected one of {allowed + ('native',)}, got {algorithm!r}"
+        )
+    if algorithm != "native":
+        return None
+    native = pg.coll.native()
+    if native is None or not hasattr(native, where):
+        raise CommError(
+            f"{where}: algorithm='native' needs a transport with its own {where} "
+            f"(mpi, thread), got backend {pg.backend!r}; use algorithm={allowed[0]!r}"
+        )
+    return native
+
+
+def _sig(where: str, arr: np.ndarray, **extra: Any) -> str:
+    more = " ".join(f"{k}={v}" for k, v in extra.items())
+    return f"{where} {dtype_name(arr)} {tuple(arr.shape)} {more}".strip()
+
+
+def _launch(pg: ProcessGroup, where: str, body: Callable[[alg.Op], None], signature: str,
+            timeout: float | None, async_op: bool) -> Work | None:
+    def run() -> None:
+        op = alg.Op(pg, where, pg.deadline(timeout))
+        alg.check_signature(op, signature)
+        body(op)
+
+    result = pg.run(run, async_op)
+    return result if async_op else None
+
+
+def all_reduce(tensor: Any, op: str = "sum", group: Any = None, async_op: bool = False,
+               algorithm: str = "ring", timeout: float | None = None) -> Work | None:
+    """Reduce ``tensor`` over all ranks of the group; every rank ends with the result.
+
+    Args:
+        op: "sum", "mean", "max" or "min".
+        algorithm: "ring" (needle's pipelined reduce-scatter + all-gather) or "native".
+        async_op: run on the communication thread and return a Work.
+
+    Example:
+        >>> import numpy as np, needle.distributed as dist
+        >>> def job(rank):
+        ...     x = np.array([[1, 2, 3], [1, 0, 1]][rank], dtype=np.float32)
+        ...     dist.all_reduce(x)
+        ...     return x.tolist()
+        >>> dist.spawn_threads(job, 2)
+        [[2.0, 2.0, 4.0], [2.0, 2.0, 4.0]]
+    """
+    pg = resolve(group, "all_reduce")
+    _op_name(op, "all_reduce")
+    native = _native(pg, "all_reduce", algorithm, ("ring",))
+    buf = borrow(tensor, "all_reduce")
+
+    def body(o: alg.Op) -> None:
+        flat = buf.arr.reshape(-1)
+        if native is not None:
+            native.all_reduce(flat, op, o.deadline)
+        else:
+            alg.ring_all_reduce(o, flat, op, pg.chunk_bytes)
+        buf.commit()
+
+    return _launch(pg, "all_reduce", body, _sig("all_reduce", buf.arr, op=op,
+                   algorithm=algorithm), timeout, async_op)
+
+
+def broadcast(tensor: Any, src: int = 0, group: Any = None, async_op: bool = False,
+              algorithm: str = "tree", timeout: float | None = None) -> Work | None:
+    """Copy ``tensor`` of rank ``src`` into ``tensor`` on every rank (chunked binomial tree)."""
+    pg = resolve(group, "broadcast")
+    pg.check_peer("broadcast", src, "src")
+    native = _native(pg, "broadcast", algorithm, ("tree",))
+    buf = borrow(tensor, "broadcast")
+
+    def body(o: alg.Op) -> None:
+        flat = buf.arr.reshape(-1)
+        if native is not None:
+            native.broadcast(flat, src, o.deadline)
+        else:
+            alg.tree_broadcast(o, flat, src, pg.chunk_bytes)
+        buf.commit()
+
+    return _launch(pg, "broadcast", body, _sig("broadcast", buf.arr, src=src), timeout, async_op)
+
+
+def reduce(tensor: Any, dst: int = 0, op: str = "sum", group: Any = None,
+           async_op: bool = False, timeout: float | None = None) -> Work | None:
+    """Reduce ``tensor`` over all ranks into ``tensor`` on rank ``dst`` (binomial tree); the
+    other ranks' tensors are left unchanged."""
+    pg = resolve(group, "reduce")
+    pg.check_peer("reduce", dst, "dst")
+    _op_name(op, "reduce")
+    buf = borrow(tensor, "reduce")
+
+    def body(o: alg.Op) -> None:
+        work = buf.arr.reshape(-1) if pg.rank == dst else buf.arr.reshape(-1).copy()
+        alg.tree_reduce(o, work, dst, op, pg.chunk_bytes)
+        if pg.rank == dst:
+            buf.commit()
+
+    return _launch(pg, "reduce", body, _sig("reduce", buf.arr, dst=dst, op=op), timeout, async_op)
+
+
+def _borrow_list(where: str, what: str, items: Any, like: np.ndarray, size: int,
+                 readonly: bool) -> list[Borrowed]:
+    if items is None or len(items) != size:
+        got = None if items is None else len(items)
+        raise ShapeError(f"{where}: {what} must hold one entry per rank, expected {size}, got {got}")
+    bufs = [borrow(t, where, readonly=readonly) for t in items]
+    for i, b in enumerate(bufs):
+        if b.arr.shape != like.shape or b.arr.dtype != like.dtype:
+            raise ShapeError(
+                f"{where}: {what}[{i}] must match the tensor, expected "
+                f"{dtype_name(like)} {like.shape}, got {dtype_name(b.arr)} {b.arr.shape}"
+            )
+    return bufs
+
+
+def all_gather(tensor_list: list, tensor: Any, group: Any = None, async_op: bool = False,
+               timeout: float | None = None) -> Work | None:
+    """Fill ``tensor_list[r]`` with rank r's ``tensor`` on every rank (ring all-gather)."""
+    pg = resolve(group, "all_gather")
+    mine = borrow(tensor, "all_gather", readonly=True)
+    outs = _borrow_list("all_gather", "tensor_list", tensor_list, mine.arr, pg.size, False)
+
+    def body(o: alg.Op) -> None:
+        flat = np.empty(pg.size * mine.arr.size, dtype=mine.arr.dtype)
+        parts = flat.reshape(pg.size, -1)
+        parts[pg.rank] = mine.arr.reshape(-1)
+        alg.ring_all_gather(o, flat, pg.chunk_bytes)
+        for r, out in enumerate(outs):
+            out.arr[...] = parts[r].reshape(mine.arr.shape)
+            out.commit()
+
+    return _launch(pg, "all_gather", body, _sig("all_gather", mine.arr), timeout, async_op)
+
+
+def reduce_scatter(output: Any, input_list: list, op: str = "sum", group: Any = None,
+                   async_op: bool = False, timeout: float | None = None) -> Work | None:
+    """``output`` on rank r becomes the reduction over ranks of ``input_list[r]`` (ring)."""
+    pg = resolve(group, "reduce_scatter")
+    _op_name(op, "reduce_scatter")
+    out = borrow(output, "reduce_scatter")
+    ins = _borrow_list("reduce_scatter", "input_list", input_list, out.arr, pg.size, True)
+
+    def body(o: alg.Op) -> None:
+        flat = np.concatenate([b.arr.reshape(-1) for b in ins])
+        alg.ring_reduce_scatter(o, flat, op, pg.chunk_bytes)
+        out.arr[...] = flat.reshape(pg.size, -1)[pg.rank].reshape(out.arr.shape)
+        out.commit()
+
+    return _launch(pg, "reduce_scatter", body, _sig("reduce_scatter", out.arr, op=op),
+                   timeout, async_op)
+
+
+def gather(tensor: Any, gather_list: list | None = None, dst: int = 0, group: Any = None,
+           async_op: bool = False, timeout: float | None = None) -> Work | None:
+    """Rank ``dst`` receives every rank's ``tensor`` into ``gather_list`` (others pass None)."""
+    pg = resolve(group, "gather")
+    pg.check_peer("gather", dst, "dst")
+    mine = borrow(tensor, "gather", readonly=True)
+    outs = _borrow_list("gather", "gather_list", gather_list, mine.arr, pg.size, False) \
+        if pg.rank == dst else None
+
+    def body(o: alg.Op) -> None:
+        alg.linear_gather(o, mine.arr, [b.arr for b in outs] if outs else None, dst)
+        for b in outs or ():
+            b.commit()
+
+    return _launch(pg, "gather", body, _sig("gather", mine.arr, dst=dst), timeout, async_op)
+
+
+def scatter(tensor: Any, scatter_list: list | None = None, src: int = 0, group: Any = None,
+            async_op: bool = False, timeout: float | None = None) -> Work | None:
+    """Rank r's ``tensor`` receives ``scatter_list[r]`` from rank ``src``."""
+    pg = resolve(group, "scatter")
+    pg.check_peer("scatter", src, "src")
+    mine = borrow(tensor, "scatter")
+    ins = _borrow_list("scatter", "scatter_list", scatter_list, mine.arr, pg.size, True) \
+        if pg.rank == src else None
+
+    def body(o: alg.Op) -> None:
+        alg.linear_scatter(o, mine.arr, [b.arr for b in ins] if ins else None, src)
+        mine.commit()
+
+    return _launch(pg, "scatter", body, _sig("scatter", mine.arr, src=src), timeout, async_op)
+
+
+def barrier(group: Any = None, async_op: bool = False, algorithm: str = "dissemination",
+            timeout: float | None = None) -> Work | None:
+    """Return once every rank of the group has entered the barrier."""
+    pg = resolve(group, "barrier")
+    native = _native(pg, "barrier", algorithm, ("dissemination",))
+
+    def body(o: alg.Op) -> None:
+        if native is not None:
+            native.barrier(o.deadline)
+        else:
+            alg.dissemination_barrier(o)
+
+    return _launch(pg, "barrier", body, "barrier", timeout, async_op)

@@ -1,0 +1,190 @@
+"""Starting and stopping process groups: init_process_group, new_group, destroy_process_group,
+and ``spawn_threads`` for the in-process thread backend."""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Callable
+
+from . import _group
+from ._errors import CommError
+from ._group import DEFAULT_TIMEOUT, NonMemberGroup, ProcessGroup, current_state
+
+BACKENDS = ("mpi", "tcp", "thread")
+
+
+def _default_backend() -> str:
+    """mpi under mpiexec, tcp under needle's tcp launcher, else mpi (a singleton world)."""
+    if "NEEDLE_DIST_BACKEND" in os.environ:
+        return os.environ["NEEDLE_DIST_BACKEND"]
+    if "PMI_RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ:
+        return "mpi"
+    if "RANK" in os.environ and "MASTER_PORT" in os.environ:
+        return "tcp"
+    return "mpi"
+
+
+def _env_int(name: str, given: int | None) -> int:
+    if given is not None:
+        return int(given)
+    if name not in os.environ:
+        raise CommError(f"init_process_group: backend 'tcp' needs {name}, expected it as an "
+                        "argument or environment variable, got neither")
+    return int(os.environ[name])
+
+
+def _transport(backend: str, rank: int | None, world_size: int | None, timeout: float,
+               world: Any) -> Any:
+    if backend == "mpi":
+        from ._mpi_transport import MpiTransport
+
+        transport = MpiTransport()
+        for name, given, actual in (("rank", rank, transport.rank),
+                                    ("world_size", world_size, transport.size)):
+            if given is not None and given != actual:
+                raise CommError(f"init_process_group: {name} differs from MPI's, expected "
+                                f"{actual}, got {given}")
+        return transport
+    if backend == "tcp":
+        from ._tcp_transport import TcpTransport
+
+        return TcpTransport(_env_int("RANK", rank), _env_int("WORLD_SIZE", world_size),
+                            os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                            _env_int("MASTER_PORT", None), timeout)
+    from ._thread_transport import ThreadTransport
+
+    if world is None or rank is None:
+        raise CommError("init_process_group: backend 'thread' needs rank= and world= "
+                        "(use dist.spawn_threads), got none")
+    return ThreadTransport(rank, world)
+
+
+def init_process_group(backend: str | None = None, timeout: float = DEFAULT_TIMEOUT,
+                       rank: int | None = None, world_size: int | None = None,
+                       world: Any = None) -> ProcessGroup:
+    """Join the default process group.
+
+    Args:
+        backend: "mpi" (start with mpiexec or the launcher), "tcp" (reads RANK, WORLD_SIZE,
+            MASTER_ADDR, MASTER_PORT), "thread" (ranks are threads; see spawn_threads).
+            None picks mpi under mpiexec and tcp when RANK/MASTER_PORT are set.
+        timeout: seconds any blocking call of this group may wait before raising CommError.
+
+    Example:
+        >>> import needle.distributed as dist
+        >>> dist.spawn_threads(lambda rank: (dist.get_rank(), dist.get_world_size()), 2)
+        [(0, 2), (1, 2)]
+    """
+    backend = backend or _default_backend()
+    if backend not in BACKENDS:
+        raise CommError(f"init_process_group: unknown backend, expected one of {BACKENDS}, "
+                        f"got {backend!r}")
+    if current_state() is not None:
+        raise CommError("init_process_group: already initialized, expected one call per "
+                        "process (call destroy_process_group first)")
+    transport = _transport(backend, rank, world_size, timeout, world)
+    ranks = list(range(transport.size))
+    group = ProcessGroup(transport, transport.channels(2, ranks), timeout)
+    _group.set_state(_group._State(transport, group), thread_local=backend == "thread")
+    return group
+
+
+def is_initialized() -> bool:
+    return current_state() is not None
+
+
+def _world(op: str) -> _group._State:
+    state = current_state()
+    if state is None:
+        raise CommError(f"{op}: no process group, expected dist.init_process_group() first")
+    return state
+
+
+def get_rank(group: Any = None) -> int:
+    """This process's rank in ``group`` (default: the world)."""
+    return _group.resolve(group, "get_rank").rank
+
+
+def get_world_size(group: Any = None) -> int:
+    """Number of ranks in ``group`` (default: the world)."""
+    return _group.resolve(group, "get_world_size").size
+
+
+def get_backend(group: Any = None) -> str:
+    """"mpi", "tcp" or "thread"."""
+    return _group.resolve(group, "get_backend").backend
+
+
+def new_group(ranks: list[int] | None = None, timeout: float | None = None) -> Any:
+    """A group of some world ranks. Every rank of the world must call it, in the same order.
+
+    Returns a ProcessGroup on members and a placeholder that raises on use elsewhere.
+    """
+    state = _world("new_group")
+    size = state.world.size
+    ranks = list(range(size)) if ranks is None else [int(r) for r in ranks]
+    if len(set(ranks)) != len(ranks) or not all(0 <= r < size for r in ranks) or not ranks:
+        raise CommError(f"new_group: ranks must be distinct world ranks in [0, {size}), "
+                        f"got {ranks}")
+    channels = state.transport.channels(2, ranks)
+    if channels is None:
+        return NonMemberGroup(ranks, state.world.rank)
+    group = ProcessGroup(state.transport, channels,
+                         state.world.timeout if timeout is None else timeout)
+    state.groups.append(group)
+    return group
+
+
+def destroy_process_group(group: Any = None) -> None:
+    """Close ``group``, or everything (and the transport) when ``group`` is None."""
+    state = current_state()
+    if state is None:
+        return
+    if group is not None:
+        if isinstance(group, ProcessGroup):
+            group.destroy()
+        return
+    for g in state.groups:
+        g.destroy()
+    state.transport.close()
+    _group.set_state(None, thread_local=state.transport.backend == "thread")
+
+
+def spawn_threads(fn: Callable[..., Any], world_size: int, *args: Any,
+                  timeout: float = 60.0) -> list[Any]:
+    """Run ``fn(rank, *args)`` on ``world_size`` threads, each the rank of a thread-backend
+    group, and return their results in rank order. The first failure is re-raised.
+
+    Example:
+        >>> import needle.distributed as dist
+        >>> dist.spawn_threads(lambda rank: rank * 10, 3)
+        [0, 10, 20]
+    """
+    from ._thread_transport import ThreadWorld
+
+    world = ThreadWorld(world_size)
+    results: list[Any] = [None] * world_size
+    errors: list[tuple[int, BaseException]] = []
+
+    def main(rank: int) -> None:
+        try:
+            init_process_group("thread", timeout=timeout, rank=rank, world=world)
+            results[rank] = fn(rank, *args)
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+            errors.append((rank, exc))
+        finally:
+            destroy_process_group()
+
+    threads = [threading.Thread(target=main, args=(r,), name=f"needle-rank-{r}")
+               for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 30.0)
+    if any(t.is_alive() for t in threads):
+        raise CommError(f"spawn_threads: ranks {[i for i, t in enumerate(threads) if t.is_alive()]}"
+                        f" still running after {timeout + 30.0:g} s")
+    if errors:
+        errors.sort(key=lambda e: e[0])
+        raise errors[0][1]
+    return results

@@ -1,0 +1,95 @@
+"""Basic tensor factories: random (uniform, normal, Bernoulli), constant, one-hot.
+
+Every random factory consumes NumPy's global generator through ``device.rand``/``randn``
+exactly once, with the full shape (NEEDLE_API §11): course goldens depend on it.
+
+Example:
+    >>> from needle import init
+    >>> init.constant(2, 2, c=3.0).numpy().tolist()
+    [[3.0, 3.0], [3.0, 3.0]]
+"""
+from __future__ import annotations
+
+from ..autograd import Tensor
+from ..backend_selection import BACKEND, default_device
+
+__all__ = ["rand", "randn", "constant", "ones", "zeros", "randb", "one_hot",
+           "zeros_like", "ones_like"]
+
+_ND = BACKEND == "nd"
+
+
+def _device(device):
+    return default_device() if device is None else device
+
+
+def _draw(device, kind: str, shape: tuple, dtype):
+    # nd devices take a dtype for the array they build; np-mode devices always give float64
+    # (the course draws in float64 there and casts when the Tensor is made).
+    fn = getattr(device, kind)
+    if _ND and dtype in ("float64", "float16"):
+        return fn(*shape, dtype=dtype)
+    return fn(*shape)
+
+
+def rand(*shape, low=0.0, high=1.0, device=None, dtype="float32", requires_grad=False):
+    """Uniform samples in [low, high): ``rand(shape) * (high - low) + low``."""
+    device = _device(device)
+    array = _draw(device, "rand", shape, dtype) * (high - low) + low
+    return Tensor(array, device=device, dtype=dtype, requires_grad=requires_grad)
+
+
+def randn(*shape, mean=0.0, std=1.0, device=None, dtype="float32", requires_grad=False):
+    """Normal samples: ``randn(shape) * std + mean``."""
+    device = _device(device)
+    array = _draw(device, "randn", shape, dtype) * std + mean
+    return Tensor(array, device=device, dtype=dtype, requires_grad=requires_grad)
+
+
+def constant(*shape, c=1.0, device=None, dtype="float32", requires_grad=False):
+    """A tensor filled with ``c`` (no random draw)."""
+    device = _device(device)
+    array = device.full(shape, c, dtype=dtype)
+    return Tensor(array, device=device, dtype=dtype, requires_grad=requires_grad)
+
+
+def ones(*shape, device=None, dtype="float32", requires_grad=False):
+    """A tensor of ones."""
+    return constant(*shape, c=1.0, device=device, dtype=dtype, requires_grad=requires_grad)
+
+
+def zeros(*shape, device=None, dtype="float32", requires_grad=False):
+    """A tensor of zeros."""
+    return constant(*shape, c=0.0, device=device, dtype=dtype, requires_grad=requires_grad)
+
+
+def randb(*shape, p=0.5, device=None, dtype="bool", requires_grad=False):
+    """Bernoulli(p) samples: ``rand(shape) <= p`` (nd mode stores them as float32 0/1)."""
+    device = _device(device)
+    array = device.rand(*shape) <= p
+    return Tensor(array, device=device, dtype=dtype, requires_grad=requires_grad)
+
+
+def one_hot(n, i, device=None, dtype="float32", requires_grad=False):
+    """Rows of the n×n identity picked by the integer values of Tensor ``i``."""
+    device = _device(device)
+    indices = i.numpy().astype("int32") if isinstance(i, Tensor) else _int_array(i)
+    return Tensor(device.one_hot(n, indices, dtype=dtype), device=device, dtype=dtype,
+                  requires_grad=requires_grad)
+
+
+def _int_array(i):
+    import numpy as np
+    return np.asarray(i).astype("int32")
+
+
+def zeros_like(array, *, device=None, requires_grad=False):
+    """Zeros with ``array``'s shape and dtype, on ``device`` (default: ``array``'s)."""
+    device = device if device is not None else array.device
+    return zeros(*array.shape, dtype=array.dtype, device=device, requires_grad=requires_grad)
+
+
+def ones_like(array, *, device=None, requires_grad=False):
+    """Ones with ``array``'s shape and dtype, on ``device`` (default: ``array``'s)."""
+    device = device if device is not None else array.device
+    return ones(*array.shape, dtype=array.dtype, device=device, requires_grad=requires_grad)

@@ -1,0 +1,43 @@
+"""needle.memory (layer L2): measure, plan and explain memory.
+
+* measure: every buffer of a Python backend comes from a :class:`CachingAllocator`;
+  :func:`stats`, :func:`reset_peak`, :func:`empty_cache`, :func:`category`, :func:`record`,
+  :func:`plot_timeline`;
+* plan: :func:`plan` places a graph's intermediates in one arena (liveness, greedy by size);
+* explain: :func:`estimate` predicts a training step's bytes, :func:`compare` lays the
+  prediction beside measured peaks.
+
+The contract with the layers around it is docs/memory.md.
+
+Example:
+    >>> import needle.memory as mem
+    >>> mem.estimate(num_params=1_000_000, margin=0).model_state_bytes
+    16000000
+"""
+from __future__ import annotations
+
+from .caching_allocator import Block, CachingAllocator
+from .categories import CATEGORIES, category, current_category, framework_category
+from .ledger import Comparison, Ledger, compare, estimate
+from .planner import Graph, OpNode, Plan, TensorSpec, plan
+from .registry import (
+    attribute,
+    empty_cache,
+    get_allocator,
+    install_python_allocators,
+    register_allocator,
+    reset_peak,
+    stats,
+)
+from .timeline import Event, Timeline, current_op, plot_timeline, record, set_current_op
+
+__all__ = [
+    "stats", "reset_peak", "empty_cache", "category", "record", "plot_timeline", "plan",
+    "estimate", "compare",
+    # framework-facing
+    "framework_category", "current_category", "attribute", "set_current_op", "current_op",
+    "register_allocator", "get_allocator", "CachingAllocator", "Block", "CATEGORIES",
+    "Graph", "OpNode", "TensorSpec", "Plan", "Ledger", "Comparison", "Event", "Timeline",
+]
+
+install_python_allocators()

@@ -1,0 +1,424 @@
+"""A caching allocator over raw byte segments, with exact statistics per category.
+
+Blocks are cut from segments (1-D ``uint8`` arrays: NumPy here, CuPy through
+``segment_factory`` later). Freed blocks stay cached in free lists keyed by size and are
+handed out again, so a training loop that repeats the same shapes stops asking the system for
+memory after its first step (fresh pages cost ~10x the arithmetic on our machines).
+
+Size classes (the rounding rule, see docs/memory.md):
+
+* block size = request rounded up to a multiple of 512 B (a 0 B request takes 512 B);
+* small pool (block <= 1 MiB): blocks are cut from 2 MiB segments;
+* large pool (block > 1 MiB): a fresh segment is the block rounded up to 2 MiB; a cut leaves the
+  remainder as its own free block only if it is larger than 1 MiB, otherwise the whole block is
+  handed out (and counted in ``allocated_bytes``);
+* reuse is best fit within the pool (LIFO among equal sizes); freed neighbours coalesce;
+  :meth:`CachingAllocator.empty_cache` returns segments that are entirely free.
+
+Example:
+    >>> alloc = CachingAllocator("demo")
+    >>> a = alloc.allocate(1000); a.size, a.requested
+    (1024, 1000)
+    >>> a.release(); b = alloc.allocate(600)
+    >>> alloc.stats()["num_reused"], alloc.stats()["reserved_bytes"] == 2 * 2**20
+    (1, True)
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+import threading
+from typing import Callable
+
+import numpy as np
+
+from . import timeline as _timeline
+from ._errors import MemoryArgumentError
+from .categories import CATEGORIES, check_category, resolve
+
+__all__ = ["CachingAllocator", "Block", "round_size", "KiB", "MiB", "BLOCK_ROUND",
+           "SMALL_LIMIT", "SMALL_SEGMENT", "LARGE_ROUND", "MIN_LARGE_SPLIT", "ALIGNMENT"]
+
+KiB = 1024
+MiB = 1024 * KiB
+ALIGNMENT = 256          # every block starts on a 256-byte boundary (kernels rely on it)
+BLOCK_ROUND = 512        # block sizes are multiples of this
+SMALL_LIMIT = 1 * MiB    # blocks up to this size live in the small pool
+SMALL_SEGMENT = 2 * MiB  # small-pool segment size
+LARGE_ROUND = 2 * MiB    # large-pool segments are multiples of this
+MIN_LARGE_SPLIT = 1 * MiB  # a large block is split only if the remainder exceeds this
+
+_SMALL, _LARGE = 0, 1
+
+
+def round_size(nbytes: int) -> int:
+    """Block size for a request of ``nbytes`` (multiple of 512, at least 512).
+
+    Example:
+        >>> round_size(0), round_size(512), round_size(513)
+        (512, 512, 1024)
+    """
+    return max(BLOCK_ROUND, -(-nbytes // BLOCK_ROUND) * BLOCK_ROUND)
+
+
+def _numpy_segment(nbytes: int) -> np.ndarray:
+    # Over-allocate so the segment can start on an ALIGNMENT boundary.
+    raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
+    shift = (-raw.ctypes.data) % ALIGNMENT
+    return raw[shift:shift + nbytes]
+
+
+class _Segment:
+    __slots__ = ("id", "size", "data", "pool")
+
+    def __init__(self, seg_id: int, size: int, data, pool: int):
+        self.id, self.size, self.data, self.pool = seg_id, size, data, pool
+
+
+class Block:
+    """A contiguous piece of a segment; handed out by :meth:`CachingAllocator.allocate`.
+
+    ``size`` is the rounded block size, ``requested`` the bytes asked for.
+    """
+
+    __slots__ = ("allocator", "segment", "offset", "size", "requested", "category", "prev",
+                 "next", "free", "id")
+
+    def __init__(self, allocator, segment: _Segment, offset: int, size: int, block_id: int):
+        self.allocator = allocator
+        self.segment = segment
+        self.offset = offset
+        self.size = size
+        self.requested = 0
+        self.category = "other"
+        self.prev: Block | None = None
+        self.next: Block | None = None
+        self.free = True
+        self.id = block_id
+
+    def view(self, dtype="uint8", count: int | None = None):
+        """Typed 1-D view of the block's first ``count`` elements (default: requested bytes)."""
+        dtype = np.dtype(dtype)
+        if count is None:
+            count = self.requested // dtype.itemsize
+        if self.free or count * dtype.itemsize > self.size:
+            raise MemoryArgumentError(
+                f"view: expected a live block of at least {count * dtype.itemsize} bytes, "
+                f"got {self!r}")
+        start = self.offset
+        return self.segment.data[start:start + count * dtype.itemsize].view(dtype)
+
+    def ptr(self) -> int:
+        """Address of the block's first byte (NumPy segments only)."""
+        return int(self.segment.data.ctypes.data) + self.offset
+
+    def release(self) -> None:
+        """Give the block back to its allocator (exactly once)."""
+        self.allocator.release(self)
+
+    def __repr__(self) -> str:
+        state = "free" if self.free else self.category
+        return f"Block(id={self.id}, offset={self.offset}, size={self.size}, {state})"
+
+
+def _new_category_row() -> dict[str, int]:
+    return {"current": 0, "peak": 0, "current_requested": 0, "peak_requested": 0}
+
+
+class CachingAllocator:
+    """Caching allocator for one device (see the module docstring for the size classes).
+
+    Args:
+        name: device name used in statistics and timeline events.
+        segment_factory: ``fn(nbytes) -> 1-D uint8 array`` returning fresh memory
+            (default: 256-byte aligned NumPy arrays).
+    """
+
+    def __init__(self, name: str = "cpu_numpy",
+                 segment_factory: Callable[[int], object] | None = None):
+        self.name = name
+        self._factory = segment_factory or _numpy_segment
+        self._lock = threading.RLock()
+        self._depth = 0            # >0 while this thread is inside allocate/release/retag
+        self._pending: list[Block] = []  # releases that arrived re-entrantly (GC inside a call)
+        self._ids = itertools.count(1)
+        self._segments: dict[int, _Segment] = {}
+        self._head: dict[int, Block] = {}   # first block of each segment, by segment id
+        # Per pool: block size -> {block: None} (an insertion-ordered set, popped LIFO).
+        self._free: tuple[dict[int, dict[Block, None]], ...] = ({}, {})
+        self._free_sizes: tuple[list[int], list[int]] = ([], [])
+        self._reset_counters()
+
+    def _reset_counters(self) -> None:
+        self._allocated = self._requested = self._reserved = 0
+        self._peak = self._peak_requested = self._peak_reserved = 0
+        self._num_allocs = self._num_frees = self._num_reused = 0
+        self._num_segment_allocs = self._num_segment_frees = 0
+        self._by_category = {c: _new_category_row() for c in CATEGORIES}
+
+    # ---- public API -------------------------------------------------------------------
+    def allocate(self, nbytes: int, dtype=None, category: str | None = None) -> Block:
+        """Return a live block of at least ``nbytes`` bytes.
+
+        Args:
+            nbytes: bytes wanted (>= 0).
+            dtype: accepted for the protocol; blocks are untyped (use :meth:`Block.view`).
+            category: a hint (e.g. ``"workspace"``); a user ``category()`` block wins over it.
+
+        Raises:
+            MemoryArgumentError: negative size or unknown category.
+        """
+        if nbytes.__class__ is not int:
+            if not isinstance(nbytes, (int, np.integer)) or isinstance(nbytes, bool):
+                raise MemoryArgumentError(
+                    f"allocate: bad size, expected a non-negative int, got {nbytes!r}")
+            nbytes = int(nbytes)
+        if nbytes < 0:
+            raise MemoryArgumentError(
+                f"allocate: bad size, expected a non-negative int, got {nbytes!r}")
+        if category is not None:
+            check_category(category, "allocate")
+        cat = resolve(category)
+        with self._lock:
+            self._depth += 1
+            try:
+                return self._allocate(nbytes, cat)
+            finally:
+                self._leave()
+
+    def release(self, block: Block) -> None:
+        """Return ``block`` to the cache.
+
+        Raises:
+            MemoryArgumentError: the block is already free or belongs to another allocator.
+        """
+        if block.allocator is not self or block.free:
+            raise MemoryArgumentError(
+                f"release: expected a live block of allocator {self.name!r}, got {block!r}")
+        with self._lock:
+            if self._depth:
+                # Re-entered from a destructor run by the GC in the middle of another call on
+                # this thread: the free lists may be mid-update, so defer.
+                if any(b is block for b in self._pending):
+                    raise MemoryArgumentError(
+                        f"release: expected a live block, got {block!r} (already released)")
+                self._pending.append(block)
+                return
+            self._depth += 1
+            try:
+                self._release(block)
+            finally:
+                self._leave()
+
+    def retag(self, block, category: str) -> None:
+        """Move a live block's bytes to ``category`` (a user ``category()`` block wins).
+
+        ``block`` may be a :class:`Block` or an object holding one as ``_block`` (an L1
+        ``Array``); objects without a block are ignored (memory this allocator does not own).
+        """
+        check_category(category, "retag")
+        block = block if isinstance(block, Block) else getattr(block, "_block", None)
+        if block is None or block.allocator is not self or block.free:
+            return
+        new = resolve(category)
+        with self._lock:
+            old = block.category
+            if old == new:
+                return
+            self._count(old, -block.size, -block.requested)
+            block.category = new
+            self._count(new, block.size, block.requested)
+            if _timeline._RECORDERS:
+                self._emit("retag", block, False, prev_category=old)
+
+    def empty_cache(self) -> int:
+        """Return every wholly free segment to the system; returns the bytes released."""
+        with self._lock:
+            released = 0
+            for seg_id, seg in list(self._segments.items()):
+                block = self._head[seg_id]
+                if not block.free or block.next is not None:
+                    continue
+                self._unlink_free(block)
+                del self._segments[seg_id]
+                del self._head[seg_id]
+                block.segment = None
+                self._reserved -= seg.size
+                self._num_segment_frees += 1
+                released += seg.size
+            return released
+
+    def reset_peak(self) -> None:
+        """Set every peak (total, requested, reserved, per category) to its current value."""
+        with self._lock:
+            self._peak = self._allocated
+            self._peak_requested = self._requested
+            self._peak_reserved = self._reserved
+            for row in self._by_category.values():
+                row["peak"] = row["current"]
+                row["peak_requested"] = row["current_requested"]
+
+    def stats(self) -> dict:
+        """A snapshot of the statistics (see docs/memory.md for every field)."""
+        with self._lock:
+            return {
+                "device": self.name,
+                "allocated_bytes": self._allocated,
+                "requested_bytes": self._requested,
+                "peak_bytes": self._peak,
+                "peak_requested_bytes": self._peak_requested,
+                "reserved_bytes": self._reserved,
+                "peak_reserved_bytes": self._peak_reserved,
+                "cached_bytes": self._reserved - self._allocated,
+                "num_allocs": self._num_allocs,
+                "num_frees": self._num_frees,
+                "num_reused": self._num_reused,
+                "num_segments": len(self._segments),
+                "num_segment_allocs": self._num_segment_allocs,
+                "num_segment_frees": self._num_segment_frees,
+                "by_category": {c: dict(r) for c, r in self._by_category.items()},
+            }
+
+    def free_blocks(self) -> list[tuple[int, int, int]]:
+        """Cached free blocks as sorted ``(segment id, offset, size)`` (for tests and debugging)."""
+        with self._lock:
+            return sorted((b.segment.id, b.offset, b.size)
+                          for pool in self._free for bucket in pool.values() for b in bucket)
+
+    # ---- private: the work, with the lock held --------------------------------------------
+    # The hot paths (_allocate, _release) are written out flat: they run once per NDArray and
+    # small models are dispatch-bound (PERF_NOTES), so every attribute lookup counts.
+    def _leave(self) -> None:
+        self._depth -= 1
+        if self._pending and not self._depth:
+            self._depth += 1
+            try:
+                while self._pending:
+                    self._release(self._pending.pop())
+            finally:
+                self._depth -= 1
+
+    def _allocate(self, nbytes: int, cat: str) -> Block:
+        size = BLOCK_ROUND if nbytes <= BLOCK_ROUND else -(-nbytes // BLOCK_ROUND) * BLOCK_ROUND
+        small = size <= SMALL_LIMIT
+        pool = _SMALL if small else _LARGE
+        buckets = self._free[pool]
+        bucket = buckets.get(size)
+        if bucket is None:
+            sizes = self._free_sizes[pool]
+            i = bisect.bisect_left(sizes, size)
+            if i < len(sizes):
+                bucket = buckets[sizes[i]]
+        if bucket is None:
+            block = self._new_segment(pool, size)
+            new_segment = True
+        else:
+            block = bucket.popitem()[0]  # LIFO: the most recently freed block is warmest
+            if not bucket:
+                del buckets[block.size]
+                self._free_sizes[pool].remove(block.size)
+            self._num_reused += 1
+            new_segment = False
+        rest = block.size - size
+        if rest and (small or rest > MIN_LARGE_SPLIT):
+            self._split(block, size, rest)
+        block.free = False
+        block.requested = nbytes
+        block.category = cat
+        self._num_allocs += 1
+        self._allocated += block.size
+        self._requested += nbytes
+        if self._allocated > self._peak:
+            self._peak = self._allocated
+        if self._requested > self._peak_requested:
+            self._peak_requested = self._requested
+        self._count(cat, block.size, nbytes)
+        if _timeline._RECORDERS:
+            self._emit("alloc", block, new_segment)
+        return block
+
+    def _release(self, block: Block) -> None:
+        block.free = True
+        self._num_frees += 1
+        self._allocated -= block.size
+        self._requested -= block.requested
+        self._count(block.category, -block.size, -block.requested)
+        if _timeline._RECORDERS:
+            self._emit("free", block, False)
+        block.requested = 0
+        prev = block.prev
+        if prev is not None and prev.free:
+            self._unlink_free(prev)
+            self._absorb(prev, block)
+            block = prev
+        nxt = block.next
+        if nxt is not None and nxt.free:
+            self._unlink_free(nxt)
+            self._absorb(block, nxt)
+        self._link_free(block)
+
+    def _count(self, cat: str, size: int, requested: int) -> None:
+        row = self._by_category[cat]
+        cur = row["current"] = row["current"] + size
+        if cur > row["peak"]:
+            row["peak"] = cur
+        req = row["current_requested"] = row["current_requested"] + requested
+        if req > row["peak_requested"]:
+            row["peak_requested"] = req
+
+    def _emit(self, kind: str, block: Block, new_segment: bool,
+              prev_category: str | None = None) -> None:
+        _timeline.emit(_timeline.Event(
+            kind=kind, device=self.name, nbytes=block.size, requested=block.requested,
+            category=block.category, op=_timeline.current_op(), block=block.id,
+            new_segment=new_segment, allocated_bytes=self._allocated,
+            prev_category=prev_category))
+
+    def _new_segment(self, pool: int, size: int) -> Block:
+        seg_size = SMALL_SEGMENT if pool == _SMALL else -(-size // LARGE_ROUND) * LARGE_ROUND
+        seg = _Segment(next(self._ids), seg_size, self._factory(seg_size), pool)
+        self._segments[seg.id] = seg
+        # The offset-0 block of a segment is never absorbed by a neighbour (absorption keeps
+        # the lower block), so this head stays valid for the segment's whole life.
+        block = self._head[seg.id] = Block(self, seg, 0, seg_size, next(self._ids))
+        self._reserved += seg_size
+        if self._reserved > self._peak_reserved:
+            self._peak_reserved = self._reserved
+        self._num_segment_allocs += 1
+        return block
+
+    def _split(self, block: Block, size: int, rest: int) -> None:
+        """Shrink ``block`` to ``size``; the cut-off ``rest`` becomes a cached free block."""
+        tail = Block(self, block.segment, block.offset + size, rest, next(self._ids))
+        tail.prev = block
+        tail.next = block.next
+        if block.next is not None:
+            block.next.prev = tail
+        block.next = tail
+        block.size = size
+        self._link_free(tail)
+
+    @staticmethod
+    def _absorb(first: Block, second: Block) -> None:
+        """Merge ``second`` (the next block in the segment) into ``first``."""
+        first.size += second.size
+        first.next = second.next
+        if second.next is not None:
+            second.next.prev = first
+        second.segment = None  # a stale handle to it can no longer read the bytes
+
+    def _link_free(self, block: Block) -> None:
+        buckets = self._free[block.segment.pool]
+        bucket = buckets.get(block.size)
+        if bucket is None:
+            bucket = buckets[block.size] = {}
+            bisect.insort(self._free_sizes[block.segment.pool], block.size)
+        bucket[block] = None
+
+    def _unlink_free(self, block: Block) -> None:
+        pool = block.segment.pool
+        bucket = self._free[pool][block.size]
+        del bucket[block]
+        if not bucket:
+            del self._free[pool][block.size]
+            self._free_sizes[pool].remove(block.size)

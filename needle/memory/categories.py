@@ -1,0 +1,147 @@
+"""Memory categories: which part of training a buffer belongs to.
+
+Every allocation is attributed to one of :data:`CATEGORIES`. The framework sets the category
+(``framework_category``: forward ops are ``activation``, backward ``gradient``, ...); a user
+``with category(name):`` block overrides the framework inside it. The state is thread-local, so a
+communication thread does not inherit the main thread's category.
+
+Resolution order (:func:`resolve`): innermost user ``category`` > explicit hint passed by the
+caller (e.g. L1's ``workspace``) > innermost ``framework_category`` > ``"other"``.
+
+Example:
+    >>> from needle.memory.categories import category, current_category
+    >>> with category("optimizer"):
+    ...     current_category()
+    'optimizer'
+    >>> current_category()
+    'other'
+"""
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+from ._errors import MemoryArgumentError
+
+__all__ = ["CATEGORIES", "category", "framework_category", "current_category", "resolve",
+           "check_category", "add_listener", "remove_listener"]
+
+CATEGORIES = ("weight", "gradient", "optimizer", "activation", "workspace", "other")
+_CATEGORY_SET = frozenset(CATEGORIES)
+_DEFAULT = "other"
+
+
+class _State(threading.local):
+    def __init__(self) -> None:
+        self.user: list[str] = []
+        self.framework: list[str] = []
+
+
+_STATE = _State()
+# Listeners learn the resolved category whenever a scope opens or closes; the C++ allocator
+# keeps its own "current category" and is kept in sync this way.
+_LISTENERS: list[Callable[[str], None]] = []
+
+
+def check_category(name: str, op: str = "category") -> str:
+    """Return ``name`` if it is a known category, else raise :class:`MemoryArgumentError`.
+
+    Example:
+        >>> check_category("weight")
+        'weight'
+    """
+    if name not in _CATEGORY_SET:
+        raise MemoryArgumentError(
+            f"{op}: unknown memory category, expected one of {list(CATEGORIES)}, got {name!r}")
+    return name
+
+
+def resolve(hint: str | None = None) -> str:
+    """The category an allocation made now is attributed to (see the module docstring).
+
+    ``hint`` is assumed valid (callers inside needle pass constants).
+
+    Example:
+        >>> resolve("workspace")
+        'workspace'
+    """
+    state = _STATE
+    if state.user:
+        return state.user[-1]
+    if hint is not None:
+        return hint
+    if state.framework:
+        return state.framework[-1]
+    return _DEFAULT
+
+
+def current_category() -> str:
+    """The category of an allocation made now without a hint.
+
+    Example:
+        >>> current_category()
+        'other'
+    """
+    return resolve(None)
+
+
+def _notify() -> None:
+    if _LISTENERS:
+        name = resolve(None)
+        for fn in list(_LISTENERS):
+            fn(name)
+
+
+@contextmanager
+def _scope(stack: list[str], name: str) -> Iterator[str]:
+    stack.append(name)
+    _notify()
+    try:
+        yield name
+    finally:
+        stack.pop()
+        _notify()
+
+
+def category(name: str):
+    """Attribute every allocation (and framework re-attribution) inside the block to ``name``.
+
+    Args:
+        name: one of :data:`CATEGORIES`.
+
+    Raises:
+        MemoryArgumentError: for an unknown name.
+
+    Example:
+        >>> with category("workspace"):
+        ...     resolve("activation")
+        'workspace'
+    """
+    check_category(name)
+    return _scope(_STATE.user, name)
+
+
+def framework_category(name: str):
+    """Default category for allocations inside the block; a user ``category`` wins over it.
+
+    Used by the autograd engine (``activation``, ``gradient``) and optimizers (``optimizer``).
+
+    Example:
+        >>> with framework_category("activation"):
+        ...     current_category()
+        'activation'
+    """
+    check_category(name, "framework_category")
+    return _scope(_STATE.framework, name)
+
+
+def add_listener(fn: Callable[[str], None]) -> None:
+    """Call ``fn(resolved_name)`` each time a category scope opens or closes (any thread)."""
+    _LISTENERS.append(fn)
+
+
+def remove_listener(fn: Callable[[str], None]) -> None:
+    """Undo :func:`add_listener`; unknown listeners are ignored."""
+    if fn in _LISTENERS:
+        _LISTENERS.remove(fn)

@@ -1,0 +1,244 @@
+"""Basic layers of the course: Linear, activations, containers, losses, norms, dropout.
+
+Creation order of parameters is the order of random draws (NEEDLE_API §7, §11): keep it.
+
+Example:
+    >>> import numpy as np
+    >>> import needle as ndl
+    >>> from needle import nn
+    >>> np.random.seed(0); layer = nn.Linear(3, 2)
+    >>> layer.weight.shape, layer.bias.shape
+    ((3, 2), (1, 2))
+"""
+from __future__ import annotations
+
+import math
+
+from .. import init, ops
+from .._core.errors import ShapeError
+from ..autograd import Tensor
+from .nn_module import Module, Parameter
+
+__all__ = ["Parameter", "Module", "Identity", "Linear", "Flatten", "ReLU", "Tanh", "Sigmoid",
+           "Sequential", "SoftmaxLoss", "BatchNorm1d", "BatchNorm2d", "LayerNorm1d",
+           "Dropout", "Residual"]
+
+
+class Identity(Module):
+    """y = x."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x
+
+
+def _bias_for(bias: Tensor, out_shape: tuple) -> Tensor:
+    """Bias of shape (1, n) or (n,) broadcast to ``out_shape`` (..., n)."""
+    if bias.ndim != len(out_shape):
+        bias = ops.reshape(bias, (1,) * (len(out_shape) - 1) + (out_shape[-1],))
+    return ops.broadcast_to(bias, out_shape)
+
+
+class Linear(Module):
+    """y = x @ W + b; ``weight`` (in, out) and ``bias`` (1, out) are Kaiming-uniform.
+
+    ``x`` may have any number of leading dimensions.
+    """
+
+    def __init__(self, in_features, out_features, bias=True, device=None, dtype="float32"):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = Parameter(init.kaiming_uniform(
+            in_features, out_features, device=device, dtype=dtype, requires_grad=True))
+        self.bias = None
+        if bias:
+            b = init.kaiming_uniform(out_features, 1, device=device, dtype=dtype)
+            self.bias = Parameter(ops.reshape(b, (1, out_features)).detach(),
+                                  requires_grad=True)
+
+    def forward(self, X: Tensor) -> Tensor:
+        if X.shape[-1] != self.in_features:
+            raise ShapeError(
+                f"Linear: input features differ, expected last dimension {self.in_features}, "
+                f"got shape {X.shape}")
+        y = X @ self.weight
+        if self.bias is not None:
+            y = y + _bias_for(self.bias, y.shape)
+        return y
+
+
+class Flatten(Module):
+    """(B, d1, d2, ...) → (B, d1·d2·...)."""
+
+    def forward(self, X: Tensor) -> Tensor:
+        return ops.reshape(X, (X.shape[0], math.prod(X.shape[1:])))
+
+
+class ReLU(Module):
+    """max(x, 0)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.relu(x)
+
+
+class Tanh(Module):
+    """tanh(x)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.tanh(x)
+
+
+def sigmoid(x: Tensor) -> Tensor:
+    """1 / (1 + exp(-x)), through the fused op when the ops layer has one."""
+    fused = getattr(ops, "sigmoid", None)
+    if fused is not None:
+        return fused(x)
+    return (ops.exp(-x) + 1) ** -1
+
+
+class Sigmoid(Module):
+    """1 / (1 + exp(-x))."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return sigmoid(x)
+
+
+class Sequential(Module):
+    """Apply ``modules`` in order (kept as ``self.modules``)."""
+
+    def __init__(self, *modules):
+        super().__init__()
+        self.modules = modules
+
+    def forward(self, x: Tensor) -> Tensor:
+        for module in self.modules:
+            x = module(x)
+        return x
+
+
+class SoftmaxLoss(Module):
+    """Mean over the batch of ``logsumexp(z) - z[y]``; ``y`` holds class indices."""
+
+    def forward(self, logits: Tensor, y: Tensor) -> Tensor:
+        if logits.ndim != 2:
+            raise ShapeError(f"SoftmaxLoss: logits must be (batch, classes), expected 2 "
+                             f"dimensions, got shape {logits.shape}")
+        n, k = logits.shape
+        y_one_hot = init.one_hot(k, y, device=logits.device, dtype=logits.dtype)
+        lse = ops.logsumexp(logits, axes=(1,))
+        picked = ops.summation(logits * y_one_hot)
+        return (ops.summation(lse) - picked) / n
+
+
+class BatchNorm1d(Module):
+    """Normalise each feature over the batch; running statistics for eval mode.
+
+    ``weight``/``bias`` are Parameters (ones/zeros); ``running_mean``/``running_var`` are
+    plain Tensors updated as ``(1 - momentum) * running + momentum * batch`` (biased var).
+    """
+
+    def __init__(self, dim, eps=1e-5, momentum=0.1, device=None, dtype="float32"):
+        super().__init__()
+        self.dim = dim
+        self.eps = eps
+        self.momentum = momentum
+        self.weight = Parameter(init.ones(dim, device=device, dtype=dtype), requires_grad=True)
+        self.bias = Parameter(init.zeros(dim, device=device, dtype=dtype), requires_grad=True)
+        self.running_mean = init.zeros(dim, device=device, dtype=dtype)
+        self.running_var = init.ones(dim, device=device, dtype=dtype)
+
+    def _update_running(self, mean: Tensor, var: Tensor) -> None:
+        m = self.momentum
+        # Detached, in the stats' own dtype: no graph is kept alive across steps.
+        self.running_mean.data = self.running_mean.data * (1 - m) + mean.detach() * m
+        self.running_var.data = self.running_var.data * (1 - m) + var.detach() * m
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.ndim != 2 or x.shape[1] != self.dim:
+            raise ShapeError(f"BatchNorm1d: expected input (batch, {self.dim}), got shape "
+                             f"{x.shape}")
+        n, d = x.shape
+        if self.training:
+            mean = ops.summation(x, axes=(0,)) / n
+            xc = x - ops.broadcast_to(ops.reshape(mean, (1, d)), x.shape)
+            var = ops.summation(xc * xc, axes=(0,)) / n
+            self._update_running(mean, var)
+        else:
+            mean, var = self.running_mean, self.running_var
+            xc = x - ops.broadcast_to(ops.reshape(mean, (1, d)), x.shape)
+        std = ops.broadcast_to(ops.reshape((var + self.eps) ** 0.5, (1, d)), x.shape)
+        w = ops.broadcast_to(ops.reshape(self.weight, (1, d)), x.shape)
+        b = ops.broadcast_to(ops.reshape(self.bias, (1, d)), x.shape)
+        return w * (xc / std) + b
+
+
+class BatchNorm2d(BatchNorm1d):
+    """BatchNorm over channels of an NCHW input (N·H·W rows of C features)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.ndim != 4:
+            raise ShapeError(f"BatchNorm2d: expected an NCHW input, got shape {x.shape}")
+        s = x.shape
+        rows = ops.transpose(ops.transpose(x, (1, 2)), (2, 3))  # N, H, W, C
+        y = super().forward(ops.reshape(rows, (s[0] * s[2] * s[3], s[1])))
+        y = ops.reshape(y, (s[0], s[2], s[3], s[1]))
+        return ops.transpose(ops.transpose(y, (2, 3)), (1, 2))
+
+
+class LayerNorm1d(Module):
+    """Normalise each row over its last axis (biased variance), then scale and shift.
+
+    Accepts any number of leading dimensions.
+    """
+
+    def __init__(self, dim, eps=1e-5, device=None, dtype="float32"):
+        super().__init__()
+        self.dim = dim
+        self.eps = eps
+        self.weight = Parameter(init.ones(dim, device=device, dtype=dtype), requires_grad=True)
+        self.bias = Parameter(init.zeros(dim, device=device, dtype=dtype), requires_grad=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        if shape[-1] != self.dim:
+            raise ShapeError(f"LayerNorm1d: last dimension differs, expected {self.dim}, got "
+                             f"shape {shape}")
+        axis, keep = len(shape) - 1, shape[:-1] + (1,)
+        mean = ops.reshape(ops.summation(x, axes=(axis,)) / self.dim, keep)
+        xc = x - ops.broadcast_to(mean, shape)
+        var = ops.reshape(ops.summation(xc * xc, axes=(axis,)) / self.dim, keep)
+        std = ops.broadcast_to((var + self.eps) ** 0.5, shape)
+        return _bias_for(self.weight, shape) * (xc / std) + _bias_for(self.bias, shape)
+
+
+class Dropout(Module):
+    """Train mode: zero each entry with probability ``p`` and scale by 1/(1-p); eval: identity.
+
+    One ``rand`` draw of the input's shape per training call, even when ``p`` is 0.
+    """
+
+    def __init__(self, p=0.5):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.training:
+            return x
+        mask = init.randb(*x.shape, p=1 - self.p, device=x.device, dtype=x.dtype)
+        if self.p >= 1:
+            return x * mask
+        return x * mask / (1 - self.p)
+
+
+class Residual(Module):
+    """y = fn(x) + x."""
+
+    def __init__(self, fn: Module):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fn(x) + x

@@ -1,0 +1,173 @@
+"""Recurrent layers (RNN, LSTM) and Embedding over (T, B, ...) sequences.
+
+Weights are drawn W_ih → W_hh → bias_ih → bias_hh, each U(±1/√H) (NEEDLE_API §7); the LSTM
+gate order is i, f, g, o.
+
+Example:
+    >>> import numpy as np
+    >>> import needle as ndl
+    >>> from needle import nn
+    >>> np.random.seed(0); lstm = nn.LSTM(4, 5, num_layers=2)
+    >>> out, (h, c) = lstm(ndl.Tensor(np.ones((3, 2, 4))))
+    >>> out.shape, h.shape, c.shape
+    ((3, 2, 5), (2, 2, 5), (2, 2, 5))
+"""
+from __future__ import annotations
+
+import math
+
+from .. import init, ops
+from .._core.errors import NeedleError, ShapeError
+from ..autograd import Tensor
+from .nn_basic import sigmoid
+from .nn_module import Module, Parameter
+
+__all__ = ["RNNCell", "RNN", "LSTMCell", "LSTM", "Embedding"]
+
+
+def _uniform(shape: tuple, hidden_size: int, device, dtype) -> Parameter:
+    bound = 1.0 / math.sqrt(hidden_size)
+    return Parameter(init.rand(*shape, low=-bound, high=bound, device=device, dtype=dtype),
+                     requires_grad=True)
+
+
+class _CellBase(Module):
+    """Shared weights of RNNCell/LSTMCell: ``gates`` = 1 (RNN) or 4 (LSTM) blocks of H."""
+
+    def __init__(self, input_size, hidden_size, gates, bias, device, dtype):
+        super().__init__()
+        self.input_size = input_size
+        self.hidden_size = hidden_size
+        self.device = device
+        self.dtype = dtype
+        width = gates * hidden_size
+        self.W_ih = _uniform((input_size, width), hidden_size, device, dtype)
+        self.W_hh = _uniform((hidden_size, width), hidden_size, device, dtype)
+        self.bias_ih = _uniform((width,), hidden_size, device, dtype) if bias else None
+        self.bias_hh = _uniform((width,), hidden_size, device, dtype) if bias else None
+
+    def _zeros(self, X: Tensor) -> Tensor:
+        return init.zeros(X.shape[0], self.hidden_size, device=X.device, dtype=X.dtype)
+
+    def _preactivation(self, X: Tensor, h: Tensor) -> Tensor:
+        if X.ndim != 2 or X.shape[1] != self.input_size:
+            raise ShapeError(f"{type(self).__name__}: expected input (batch, "
+                             f"{self.input_size}), got shape {X.shape}")
+        z = X @ self.W_ih + h @ self.W_hh
+        if self.bias_ih is not None:
+            width = z.shape[1]
+            # Biases may be (W,) or replaced by callers; reshape to a row before broadcasting.
+            bias = ops.reshape(self.bias_ih + self.bias_hh, (1, width))
+            z = z + ops.broadcast_to(bias, z.shape)
+        return z
+
+
+class RNNCell(_CellBase):
+    """h' = act(x W_ih + b_ih + h W_hh + b_hh), act ``tanh`` or ``relu``."""
+
+    def __init__(self, input_size, hidden_size, bias=True, nonlinearity="tanh", device=None,
+                 dtype="float32"):
+        if nonlinearity not in ("tanh", "relu"):
+            raise NeedleError(f"RNNCell: unknown nonlinearity, expected 'tanh' or 'relu', got "
+                              f"{nonlinearity!r}")
+        super().__init__(input_size, hidden_size, 1, bias, device, dtype)
+        self.nonlinearity = nonlinearity
+
+    def forward(self, X: Tensor, h: Tensor | None = None) -> Tensor:
+        h = self._zeros(X) if h is None else h
+        z = self._preactivation(X, h)
+        return ops.tanh(z) if self.nonlinearity == "tanh" else ops.relu(z)
+
+
+class LSTMCell(_CellBase):
+    """One LSTM step; ``forward(X, (h, c))`` → ``(h', c')``."""
+
+    def __init__(self, input_size, hidden_size, bias=True, device=None, dtype="float32"):
+        super().__init__(input_size, hidden_size, 4, bias, device, dtype)
+
+    def forward(self, X: Tensor, h=None) -> tuple[Tensor, Tensor]:
+        if h is None:
+            h0, c0 = self._zeros(X), self._zeros(X)
+        else:
+            h0, c0 = h
+        z = self._preactivation(X, h0)
+        batch, hidden = X.shape[0], self.hidden_size
+        i, f, g, o = ops.split(ops.reshape(z, (batch, 4, hidden)), axis=1)
+        c = sigmoid(f) * c0 + sigmoid(i) * ops.tanh(g)
+        return sigmoid(o) * ops.tanh(c), c
+
+
+def _layer_states(h, num_layers: int) -> list:
+    return [None] * num_layers if h is None else list(ops.split(h, axis=0))
+
+
+class RNN(Module):
+    """Multi-layer Elman RNN: ``forward(X (T,B,in), h0 (L,B,H))`` → ``(out (T,B,H), h_n)``."""
+
+    def __init__(self, input_size, hidden_size, num_layers=1, bias=True, nonlinearity="tanh",
+                 device=None, dtype="float32"):
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.num_layers = num_layers
+        self.rnn_cells = [
+            RNNCell(input_size if k == 0 else hidden_size, hidden_size, bias, nonlinearity,
+                    device, dtype) for k in range(num_layers)]
+
+    def forward(self, X: Tensor, h0: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        inputs = list(ops.split(X, axis=0))
+        finals = []
+        for cell, h in zip(self.rnn_cells, _layer_states(h0, self.num_layers)):
+            outputs = []
+            for x_t in inputs:
+                h = cell(x_t, h)
+                outputs.append(h)
+            inputs = outputs
+            finals.append(h)
+        return ops.stack(inputs, 0), ops.stack(finals, 0)
+
+
+class LSTM(Module):
+    """Multi-layer LSTM: ``forward(X, (h0, c0) or None)`` → ``(out, (h_n, c_n))``."""
+
+    def __init__(self, input_size, hidden_size, num_layers=1, bias=True, device=None,
+                 dtype="float32"):
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.num_layers = num_layers
+        self.lstm_cells = [
+            LSTMCell(input_size if k == 0 else hidden_size, hidden_size, bias, device, dtype)
+            for k in range(num_layers)]
+
+    def forward(self, X: Tensor, h=None):
+        inputs = list(ops.split(X, axis=0))
+        hs = _layer_states(None if h is None else h[0], self.num_layers)
+        cs = _layer_states(None if h is None else h[1], self.num_layers)
+        finals_h, finals_c = [], []
+        for cell, h_l, c_l in zip(self.lstm_cells, hs, cs):
+            state = None if h_l is None else (h_l, c_l)
+            outputs = []
+            for x_t in inputs:
+                state = cell(x_t, state)
+                outputs.append(state[0])
+            inputs = outputs
+            finals_h.append(state[0])
+            finals_c.append(state[1])
+        return ops.stack(inputs, 0), (ops.stack(finals_h, 0), ops.stack(finals_c, 0))
+
+
+class Embedding(Module):
+    """Lookup table ``weight`` (num_embeddings, dim) ~ N(0, 1): (T, B) ids → (T, B, dim)."""
+
+    def __init__(self, num_embeddings, embedding_dim, device=None, dtype="float32"):
+        super().__init__()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.weight = Parameter(init.randn(num_embeddings, embedding_dim, device=device,
+                                           dtype=dtype), requires_grad=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = tuple(x.shape)
+        one_hot = init.one_hot(self.num_embeddings, x, device=self.weight.device,
+                               dtype=self.weight.dtype)
+        flat = ops.reshape(one_hot, (math.prod(shape), self.num_embeddings)) @ self.weight
+        return ops.reshape(flat, shape + (self.embedding_dim,))

@@ -1,0 +1,217 @@
+"""Array helpers the ops need, written once per backend (NumPy in np mode, NDArray in nd).
+
+Op ``compute`` methods call only these and the operators common to both array types, so
+the op files stay free of ``if BACKEND`` branches (NEEDLE_API §2.1).
+
+Example:
+    >>> from needle.ops import _array as A
+    >>> import numpy as np
+    >>> A.sum_to_shape_axes((2, 3, 4), (3, 1))
+    ((0, 2), (3, 1))
+"""
+from __future__ import annotations
+
+import math
+
+import numpy
+
+from .._core.errors import AxisError, DTypeError, ShapeError
+from ..backend_selection import BACKEND, NDArray, array_api
+
+ND = BACKEND == "nd"
+
+
+def normalize_axes(axes, ndim: int, op: str) -> tuple:
+    """``None`` → all axes; int / sequence → sorted tuple of distinct axes in range."""
+    if axes is None:
+        return tuple(range(ndim))
+    if isinstance(axes, (int, numpy.integer)):
+        axes = (axes,)
+    out = []
+    for axis in axes:
+        if not isinstance(axis, (int, numpy.integer)) or not -ndim <= axis < max(ndim, 1):
+            raise AxisError(
+                f"{op}: axis out of range, expected an int in [{-ndim}, {ndim}), got {axis!r}")
+        out.append(int(axis) % max(ndim, 1))
+    if len(set(out)) != len(out):
+        raise AxisError(f"{op}: repeated axis, expected distinct axes, got {axes}")
+    return tuple(sorted(out))
+
+
+def broadcast_shape(op: str, a: tuple, b: tuple) -> tuple:
+    """NumPy broadcast of two shapes, or :class:`ShapeError` naming ``op`` and both shapes."""
+    ndim = max(len(a), len(b))
+    pa, pb = (1,) * (ndim - len(a)) + tuple(a), (1,) * (ndim - len(b)) + tuple(b)
+    out = []
+    for x, y in zip(pa, pb):
+        if x != y and x != 1 and y != 1:
+            raise ShapeError(
+                f"{op}: shapes do not broadcast, expected equal dims or 1, got "
+                f"{tuple(a)} and {tuple(b)}")
+        out.append(y if x == 1 else x)
+    return tuple(out)
+
+
+def sum_to_shape_axes(shape: tuple, target: tuple) -> tuple:
+    """Axes of ``shape`` to sum so that the result reshapes to ``target`` (broadcast undo)."""
+    lead = len(shape) - len(target)
+    axes = tuple(range(lead)) + tuple(
+        lead + i for i, n in enumerate(target) if n == 1 and shape[lead + i] != 1)
+    return axes, tuple(target)
+
+
+def check_same_dtype(op: str, a, b) -> None:
+    if a.dtype != b.dtype:
+        raise DTypeError(
+            f"{op}: mixed dtypes, expected both {a.dtype}, got {a.dtype} and {b.dtype} "
+            f"(convert one with .astype)")
+
+
+def size_of(shape) -> int:
+    return math.prod(shape)
+
+
+if ND:
+    def broadcast_to(a, shape):
+        return a.broadcast_to(tuple(shape))
+
+    def reshape(a, shape):
+        return a.reshape(tuple(shape))
+
+    def permute(a, axes):
+        return a.permute(tuple(axes))
+
+    def reduce_sum(a, axes, keepdims=False):
+        return a.sum(axis=axes, keepdims=keepdims)
+
+    def reduce_max(a, axes, keepdims=False):
+        return a.max(axis=axes, keepdims=keepdims)
+
+    def as_float(mask, like):
+        # NDArray comparisons already give 1.0/0.0 in the operands' dtype
+        return mask
+
+    def exp(a):
+        return a.exp()
+
+    def log(a):
+        return a.log()
+
+    def tanh(a):
+        return a.tanh()
+
+    def sqrt(a):
+        return a.sqrt()
+
+    def sigmoid(a):
+        return a.sigmoid()
+
+    def maximum(a, b):
+        return a.maximum(b)
+
+    def matmul(a, b):
+        return array_api.matmul(a, b)
+
+    def zeros(shape, like):
+        return like.device.full(tuple(shape), 0.0, like.dtype)
+
+    def astype(a, dtype):
+        return a.astype(dtype)
+
+    def flip(a, axes):
+        return a.flip(axes)
+
+    def pad(a, pads):
+        return a.pad(pads)
+
+    def stack(arrays, axis):
+        return array_api.stack(arrays, axis)
+
+    def split(a, axis):
+        return array_api.split(a, axis)
+
+    def strided_view(a, shape, strides):
+        """A view with ``strides`` in elements over the compact ``a``."""
+        return a.compact().as_strided(shape, strides)
+
+    def compact(a):
+        return a.compact()
+
+    def slice_view(a, index):
+        return a[index]
+
+    def to_device(a, device):
+        return a.to(device)
+
+    def is_array(x) -> bool:
+        return isinstance(x, NDArray)
+else:
+    def broadcast_to(a, shape):
+        return numpy.broadcast_to(a, tuple(shape))
+
+    def reshape(a, shape):
+        return numpy.reshape(a, tuple(shape))
+
+    def permute(a, axes):
+        return numpy.transpose(a, tuple(axes))
+
+    def reduce_sum(a, axes, keepdims=False):
+        return numpy.sum(a, axis=axes, keepdims=keepdims)
+
+    def reduce_max(a, axes, keepdims=False):
+        return numpy.max(a, axis=axes, keepdims=keepdims)
+
+    def as_float(mask, like):
+        return mask.astype(like.dtype)
+
+    exp, log, tanh, sqrt = numpy.exp, numpy.log, numpy.tanh, numpy.sqrt
+    maximum, matmul = numpy.maximum, numpy.matmul
+
+    def sigmoid(a):
+        # split by sign so exp never overflows
+        e = numpy.exp(-numpy.abs(a))
+        return numpy.where(a >= 0, 1 / (1 + e), e / (1 + e)).astype(a.dtype)
+
+    def zeros(shape, like):
+        return numpy.zeros(tuple(shape), dtype=like.dtype)
+
+    def astype(a, dtype):
+        return a.astype(dtype)
+
+    def flip(a, axes):
+        return numpy.ascontiguousarray(numpy.flip(a, axes))
+
+    def pad(a, pads):
+        return numpy.pad(a, pads)
+
+    def stack(arrays, axis):
+        return numpy.stack(arrays, axis)
+
+    def split(a, axis):
+        return tuple(numpy.ascontiguousarray(x) for x in numpy.moveaxis(a, axis, 0))
+
+    def strided_view(a, shape, strides):
+        a = numpy.ascontiguousarray(a)
+        item = a.itemsize
+        return numpy.lib.stride_tricks.as_strided(
+            a, shape=tuple(shape), strides=tuple(s * item for s in strides), writeable=False)
+
+    def compact(a):
+        return numpy.ascontiguousarray(a)
+
+    def slice_view(a, index):
+        return a[index]
+
+    def to_device(a, device):
+        return a
+
+    def is_array(x) -> bool:
+        return isinstance(x, numpy.ndarray)
+
+
+def compact_strides(shape) -> tuple:
+    strides, stride = [], 1
+    for dim in reversed(tuple(shape)):
+        strides.append(stride)
+        stride *= dim
+    return tuple(reversed(strides))

@@ -1,0 +1,126 @@
+"""2-D convolution (NHWC input, (KH, KW, Cin, Cout) kernel) as im2col + one matmul.
+
+The im2col matrix is a strided *view* of the padded input (shape ``(N, H', W', KH, KW, Cin)``,
+no Python loop over pixels), compacted once and multiplied by the reshaped kernel. Both
+gradients are themselves convolutions (of the dilated output gradient), so they are
+differentiable again.
+
+Example:
+    >>> import needle as ndl, numpy as np
+    >>> x = ndl.Tensor(np.ones((1, 4, 4, 2)), dtype="float32")
+    >>> w = ndl.Tensor(np.ones((3, 3, 2, 5)), dtype="float32")
+    >>> ndl.conv(x, w, stride=1, padding=1).shape
+    (1, 4, 4, 5)
+"""
+from __future__ import annotations
+
+from .._core.errors import ShapeError
+from ..autograd import TensorOp
+from . import _array as A
+from .ops_shape import Dilate, Flip, GetItem, Permute, Transpose
+
+
+def _check(a, b, stride: int, padding: int) -> None:
+    if len(a.shape) != 4 or len(b.shape) != 4:
+        raise ShapeError(
+            f"conv: expected a 4-D NHWC input and a 4-D (K, K, Cin, Cout) kernel, got "
+            f"{tuple(a.shape)} and {tuple(b.shape)}")
+    if a.shape[3] != b.shape[2]:
+        raise ShapeError(
+            f"conv: channels differ, expected input channels == kernel Cin, got "
+            f"{a.shape[3]} (input {tuple(a.shape)}) and {b.shape[2]} (kernel {tuple(b.shape)})")
+    if stride < 1 or padding < 0:
+        raise ShapeError(
+            f"conv: expected stride >= 1 and padding >= 0, got stride={stride}, "
+            f"padding={padding}")
+    for name, n, k in (("height", a.shape[1], b.shape[0]), ("width", a.shape[2], b.shape[1])):
+        if n + 2 * padding < k:
+            raise ShapeError(
+                f"conv: kernel larger than the padded input, expected padded {name} >= {k}, "
+                f"got {n + 2 * padding}")
+
+
+def _conv_compute(a, b, stride: int, padding: int):
+    if padding:
+        a = A.pad(a, ((0, 0), (padding, padding), (padding, padding), (0, 0)))
+    n, h, w, cin = a.shape
+    kh, kw, _, cout = b.shape
+    ho, wo = (h - kh) // stride + 1, (w - kw) // stride + 1
+    sn, sh, sw, sc = A.compact_strides(a.shape)
+    cols = A.strided_view(a, (n, ho, wo, kh, kw, cin),
+                          (sn, sh * stride, sw * stride, sh, sw, sc))
+    cols = A.reshape(A.compact(cols), (n * ho * wo, kh * kw * cin))
+    out = A.matmul(cols, A.reshape(A.compact(b), (kh * kw * cin, cout)))
+    return A.reshape(out, (n, ho, wo, cout))
+
+
+def _crop(t, sizes):
+    """``t[:, :sizes[0], :sizes[1], :]`` (skipped when nothing to cut)."""
+    shape = t.shape
+    if shape[1] == sizes[0] and shape[2] == sizes[1]:
+        return t
+    slices = (slice(0, shape[0], 1), slice(0, sizes[0], 1), slice(0, sizes[1], 1),
+              slice(0, shape[3], 1))
+    return GetItem(slices, (shape[0], sizes[0], sizes[1], shape[3]))(t)
+
+
+class Conv(TensorOp):
+    """Convolution of NHWC ``a`` with kernel ``b`` of shape (KH, KW, Cin, Cout).
+
+    Output height ``(H + 2·padding − KH) // stride + 1`` (likewise width).
+    """
+
+    def __init__(self, stride: int = 1, padding: int = 0):
+        self.stride, self.padding = int(stride), int(padding)
+
+    def compute(self, a, b):
+        _check(a, b, self.stride, self.padding)
+        return _conv_compute(a, b, self.stride, self.padding)
+
+    def gradient(self, out_grad, node):
+        x, w = node.saved_tensors
+        s, p = self.stride, self.padding
+        _, h, wd, _ = x.shape
+        kh, kw = w.shape[0], w.shape[1]
+        g = Dilate((1, 2), s - 1)(out_grad) if s > 1 else out_grad
+        # d input: full correlation of the dilated gradient with the flipped kernel, then
+        # drop the padding rows/columns (positions beyond the last window get zero)
+        w_flip = Transpose((2, 3))(Flip((0, 1))(w))
+        if kh == kw:
+            full = Conv(1, kh - 1)(g, w_flip)
+        else:
+            full = Conv(1, 0)(_pad_hw(g, kh - 1, kw - 1), w_flip)
+        grad_x = _window(full, p, p, h, wd)
+        # d kernel: correlate the padded input (channels as batch) with the dilated gradient
+        _, ho, wo, _ = out_grad.shape
+        g_trim = _crop(g, ((ho - 1) * s + 1, (wo - 1) * s + 1))
+        x_t = Permute((3, 1, 2, 0))(x)
+        g_t = Permute((1, 2, 0, 3))(g_trim)
+        grad_w = _crop(Conv(1, p)(x_t, g_t), (kh, kw))
+        return grad_x, Permute((1, 2, 0, 3))(grad_w)
+
+
+def _pad_hw(t, ph: int, pw: int):
+    """Zero-pad height by ``ph`` and width by ``pw`` on both sides, as a differentiable op."""
+    if not ph and not pw:
+        return t
+    from .ops_shape import SliceScatter
+
+    n, h, w, c = t.shape
+    shape = (n, h + 2 * ph, w + 2 * pw, c)
+    slices = (slice(0, n, 1), slice(ph, ph + h, 1), slice(pw, pw + w, 1), slice(0, c, 1))
+    return SliceScatter(slices, shape)(t)
+
+
+def _window(t, top: int, left: int, h: int, w: int):
+    shape = t.shape
+    if (top, left, h, w) == (0, 0, shape[1], shape[2]):
+        return t
+    slices = (slice(0, shape[0], 1), slice(top, top + h, 1), slice(left, left + w, 1),
+              slice(0, shape[3], 1))
+    return GetItem(slices, (shape[0], h, w, shape[3]))(t)
+
+
+def conv(a, b, stride=1, padding=1):
+    """Convolution (note the course's function default ``padding=1``)."""
+    return Conv(stride, padding)(a, b)

@@ -1,0 +1,357 @@
+"""Elementwise, scalar and matrix ops (NEEDLE_API §5) with their gradients.
+
+Binary elementwise ops follow NumPy broadcasting (incompatible shapes raise
+:class:`ShapeError`); gradients are summed back to each input's shape. In nd mode both
+operands must share dtype and device (:class:`DTypeError` / :class:`DeviceError`); in np mode
+NumPy's promotion applies, as in the course. Scalars take the tensor's dtype.
+
+Example:
+    >>> import needle as ndl
+    >>> a = ndl.Tensor([[1.0, 2.0]]); b = ndl.Tensor([[10.0], [20.0]])
+    >>> ndl.add(a, b).numpy().tolist()
+    [[11.0, 12.0], [21.0, 22.0]]
+"""
+from __future__ import annotations
+
+import numpy
+
+from .._core.errors import DTypeError, ShapeError
+from ..autograd import Tensor, TensorOp, Value
+from . import _array as A
+from .ops_shape import (  # noqa: F401 - the course finds these in ops_mathematic
+    BroadcastTo, Cast, Dilate, Flip, GetItem, Max, Permute, Reshape, SliceScatter, Summation,
+    ToDevice, Transpose, UnDilate, astype, broadcast_to, dilate, flip, get_item, max, mean,
+    permute, reshape, summation, sum_to_shape, to_device, transpose, undilate)
+
+
+def as_scalar(value, op: str):
+    """A Python number from ``value`` (number, NumPy scalar or 1-element array), else raise."""
+    if isinstance(value, numpy.generic):  # first: numpy.float64 is also a Python float
+        return value.item()
+    if isinstance(value, (int, float)):
+        return value
+    if isinstance(value, Value):
+        raise DTypeError(
+            f"{op}: expected a scalar (Python or NumPy number), got a Tensor of shape "
+            f"{value.shape}; use the elementwise op instead")
+    arr = numpy.asarray(value)
+    if arr.dtype.kind not in "biuf":
+        raise DTypeError(f"{op}: expected a numeric scalar, got {type(value).__name__}")
+    if arr.size != 1:
+        raise ShapeError(
+            f"{op}: expected a scalar (size 1), got a non-scalar of shape {arr.shape}")
+    return arr.reshape(()).item()
+
+
+def _bcast(op: str, a, b):
+    shape = A.broadcast_shape(op, a.shape, b.shape)
+    if tuple(a.shape) != shape:
+        a = A.broadcast_to(a, shape)
+    if tuple(b.shape) != shape:
+        b = A.broadcast_to(b, shape)
+    return a, b
+
+
+def _const(array) -> Tensor:
+    return Tensor.make_const(array)
+
+
+class EWiseAdd(TensorOp):
+    save_inputs = ()
+
+    def compute(self, a, b):
+        if a.shape != b.shape:
+            a, b = _bcast("add", a, b)
+        return a + b
+
+    def gradient(self, out_grad, node):
+        a, b = node.inputs
+        return sum_to_shape(out_grad, a.shape), sum_to_shape(out_grad, b.shape)
+
+
+def add(a, b):
+    return _ADD(a, b)
+
+
+class AddScalar(TensorOp):
+    save_inputs = ()
+
+    def __init__(self, scalar):
+        self.scalar = as_scalar(scalar, "add_scalar")
+
+    def compute(self, a):
+        return a + self.scalar
+
+    def gradient(self, out_grad, node):
+        return out_grad
+
+
+def add_scalar(a, scalar):
+    return AddScalar(scalar)(a)
+
+
+class EWiseMul(TensorOp):
+    def compute(self, a, b):
+        if a.shape != b.shape:
+            a, b = _bcast("multiply", a, b)
+        return a * b
+
+    def gradient(self, out_grad, node):
+        a, b = node.saved_tensors
+        return sum_to_shape(out_grad * b, a.shape), sum_to_shape(out_grad * a, b.shape)
+
+
+def multiply(a, b):
+    return _MUL(a, b)
+
+
+class MulScalar(TensorOp):
+    save_inputs = ()
+
+    def __init__(self, scalar):
+        self.scalar = as_scalar(scalar, "mul_scalar")
+
+    def compute(self, a):
+        return a * self.scalar
+
+    def gradient(self, out_grad, node):
+        return out_grad * self.scalar
+
+
+def mul_scalar(a, scalar):
+    return MulScalar(scalar)(a)
+
+
+class EWisePow(TensorOp):
+    """``a ** b`` elementwise; gradients ``b·a^(b−1)`` and ``a^b·ln a``."""
+
+    save_output = True
+
+    def compute(self, a, b):
+        if a.shape != b.shape:
+            a, b = _bcast("power", a, b)
+        return a ** b
+
+    def gradient(self, out_grad, node):
+        a, b, out = node.saved_tensors
+        grad_a = out_grad * b * power(a, b - 1)
+        grad_b = out_grad * out * log(a)
+        return sum_to_shape(grad_a, a.shape), sum_to_shape(grad_b, b.shape)
+
+
+def power(a, b):
+    return EWisePow()(a, b)
+
+
+class PowerScalar(TensorOp):
+    """``a ** scalar`` for any real scalar (integers stay integers: negative bases work)."""
+
+    def __init__(self, scalar):
+        self.scalar = as_scalar(scalar, "power_scalar")
+
+    def compute(self, a):
+        return a ** self.scalar
+
+    def gradient(self, out_grad, node):
+        (a,) = node.saved_tensors
+        if self.scalar == 0:
+            return out_grad * 0
+        return out_grad * (self.scalar * power_scalar(a, self.scalar - 1))
+
+
+def power_scalar(a, scalar):
+    return PowerScalar(scalar)(a)
+
+
+class EWiseDiv(TensorOp):
+    def compute(self, a, b):
+        if a.shape != b.shape:
+            a, b = _bcast("divide", a, b)
+        return a / b
+
+    def gradient(self, out_grad, node):
+        a, b = node.saved_tensors
+        grad_a = out_grad / b
+        grad_b = -(out_grad * a) / (b * b)
+        return sum_to_shape(grad_a, a.shape), sum_to_shape(grad_b, b.shape)
+
+
+def divide(a, b):
+    return EWiseDiv()(a, b)
+
+
+class DivScalar(TensorOp):
+    save_inputs = ()
+
+    def __init__(self, scalar):
+        self.scalar = as_scalar(scalar, "divide_scalar")
+
+    def compute(self, a):
+        return a / self.scalar
+
+    def gradient(self, out_grad, node):
+        return out_grad / self.scalar
+
+
+def divide_scalar(a, scalar):
+    return DivScalar(scalar)(a)
+
+
+class Negate(TensorOp):
+    save_inputs = ()
+
+    def compute(self, a):
+        return -a
+
+    def gradient(self, out_grad, node):
+        return -out_grad
+
+
+def negate(a):
+    return _NEG(a)
+
+
+class Log(TensorOp):
+    def compute(self, a):
+        return A.log(a)
+
+    def gradient(self, out_grad, node):
+        (a,) = node.saved_tensors
+        return out_grad / a
+
+
+def log(a):
+    return Log()(a)
+
+
+class Exp(TensorOp):
+    save_inputs = ()
+    save_output = True
+
+    def compute(self, a):
+        return A.exp(a)
+
+    def gradient(self, out_grad, node):
+        (out,) = node.saved_tensors
+        return out_grad * out
+
+
+def exp(a):
+    return Exp()(a)
+
+
+class ReLU(TensorOp):
+    def compute(self, a):
+        return A.maximum(a, 0)
+
+    def gradient(self, out_grad, node):
+        (a,) = node.saved_tensors
+        data = a.realize_cached_data()
+        return out_grad * _const(A.as_float(data > 0, data))
+
+
+def relu(a):
+    return ReLU()(a)
+
+
+class Tanh(TensorOp):
+    save_inputs = ()
+    save_output = True
+
+    def compute(self, a):
+        return A.tanh(a)
+
+    def gradient(self, out_grad, node):
+        (out,) = node.saved_tensors
+        return out_grad * (1 - out * out)
+
+
+def tanh(a):
+    return Tanh()(a)
+
+
+class Sqrt(TensorOp):
+    save_inputs = ()
+    save_output = True
+
+    def compute(self, a):
+        return A.sqrt(a)
+
+    def gradient(self, out_grad, node):
+        (out,) = node.saved_tensors
+        return out_grad / (out * 2)
+
+
+def sqrt(a):
+    return Sqrt()(a)
+
+
+class Sigmoid(TensorOp):
+    save_inputs = ()
+    save_output = True
+
+    def compute(self, a):
+        return A.sigmoid(a)
+
+    def gradient(self, out_grad, node):
+        (out,) = node.saved_tensors
+        return out_grad * out * (1 - out)
+
+
+def sigmoid(a):
+    return Sigmoid()(a)
+
+
+class Maximum(TensorOp):
+    """Elementwise maximum; on ties each input gets half the gradient (like PyTorch)."""
+
+    def compute(self, a, b):
+        if a.shape != b.shape:
+            a, b = _bcast("maximum", a, b)
+        return A.maximum(a, b)
+
+    def gradient(self, out_grad, node):
+        a, b = node.saved_tensors
+        x, y = a.realize_cached_data(), b.realize_cached_data()
+        if x.shape != y.shape:
+            x, y = _bcast("maximum", x, y)
+        # weight 1 where a wins, 0.5 on ties, 0 where b wins
+        wa = A.as_float(x > y, x) + A.as_float(x == y, x) * 0.5
+        ga = out_grad * _const(wa)
+        return sum_to_shape(ga, a.shape), sum_to_shape(out_grad - ga, b.shape)
+
+
+def maximum(a, b):
+    return Maximum()(a, b)
+
+
+class MatMul(TensorOp):
+    """NumPy ``matmul`` for arrays with ≥ 2 dims, batched and broadcast over leading dims."""
+
+    def compute(self, a, b):
+        if len(a.shape) < 2 or len(b.shape) < 2:
+            raise ShapeError(
+                f"matmul: expected operands with at least 2 dims, got {tuple(a.shape)} @ "
+                f"{tuple(b.shape)}")
+        if a.shape[-1] != b.shape[-2]:
+            raise ShapeError(
+                f"matmul: inner dimensions differ, expected a.shape[-1] == b.shape[-2], got "
+                f"{tuple(a.shape)} @ {tuple(b.shape)}")
+        return A.matmul(a, b)
+
+    def gradient(self, out_grad, node):
+        a, b = node.saved_tensors
+        grad_a = _MATMUL(out_grad, transpose(b))
+        grad_b = _MATMUL(transpose(a), out_grad)
+        return sum_to_shape(grad_a, a.shape), sum_to_shape(grad_b, b.shape)
+
+
+def matmul(a, b):
+    return _MATMUL(a, b)
+
+
+# Stateless ops are shared: saves an allocation on the hottest paths (Tensor operators).
+_ADD = EWiseAdd()
+_MUL = EWiseMul()
+_NEG = Negate()
+_MATMUL = MatMul()

@@ -1,0 +1,217 @@
+"""Optimisers (NEEDLE_API §8): SGD with momentum, Adam, global gradient-norm clipping.
+
+Updates run on the parameters' raw arrays (never on the graph, never on ``p.grad`` in place)
+and keep each parameter's dtype: the scalars involved are Python floats, which NumPy and
+NDArray treat as weak.
+
+Example:
+    >>> import numpy as np
+    >>> import needle as ndl
+    >>> from needle import nn, optim
+    >>> p = nn.Parameter(ndl.Tensor(np.array([1.0, 2.0], dtype="float32")))
+    >>> (p * p).sum().backward()
+    >>> optim.SGD([p], lr=0.5).step(); p.numpy().tolist()
+    [0.0, 0.0]
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ._core.errors import NeedleError, ShapeError
+from .autograd import Tensor
+
+__all__ = ["Optimizer", "SGD", "Adam", "clip_grad_norm"]
+
+
+def _array(t: Tensor):
+    return t.realize_cached_data()
+
+
+def _assign(p: Tensor, array) -> None:
+    # Same effect as ``p.data = Tensor(array)`` without building a throwaway Tensor.
+    p.cached_data = array
+
+
+def _to_numpy(array) -> np.ndarray:
+    return array.numpy() if hasattr(array, "numpy") else np.array(array)
+
+
+def _from_numpy(value, like: Tensor):
+    return Tensor(np.asarray(value), device=like.device, dtype=like.dtype,
+                  requires_grad=False).realize_cached_data()
+
+
+class Optimizer:
+    """Base class: holds ``params``; ``step()`` updates them, ``reset_grad()`` clears grads.
+
+    Per-parameter state lives in dicts keyed by parameter (identity); ``state_dict()``
+    returns it as NumPy arrays keyed by parameter position, plus the hyper-parameters.
+    """
+
+    _slots: tuple[str, ...] = ()
+    _hyper: tuple[str, ...] = ()
+
+    def __init__(self, params):
+        self.params = list(params)
+        for name in self._slots:
+            setattr(self, name, {})
+
+    def step(self) -> None:
+        raise NotImplementedError
+
+    def reset_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    zero_grad = reset_grad
+
+    def clip_grad_norm(self, max_norm=0.25) -> float:
+        """Scale all gradients together so that their global L2 norm is at most ``max_norm``."""
+        return clip_grad_norm(self.params, max_norm)
+
+    def state_dict(self) -> dict:
+        """Hyper-parameters and per-parameter state (NumPy copies) by parameter index."""
+        index = {id(p): i for i, p in enumerate(self.params)}
+        state = {name: {index[id(p)]: _to_numpy(v) for p, v in getattr(self, name).items()
+                        if id(p) in index} for name in self._slots}
+        return {"type": type(self).__name__, "hyper": {h: getattr(self, h) for h in self._hyper},
+                "state": state, "extra": self._extra_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` gave (same parameter list, same order).
+
+        Raises:
+            NeedleError: for a state of another optimiser type.
+            ShapeError: for a state array whose shape differs from its parameter's.
+        """
+        if state.get("type") != type(self).__name__:
+            raise NeedleError(f"{type(self).__name__}.load_state_dict: optimiser type differs, "
+                              f"expected {type(self).__name__}, got {state.get('type')!r}")
+        for name, value in state["hyper"].items():
+            setattr(self, name, value)
+        for name in self._slots:
+            slot = {}
+            for i, value in state["state"].get(name, {}).items():
+                p = self.params[int(i)]
+                if tuple(np.shape(value)) != tuple(p.shape):
+                    raise ShapeError(
+                        f"{type(self).__name__}.load_state_dict: state {name!r} of parameter "
+                        f"{i} has the wrong shape, expected {tuple(p.shape)}, got "
+                        f"{tuple(np.shape(value))}")
+                slot[p] = _from_numpy(value, p)
+            setattr(self, name, slot)
+        self._load_extra_state(state.get("extra", {}))
+
+    def _extra_state(self) -> dict:
+        return {}
+
+    def _load_extra_state(self, extra: dict) -> None:
+        pass
+
+
+class SGD(Optimizer):
+    """SGD with momentum (an exponential average) and L2 weight decay.
+
+    ``g = grad + wd·θ``; ``u ← momentum·u + (1 − momentum)·g`` (u starts at 0);
+    ``θ ← θ − lr·u``. Without momentum ``u = g``.
+    """
+
+    _slots = ("u",)
+    _hyper = ("lr", "momentum", "weight_decay")
+
+    def __init__(self, params, lr=0.01, momentum=0.0, weight_decay=0.0):
+        super().__init__(params)
+        self.lr = float(lr)
+        self.momentum = float(momentum)
+        self.weight_decay = float(weight_decay)
+
+    def step(self) -> None:
+        lr, mom, wd = float(self.lr), float(self.momentum), float(self.weight_decay)
+        for p in self.params:
+            if p.grad is None:
+                continue
+            theta = _array(p)
+            g = _array(p.grad)
+            if wd:
+                g = g + theta * wd
+            if mom:
+                u = self.u.get(p)
+                u = g * (1 - mom) if u is None else u * mom + g * (1 - mom)
+                self.u[p] = u
+            else:
+                u = g
+            _assign(p, theta - u * lr)
+
+
+class Adam(Optimizer):
+    """Adam with bias correction and L2 weight decay (added to the gradient).
+
+    ``m ← β1·m + (1−β1)·g``; ``v ← β2·v + (1−β2)·g²``; ``θ ← θ − lr·m̂/(√v̂ + eps)`` with
+    ``m̂ = m/(1−β1^t)``, ``v̂ = v/(1−β2^t)``; ``t`` counts ``step()`` calls.
+    """
+
+    _slots = ("m", "v")
+    _hyper = ("lr", "beta1", "beta2", "eps", "weight_decay")
+
+    def __init__(self, params, lr=0.01, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0):
+        super().__init__(params)
+        self.lr = float(lr)
+        self.beta1 = float(beta1)
+        self.beta2 = float(beta2)
+        self.eps = float(eps)
+        self.weight_decay = float(weight_decay)
+        self.t = 0
+
+    def step(self) -> None:
+        self.t += 1
+        b1, b2, wd = float(self.beta1), float(self.beta2), float(self.weight_decay)
+        c1, c2 = 1 - b1 ** self.t, 1 - b2 ** self.t
+        lr, eps = float(self.lr), float(self.eps)
+        for p in self.params:
+            if p.grad is None:
+                continue
+            theta = _array(p)
+            g = _array(p.grad)
+            if wd:
+                g = g + theta * wd
+            m, v = self.m.get(p), self.v.get(p)
+            m = g * (1 - b1) if m is None else m * b1 + g * (1 - b1)
+            v = (g * g) * (1 - b2) if v is None else v * b2 + (g * g) * (1 - b2)
+            self.m[p], self.v[p] = m, v
+            m_hat = m / c1
+            v_hat = v / c2
+            _assign(p, theta - (m_hat * lr) / (v_hat ** 0.5 + eps))
+
+    def _extra_state(self) -> dict:
+        return {"t": self.t}
+
+    def _load_extra_state(self, extra: dict) -> None:
+        self.t = int(extra.get("t", 0))
+
+
+def clip_grad_norm(params, max_norm=0.25) -> float:
+    """Scale every gradient by ``max_norm / (norm + 1e-6)`` when their global L2 norm exceeds
+    ``max_norm``; gradients are replaced, not modified in place. Returns the norm before
+    clipping.
+
+    Example:
+        >>> import numpy as np
+        >>> import needle as ndl
+        >>> from needle import optim
+        >>> p = ndl.Tensor(np.ones(4, dtype="float32")); (p * 3.0).sum().backward()
+        >>> round(optim.clip_grad_norm([p], 1.0), 3), round(float(np.abs(p.grad.numpy()).sum()), 3)
+        (6.0, 2.0)
+    """
+    grads = [p for p in params if p.grad is not None]
+    total = 0.0
+    for p in grads:
+        g = _to_numpy(_array(p.grad)).astype(np.float64)
+        total += float((g * g).sum())
+    norm = math.sqrt(total)
+    if norm > max_norm:
+        scale = float(max_norm) / (norm + 1e-6)
+        for p in grads:
+            p.grad = Tensor.make_const(_array(p.grad) * scale)
+    return norm

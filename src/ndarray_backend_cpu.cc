@@ -1,0 +1,319 @@
+// pybind11 bindings of the C++ CPU backend (docs/backend_protocol.md).
+//
+// Each entry point checks the few things that would otherwise crash the process (sizes,
+// dtypes, views reaching outside their buffer), then releases the GIL and runs a kernel from
+// the table chosen at import time (AVX2+FMA+F16C when the CPU has them, else baseline).
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "allocator.h"
+#include "kernels.h"
+#include "strided.h"
+#include "tiled.h"
+
+namespace py = pybind11;
+
+namespace needle {
+namespace {
+
+constexpr std::size_t kTile = 8;
+
+// A flat buffer of `size` elements of one dtype, owned through needle_alloc/needle_free.
+class Array {
+ public:
+  Array(std::int64_t size, DType dtype) : dtype_(dtype) {
+    if (size < 0) {
+      throw std::invalid_argument("Array: size must be >= 0, got " + std::to_string(size));
+    }
+    size_ = std::size_t(size);
+    // At least one tile row of bytes, so aligned tile loads never run off a tiny buffer.
+    const std::size_t bytes = size_ * itemsize(dtype);
+    ptr_ = needle_alloc(bytes < kTile * 8 ? kTile * 8 : bytes);
+  }
+  ~Array() { needle_free(ptr_); }
+  Array(const Array&) = delete;
+  Array& operator=(const Array&) = delete;
+
+  std::size_t size() const { return size_; }
+  DType dtype() const { return dtype_; }
+  void* data() { return ptr_; }
+  const void* data() const { return ptr_; }
+
+ private:
+  void* ptr_ = nullptr;
+  std::size_t size_ = 0;
+  DType dtype_;
+};
+
+const KernelTable* g_kernels = &base::table;
+
+const KernelTable& select_isa(const std::string& name) {
+#ifdef NEEDLE_HAVE_AVX2_TABLE
+  const bool avx2_ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                       __builtin_cpu_supports("f16c");
+  if ((name == "avx2" || name == "auto") && avx2_ok) return avx2::table;
+  if (name == "avx2") throw std::invalid_argument("_set_isa: this CPU lacks AVX2/FMA/F16C");
+#endif
+  if (name == "baseline" || name == "auto") return base::table;
+  throw std::invalid_argument("_set_isa: expected 'auto', 'avx2' or 'baseline', got '" + name + "'");
+}
+
+DType dtype_of(const py::object& dtype) {
+  if (py::isinstance<py::str>(dtype)) return parse_dtype(dtype.cast<std::string>());
+  return parse_dtype(py::str(py::dtype::from_args(dtype).attr("name")));
+}
+
+void same_dtype(const char* op, const Array& a, const Array& out) {
+  if (a.dtype() != out.dtype()) {
+    throw py::type_error(std::string(op) + ": dtypes differ, expected " + dtype_name(out.dtype()) +
+                         ", got " + dtype_name(a.dtype()));
+  }
+}
+
+void big_enough(const char* op, const char* what, const Array& a, std::size_t need) {
+  if (a.size() < need) {
+    throw std::invalid_argument(std::string(op) + ": " + what + " too small, expected at least " +
+                                std::to_string(need) + " elements, got " + std::to_string(a.size()));
+  }
+}
+
+View make_view(Dims shape, Dims strides, std::int64_t offset) {
+  return View{std::move(shape), std::move(strides), offset};
+}
+
+// Raw bytes of `val` in dtype t (float16 rounded to nearest even).
+std::uint64_t scalar_bits(DType t, double val) {
+  std::uint64_t bits = 0;
+  if (t == DType::f64) std::memcpy(&bits, &val, 8);
+  else if (t == DType::f32) { const float f = float(val); std::memcpy(&bits, &f, 4); }
+  else { const half_bits h = double_to_half(val); std::memcpy(&bits, &h, 2); }
+  return bits;
+}
+
+// ---- entry points ------------------------------------------------------------------------
+
+py::array to_numpy(const Array& a, Dims shape, Dims strides, std::int64_t offset) {
+  const View v = make_view(std::move(shape), std::move(strides), offset);
+  const std::size_t n = check_view("to_numpy", v, a.size());
+  py::array result(py::dtype(dtype_name(a.dtype())), v.shape);
+  if (n) {
+    void* dst = result.mutable_data();
+    py::gil_scoped_release release;
+    gather(itemsize(a.dtype()), a.data(), v, dst);
+  }
+  return result;
+}
+
+void from_numpy(const py::object& source, Array& out) {
+  static py::object* contiguous =
+      new py::object(py::module_::import("numpy").attr("ascontiguousarray"));  // never freed
+  py::array arr = (*contiguous)(source, py::arg("dtype") = dtype_name(out.dtype()));
+  if (std::size_t(arr.size()) < out.size()) {
+    throw std::invalid_argument("from_numpy: source too small, expected at least " +
+                                std::to_string(out.size()) + " elements, got " +
+                                std::to_string(arr.size()));
+  }
+  const void* src = arr.data();
+  py::gil_scoped_release release;
+  std::memcpy(out.data(), src, out.size() * itemsize(out.dtype()));
+}
+
+void fill(Array& out, double val) {
+  const std::uint64_t bits = scalar_bits(out.dtype(), val);
+  const View v{{std::int64_t(out.size())}, {1}, 0};
+  if (!out.size()) return;
+  py::gil_scoped_release release;
+  scatter_value(itemsize(out.dtype()), &bits, v, out.data());
+}
+
+void compact(const Array& a, Array& out, Dims shape, Dims strides, std::int64_t offset) {
+  same_dtype("compact", a, out);
+  const View v = make_view(std::move(shape), std::move(strides), offset);
+  const std::size_t n = check_view("compact", v, a.size());
+  big_enough("compact", "out", out, n);
+  if (!n) return;
+  py::gil_scoped_release release;
+  gather(itemsize(a.dtype()), a.data(), v, out.data());
+}
+
+void ewise_setitem(const Array& a, Array& out, Dims shape, Dims strides, std::int64_t offset) {
+  same_dtype("ewise_setitem", a, out);
+  const View v = make_view(std::move(shape), std::move(strides), offset);
+  const std::size_t n = check_view("ewise_setitem", v, out.size());
+  big_enough("ewise_setitem", "a", a, n);
+  if (!n) return;
+  py::gil_scoped_release release;
+  scatter(itemsize(a.dtype()), a.data(), v, out.data());
+}
+
+void scalar_setitem(std::int64_t size, double val, Array& out, Dims shape, Dims strides,
+                    std::int64_t offset) {
+  const View v = make_view(std::move(shape), std::move(strides), offset);
+  const std::size_t n = check_view("scalar_setitem", v, out.size());
+  if (size < 0 || std::size_t(size) != n) {
+    throw std::invalid_argument("scalar_setitem: size differs from the view, expected " +
+                                std::to_string(n) + ", got " + std::to_string(size));
+  }
+  if (!n) return;
+  const std::uint64_t bits = scalar_bits(out.dtype(), val);
+  py::gil_scoped_release release;
+  scatter_value(itemsize(out.dtype()), &bits, v, out.data());
+}
+
+void binary(BinOp op, const char* name, const Array& a, const Array& b, Array& out) {
+  same_dtype(name, a, out);
+  same_dtype(name, b, out);
+  big_enough(name, "a", a, out.size());
+  big_enough(name, "b", b, out.size());
+  py::gil_scoped_release release;
+  g_kernels->binary(op, out.dtype(), a.data(), b.data(), out.data(), out.size());
+}
+
+void scalar(BinOp op, bool reversed, const char* name, const Array& a, double val, Array& out) {
+  same_dtype(name, a, out);
+  big_enough(name, "a", a, out.size());
+  py::gil_scoped_release release;
+  g_kernels->scalar(op, reversed, out.dtype(), a.data(), val, out.data(), out.size());
+}
+
+void unary(UnOp op, const char* name, const Array& a, Array& out) {
+  same_dtype(name, a, out);
+  big_enough(name, "a", a, out.size());
+  py::gil_scoped_release release;
+  g_kernels->unary(op, out.dtype(), a.data(), out.data(), out.size());
+}
+
+void ewise_cast(const Array& a, Array& out) {
+  big_enough("ewise_cast", "a", a, out.size());
+  py::gil_scoped_release release;
+  g_kernels->cast(a.dtype(), a.data(), out.dtype(), out.data(), out.size());
+}
+
+void check_matmul(const char* op, const Array& a, const Array& b, const Array& out,
+                  std::int64_t m, std::int64_t n, std::int64_t p) {
+  same_dtype(op, a, out);
+  same_dtype(op, b, out);
+  if (m < 0 || n < 0 || p < 0) {
+    throw std::invalid_argument(std::string(op) + ": dimensions must be >= 0, got m=" +
+                                std::to_string(m) + ", n=" + std::to_string(n) +
+                                ", p=" + std::to_string(p));
+  }
+  big_enough(op, "a", a, std::size_t(m) * std::size_t(n));
+  big_enough(op, "b", b, std::size_t(n) * std::size_t(p));
+  big_enough(op, "out", out, std::size_t(m) * std::size_t(p));
+  if (out.data() == a.data() || out.data() == b.data()) {
+    throw std::invalid_argument(std::string(op) + ": out must not share memory with an input");
+  }
+}
+
+void matmul(const Array& a, const Array& b, Array& out, std::int64_t m, std::int64_t n,
+            std::int64_t p) {
+  check_matmul("matmul", a, b, out, m, n, p);
+  py::gil_scoped_release release;
+  g_kernels->matmul(out.dtype(), a.data(), b.data(), out.data(), m, n, p);
+}
+
+void matmul_tiled_entry(const Array& a, const Array& b, Array& out, std::int64_t m,
+                        std::int64_t n, std::int64_t p) {
+  check_matmul("matmul_tiled", a, b, out, m, n, p);
+  const auto t = std::int64_t(kTile);
+  if (m % t || n % t || p % t) {
+    throw std::invalid_argument("matmul_tiled: expected m, n, p multiples of " +
+                                std::to_string(kTile) + ", got m=" + std::to_string(m) +
+                                ", n=" + std::to_string(n) + ", p=" + std::to_string(p));
+  }
+  py::gil_scoped_release release;
+  matmul_tiled(*g_kernels, out.dtype(), a.data(), b.data(), out.data(), m, n, p, kTile);
+}
+
+void reduce(RedOp op, const char* name, const Array& a, Array& out, std::int64_t reduce_size) {
+  same_dtype(name, a, out);
+  if (reduce_size < 0) {
+    throw std::invalid_argument(std::string(name) + ": reduce_size must be >= 0, got " +
+                                std::to_string(reduce_size));
+  }
+  big_enough(name, "a", a, out.size() * std::size_t(reduce_size));
+  py::gil_scoped_release release;
+  g_kernels->reduce(op, out.dtype(), a.data(), out.data(), out.size(), std::size_t(reduce_size));
+}
+
+}  // namespace
+}  // namespace needle
+
+PYBIND11_MODULE(ndarray_backend_cpu, m) {
+  using namespace needle;
+  namespace nd = needle;
+  m.doc() = "needle C++ CPU backend (see docs/backend_protocol.md)";
+  m.attr("__device_name__") = "cpu";
+  m.attr("__tile_size__") = kTile;
+
+  const char* isa = std::getenv("NEEDLE_CPU_ISA");
+  g_kernels = &select_isa(isa && *isa ? isa : "auto");
+
+  py::class_<Array>(m, "Array")
+      .def(py::init([](std::int64_t size, const py::object& dtype) {
+             return new Array(size, dtype_of(dtype));
+           }),
+           py::arg("size"), py::arg("dtype") = "float32")
+      .def_property_readonly("size", &Array::size)
+      .def_property_readonly("dtype", [](const Array& a) { return dtype_name(a.dtype()); })
+      .def_property_readonly("itemsize", [](const Array& a) { return itemsize(a.dtype()); })
+      .def("ptr", [](const Array& a) { return reinterpret_cast<std::uintptr_t>(a.data()); })
+      .def("__repr__", [](const Array& a) {
+        return "Array(size=" + std::to_string(a.size()) + ", dtype='" + dtype_name(a.dtype()) + "')";
+      });
+
+  m.def("to_numpy", &nd::to_numpy, py::arg("a"), py::arg("shape"), py::arg("strides"),
+        py::arg("offset"));
+  m.def("from_numpy", &nd::from_numpy, py::arg("np_array"), py::arg("out"));
+  m.def("fill", &nd::fill, py::arg("out"), py::arg("val"));
+  m.def("compact", &nd::compact);
+  m.def("ewise_setitem", &nd::ewise_setitem);
+  m.def("scalar_setitem", &nd::scalar_setitem);
+
+#define NEEDLE_EWISE(name) \
+  m.def("ewise_" #name, [](const Array& a, const Array& b, Array& out) { \
+    nd::binary(BinOp::name, "ewise_" #name, a, b, out); });
+  NEEDLE_EWISE(add) NEEDLE_EWISE(sub) NEEDLE_EWISE(mul) NEEDLE_EWISE(div)
+  NEEDLE_EWISE(maximum) NEEDLE_EWISE(minimum) NEEDLE_EWISE(power) NEEDLE_EWISE(eq) NEEDLE_EWISE(ge)
+#undef NEEDLE_EWISE
+
+#define NEEDLE_SCALAR(pyname, op, reversed) \
+  m.def("scalar_" #pyname, [](const Array& a, double val, Array& out) { \
+    nd::scalar(BinOp::op, reversed, "scalar_" #pyname, a, val, out); });
+  NEEDLE_SCALAR(add, add, false) NEEDLE_SCALAR(sub, sub, false) NEEDLE_SCALAR(rsub, sub, true)
+  NEEDLE_SCALAR(mul, mul, false) NEEDLE_SCALAR(div, div, false) NEEDLE_SCALAR(rdiv, div, true)
+  NEEDLE_SCALAR(power, power, false) NEEDLE_SCALAR(rpower, power, true)
+  NEEDLE_SCALAR(maximum, maximum, false) NEEDLE_SCALAR(minimum, minimum, false)
+  NEEDLE_SCALAR(eq, eq, false) NEEDLE_SCALAR(ge, ge, false)
+  NEEDLE_SCALAR(le, ge, true)  // a <= val  is  val >= a
+#undef NEEDLE_SCALAR
+
+#define NEEDLE_UNARY(name) \
+  m.def("ewise_" #name, [](const Array& a, Array& out) { \
+    nd::unary(UnOp::name, "ewise_" #name, a, out); });
+  NEEDLE_UNARY(neg) NEEDLE_UNARY(log) NEEDLE_UNARY(exp) NEEDLE_UNARY(tanh)
+  NEEDLE_UNARY(sqrt) NEEDLE_UNARY(abs) NEEDLE_UNARY(sign) NEEDLE_UNARY(sigmoid)
+#undef NEEDLE_UNARY
+
+  m.def("ewise_cast", &nd::ewise_cast);
+  m.def("matmul", &nd::matmul);
+  m.def("matmul_tiled", &nd::matmul_tiled_entry);
+  m.def("reduce_sum", [](const Array& a, Array& out, std::int64_t size) {
+    nd::reduce(RedOp::sum, "reduce_sum", a, out, size); });
+  m.def("reduce_max", [](const Array& a, Array& out, std::int64_t size) {
+    nd::reduce(RedOp::max, "reduce_max", a, out, size); });
+  m.def("reduce_min", [](const Array& a, Array& out, std::int64_t size) {
+    nd::reduce(RedOp::min, "reduce_min", a, out, size); });
+
+  m.def("set_num_threads", &nd::set_num_threads, py::arg("n"));
+  m.def("get_num_threads", &nd::num_threads);
+  // Private: which kernel build runs ("avx2" or "baseline"); tests use it to cover both.
+  m.def("_get_isa", [] { return std::string(g_kernels->name); });
+  m.def("_set_isa", [](const std::string& name) { g_kernels = &select_isa(name); });
+}

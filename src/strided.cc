@@ -1,0 +1,164 @@
+#include "strided.h"
+
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+namespace needle {
+
+namespace {
+
+std::string dims_str(const Dims& d) {
+  std::string s = "(";
+  for (std::size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + (d.size() == 1 ? ",)" : ")");
+}
+
+// Drops size-1 dims and merges neighbours that step through memory as one dim would, so
+// compact views become one long row and the inner loop is as long as possible.
+View simplify(const View& v) {
+  View s{{}, {}, v.offset};
+  for (std::size_t d = 0; d < v.shape.size(); ++d) {
+    if (v.shape[d] == 1) continue;
+    if (!s.shape.empty() && s.strides.back() == v.strides[d] * v.shape[d]) {
+      s.shape.back() *= v.shape[d];
+      s.strides.back() = v.strides[d];
+    } else {
+      s.shape.push_back(v.shape[d]);
+      s.strides.push_back(v.strides[d]);
+    }
+  }
+  if (s.shape.empty()) { s.shape.push_back(1); s.strides.push_back(1); }
+  return s;
+}
+
+// Calls row(pos, len, stride, index) for every innermost row of the simplified view: `pos` is
+// the element offset of its first element and `index` its row-major position in the view.
+template <class RowFn>
+void for_each_row(const View& view, bool allow_parallel, RowFn&& row) {
+  const View v = simplify(view);
+  const std::size_t nd = v.shape.size();
+  const std::int64_t len = v.shape[nd - 1], step = v.strides[nd - 1];
+  std::size_t rows = 1;
+  for (std::size_t d = 0; d + 1 < nd; ++d) rows *= std::size_t(v.shape[d]);
+  const std::size_t threshold =
+      allow_parallel ? kParallelMinElements / std::size_t(len) + 1 : ~std::size_t(0);
+  parallel_range(rows, threshold, [&](std::size_t r0, std::size_t r1) {
+    // Multi-index of row r0 over the outer dims, then step it like an odometer.
+    Dims idx(nd, 0);
+    std::int64_t pos = v.offset;
+    std::size_t rest = r0;
+    for (std::size_t d = nd - 1; d-- > 0;) {
+      idx[d] = std::int64_t(rest % std::size_t(v.shape[d]));
+      rest /= std::size_t(v.shape[d]);
+      pos += idx[d] * v.strides[d];
+    }
+    for (std::size_t r = r0; r < r1; ++r) {
+      row(pos, len, step, std::int64_t(r) * len);
+      for (std::size_t d = nd - 1; d-- > 0;) {
+        pos += v.strides[d];
+        if (++idx[d] < v.shape[d]) break;
+        pos -= v.strides[d] * v.shape[d];
+        idx[d] = 0;
+      }
+    }
+  }, 1);
+}
+
+template <class U>
+void gather_t(const U* src, const View& v, U* out) {
+  for_each_row(v, true, [&](std::int64_t pos, std::int64_t len, std::int64_t step, std::int64_t at) {
+    const U* s = src + pos;
+    U* o = out + at;
+    if (step == 1) { std::memcpy(o, s, std::size_t(len) * sizeof(U)); return; }
+    for (std::int64_t i = 0; i < len; ++i) o[i] = s[i * step];
+  });
+}
+
+template <class U>
+void scatter_t(const U* src, const View& v, U* dst, bool parallel) {
+  for_each_row(v, parallel, [&](std::int64_t pos, std::int64_t len, std::int64_t step, std::int64_t at) {
+    U* d = dst + pos;
+    const U* s = src + at;
+    if (step == 1) { std::memcpy(d, s, std::size_t(len) * sizeof(U)); return; }
+    for (std::int64_t i = 0; i < len; ++i) d[i * step] = s[i];
+  });
+}
+
+template <class U>
+void scatter_value_t(U value, const View& v, U* dst) {
+  for_each_row(v, true, [&](std::int64_t pos, std::int64_t len, std::int64_t step, std::int64_t) {
+    U* d = dst + pos;
+    for (std::int64_t i = 0; i < len; ++i) d[i * step] = value;
+  });
+}
+
+// A destination view with a 0 stride writes some elements several times; NumPy keeps the
+// last write, so such views are scattered in order on one thread.
+bool has_repeats(const View& v) {
+  for (std::size_t d = 0; d < v.shape.size(); ++d)
+    if (v.strides[d] == 0 && v.shape[d] > 1) return true;
+  return false;
+}
+
+}  // namespace
+
+std::size_t check_view(const char* op, const View& v, std::size_t buffer_size) {
+  if (v.shape.size() != v.strides.size()) {
+    throw std::invalid_argument(std::string(op) + ": shape and strides differ in length, got " +
+                                dims_str(v.shape) + " and " + dims_str(v.strides));
+  }
+  std::size_t count = 1;
+  std::int64_t lo = v.offset, hi = v.offset;
+  for (std::size_t d = 0; d < v.shape.size(); ++d) {
+    if (v.shape[d] < 0) {
+      throw std::invalid_argument(std::string(op) + ": negative dimension in shape " +
+                                  dims_str(v.shape));
+    }
+    count *= std::size_t(v.shape[d]);
+    const std::int64_t reach = (v.shape[d] - 1) * v.strides[d];
+    (reach < 0 ? lo : hi) += reach;
+  }
+  if (count > 0 && (lo < 0 || hi >= std::int64_t(buffer_size))) {
+    throw std::out_of_range(std::string(op) + ": view reaches outside its buffer, expected " +
+                            "element offsets in [0, " + std::to_string(buffer_size) + "), got [" +
+                            std::to_string(lo) + ", " + std::to_string(hi) + "] for shape " +
+                            dims_str(v.shape) + ", strides " + dims_str(v.strides) +
+                            ", offset " + std::to_string(v.offset));
+  }
+  return count;
+}
+
+#define NEEDLE_BY_SIZE(bytes, CALL)                    \
+  switch (bytes) {                                     \
+    case 2: CALL(std::uint16_t); break;                \
+    case 4: CALL(std::uint32_t); break;                \
+    case 8: CALL(std::uint64_t); break;                \
+    default: throw std::invalid_argument("bad element size"); \
+  }
+
+void gather(std::size_t elem_bytes, const void* src, const View& v, void* out) {
+#define NEEDLE_CALL(U) gather_t(static_cast<const U*>(src), v, static_cast<U*>(out))
+  NEEDLE_BY_SIZE(elem_bytes, NEEDLE_CALL)
+#undef NEEDLE_CALL
+}
+
+void scatter(std::size_t elem_bytes, const void* src, const View& v, void* dst) {
+  const bool parallel = !has_repeats(v);
+#define NEEDLE_CALL(U) scatter_t(static_cast<const U*>(src), v, static_cast<U*>(dst), parallel)
+  NEEDLE_BY_SIZE(elem_bytes, NEEDLE_CALL)
+#undef NEEDLE_CALL
+}
+
+void scatter_value(std::size_t elem_bytes, const void* value, const View& v, void* dst) {
+#define NEEDLE_CALL(U)                          \
+  {                                             \
+    U bits;                                     \
+    std::memcpy(&bits, value, sizeof(U));       \
+    scatter_value_t(bits, v, static_cast<U*>(dst)); \
+  }
+  NEEDLE_BY_SIZE(elem_bytes, NEEDLE_CALL)
+#undef NEEDLE_CALL
+}
+
+}  // namespace needle
