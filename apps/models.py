@@ -22,6 +22,8 @@ import needle as ndl  # noqa: E402,F401
 import needle.data  # noqa: E402,F401 - ndl.data even before needle/__init__ imports it
 import needle.nn as nn  # noqa: E402
 import needle.optim  # noqa: E402,F401
+from needle import ops  # noqa: E402
+from needle._core.errors import NeedleError  # noqa: E402
 
 __all__ = ["ConvBN", "ResNet9", "LanguageModel"]
 
@@ -69,7 +71,7 @@ class LanguageModel(nn.Module):
                  seq_model="rnn", seq_len=40, device=None, dtype="float32"):
         super().__init__()
         if seq_model not in ("rnn", "lstm"):
-            raise ndl._core.errors.NeedleError(
+            raise NeedleError(
                 f"LanguageModel: unknown seq_model, expected 'rnn' or 'lstm', got {seq_model!r}")
         self.embedding_size, self.output_size = embedding_size, output_size
         self.hidden_size, self.seq_len = hidden_size, seq_len
@@ -82,5 +84,5 @@ class LanguageModel(nn.Module):
     def forward(self, x, h=None):
         seq_len, batch = x.shape
         out, h = self.seq_model(self.embedding(x), h)
-        logits = self.linear(ndl.ops.reshape(out, (seq_len * batch, self.hidden_size)))
+        logits = self.linear(ops.reshape(out, (seq_len * batch, self.hidden_size)))
         return logits, h

@@ -4,8 +4,8 @@ hand, and the CIFAR-10 / Penn Treebank training loops.
 Example:
     >>> import numpy as np
     >>> import needle as ndl
-    >>> Z = ndl.Tensor(np.zeros((2, 3), dtype="float32"))
-    >>> y = ndl.Tensor(np.eye(3, dtype="float32")[[0, 2]])
+    >>> Z = Tensor(np.zeros((2, 3), dtype="float32"))
+    >>> y = Tensor(np.eye(3, dtype="float32")[[0, 2]])
     >>> round(float(softmax_loss(Z, y).numpy()), 4) == round(float(np.log(3)), 4)
     True
 """
@@ -26,6 +26,7 @@ import needle.data  # noqa: E402,F401
 import needle.nn as nn  # noqa: E402
 import needle.optim  # noqa: E402,F401
 from needle import ops  # noqa: E402
+from needle.autograd import Tensor  # noqa: E402
 from needle.data import get_batch  # noqa: E402
 from needle.data.datasets.mnist_dataset import parse_mnist as _parse_mnist  # noqa: E402
 
@@ -65,22 +66,22 @@ def nn_epoch(X, y, W1, W2, lr=0.1, batch=100):
     """
     k = W2.shape[1]
     for start in range(0, X.shape[0], batch):
-        Xb = ndl.Tensor(X[start:start + batch], device=W1.device, dtype=W1.dtype,
+        Xb = Tensor(X[start:start + batch], device=W1.device, dtype=W1.dtype,
                         requires_grad=False)
-        yb = ndl.Tensor(_one_hot(y[start:start + batch], k, "float32"), device=W1.device,
+        yb = Tensor(_one_hot(y[start:start + batch], k, "float32"), device=W1.device,
                         dtype=W1.dtype, requires_grad=False)
-        W1 = ndl.Tensor(W1.numpy(), device=W1.device, dtype=W1.dtype, requires_grad=True)
-        W2 = ndl.Tensor(W2.numpy(), device=W2.device, dtype=W2.dtype, requires_grad=True)
+        W1 = Tensor(W1.numpy(), device=W1.device, dtype=W1.dtype, requires_grad=True)
+        W2 = Tensor(W2.numpy(), device=W2.device, dtype=W2.dtype, requires_grad=True)
         loss = softmax_loss(ops.relu(Xb @ W1) @ W2, yb)
         loss.backward()
-        W1 = ndl.Tensor(W1.numpy() - lr * W1.grad.numpy(), device=W1.device, dtype=W1.dtype)
-        W2 = ndl.Tensor(W2.numpy() - lr * W2.grad.numpy(), device=W2.device, dtype=W2.dtype)
+        W1 = Tensor(W1.numpy() - lr * W1.grad.numpy(), device=W1.device, dtype=W1.dtype)
+        W2 = Tensor(W2.numpy() - lr * W2.grad.numpy(), device=W2.device, dtype=W2.dtype)
     return W1, W2
 
 
 def loss_err(h, y):
     """(softmax loss, error rate) of logits ``h`` against integer labels ``y`` (NumPy)."""
-    y_one_hot = ndl.Tensor(_one_hot(y, h.shape[-1], "float32"), device=h.device,
+    y_one_hot = Tensor(_one_hot(y, h.shape[-1], "float32"), device=h.device,
                            dtype=h.dtype, requires_grad=False)
     return softmax_loss(h, y_one_hot).numpy(), np.mean(h.numpy().argmax(axis=1) != y)
 
@@ -91,7 +92,7 @@ def _accuracy_and_loss(logits, y, loss) -> tuple[float, float, int]:
     return correct, float(loss.numpy()) * labels.shape[0], labels.shape[0]
 
 
-def epoch_general_cifar10(dataloader, model, loss_fn=nn.SoftmaxLoss(), opt=None):
+def epoch_general_cifar10(dataloader, model, loss_fn=nn.SoftmaxLoss(), opt=None):  # noqa: B008
     """One pass over ``dataloader`` (train iff ``opt``); returns (avg accuracy, avg loss)."""
     np.random.seed(4)
     model.train() if opt is not None else model.eval()
@@ -133,7 +134,7 @@ def _detach_state(h):
     return h.detach()
 
 
-def epoch_general_ptb(data, model, seq_len=40, loss_fn=nn.SoftmaxLoss(), opt=None,
+def epoch_general_ptb(data, model, seq_len=40, loss_fn=nn.SoftmaxLoss(), opt=None,  # noqa: B008
                       clip=None, device=None, dtype="float32"):
     """One pass over batchified ``data`` in windows of ``seq_len`` (hidden state carried,
     detached, across windows); returns (avg accuracy, avg loss) per token."""

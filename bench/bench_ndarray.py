@@ -27,6 +27,7 @@ import os
 import platform
 import statistics
 import time
+from functools import partial
 
 for _var in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE"):
     os.environ.pop(_var, None)
@@ -80,7 +81,8 @@ def bench_matmul(sizes, threads, phases: int) -> list[tuple]:
         for nt in threads:
             cpu.set_num_threads(nt)
             with threadpool_limits(limits=nt, user_api="blas"):
-                t = compare(lambda: a @ b, lambda: cpu.matmul(ha, hb, hc, n, n, n), phases, calls)
+                t = compare(partial(np.matmul, a, b), partial(cpu.matmul, ha, hb, hc, n, n, n),
+                            phases, calls)
             gflop = 2 * n**3 / 1e9
             rows.append((f"matmul n={n}", nt, gflop / t["numpy"], gflop / t["needle"],
                          t["numpy"] / t["needle"], "GFLOP/s"))
@@ -116,8 +118,8 @@ def bench_elementwise(sizes, threads, phases: int) -> list[tuple]:
             for nt in threads:
                 cpu.set_num_threads(nt)
                 with threadpool_limits(limits=1, user_api="blas"):
-                    t = compare(lambda: np_fn(a, b, o), lambda: nd_fn(ha, hb, out), phases,
-                                calls, (lambda: np_out_fn(a, b, o)) if np_out_fn else None)
+                    t = compare(partial(np_fn, a, b, o), partial(nd_fn, ha, hb, out), phases,
+                                calls, partial(np_out_fn, a, b, o) if np_out_fn else None)
                 gbytes = arrays * size * 4 / 1e9
                 row = (f"{name} {size:.0e}", nt, gbytes / t["numpy"], gbytes / t["needle"],
                        t["numpy"] / t["needle"], "GB/s")

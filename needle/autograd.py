@@ -17,8 +17,6 @@ from __future__ import annotations
 import itertools
 import warnings
 
-import numpy
-
 from ._autograd.engine import describe, run_backward
 from ._autograd.grad_mode import STATE, enable_grad, is_grad_enabled, no_grad, set_grad_enabled
 from ._autograd.hooks import RemovableHandle, saved_tensors_hooks
@@ -101,21 +99,37 @@ def _make_from_op(cls, op, inputs):
     global TENSOR_COUNTER
     node = object.__new__(cls)
     TENSOR_COUNTER += 1
-    node._seq = next(_SEQ)
-    node.num_outputs = 1
     if LAZY_MODE:
         node.op, node.inputs, node.cached_data = op, inputs, None
         node.requires_grad = any(x.requires_grad for x in inputs)
+        node._seq = next(_SEQ)
         return node
-    node.cached_data = op.compute(*[x.realize_cached_data() for x in inputs])
-    if STATE.grad_enabled:
+    # eager mode: inputs are always realised; the class defaults (op None, inputs (),
+    # requires_grad False) already describe an unrecorded result
+    if len(inputs) == 1:
+        node.cached_data = op.compute(inputs[0].cached_data)
+    elif len(inputs) == 2:
+        node.cached_data = op.compute(inputs[0].cached_data, inputs[1].cached_data)
+    else:
+        node.cached_data = op.compute(*[x.cached_data for x in inputs])
+    state = STATE
+    if state.grad_enabled:
         for x in inputs:
             if x.requires_grad:
                 node.op, node.inputs, node.requires_grad = op, inputs, True
-                if STATE.saved_hooks is not None:
-                    node._saved = _pack(op, node, STATE.saved_hooks)
+                node._seq = next(_SEQ)
+                if state.saved_hooks is not None:
+                    node._saved = _pack(op, node, state.saved_hooks)
                 return node
-    node.op, node.inputs, node.requires_grad = None, (), False
+    return node
+
+
+def _leaf(data):
+    """A constant leaf around ``data`` (the fast ``Tensor.make_const`` for op gradients)."""
+    global TENSOR_COUNTER
+    node = object.__new__(Tensor)
+    TENSOR_COUNTER += 1
+    node.cached_data = data
     return node
 
 
@@ -133,11 +147,14 @@ def _pack(op, node, hooks) -> tuple:
 class Value:
     """A node of the graph: the op that made it, its inputs, and its (cached) data."""
 
-    op: Op | None
-    inputs: tuple
-    cached_data: object
-    requires_grad: bool
+    # Class defaults describe a constant leaf, so the hot paths set only what differs.
+    op: Op | None = None
+    inputs: tuple = ()
+    num_outputs = 1
+    cached_data: object = None
+    requires_grad: bool = False
     grad = None
+    _seq = 0  # creation order of recorded nodes; the engine runs later-created ones first
     _saved = None  # packed saved tensors, only while saved_tensors_hooks were active
     _freed = False  # links cut by a backward without retain_graph
     _hooks = None  # {handle id: fn(grad)}
@@ -385,8 +402,11 @@ def gradcheck(fn, *inputs, eps=1e-6, atol=1e-5, rtol=1e-3, directions=3, seed=0)
                       seed=seed)
 
 
+# isort: off
+# Order matters: Tensor must exist before needle.ops (which imports it) is loaded.
 from ._autograd.tensor import Tensor  # noqa: E402 - Tensor subclasses Value, defined above
 from ._autograd import tensor as _tensor_module  # noqa: E402
 from . import ops as _ops  # noqa: E402 - ops import this module; bound late on purpose
+# isort: on
 
 _tensor_module._ops = _ops

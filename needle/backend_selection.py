@@ -18,27 +18,20 @@ BACKEND = os.environ.get("NEEDLE_BACKEND", "nd")
 
 if BACKEND == "nd":
     from . import backend_ndarray as array_api
-    from .backend_ndarray import (  # noqa: F401
-        BackendDevice as Device,
-        all_devices,
-        cpu,
-        cpu_numpy,
-        cuda,
-        default_device,
-    )
+    from .backend_ndarray import BackendDevice as Device
+    from .backend_ndarray import all_devices, cpu, cpu_numpy, cuda, default_device
 
     NDArray = array_api.NDArray
+    __all__ = ["BACKEND", "array_api", "NDArray", "Device", "cpu", "cpu_numpy", "cuda",
+               "default_device", "all_devices"]
 elif BACKEND == "np":
     import numpy as array_api
 
-    from .backend_numpy import Device, all_devices, cpu, cpu_numpy, default_device  # noqa: F401
+    from .backend_numpy import Device, all_devices, cpu, cpu_numpy, default_device
 
     NDArray = array_api.ndarray
+    __all__ = ["BACKEND", "array_api", "NDArray", "Device", "cpu", "cpu_numpy",
+               "default_device", "all_devices"]
 else:
     raise BackendUnavailable(
         f"backend_selection: unknown NEEDLE_BACKEND, expected 'nd' or 'np', got {BACKEND!r}")
-
-__all__ = ["BACKEND", "array_api", "NDArray", "Device", "cpu", "cpu_numpy",
-           "default_device", "all_devices"]
-if BACKEND == "nd":
-    __all__.append("cuda")

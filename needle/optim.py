@@ -29,9 +29,17 @@ def _array(t: Tensor):
     return t.realize_cached_data()
 
 
+def _grad(p: Tensor, theta):
+    # Updates run in the parameter's dtype: a gradient of another dtype is cast first.
+    g = p.grad.realize_cached_data()
+    return g if g.dtype == theta.dtype else g.astype(theta.dtype)
+
+
 def _assign(p: Tensor, array) -> None:
-    # Same effect as ``p.data = Tensor(array)`` without building a throwaway Tensor.
-    p.cached_data = array
+    # Same effect as ``p.data = Tensor(array)`` without building a throwaway Tensor. A wider
+    # gradient (np mode lets float64 data reach float32 weights) must not widen the weight.
+    dtype = p.cached_data.dtype
+    p.cached_data = array if array.dtype == dtype else array.astype(dtype)
 
 
 def _to_numpy(array) -> np.ndarray:
@@ -133,7 +141,7 @@ class SGD(Optimizer):
             if p.grad is None:
                 continue
             theta = _array(p)
-            g = _array(p.grad)
+            g = _grad(p, theta)
             if wd:
                 g = g + theta * wd
             if mom:
@@ -173,7 +181,7 @@ class Adam(Optimizer):
             if p.grad is None:
                 continue
             theta = _array(p)
-            g = _array(p.grad)
+            g = _grad(p, theta)
             if wd:
                 g = g + theta * wd
             m, v = self.m.get(p), self.v.get(p)

@@ -155,6 +155,8 @@ inline void tile(std::size_t k, const T* ap, const T* bp, T* c, std::size_t ldc,
       c[r * ldc + j] = acc ? c[r * ldc + j] + tmp[r * G::NR + j] : tmp[r * G::NR + j];
 }
 
+// One function for the whole loop nest (longer than our usual 40 lines) because the OpenMP
+// region must enclose every loop: a region per block would fork and join thousands of times.
 template <class T>
 void gemm(const T* a, const T* b, T* c, std::size_t m, std::size_t n, std::size_t p) {
   using G = GemmConfig<T>;

@@ -123,12 +123,21 @@ void from_numpy(const py::object& source, Array& out) {
   std::memcpy(out.data(), src, out.size() * itemsize(out.dtype()));
 }
 
+template <class U>
+void fill_bits(U* out, U value, std::size_t n) {
+  parallel_range(n, kParallelMinElements, [&](std::size_t s, std::size_t e) {
+    for (std::size_t i = s; i < e; ++i) out[i] = value;
+  });
+}
+
 void fill(Array& out, double val) {
   const std::uint64_t bits = scalar_bits(out.dtype(), val);
-  const View v{{std::int64_t(out.size())}, {1}, 0};
-  if (!out.size()) return;
   py::gil_scoped_release release;
-  scatter_value(itemsize(out.dtype()), &bits, v, out.data());
+  switch (itemsize(out.dtype())) {
+    case 2: return fill_bits(static_cast<std::uint16_t*>(out.data()), std::uint16_t(bits), out.size());
+    case 4: return fill_bits(static_cast<std::uint32_t*>(out.data()), std::uint32_t(bits), out.size());
+    default: return fill_bits(static_cast<std::uint64_t*>(out.data()), bits, out.size());
+  }
 }
 
 void compact(const Array& a, Array& out, Dims shape, Dims strides, std::int64_t offset) {

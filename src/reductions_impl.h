@@ -6,13 +6,23 @@
 // max/min propagate NaN like NumPy; an empty block gives 0 / -inf / +inf.
 
 constexpr std::size_t kSumBlock = 2048;
-constexpr int kLanes = 16;
+
+// Independent accumulators: 128 bytes of them (4 ymm registers), so the loop is limited by
+// loads rather than by the latency of one add or max chain.
+template <class T> constexpr int kLanesOf = int(128 / sizeof(T));
 
 template <class T>
 T block_sum(const T* a, std::size_t n) {
+  constexpr int L = kLanesOf<T>;
+  T lanes[L] = {};
+  std::size_t i = 0;
+  for (; i + L <= n; i += L) {
+#pragma omp simd
+    for (int j = 0; j < L; ++j) lanes[j] += a[i + j];
+  }
   T acc = T(0);
-#pragma omp simd reduction(+ : acc)
-  for (std::size_t i = 0; i < n; ++i) acc += a[i];
+  for (; i < n; ++i) acc += a[i];
+  for (int j = 0; j < L; ++j) acc += lanes[j];
   return acc;
 }
 
@@ -24,16 +34,17 @@ inline T pick(T acc, T x) {
 
 template <RedOp OP, class T>
 T block_extreme(const T* a, std::size_t n, T init) {
-  T lanes[kLanes];
-  for (int j = 0; j < kLanes; ++j) lanes[j] = init;
+  constexpr int L = kLanesOf<T>;
+  T lanes[L];
+  for (int j = 0; j < L; ++j) lanes[j] = init;
   std::size_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
+  for (; i + L <= n; i += L) {
 #pragma omp simd
-    for (int j = 0; j < kLanes; ++j) lanes[j] = pick<OP>(lanes[j], a[i + j]);
+    for (int j = 0; j < L; ++j) lanes[j] = pick<OP>(lanes[j], a[i + j]);
   }
   T acc = init;
   for (; i < n; ++i) acc = pick<OP>(acc, a[i]);
-  for (int j = 0; j < kLanes; ++j) acc = pick<OP>(acc, lanes[j]);
+  for (int j = 0; j < L; ++j) acc = pick<OP>(acc, lanes[j]);
   return acc;
 }
 

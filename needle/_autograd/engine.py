@@ -2,7 +2,8 @@
 
 Nodes follow a small protocol (the engine never imports Tensor): ``op``, ``inputs``,
 ``requires_grad``, ``cached_data``, ``grad``, ``_seq`` (creation order), ``_freed``,
-``_is_tuple``, ``_hooks``, ``_post_hooks``, ``_retains_grad`` and ``_free_graph()``.
+``_is_tuple``, ``_hooks``, ``_post_hooks``, ``_retains_grad`` and ``_saved`` (what
+``Value._free_graph`` resets; the loop inlines it).
 
 Order. Each node waits until every consumer inside this backward has handed it a partial
 gradient (a dependency count per node). Among ready nodes the one created last runs first,
@@ -19,6 +20,7 @@ from __future__ import annotations
 import heapq
 
 from .._core.errors import DeviceError, DTypeError, GraphError, ShapeError
+from ..backend_ndarray import NDArray as _NDArray
 from .grad_mode import STATE
 
 
@@ -89,40 +91,52 @@ def _finish_leaf(leaf, grad, accumulate: bool) -> None:
 
 def check_gradients(node, grads, strict: bool) -> None:
     """Raise naming the op when ``grads`` do not match ``node.inputs`` (count, shape, dtype,
-    device; dtype and device only when ``strict``)."""
+    device; dtype and device only when ``strict``). ``None`` is accepted for an input that
+    does not require grad."""
     inputs = node.inputs
-    name = type(node.op).__name__
     if len(grads) != len(inputs):
         raise GraphError(
-            f"{name}.gradient: wrong number of gradients, expected {len(inputs)} (one per "
-            f"input), got {len(grads)}")
-    for i, (inp, grad) in enumerate(zip(inputs, grads)):
+            f"{type(node.op).__name__}.gradient: wrong number of gradients, expected "
+            f"{len(inputs)} (one per input), got {len(grads)}")
+    for i, (inp, grad) in enumerate(zip(inputs, grads, strict=False)):
         if not inp.requires_grad:
             continue
-        if getattr(grad, "_is_tuple", None) is not inp._is_tuple:
-            raise GraphError(
-                f"{name}.gradient: wrong gradient type for input {i}, expected "
-                f"{type(inp).__name__}, got {type(grad).__name__}")
-        if inp._is_tuple:
-            if len(grad.cached_data) != len(inp.cached_data):
-                raise ShapeError(
-                    f"{name}.gradient: wrong tuple length for input {i}, expected "
-                    f"{len(inp.cached_data)}, got {len(grad.cached_data)}")
+        if grad is None or inp._is_tuple or getattr(grad, "_is_tuple", True):
+            _check_unusual(node, i, inp, grad)
             continue
         have, want = grad.cached_data, inp.cached_data
-        if have.shape != want.shape:
-            raise ShapeError(
-                f"{name}.gradient: wrong gradient shape for input {i}, expected "
-                f"{tuple(want.shape)}, got {tuple(have.shape)}")
-        if strict:
-            if have.dtype != want.dtype:
-                raise DTypeError(
-                    f"{name}.gradient: wrong gradient dtype for input {i}, expected "
-                    f"{want.dtype}, got {have.dtype}")
-            if have.device is not want.device and have.device != want.device:
-                raise DeviceError(
-                    f"{name}.gradient: wrong gradient device for input {i}, expected "
-                    f"{want.device}, got {have.device}")
+        if strict and type(have) is _NDArray and type(want) is _NDArray:
+            # the common nd case, read from the fields: this runs for every edge of a backward
+            if (have._shape != want._shape or have._device is not want._device
+                    or have._handle.dtype != want._handle.dtype):
+                _check_arrays(node, i, have, want, strict)
+            continue
+        _check_arrays(node, i, have, want, strict)
+
+
+def _check_arrays(node, i, have, want, strict: bool) -> None:
+    if have.shape != want.shape:
+        _mismatch(ShapeError, node, i, "shape", tuple(want.shape), tuple(have.shape))
+    if strict:
+        if have.dtype != want.dtype:
+            _mismatch(DTypeError, node, i, "dtype", want.dtype, have.dtype)
+        if have.device != want.device:
+            _mismatch(DeviceError, node, i, "device", want.device, have.device)
+
+
+def _mismatch(error, node, i, what, expected, got):
+    raise error(f"{type(node.op).__name__}.gradient: wrong gradient {what} for input {i}, "
+                f"expected {expected}, got {got}")
+
+
+def _check_unusual(node, i, inp, grad) -> None:
+    """Checks for tuple-valued inputs and for missing or non-Value gradients."""
+    kind = getattr(grad, "_is_tuple", None)
+    if kind is not inp._is_tuple:
+        _mismatch(GraphError, node, i, "type", type(inp).__name__, type(grad).__name__)
+    if inp._is_tuple and len(grad.cached_data) != len(inp.cached_data):
+        _mismatch(ShapeError, node, i, "tuple length", len(inp.cached_data),
+                  len(grad.cached_data))
 
 
 def run_backward(root, grad, *, retain_graph: bool, create_graph: bool, accumulate: bool,
@@ -145,42 +159,47 @@ def run_backward(root, grad, *, retain_graph: bool, create_graph: bool, accumula
 
 
 def _propagate(root, grad, retain_graph, accumulate, grad_all_nodes, strict) -> None:
+    # One flat loop on purpose: this runs once per node of every backward, and small models
+    # are dispatch-bound (PERF_NOTES), so checks and delivery are inlined here.
     deps = _count_dependencies(root)
     pending = {id(root): [grad]}
     heap = [(-root._seq, root)]
     del grad
+    heappop, heappush = heapq.heappop, heapq.heappush
     while heap:
-        node = heapq.heappop(heap)[1]
-        grad = _sum(pending.pop(id(node)))
+        node = heappop(heap)[1]
+        parts = pending.pop(id(node))
+        grad = parts[0] if len(parts) == 1 else _sum(parts)
         if node._hooks:
             grad = _run_tensor_hooks(node, grad)
         if grad_all_nodes or node._retains_grad:
             node.grad = grad
-        grads = node.op.gradient_as_tuple(grad, node)
+        grads = node.op.gradient(grad, node)
+        if type(grads) is not tuple:
+            grads = tuple(grads) if isinstance(grads, list) else (grads,)
         check_gradients(node, grads, strict)
         inputs = node.inputs
         if not retain_graph:
-            node._free_graph()
-        del node, grad
-        _deliver(inputs, grads, deps, pending, heap, accumulate)
-        del inputs, grads
-
-
-def _deliver(inputs, grads, deps, pending, heap, accumulate) -> None:
-    """Hand each input its partial gradient; schedule (or finish) inputs that became ready."""
-    for inp, part in zip(inputs, grads):
-        if not inp.requires_grad:
-            continue
-        key = id(inp)
-        parts = pending.get(key)
-        if parts is None:
-            pending[key] = [part]
-        else:
-            parts.append(part)
-        left = deps[key] - 1
-        deps[key] = left
-        if left == 0:
-            if inp.op is None:
-                _finish_leaf(inp, _sum(pending.pop(key)), accumulate)
+            # cut the links now: inputs nobody else holds are released as soon as they are
+            # processed themselves, so backward memory falls as it proceeds
+            node.inputs = ()
+            node._saved = None
+            node._freed = True
+        del node, grad, parts
+        for inp, part in zip(inputs, grads, strict=False):
+            if not inp.requires_grad:
+                continue
+            key = id(inp)
+            parts = pending.get(key)
+            if parts is None:
+                pending[key] = [part]
             else:
-                heapq.heappush(heap, (-inp._seq, inp))
+                parts.append(part)
+            left = deps[key] - 1
+            deps[key] = left
+            if left == 0:
+                if inp.op is None:
+                    _finish_leaf(inp, _sum(pending.pop(key)), accumulate)
+                else:
+                    heappush(heap, (-inp._seq, inp))
+        inputs = grads = inp = part = parts = None

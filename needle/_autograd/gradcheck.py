@@ -60,7 +60,7 @@ def gradcheck(fn, *inputs, eps=1e-6, atol=1e-5, rtol=1e-3, directions=3, seed=0,
 
     def make(arrays, requires_grad):
         return [Tensor(a, device=d, dtype="float64", requires_grad=requires_grad)
-                for a, d in zip(arrays, devices)]
+                for a, d in zip(arrays, devices, strict=True)]
 
     leaves = make(bases, True)
     with enable_grad():
@@ -71,11 +71,11 @@ def gradcheck(fn, *inputs, eps=1e-6, atol=1e-5, rtol=1e-3, directions=3, seed=0,
         with no_grad():
             values = _outputs(fn(*make(arrays, False)))
         return float(sum((v.numpy().astype(numpy.float64) * w).sum()
-                         for v, w in zip(values, weights)))
+                         for v, w in zip(values, weights, strict=True)))
 
     with enable_grad():
         total = None
-        for o, w in zip(outs, weights):
+        for o, w in zip(outs, weights, strict=True):
             term = (o * Tensor(w, device=o.device, dtype="float64", requires_grad=False)).sum()
             total = term if total is None else total + term
         total.backward()

@@ -15,6 +15,7 @@ import numpy
 
 from .._core.errors import DTypeError, ShapeError
 from ..autograd import Value, backward
+from ..autograd import _make_from_op as _make
 from ..backend_selection import BACKEND, NDArray, array_api, cpu, default_device
 
 _ND = BACKEND == "nd"
@@ -37,7 +38,7 @@ class Tensor(Value):
     Example:
         >>> import needle as ndl
         >>> t = ndl.Tensor([1, 2, 3], dtype="float32")
-        >>> t.shape, t.dtype
+        >>> t.shape, str(t.dtype)
         ((3,), 'float32')
     """
 
@@ -140,13 +141,13 @@ class Tensor(Value):
     # ----- operators --------------------------------------------------------------------
     def __add__(self, other):
         if isinstance(other, Tensor) or isinstance(other := _operand(self, other), Tensor):
-            return _ops._ADD(self, other)
-        return _ops.AddScalar(other)(self)
+            return _make(Tensor, _ops._ADD, (self, other))
+        return _make(Tensor, _ops.AddScalar(other), (self,))
 
     def __mul__(self, other):
         if isinstance(other, Tensor) or isinstance(other := _operand(self, other), Tensor):
-            return _ops._MUL(self, other)
-        return _ops.MulScalar(other)(self)
+            return _make(Tensor, _ops._MUL, (self, other))
+        return _make(Tensor, _ops.MulScalar(other), (self,))
 
     def __pow__(self, other):
         if isinstance(other, Tensor) or isinstance(other := _operand(self, other), Tensor):
@@ -175,14 +176,14 @@ class Tensor(Value):
         return _ops.MulScalar(other)(_ops.PowerScalar(-1)(self))
 
     def __matmul__(self, other):
-        return _ops.MatMul()(self, other)
+        return _make(Tensor, _ops._MATMUL, (self, other))
 
     def __rmatmul__(self, other):
         return _ops.MatMul()(Tensor(other, device=self.device, dtype=self.dtype,
                                     requires_grad=False), self)
 
     def __neg__(self):
-        return _ops._NEG(self)
+        return _make(Tensor, _ops._NEG, (self,))
 
     __radd__ = __add__
     __rmul__ = __mul__

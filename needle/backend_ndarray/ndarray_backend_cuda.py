@@ -24,13 +24,18 @@ import numpy as np
 from .._core.errors import DTypeError
 from ._cuda import launch as L
 from ._cuda import runtime
-from ._cuda.runtime import (available, get_allocator, set_allocator,  # noqa: F401 - API
-                            synchronize, unavailable_reason)
+
+# Availability (read by the device lookup), the allocator seam and a device-wide sync.
+available = runtime.available
+unavailable_reason = runtime.unavailable_reason
+set_allocator = runtime.set_allocator
+get_allocator = runtime.get_allocator
+synchronize = runtime.synchronize
 
 __device_name__ = "cuda"
 __tile_size__ = 4
 MATMUL_IMPLS = ("cublas", "tiled")
-_matmul_impl = "cublas"  # measured faster (docs/cuda.md); "tiled" is our own kernel
+_matmul_impl = "cublas"  # expected faster; bench/bench_gpu.py measures both (docs/cuda.md)
 
 _EW, _ST, _RD, _MM = "elementwise.cu", "strided.cu", "reduce.cu", "matmul.cu"
 

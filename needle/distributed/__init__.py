@@ -40,7 +40,8 @@ from .process_group import (
 
 __all__ = [
     "CommError", "ProcessGroup", "Work", "all_gather", "all_reduce", "barrier", "broadcast",
-    "destroy_process_group", "gather", "get_backend", "get_rank", "get_world_size", "init_process_group",
+    "destroy_process_group", "gather", "get_backend", "get_rank", "get_world_size",
+    "init_process_group",
     "irecv", "is_initialized", "isend", "new_group", "recv", "reduce", "reduce_scatter",
     "scatter", "send", "spawn_threads",
 ]

@@ -74,21 +74,10 @@ def _ndarray_of(obj: Any) -> Any:
 def _setter_for(nd: Any) -> Callable[[np.ndarray], None]:
     def commit(arr: np.ndarray) -> None:
         # Write through __setitem__ so the caller's buffer (and its allocator accounting) stays.
-        index = tuple(slice(None) for _ in arr.shape) if arr.ndim else ()
-        value = arr
-        device = getattr(nd, "device", None)
-        module = type(nd).__module__
-        try:
-            nd_mod = __import__(module, fromlist=["array"])
-            maker = getattr(nd_mod, "array", None)
-            if maker is not None:
-                value = maker(arr, dtype=dtype_name(arr), device=device)
-        except Exception:  # noqa: BLE001 - fall back to assigning the NumPy array itself
-            value = arr
-        if arr.ndim == 0:
-            nd[()] = value
-        else:
-            nd[index] = value
+        from needle.backend_ndarray import array
+
+        value = array(arr, dtype=dtype_name(arr), device=nd.device)
+        nd[tuple(slice(None) for _ in arr.shape)] = value
 
     return commit
 

@@ -36,17 +36,19 @@ class Request:
 
 
 def poll_until(test: Callable[[], bool], deadline: float) -> bool:
-    """Spin on ``test`` briefly, then back off with sleeps so other threads get the GIL."""
+    """Spin on ``test`` (mpi4py drops the GIL inside MPI_Test, so other threads still run),
+    then back off: sleeping at once would cost small messages a scheduler round trip."""
     spins = 0
+    spin_until = time.monotonic() + 2e-3
     while not test():
         spins += 1
-        if spins < 64:
+        if spins & 63:
             continue
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline:
             return False
-        # sleep(0) drops the GIL so a compute thread can run; longer sleeps only once a wait
-        # is clearly long, so that latency-bound small messages stay fast.
-        time.sleep(0 if spins < 4000 else 2e-4)
+        if now > spin_until:
+            time.sleep(0 if now < spin_until + 0.02 else 2e-4)
     return True
 
 

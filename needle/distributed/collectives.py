@@ -29,7 +29,8 @@ def _op_name(op: str, where: str) -> str:
 def _native(pg: ProcessGroup, where: str, algorithm: str, allowed: tuple[str, ...]) -> Any:
     if algorithm not in allowed + ("native",):
         raise CommError(
-            f"{where}: unknown algorithm, expected one of {allowed + ('native',)}, got {algorithm!r}"
+            f"{where}: unknown algorithm, expected one of {allowed + ('native',)}, "
+            f"got {algorithm!r}"
         )
     if algorithm != "native":
         return None
@@ -134,7 +135,9 @@ def _borrow_list(where: str, what: str, items: Any, like: np.ndarray, size: int,
                  readonly: bool) -> list[Borrowed]:
     if items is None or len(items) != size:
         got = None if items is None else len(items)
-        raise ShapeError(f"{where}: {what} must hold one entry per rank, expected {size}, got {got}")
+        raise ShapeError(
+            f"{where}: {what} must hold one entry per rank, expected {size}, got {got}"
+        )
     bufs = [borrow(t, where, readonly=readonly) for t in items]
     for i, b in enumerate(bufs):
         if b.arr.shape != like.shape or b.arr.dtype != like.dtype:

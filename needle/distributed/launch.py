@@ -66,6 +66,9 @@ def _rank_command(script: str, args: list[str]) -> list[str]:
 def _start(nproc: int, backend: str, script: str, args: list[str], status_dir: str,
            ) -> tuple[list[subprocess.Popen], list[threading.Thread]]:
     env = dict(os.environ, NEEDLE_LAUNCH_STATUS_DIR=status_dir, PYTHONUNBUFFERED="1")
+    # Ranks import needle from where the launcher did, installed or not.
+    here = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
     kw = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     procs, pumps = [], []
     if backend == "mpi":
@@ -96,9 +99,11 @@ def _failed_rank(status_dir: str) -> tuple[int, int] | None:
 
 def _final_code(codes: list[int], status_dir: str, nproc: int, backend: str) -> int:
     """Exit code once every process ended; a rank that never reported (killed, os._exit,
-    crashed) counts as a failure even when mpiexec itself exits with 0."""
+    crashed) under mpiexec counts as a failure even when mpiexec itself exits with 0."""
     reported = {int(n[4:]) for n in os.listdir(status_dir)}
-    silent = [r for r in range(nproc) if r not in reported]
+    # tcp ranks are our own children with real exit codes; under mpiexec only the status files
+    # tell whether each rank finished.
+    silent = [r for r in range(nproc) if r not in reported] if backend == "mpi" else []
     code = max((abs(c) for c in codes), default=0)
     if silent:
         print(f"launch: ranks {silent} ended without reporting an exit status (killed or "
@@ -113,9 +118,8 @@ def run(nproc: int, script: str, args: list[str] | None = None, backend: str = "
         timeout: float | None = None) -> int:
     """Run ``script`` on ``nproc`` ranks and return the job's exit code (0 when all succeed).
 
-    Example:
-        >>> run(1, "-c", []) if False else 0  # see docs/distributed.md for real use
-        0
+    Example (not run here: it starts processes):
+        code = run(2, "train.py", ["--epochs", "1"], backend="tcp", timeout=600)
     """
     if backend not in ("mpi", "tcp"):
         raise ValueError(f"launch: unknown backend, expected 'mpi' or 'tcp', got {backend!r}")

@@ -8,7 +8,7 @@ Example:
     >>> model(ndl.Tensor(np.ones((2, 4)))).shape
     (2, 3)
 """
+from .nn_attention import *  # noqa: F401,F403
 from .nn_basic import *  # noqa: F401,F403
 from .nn_conv import *  # noqa: F401,F403
 from .nn_sequence import *  # noqa: F401,F403
-from .nn_attention import *  # noqa: F401,F403

@@ -149,9 +149,11 @@ class BatchNorm1d(Module):
 
     def _update_running(self, mean: Tensor, var: Tensor) -> None:
         m = self.momentum
-        # Detached, in the stats' own dtype: no graph is kept alive across steps.
-        self.running_mean.data = self.running_mean.data * (1 - m) + mean.detach() * m
-        self.running_var.data = self.running_var.data * (1 - m) + var.detach() * m
+        # Detached, in the stats' own dtype (np mode lets float64 batches reach a float32
+        # layer): no graph is kept alive across steps and the Tensors keep their identity.
+        for running, batch in ((self.running_mean, mean), (self.running_var, var)):
+            new = running.data * (1 - m) + batch.detach() * m
+            running.data = new if new.dtype == running.dtype else new.astype(running.dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         if x.ndim != 2 or x.shape[1] != self.dim:

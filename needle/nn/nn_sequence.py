@@ -92,13 +92,13 @@ class LSTMCell(_CellBase):
             h0, c0 = h
         z = self._preactivation(X, h0)
         batch, hidden = X.shape[0], self.hidden_size
-        i, f, g, o = ops.split(ops.reshape(z, (batch, 4, hidden)), axis=1)
+        i, f, g, o = ops.split(ops.reshape(z, (batch, 4, hidden)), axis=1).tuple()
         c = sigmoid(f) * c0 + sigmoid(i) * ops.tanh(g)
         return sigmoid(o) * ops.tanh(c), c
 
 
 def _layer_states(h, num_layers: int) -> list:
-    return [None] * num_layers if h is None else list(ops.split(h, axis=0))
+    return [None] * num_layers if h is None else list(ops.split(h, axis=0).tuple())
 
 
 class RNN(Module):
@@ -114,9 +114,9 @@ class RNN(Module):
                     device, dtype) for k in range(num_layers)]
 
     def forward(self, X: Tensor, h0: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        inputs = list(ops.split(X, axis=0))
+        inputs = ops.split(X, axis=0).tuple()
         finals = []
-        for cell, h in zip(self.rnn_cells, _layer_states(h0, self.num_layers)):
+        for cell, h in zip(self.rnn_cells, _layer_states(h0, self.num_layers), strict=False):
             outputs = []
             for x_t in inputs:
                 h = cell(x_t, h)
@@ -139,11 +139,11 @@ class LSTM(Module):
             for k in range(num_layers)]
 
     def forward(self, X: Tensor, h=None):
-        inputs = list(ops.split(X, axis=0))
+        inputs = ops.split(X, axis=0).tuple()
         hs = _layer_states(None if h is None else h[0], self.num_layers)
         cs = _layer_states(None if h is None else h[1], self.num_layers)
         finals_h, finals_c = [], []
-        for cell, h_l, c_l in zip(self.lstm_cells, hs, cs):
+        for cell, h_l, c_l in zip(self.lstm_cells, hs, cs, strict=False):
             state = None if h_l is None else (h_l, c_l)
             outputs = []
             for x_t in inputs:

@@ -6,12 +6,12 @@ Example:
     >>> ndl.ops.relu(ndl.Tensor([-1.0, 2.0])).numpy().tolist()
     [0.0, 2.0]
 """
+from ..autograd import Op, Tensor, TensorOp, TensorTuple, TensorTupleOp, Value  # noqa: F401
+from .ops_conv import *  # noqa: F401,F403
+from .ops_logarithmic import *  # noqa: F401,F403
 from .ops_mathematic import *  # noqa: F401,F403
 from .ops_mathematic import _ADD, _MATMUL, _MUL, _NEG, as_scalar  # noqa: F401
-from .ops_logarithmic import *  # noqa: F401,F403
 from .ops_tuple import *  # noqa: F401,F403
-from .ops_conv import *  # noqa: F401,F403
-from ..autograd import Op, Tensor, TensorOp, TensorTuple, TensorTupleOp, Value  # noqa: F401
 
 
 def _exported() -> list:

@@ -43,7 +43,7 @@ def broadcast_shape(op: str, a: tuple, b: tuple) -> tuple:
     ndim = max(len(a), len(b))
     pa, pb = (1,) * (ndim - len(a)) + tuple(a), (1,) * (ndim - len(b)) + tuple(b)
     out = []
-    for x, y in zip(pa, pb):
+    for x, y in zip(pa, pb, strict=True):
         if x != y and x != 1 and y != 1:
             raise ShapeError(
                 f"{op}: shapes do not broadcast, expected equal dims or 1, got "
@@ -71,6 +71,17 @@ def size_of(shape) -> int:
     return math.prod(shape)
 
 
+def sum_to_shape(a, shape):
+    """Array version of undoing a broadcast: sum ``a`` down to ``shape``."""
+    shape = tuple(shape)
+    if tuple(a.shape) == shape:
+        return a
+    axes, target = sum_to_shape_axes(tuple(a.shape), shape)
+    if axes:
+        a = reduce_sum(a, axes)
+    return reshape(a, target)
+
+
 if ND:
     def broadcast_to(a, shape):
         return a.broadcast_to(tuple(shape))
@@ -80,6 +91,12 @@ if ND:
 
     def permute(a, axes):
         return a.permute(tuple(axes))
+
+    def swap_last(a):
+        """View with the last two axes swapped (no validation: ndim >= 2 is known)."""
+        shape, strides = a.shape, a.strides
+        return a.as_strided(shape[:-2] + (shape[-1], shape[-2]),
+                            strides[:-2] + (strides[-1], strides[-2]))
 
     def reduce_sum(a, axes, keepdims=False):
         return a.sum(axis=axes, keepdims=keepdims)
@@ -105,6 +122,9 @@ if ND:
 
     def sigmoid(a):
         return a.sigmoid()
+
+    def sign(a):
+        return a.sign()
 
     def maximum(a, b):
         return a.maximum(b)
@@ -155,6 +175,9 @@ else:
     def permute(a, axes):
         return numpy.transpose(a, tuple(axes))
 
+    def swap_last(a):
+        return numpy.swapaxes(a, -1, -2)
+
     def reduce_sum(a, axes, keepdims=False):
         return numpy.sum(a, axis=axes, keepdims=keepdims)
 
@@ -166,6 +189,9 @@ else:
 
     exp, log, tanh, sqrt = numpy.exp, numpy.log, numpy.tanh, numpy.sqrt
     maximum, matmul = numpy.maximum, numpy.matmul
+
+    def sign(a):
+        return numpy.sign(a)
 
     def sigmoid(a):
         # split by sign so exp never overflows
@@ -197,7 +223,8 @@ else:
             a, shape=tuple(shape), strides=tuple(s * item for s in strides), writeable=False)
 
     def compact(a):
-        return numpy.ascontiguousarray(a)
+        # ascontiguousarray would turn a 0-d array into shape (1,)
+        return numpy.ascontiguousarray(a) if a.ndim else a
 
     def slice_view(a, index):
         return a[index]

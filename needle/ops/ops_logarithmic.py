@@ -3,8 +3,8 @@
 Example:
     >>> import needle as ndl
     >>> x = ndl.Tensor([[1e10, 1e10]], dtype="float64")
-    >>> float(ndl.logsumexp(x, axes=1).numpy()[0]) - 1e10 == float(__import__("numpy").log(2))
-    True
+    >>> round(float(ndl.logsumexp(x, axes=1).numpy()[0]) - 1e10, 4)  # 1e10 + log(2)
+    0.6931
 """
 from __future__ import annotations
 

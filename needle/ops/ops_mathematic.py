@@ -15,13 +15,39 @@ from __future__ import annotations
 
 import numpy
 
+from .._autograd.grad_mode import STATE
 from .._core.errors import DTypeError, ShapeError
-from ..autograd import Tensor, TensorOp, Value
+from ..autograd import TensorOp, Value, _leaf
 from . import _array as A
 from .ops_shape import (  # noqa: F401 - the course finds these in ops_mathematic
-    BroadcastTo, Cast, Dilate, Flip, GetItem, Max, Permute, Reshape, SliceScatter, Summation,
-    ToDevice, Transpose, UnDilate, astype, broadcast_to, dilate, flip, get_item, max, mean,
-    permute, reshape, summation, sum_to_shape, to_device, transpose, undilate)
+    BroadcastTo,
+    Cast,
+    Dilate,
+    Flip,
+    GetItem,
+    Max,
+    Permute,
+    Reshape,
+    SliceScatter,
+    Summation,
+    ToDevice,
+    Transpose,
+    UnDilate,
+    astype,
+    broadcast_to,
+    dilate,
+    flip,
+    get_item,
+    max,
+    mean,
+    permute,
+    reshape,
+    sum_to_shape,
+    summation,
+    to_device,
+    transpose,
+    undilate,
+)
 
 
 def as_scalar(value, op: str):
@@ -52,8 +78,7 @@ def _bcast(op: str, a, b):
     return a, b
 
 
-def _const(array) -> Tensor:
-    return Tensor.make_const(array)
+_const = _leaf  # constant Tensor around an array (no graph)
 
 
 class EWiseAdd(TensorOp):
@@ -98,6 +123,13 @@ class EWiseMul(TensorOp):
 
     def gradient(self, out_grad, node):
         a, b = node.saved_tensors
+        if not STATE.grad_enabled:
+            g, x, y = out_grad.cached_data, a.cached_data, b.cached_data
+            if x.shape != y.shape:
+                x, y = _bcast("multiply", x, y)
+            need_a, need_b = (x.requires_grad for x in node.inputs)
+            return (_const(A.sum_to_shape(g * y, a.shape)) if need_a else None,
+                    _const(A.sum_to_shape(g * x, b.shape)) if need_b else None)
         return sum_to_shape(out_grad * b, a.shape), sum_to_shape(out_grad * a, b.shape)
 
 
@@ -115,6 +147,8 @@ class MulScalar(TensorOp):
         return a * self.scalar
 
     def gradient(self, out_grad, node):
+        if not STATE.grad_enabled:
+            return _const(out_grad.cached_data * self.scalar)
         return out_grad * self.scalar
 
 
@@ -190,6 +224,8 @@ class DivScalar(TensorOp):
         return a / self.scalar
 
     def gradient(self, out_grad, node):
+        if not STATE.grad_enabled:
+            return _const(out_grad.cached_data / self.scalar)
         return out_grad / self.scalar
 
 
@@ -204,6 +240,8 @@ class Negate(TensorOp):
         return -a
 
     def gradient(self, out_grad, node):
+        if not STATE.grad_enabled:
+            return _const(-out_grad.cached_data)
         return -out_grad
 
 
@@ -233,6 +271,8 @@ class Exp(TensorOp):
 
     def gradient(self, out_grad, node):
         (out,) = node.saved_tensors
+        if not STATE.grad_enabled:
+            return _const(out_grad.cached_data * out.cached_data)
         return out_grad * out
 
 
@@ -241,13 +281,19 @@ def exp(a):
 
 
 class ReLU(TensorOp):
+    save_inputs = ()
+    save_output = True
+
     def compute(self, a):
         return A.maximum(a, 0)
 
     def gradient(self, out_grad, node):
-        (a,) = node.saved_tensors
-        data = a.realize_cached_data()
-        return out_grad * _const(A.as_float(data > 0, data))
+        (out,) = node.saved_tensors
+        # out >= 0, so sign(out) is exactly the mask a > 0 (one kernel)
+        mask = A.sign(out.realize_cached_data())
+        if not STATE.grad_enabled:
+            return _const(out_grad.cached_data * mask)
+        return out_grad * _const(mask)
 
 
 def relu(a):
@@ -263,6 +309,9 @@ class Tanh(TensorOp):
 
     def gradient(self, out_grad, node):
         (out,) = node.saved_tensors
+        if not STATE.grad_enabled:
+            o = out.cached_data
+            return _const(out_grad.cached_data * (1 - o * o))
         return out_grad * (1 - out * out)
 
 
@@ -295,6 +344,9 @@ class Sigmoid(TensorOp):
 
     def gradient(self, out_grad, node):
         (out,) = node.saved_tensors
+        if not STATE.grad_enabled:
+            o = out.cached_data
+            return _const(out_grad.cached_data * (o * (1 - o)))
         return out_grad * out * (1 - out)
 
 
@@ -341,6 +393,13 @@ class MatMul(TensorOp):
 
     def gradient(self, out_grad, node):
         a, b = node.saved_tensors
+        if not STATE.grad_enabled:
+            g, x, y = out_grad.cached_data, a.cached_data, b.cached_data
+            need_a, need_b = (x.requires_grad for x in node.inputs)
+            return (_const(A.sum_to_shape(A.matmul(g, A.swap_last(y)), a.shape))
+                    if need_a else None,
+                    _const(A.sum_to_shape(A.matmul(A.swap_last(x), g), b.shape))
+                    if need_b else None)
         grad_a = _MATMUL(out_grad, transpose(b))
         grad_b = _MATMUL(transpose(a), out_grad)
         return sum_to_shape(grad_a, a.shape), sum_to_shape(grad_b, b.shape)

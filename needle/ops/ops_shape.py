@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import builtins
 
+from .._autograd.grad_mode import STATE
 from .._core.errors import IndexOutOfRange, ShapeError
 from ..autograd import Tensor, TensorOp
 from . import _array as A
@@ -43,6 +44,9 @@ class Reshape(TensorOp):
         return A.reshape(A.compact(a), self.shape)
 
     def gradient(self, out_grad, node):
+        if not STATE.grad_enabled:
+            data = A.reshape(A.compact(out_grad.cached_data), node.inputs[0].shape)
+            return Tensor.make_const(data)
         return Reshape(node.inputs[0].shape)(out_grad)
 
 
@@ -68,6 +72,8 @@ class BroadcastTo(TensorOp):
         return A.broadcast_to(a, self.shape)
 
     def gradient(self, out_grad, node):
+        if not STATE.grad_enabled:
+            return Tensor.make_const(A.sum_to_shape(out_grad.cached_data, node.inputs[0].shape))
         return sum_to_shape(out_grad, node.inputs[0].shape)
 
 
@@ -155,6 +161,9 @@ class Summation(TensorOp):
     def gradient(self, out_grad, node):
         shape = node.inputs[0].shape
         axes = A.normalize_axes(self.axes, len(shape), "summation")
+        if not STATE.grad_enabled:
+            kept = A.reshape(A.compact(out_grad.cached_data), _kept_shape(shape, axes))
+            return Tensor.make_const(A.broadcast_to(kept, shape))
         return BroadcastTo(shape)(Reshape(_kept_shape(shape, axes))(out_grad))
 
 
@@ -216,7 +225,7 @@ def _parse_index(key, shape: tuple):
             f"getitem: too many indices, expected at most {len(shape)}, got {len(key)}")
     key = key + (slice(None),) * (len(shape) - len(key))
     slices, out_shape = [], []
-    for dim, (k, n) in enumerate(zip(key, shape)):
+    for dim, (k, n) in enumerate(zip(key, shape, strict=True)):
         if isinstance(k, slice):
             start, stop, step = k.indices(n)
             if step < 0:

@@ -14,9 +14,22 @@ import pytest
 
 import needle.autograd as autograd
 import needle.ops as ops
-from needle._core.errors import AxisError, DeviceError, DTypeError, GraphError, NeedleError, ShapeError
-from needle.autograd import (Tensor, TensorOp, compute_gradient_of_variables, enable_grad,
-                             find_topo_sort, no_grad)
+from needle._core.errors import (
+    AxisError,
+    DeviceError,
+    DTypeError,
+    GraphError,
+    NeedleError,
+    ShapeError,
+)
+from needle.autograd import (
+    Tensor,
+    TensorOp,
+    compute_gradient_of_variables,
+    enable_grad,
+    find_topo_sort,
+    no_grad,
+)
 from needle.backend_selection import BACKEND
 
 pytestmark = pytest.mark.skipif(BACKEND != "nd", reason="nd-mode tests (np mode: subprocess)")

@@ -32,6 +32,14 @@ def test_every_collective_and_p2p(backend: str, n: int) -> None:
         assert f"[rank {rank}] ALL OK rank {rank} of {n} on {backend}" in out.stdout
 
 
+@pytest.mark.parametrize("backend", ["mpi", "tcp"])
+def test_ddp_matches_single_process(backend: str) -> None:
+    out = launch(2, backend, "check_ddp.py")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    for rank in range(2):
+        assert f"[rank {rank}] DDP OK rank {rank} of 2 on {backend}" in out.stdout
+
+
 @pytest.mark.parametrize("backend,mode", [("mpi", "clean"), ("tcp", "clean"), ("tcp", "crash")])
 def test_rank_exiting_early_gives_comm_error(backend: str, mode: str) -> None:
     start = time.monotonic()
@@ -60,6 +68,7 @@ def test_plain_mpiexec_runs_a_script() -> None:
     cmd = [find_mpiexec(), "-n", "2", sys.executable, str(SCRIPTS / "check_collectives.py")]
     env = dict(os.environ)
     env.pop("NEEDLE_DIST_BACKEND", None)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert out.stdout.count("ALL OK") == 2

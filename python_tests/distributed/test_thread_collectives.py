@@ -67,7 +67,7 @@ def test_async_all_reduce_returns_work_in_issue_order() -> None:
         xs = [np.full(100, float(rank + i), np.float32) for i in range(5)]
         works = [dist.all_reduce(x, async_op=True) for x in xs]
         dist.all_reduce(sync := np.ones(3, np.float32))  # queued behind the async ones
-        for i, (w, x) in enumerate(zip(works, xs)):
+        for i, (w, x) in enumerate(zip(works, xs, strict=False)):
             w.wait()
             assert w.is_completed()
             np.testing.assert_array_equal(x, np.full(100, float(0 + 1 + 2 * i)))

@@ -27,7 +27,8 @@ def test_irecv_mismatch_raises_at_wait() -> None:
         else:
             buf = np.zeros((3, 2), np.float32)
             work = dist.irecv(buf, 0)
-            with pytest.raises(dist.CommError, match=r"expected float32 \(3, 2\), got float32 \(2, 3\)"):
+            mismatch = r"expected float32 \(3, 2\), got float32 \(2, 3\)"
+            with pytest.raises(dist.CommError, match=mismatch):
                 work.wait()
             assert not buf.any()
 

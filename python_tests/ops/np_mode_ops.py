@@ -22,7 +22,7 @@ def test_forward_and_gradcheck(case):
     xs = [Tensor(a) for a in arrays]
     assert all(x.dtype == np.float64 for x in xs)  # np mode keeps NumPy's float64
     got, want = as_list(case.fn(*xs)), as_list(case.ref(*arrays))
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
     assert gradcheck(case.fn, *xs, atol=1e-6, rtol=1e-4)
 
@@ -31,6 +31,6 @@ def test_forward_and_gradcheck(case):
 def test_float32_kept(case):
     arrays = make_inputs(case)
     out = as_list(case.fn(*[Tensor(a, dtype="float32") for a in arrays]))
-    for o, w in zip(out, as_list(case.ref(*arrays))):
+    for o, w in zip(out, as_list(case.ref(*arrays)), strict=True):
         assert o.dtype == np.float32
         np.testing.assert_allclose(o, w, rtol=2e-4, atol=2e-4)

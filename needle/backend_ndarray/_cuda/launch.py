@@ -86,9 +86,9 @@ def launch_config(kind: str, work, dtype: str = "float32") -> tuple:
 
     Kinds: ``"elementwise"`` (``work`` = element count; buffers are size-checked against
     it), ``"indexed"`` (the same grid for kernels that index their inputs themselves:
-    strided views, which may broadcast a small buffer, and the tiled layout), ``"rows"`` (``work`` = number of
-    blocks: one per row or per (row, chunk)), ``"matmul"`` (``work`` = ``(m, p)``; tiles of
-    :data:`MATMUL_TILES` for ``dtype``).
+    strided views, which may broadcast a small buffer, and the tiled layout), ``"rows"``
+    (``work`` = number of blocks: one per row or per (row, chunk)), ``"matmul"``
+    (``work`` = ``(m, p)``; tiles of :data:`MATMUL_TILES` for ``dtype``).
 
     Raises:
         ShapeError: when the output needs more tile rows than a grid can hold.
@@ -115,7 +115,7 @@ def merge_dims(shape, strides) -> tuple:
     The merged view addresses the same elements in the same order, with fewer dims: cheaper
     index arithmetic, and views of more than 8 dims usually fit the kernels' limit.
     """
-    dims = [(int(n), int(s)) for n, s in zip(shape, strides) if int(n) != 1]
+    dims = [(int(n), int(s)) for n, s in zip(shape, strides, strict=True) if int(n) != 1]
     merged: list[list[int]] = []
     for n, s in dims:
         if merged and merged[-1][1] == s * n:
@@ -188,7 +188,7 @@ def prepare(spec: KernelSpec, dtype: str, work, args, src_dtype: str | None = No
         raise TypeError(f"{spec.base}: expected {len(spec.params)} arguments, got {len(args)}")
     name = kernel_name(spec.base, dtype, src_dtype)
     kernel_args = []
-    for kind, arg in zip(spec.params, args):
+    for kind, arg in zip(spec.params, args, strict=True):
         if kind in ("a", "acc", "src"):
             kernel_args.append(_pointer_arg(spec, kind, arg, dtype, work))
         elif kind == "scalar":

@@ -123,7 +123,8 @@ def kernel_source(source: str) -> str:
 
     def paste(match) -> str:
         with open(os.path.join(KERNEL_DIR, match.group(1)), encoding="utf-8") as f:
-            return f.read()
+            # "#pragma once" would be a warning in the middle of a main file.
+            return f.read().replace("#pragma once", "")
 
     return _HEADER_INCLUDE.sub(paste, text)
 

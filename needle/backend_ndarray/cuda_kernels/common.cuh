@@ -29,6 +29,12 @@ __device__ __forceinline__ half_t half_from_double(double d) { return __double2h
 struct __align__(2) half_t {
   unsigned short bits;
 };
+#if defined(NEEDLE_HOST_EMULATION)
+// Host emulation of the kernels for tests without a GPU: the shim converts in software.
+__device__ __forceinline__ float half_to_float(half_t h) { return emu_half_to_float(h.bits); }
+__device__ __forceinline__ half_t half_from_float(float f) { return {emu_half_from_float(f)}; }
+__device__ __forceinline__ half_t half_from_double(double d) { return {emu_half_from_double(d)}; }
+#else
 __device__ __forceinline__ float half_to_float(half_t h) {
   float f;
   asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h.bits));
@@ -44,6 +50,7 @@ __device__ __forceinline__ half_t half_from_double(double d) {
   asm("cvt.rn.f16.f64 %0, %1;" : "=h"(h.bits) : "d"(d));
   return h;
 }
+#endif
 #endif
 
 // Traits<T>::acc is the type a kernel computes in (float for float16); load widens, store

@@ -1,0 +1,140 @@
+"""Per-op dispatch cost of the autograd layer: a 50-op chain on 10×10 float32, vs PyTorch CPU.
+
+The chain cycles add, mul, tanh, matmul, relu; timings are per op (chain time / 50), median
+of alternating repeats (needle, torch, needle, torch, ...). Forward is timed with graph
+recording on; forward+backward adds ``sum().backward()``. Tiny tensors: this measures Python
+and dispatch overhead, which decides the speed of small models (PERF_NOTES).
+
+Run:  python bench/bench_autograd.py [--repeats 30] [--device cpu|cpu_numpy]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import needle.ops as ops  # noqa: E402
+from needle.autograd import Tensor  # noqa: E402
+
+N_OPS = 50
+
+
+def needle_chain(device):
+    rng = np.random.default_rng(0)
+    x = Tensor(rng.standard_normal((10, 10)), device=device, dtype="float32")
+    w = Tensor(rng.standard_normal((10, 10)) * 0.3, device=device, dtype="float32")
+    c = Tensor(rng.standard_normal((10, 10)) * 0.1, device=device, dtype="float32",
+               requires_grad=False)
+
+    def forward():
+        h = x
+        for i in range(N_OPS):
+            k = i % 5
+            if k == 0:
+                h = h + c
+            elif k == 1:
+                h = h * c
+            elif k == 2:
+                h = ops.tanh(h)
+            elif k == 3:
+                h = h @ w
+            else:
+                h = ops.relu(h)
+        return h
+
+    def step():
+        forward().sum().backward()
+        x.grad = None
+        w.grad = None
+
+    return forward, step
+
+
+def torch_chain():
+    import torch
+
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(0)
+    x = torch.tensor(rng.standard_normal((10, 10)), dtype=torch.float32, requires_grad=True)
+    w = torch.tensor(rng.standard_normal((10, 10)) * 0.3, dtype=torch.float32,
+                     requires_grad=True)
+    c = torch.tensor(rng.standard_normal((10, 10)) * 0.1, dtype=torch.float32)
+
+    def forward():
+        h = x
+        for i in range(N_OPS):
+            k = i % 5
+            if k == 0:
+                h = h + c
+            elif k == 1:
+                h = h * c
+            elif k == 2:
+                h = torch.tanh(h)
+            elif k == 3:
+                h = h @ w
+            else:
+                h = torch.relu(h)
+        return h
+
+    def step():
+        forward().sum().backward()
+        x.grad = None
+        w.grad = None
+
+    return forward, step
+
+
+def _time_us_per_op(fn, inner: int) -> float:
+    start = time.perf_counter()
+    for _ in range(inner):
+        fn()
+    return (time.perf_counter() - start) / inner / N_OPS * 1e6
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--inner", type=int, default=20)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cpu_numpy"])
+    args = parser.parse_args(argv)
+    from needle.backend_ndarray import device_by_name
+
+    device = device_by_name(args.device)
+    if not device.enabled():
+        raise SystemExit(f"device {args.device}() not available")
+    runs = {"needle": needle_chain(device)}
+    try:
+        runs["torch"] = torch_chain()
+    except ImportError:
+        print("torch not importable: needle column only")
+    results = {name: {"fwd": [], "fwd+bwd": []} for name in runs}
+    for fwd, step in runs.values():  # warm-up
+        for _ in range(3):
+            fwd()
+            step()
+    for _ in range(args.repeats):
+        for name, (fwd, step) in runs.items():
+            results[name]["fwd"].append(_time_us_per_op(fwd, args.inner))
+            results[name]["fwd+bwd"].append(_time_us_per_op(step, args.inner))
+    print(f"50-op chain (add, mul, tanh, matmul, relu) on 10x10 float32, device "
+          f"{args.device}(); µs per op over {args.repeats} alternating repeats "
+          f"(median, and best = least disturbed by other load)")
+    header = "".join(f"{name + ' med':>13s}{name + ' best':>13s}" for name in runs)
+    print(f"{'':9s}{header}" + ("   ratio med / best" if "torch" in runs else ""))
+    for kind in ("fwd", "fwd+bwd"):
+        med = {name: statistics.median(results[name][kind]) for name in runs}
+        best = {name: min(results[name][kind]) for name in runs}
+        line = f"{kind:9s}" + "".join(f"{med[n]:13.2f}{best[n]:13.2f}" for n in runs)
+        if "torch" in runs:
+            line += (f"   {med['needle'] / med['torch']:.2f}x / "
+                     f"{best['needle'] / best['torch']:.2f}x")
+        print(line)
+
+if __name__ == "__main__":
+    main()

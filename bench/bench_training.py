@@ -1,0 +1,219 @@
+"""Training throughput: needle vs PyTorch CPU, same model, batch and optimiser, one run.
+
+Workloads (the issue's): MLPResNet(784, 100, 3 blocks) batch 128 SGD; ResNet9 on 3×32×32
+batch 128 SGD; 2-layer LSTM language model (vocab 10k, embedding 30, hidden 100, seq 20,
+batch 16) SGD. Each side runs warm-up steps, then ``--repeats`` timed blocks of ``--steps``
+steps, alternating needle and PyTorch; the median block gives items/second. PyTorch runs with
+``--threads`` intra-op threads (2 = the machine); while needle runs, BLAS pools are limited to
+the same count with threadpoolctl.
+
+Usage:
+    python bench/bench_training.py [--quick] [--only mlp,resnet9,lstm] [--device cpu]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "apps"))
+
+import numpy as np  # noqa: E402
+
+
+# ---- needle side ----------------------------------------------------------------------------
+def needle_step_fn(workload: str, device):
+    """A zero-argument function doing one training step, and items per step."""
+    from models import LanguageModel, ResNet9
+
+    from needle import nn, optim
+    from needle.autograd import Tensor
+
+    np.random.seed(0)
+    if workload == "mlp":
+        model = _mlp_on(device)
+        x = Tensor(np.random.rand(128, 784).astype(np.float32), device=device)
+        y = Tensor(np.random.randint(0, 10, 128), device=device)
+        items, h0 = 128, None
+    elif workload == "resnet9":
+        model = ResNet9(device=device)
+        x = Tensor(np.random.rand(128, 3, 32, 32).astype(np.float32), device=device)
+        y = Tensor(np.random.randint(0, 10, 128), device=device)
+        items, h0 = 128, None
+    else:
+        model = LanguageModel(30, 10000, 100, num_layers=2, seq_model="lstm", device=device)
+        x = Tensor(np.random.randint(0, 10000, (20, 16)), device=device)
+        y = Tensor(np.random.randint(0, 10000, 320), device=device)
+        items, h0 = 320, True
+    loss_fn = nn.SoftmaxLoss()
+    opt = optim.SGD(model.parameters(), lr=0.01)
+    model.train()
+
+    def step():
+        out = model(x)[0] if h0 else model(x)
+        loss = loss_fn(out, y)
+        opt.reset_grad()
+        loss.backward()
+        opt.step()
+        return loss.numpy()
+
+    return step, items
+
+
+def _mlp_on(device):
+    # apps/train.py builds exactly the course's MLPResNet, but on a chosen device.
+    from train import build_model
+
+    return build_model("mlp_resnet", 784, 10, 100, device)
+
+
+# ---- PyTorch side ---------------------------------------------------------------------------
+def torch_step_fn(workload: str):
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    if workload == "mlp":
+        def block(dim, hidden):
+            return nn.Sequential(_TorchResidual(nn.Sequential(
+                nn.Linear(dim, hidden), nn.BatchNorm1d(hidden), nn.ReLU(), nn.Dropout(0.1),
+                nn.Linear(hidden, dim), nn.BatchNorm1d(dim))), nn.ReLU())
+        model = nn.Sequential(nn.Linear(784, 100), nn.ReLU(),
+                              *[block(100, 50) for _ in range(3)], nn.Linear(100, 10))
+        x, y, items = torch.rand(128, 784), torch.randint(0, 10, (128,)), 128
+    elif workload == "resnet9":
+        model = _torch_resnet9()
+        x, y, items = torch.rand(128, 3, 32, 32), torch.randint(0, 10, (128,)), 128
+    else:
+        model = _TorchLM()
+        x, y, items = torch.randint(0, 10000, (20, 16)), torch.randint(0, 10000, (320,)), 320
+    loss_fn = nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model.train()
+
+    def step():
+        loss = loss_fn(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    return step, items
+
+
+def _torch_modules():
+    from torch import nn
+    return nn
+
+
+class _TorchResidual:  # replaced by a real nn.Module subclass at first use (lazy torch import)
+    def __new__(cls, fn):
+        nn = _torch_modules()
+
+        class Residual(nn.Module):
+            def __init__(self, f):
+                super().__init__()
+                self.fn = f
+
+            def forward(self, x):
+                return self.fn(x) + x
+
+        return Residual(fn)
+
+
+def _torch_resnet9():
+    nn = _torch_modules()
+
+    def cbr(a, b, k, s):
+        return nn.Sequential(nn.Conv2d(a, b, k, s, k // 2), nn.BatchNorm2d(b), nn.ReLU())
+
+    return nn.Sequential(
+        cbr(3, 16, 7, 4), cbr(16, 32, 3, 2),
+        _TorchResidual(nn.Sequential(cbr(32, 32, 3, 1), cbr(32, 32, 3, 1))),
+        cbr(32, 64, 3, 2), cbr(64, 128, 3, 2),
+        _TorchResidual(nn.Sequential(cbr(128, 128, 3, 1), cbr(128, 128, 3, 1))),
+        nn.Flatten(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
+
+
+class _TorchLM:
+    def __new__(cls):
+        nn = _torch_modules()
+
+        class LM(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.embedding = nn.Embedding(10000, 30)
+                self.lstm = nn.LSTM(30, 100, 2)
+                self.linear = nn.Linear(100, 10000)
+
+            def forward(self, x):
+                out, _ = self.lstm(self.embedding(x))
+                return self.linear(out.reshape(-1, 100))
+
+        return LM()
+
+
+# ---- timing ---------------------------------------------------------------------------------
+def _time_block(step, steps: int) -> float:
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return time.perf_counter() - start
+
+
+def measure(workload: str, steps: int, repeats: int, threads: int, device) -> dict:
+    import torch
+    from threadpoolctl import threadpool_limits
+
+    torch.set_num_threads(threads)
+    n_step, items = needle_step_fn(workload, device)
+    t_step, _ = torch_step_fn(workload)
+    with threadpool_limits(limits=threads):
+        for _ in range(2):
+            n_step()
+    for _ in range(2):
+        t_step()
+    n_times, t_times = [], []
+    for _ in range(repeats):  # alternate: VM noise hits both sides alike
+        with threadpool_limits(limits=threads):
+            n_times.append(_time_block(n_step, steps))
+        t_times.append(_time_block(t_step, steps))
+    n_rate = items * steps / statistics.median(n_times)
+    t_rate = items * steps / statistics.median(t_times)
+    return {"workload": workload, "needle": n_rate, "torch": t_rate, "ratio": n_rate / t_rate}
+
+
+UNITS = {"mlp": "examples/s", "resnet9": "images/s", "lstm": "tokens/s"}
+TITLES = {"mlp": "MLPResNet(784,100,3) b128 SGD", "resnet9": "ResNet9 3x32x32 b128 SGD",
+          "lstm": "LSTM LM 2x100, vocab 10k, seq 20, b16 SGD"}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", default="mlp,resnet9,lstm")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default=None, help="needle device (default: cpu if built)")
+    p.add_argument("--quick", action="store_true", help="3 steps × 3 repeats")
+    args = p.parse_args(argv)
+    import needle.backend_ndarray as nd
+
+    device = nd.default_device() if args.device is None else nd.device_by_name(args.device)
+    steps, repeats = (3, 3) if args.quick else (args.steps, args.repeats)
+    print(f"needle on {device}, PyTorch {__import__('torch').__version__} with "
+          f"{args.threads} threads; {repeats} x {steps} steps, medians")
+    print(f"{'workload':44s} {'needle':>12s} {'pytorch':>12s} {'ratio':>7s}")
+    for workload in args.only.split(","):
+        r = measure(workload, steps, repeats, args.threads, device)
+        print(f"{TITLES[workload]:44s} {r['needle']:12,.0f} {r['torch']:12,.0f} "
+              f"{r['ratio']:7.2f}  ({UNITS[workload]})", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Internals of :mod:`needle.checkpoint` (activation checkpointing); import from there."""

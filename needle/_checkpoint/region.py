@@ -1,0 +1,386 @@
+"""One checkpoint region: a graph node that stands for ``fn(*args)`` and recomputes it in backward.
+
+The region is an ordinary op in the outer graph (no engine special case). Its inputs are one
+*slot per graph edge* that leaves the region towards a tensor that requires grad (the region's
+tensor arguments and every tensor ``fn`` reads from outside, such as module parameters), in the
+order the engine would hand those edges their gradients. Its ``gradient`` recomputes ``fn``,
+points each such edge at a fresh leaf (a proxy), runs the engine over the recomputed segment
+alone and returns the proxies' gradients. Consequences:
+
+* the outer engine sums the partial gradients of a shared parameter in exactly the order it
+  would without checkpointing, so gradients are bitwise equal, and a parameter's hooks fire once
+  (when its gradient is final), however many regions read it;
+* the first forward records the region's graph only to find those edges; a
+  :class:`~needle._checkpoint.release.Tracker` drops its arrays as soon as they are unreachable,
+  so the forward keeps no more than a ``no_grad`` forward would.
+
+Example:
+    >>> import numpy as np
+    >>> from needle import ops
+    >>> from needle.autograd import Tensor
+    >>> w = Tensor(np.ones((2, 2), dtype="float32"))
+    >>> y = checkpoint(lambda x: ops.relu(x @ w), Tensor(np.ones((1, 2), dtype="float32")))
+    >>> y.sum().backward(); w.grad.numpy().tolist()
+    [[1.0, 1.0], [1.0, 1.0]]
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import threading
+
+from .. import memory
+from .. import random as ndl_random
+from .._autograd.engine import run_backward
+from .._autograd.grad_mode import STATE, enable_grad
+from .._core.errors import CheckpointError
+from ..autograd import Tensor, TensorOp, TensorTuple, TensorTupleOp, Value, saved_tensors_hooks
+from ..backend_selection import BACKEND
+from .release import Tracker
+from .state import ModuleState, modules_of
+
+__all__ = ["checkpoint", "is_recomputing"]
+
+
+class _Local(threading.local):
+    recomputing = 0
+
+
+_LOCAL = _Local()
+
+
+def is_recomputing() -> bool:
+    """True while a checkpoint region is being recomputed in backward (in this thread).
+
+    Stateful code that should act once per step (a counter, a statistics update) can test it.
+
+    Example:
+        >>> is_recomputing()
+        False
+    """
+    return _LOCAL.recomputing > 0
+
+
+@contextlib.contextmanager
+def _recomputing():
+    _LOCAL.recomputing += 1
+    try:
+        yield
+    finally:
+        _LOCAL.recomputing -= 1
+
+
+def _mark() -> int:
+    """A creation number: every node made after this call has a larger ``_seq``."""
+    return Tensor.make_const(None)._seq
+
+
+def _fingerprint(data) -> tuple:
+    array = data.numpy() if hasattr(data, "numpy") else data
+    import numpy as np
+
+    array = np.ascontiguousarray(np.asarray(array))
+    return (tuple(array.shape), str(array.dtype), hashlib.blake2b(array.tobytes(),
+                                                                   digest_size=16).hexdigest())
+
+
+def _external_edges(outputs, mark: int) -> list:
+    """Edges ``(consumer, input index, tensor)`` from the region to outside tensors that require
+    grad, ordered as the engine delivers their gradients (later consumers first)."""
+    edges, seen, stack = [], set(), [o for o in outputs if o._seq > mark]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen or node.op is None or not node.requires_grad:
+            continue
+        seen.add(id(node))
+        for i, inp in enumerate(node.inputs):
+            if not inp.requires_grad:
+                continue
+            if inp._seq <= mark:
+                edges.append((node, i, inp))
+            else:
+                stack.append(inp)
+    edges.sort(key=lambda e: (-e[0]._seq, e[1]))
+    return edges
+
+
+class _RegionOp(TensorOp):
+    """The checkpoint node of a region with one tensor output."""
+
+    save_inputs = ()
+
+    def __init__(self, region: "_Region"):
+        self.region = region
+        self.output = None
+
+    def compute(self, *arrays):
+        out, self.output = self.output, None
+        return out
+
+    def gradient(self, out_grad, node):
+        return self.region.backward([out_grad])
+
+
+class _RegionTupleOp(_RegionOp, TensorTupleOp):
+    """The checkpoint node of a region with several tensor outputs."""
+
+    def gradient(self, out_grad, node):
+        return self.region.backward([out_grad[i] for i in range(len(node.cached_data))])
+
+
+class _Region:
+    """Everything a region keeps between its forward and its backward."""
+
+    def __init__(self, fn, args: tuple, preserve_rng_state: bool, verify: bool, name: str):
+        self.fn, self.preserve, self.verify, self.name = fn, preserve_rng_state, verify, name
+        # the arrays of the tensor arguments are the region's boundary: all it keeps
+        self.args = [(a.realize_cached_data(), a.requires_grad, a._is_tuple)
+                     if isinstance(a, Value) else a for a in args]
+        self.is_tensor = [isinstance(a, Value) for a in args]
+        self.modules = ModuleState(modules_of(fn, args))
+        self.rng_state = None
+        self.slots: list = []  # ("arg", j) or ("captured", tensor), one per edge
+        self.record = None
+
+    # -- shared by forward and recomputation ------------------------------------------------
+    def _fresh_args(self) -> list:
+        out = []
+        for a, is_tensor in zip(self.args, self.is_tensor):
+            if is_tensor:
+                data, requires_grad, is_tuple = a
+                cls = TensorTuple if is_tuple else Tensor
+                a = cls.make_const(data, requires_grad=requires_grad)
+            out.append(a)
+        return out
+
+    def _run(self, keep_saved: bool):
+        """Run ``fn`` on fresh argument leaves, recording its graph under a :class:`Tracker`."""
+        leaves = self._fresh_args()
+        mark = _mark()
+        tracker = Tracker(mark, keep_saved=keep_saved)
+        draws = ndl_random.observe_draws() if self.verify else contextlib.nullcontext([])
+        with enable_grad(), saved_tensors_hooks(tracker.pack, tracker.unpack), draws as seen:
+            result = self.fn(*leaves)
+        outputs, structure = _flatten(result, self.name)
+        tracker.finish([o for o in outputs if isinstance(o, Value)])
+        return leaves, mark, result, outputs, structure, seen
+
+    def _slot_of(self, tensor, leaves) -> tuple:
+        for j, leaf in enumerate(leaves):
+            if leaf is tensor:
+                return ("arg", j)
+        return ("captured", tensor)
+
+    def _signature(self, edges, leaves) -> list:
+        return [self._slot_of(ext, leaves) for _, _, ext in edges]
+
+    # -- forward -------------------------------------------------------------------------------
+    def forward(self, original_args: tuple):
+        if self.preserve:
+            self.rng_state = ndl_random.get_state()
+        self.modules.capture_before()
+        leaves, mark, result, outputs, structure, draws = self._run(keep_saved=False)
+        if self.verify:
+            self.record = _Record(outputs, draws)
+        edges = _external_edges([o for o in outputs if _is_tensor(o)], mark)
+        self.slots = self._signature(edges, leaves)
+        slot_tensors = [original_args[s[1]] if s[0] == "arg" else s[1] for s in self.slots]
+        return _rebuild(self, outputs, structure, leaves, mark, original_args, slot_tensors)
+
+    # -- backward ------------------------------------------------------------------------------
+    def backward(self, out_grads: list) -> tuple:
+        create_graph = STATE.grad_enabled
+        with ndl_random.fork_rng(enabled=self.preserve), self.modules.replay(), _recomputing():
+            if self.preserve:
+                ndl_random.set_state(self.rng_state)
+            with memory.framework_category("activation"):
+                leaves, mark, _, outputs, _, draws = self._run(keep_saved=True)
+            if self.verify:
+                self.record.compare(self.name, outputs, draws)
+        edges = _external_edges([o for o in outputs if _is_tensor(o)], mark)
+        signature = self._signature(edges, leaves)
+        if not _same_slots(signature, self.slots):
+            raise CheckpointError(
+                f"checkpoint: region {self.name!r} read different tensors when recomputed, "
+                f"expected {len(self.slots)} edges to {_describe_slots(self.slots)}, got "
+                f"{len(signature)} edges to {_describe_slots(signature)}")
+        roots = [o for o in outputs if _is_tensor(o) and o.requires_grad and o._seq > mark]
+        return _backprop(roots, out_grads, edges, create_graph)
+
+
+def _is_tensor(value) -> bool:
+    return isinstance(value, Value)
+
+
+def _same_slots(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(x[0] == y[0] and x[1] is y[1] if x[0] == "captured"
+                                    else x == y for x, y in zip(a, b))
+
+
+def _describe_slots(slots: list) -> str:
+    return "[" + ", ".join(f"arg {s[1]}" if s[0] == "arg" else
+                           f"captured tensor shape {s[1].shape}" for s in slots) + "]"
+
+
+def _flatten(result, name: str):
+    if isinstance(result, (tuple, list)):
+        return list(result), type(result)
+    return [result], None
+
+
+def _rebuild(region, outputs, structure, leaves, mark, original_args, slot_tensors):
+    """The values ``checkpoint`` returns: outputs that carry gradient come out of the region's
+    node; outputs that were inputs come back as the caller's own objects; the rest detached."""
+    grad_positions = [i for i, o in enumerate(outputs)
+                      if _is_tensor(o) and o.requires_grad and o._seq > mark]
+    final = []
+    for o in outputs:
+        if not _is_tensor(o):
+            final.append(o)
+        elif o._seq <= mark:
+            slot = region._slot_of(o, leaves)
+            final.append(original_args[slot[1]] if slot[0] == "arg" else o)
+        else:
+            final.append(type(o).make_const(o.realize_cached_data()))
+    if grad_positions and slot_tensors:
+        for i, value in zip(grad_positions, _region_node(region, outputs, grad_positions,
+                                                         slot_tensors)):
+            final[i] = value
+    return final[0] if structure is None else structure(final)
+
+
+def _region_node(region, outputs, positions, slot_tensors) -> list:
+    if len(positions) == 1 and not outputs[positions[0]]._is_tuple:
+        op = _RegionOp(region)
+        op.output = outputs[positions[0]].realize_cached_data()
+        return [op(*slot_tensors)]
+    op = _RegionTupleOp(region)
+    op.output = tuple(outputs[i].realize_cached_data() for i in positions)
+    node = op(*slot_tensors)
+    return [node[k] for k in range(len(positions))]
+
+
+def _backprop(roots, out_grads, edges, create_graph: bool) -> tuple:
+    """Backpropagate through the recomputed segment only; return one gradient per edge."""
+    proxies = []
+    for consumer, index, ext in edges:
+        proxy = type(ext).make_const(ext.cached_data, requires_grad=True)
+        inputs = list(consumer.inputs)
+        inputs[index] = proxy
+        consumer.inputs = tuple(inputs)
+        proxies.append(proxy)
+    del edges
+    if len(roots) == 1:
+        root, grad = roots[0], out_grads[0]
+    else:
+        from .. import ops
+
+        with enable_grad():
+            root = ops.make_tuple(*roots)
+        grad = ops.make_tuple(*out_grads)
+    del roots
+    run_backward(root, grad, retain_graph=False, create_graph=create_graph, accumulate=False,
+                 grad_all_nodes=False, strict=BACKEND == "nd")
+    del root, grad
+    grads = tuple(p.grad for p in proxies)
+    if any(g is None for g in grads):
+        raise CheckpointError(
+            "checkpoint: an edge of the recomputed region received no gradient, expected one "
+            "gradient per edge, got None")
+    return grads
+
+
+class _Record:
+    """``verify=True``: shape, dtype and hash of every output and every draw of the forward."""
+
+    def __init__(self, outputs, draws):
+        self.outputs = [_fingerprint(o.realize_cached_data()) if _is_tensor(o) else None
+                        for o in outputs]
+        self.draws = [(kind, device, _fingerprint(value)) for kind, device, value in draws]
+        self.rng_after = ndl_random.get_state()
+
+    def compare(self, name: str, outputs, draws) -> None:
+        if len(draws) != len(self.draws):
+            raise CheckpointError(
+                f"checkpoint: region {name!r} made a different number of random draws when "
+                f"recomputed, expected {len(self.draws)}, got {len(draws)}")
+        for k, ((kind, device, value), want) in enumerate(zip(draws, self.draws)):
+            _compare(name, f"random draw {k} ({want[0]} on {want[1]})", want[2],
+                     _fingerprint(value), kind_have=kind, kind_want=want[0])
+        if not _same_state(self.rng_after, ndl_random.get_state()):
+            raise CheckpointError(
+                f"checkpoint: region {name!r} left the random stream at a different position "
+                f"when recomputed, expected the position after the first forward, got another "
+                f"(a draw that bypasses needle.random differs in number or size)")
+        if len(outputs) != len(self.outputs):
+            raise CheckpointError(
+                f"checkpoint: region {name!r} returned a different number of outputs when "
+                f"recomputed, expected {len(self.outputs)}, got {len(outputs)}")
+        for k, (out, want) in enumerate(zip(outputs, self.outputs)):
+            if want is not None:
+                _compare(name, f"output {k}", want, _fingerprint(out.realize_cached_data()))
+
+
+def _compare(name, what, want, have, kind_have=None, kind_want=None) -> None:
+    if kind_have != kind_want:
+        raise CheckpointError(f"checkpoint: region {name!r} {what} differs in kind, expected "
+                              f"{kind_want}, got {kind_have}")
+    for label, i in (("shape", 0), ("dtype", 1), ("values", 2)):
+        if want[i] != have[i]:
+            detail = (f"hash {want[i]}", f"hash {have[i]}") if i == 2 else (want[i], have[i])
+            raise CheckpointError(
+                f"checkpoint: region {name!r} {what} differs in {label} when recomputed, "
+                f"expected {detail[0]}, got {detail[1]}")
+
+
+def _same_state(a, b) -> bool:
+    import numpy as np
+
+    if set(a) != set(b):
+        return False
+    for key in a:
+        x, y = a[key], b[key]
+        if isinstance(x, tuple) and isinstance(y, tuple):
+            if len(x) != len(y) or not all(np.array_equal(p, q) if isinstance(p, np.ndarray)
+                                           else p == q for p, q in zip(x, y)):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def checkpoint(fn, *args, preserve_rng_state: bool = True, verify: bool = False,
+               name: str | None = None):
+    """Run ``fn(*args)`` keeping only its inputs; recompute it in backward.
+
+    Args:
+        fn: a callable (a Module, a function, a lambda) of tensors and other values; it returns
+            a Tensor or a tuple/list of values.
+        args: its positional arguments; Tensors among them are the region's saved inputs.
+        preserve_rng_state: restore the random state of the first forward before recomputing
+            (so dropout masks repeat) and give the outer stream back afterwards.
+        verify: record shape, dtype and a hash of every output and every random draw, and
+            raise :class:`CheckpointError` if the recomputation differs.
+        name: the region's name in error messages (default: ``fn``'s name).
+
+    Returns:
+        what ``fn`` returns, with gradient flowing through a single checkpoint node.
+
+    Raises:
+        CheckpointError: the recomputation read other tensors, or (``verify``) produced other
+            outputs or draws, than the first forward.
+
+    Example:
+        >>> import numpy as np
+        >>> from needle import nn
+        >>> from needle.autograd import Tensor
+        >>> np.random.seed(0); layer = nn.Linear(3, 2)
+        >>> y = checkpoint(layer, Tensor(np.ones((4, 3), dtype="float32")))
+        >>> y.sum().backward(); layer.weight.grad.shape
+        (3, 2)
+    """
+    if not STATE.grad_enabled:
+        return fn(*args)
+    label = name or getattr(fn, "__qualname__", None) or type(fn).__name__
+    region = _Region(fn, args, preserve_rng_state, verify, label)
+    return region.forward(args)

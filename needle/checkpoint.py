@@ -1,0 +1,31 @@
+"""Activation checkpointing (L5): trade recomputation for activation memory, exactly.
+
+* :func:`checkpoint` — one region: ``fn(*args)`` keeps only its inputs and the random state at
+  entry; backward recomputes it (same dropout masks, same module state) and backpropagates
+  through the recomputed segment alone. Gradients are bitwise those of the plain graph.
+* :func:`checkpoint_sequential` — a chain cut into segments, one region each.
+* :func:`plan_checkpoints` — where to cut, from per-layer activation bytes: ``sqrt`` policy or
+  the least recompute under a byte budget, each with the cost model's predicted peak.
+* :func:`is_recomputing` — for stateful code that must act once per step.
+* :func:`release_unsaved` — record a plain graph that keeps only what backward reads.
+
+See docs/checkpointing.md for the cost model, the guarantees and the caveats.
+
+Example:
+    >>> import numpy as np
+    >>> from needle import nn
+    >>> from needle.autograd import Tensor
+    >>> np.random.seed(0); net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    >>> y = checkpoint_sequential(net, 2, Tensor(np.ones((3, 4), dtype="float32")))
+    >>> y.sum().backward(); net.modules[2].weight.grad.shape
+    (4, 1)
+"""
+from __future__ import annotations
+
+from ._checkpoint.plan import CheckpointPlan, equal_segments, plan_checkpoints, predict_peak
+from ._checkpoint.region import checkpoint, is_recomputing
+from ._checkpoint.release import Released, release_unsaved
+from ._checkpoint.sequential import checkpoint_sequential
+
+__all__ = ["checkpoint", "checkpoint_sequential", "plan_checkpoints", "CheckpointPlan",
+           "predict_peak", "equal_segments", "is_recomputing", "Released", "release_unsaved"]

@@ -1,0 +1,317 @@
+"""needle.random (L5): the one place random numbers come from, per device, with saved states.
+
+Every random draw in needle goes through a *stream*. The host stream, used by every device that
+has not registered its own, **is NumPy's global generator**: ``np.random.seed(k)`` therefore
+still decides weight init, dropout masks and data shuffling exactly as the course expects
+(NEEDLE_API §11), and the draw functions here make exactly the NumPy call they name (one draw of
+the full shape, C order), so swapping ``np.random.rand(*s)`` for ``ndl.random.rand(*s)`` changes
+no number anywhere.
+
+What this module adds on top of NumPy:
+
+* ``get_state`` / ``set_state`` / ``fork_rng`` over *all* streams at once, which is what a
+  checkpoint region needs to replay the first forward's draws during recomputation;
+* per-device streams (``register_stream``) for a device that draws on its own generator;
+* draw observers (``observe_draws``), so ``checkpoint(..., verify=True)`` can hash every draw
+  made inside a region and compare the replay draw by draw.
+
+Example:
+    >>> import numpy as np
+    >>> from needle import random as ndl_random
+    >>> ndl_random.seed(3); a = ndl_random.rand(2)
+    >>> np.random.seed(3); bool((a == np.random.rand(2)).all())
+    True
+    >>> s = ndl_random.get_state(); x = ndl_random.randn(3)
+    >>> ndl_random.set_state(s); bool((x == ndl_random.randn(3)).all())
+    True
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from ._core.errors import DeviceError, NeedleError
+
+__all__ = ["seed", "get_state", "set_state", "fork_rng", "rand", "randn", "randint",
+           "permutation", "register_stream", "unregister_stream", "stream_for",
+           "observe_draws", "add_draw_observer", "RNGState", "NumpyGlobalStream", "HOST"]
+
+HOST = "host"  # key of the host stream (NumPy's global generator)
+
+
+class RNGStateError(NeedleError, ValueError):
+    """A state object that does not fit the stream(s) it is given to."""
+
+
+class NumpyGlobalStream:
+    """The host stream: a thin view of NumPy's global ``np.random`` generator.
+
+    A stream is any object with ``seed(n)``, ``get_state()``, ``set_state(s)`` and the draw
+    methods ``rand``, ``randn``, ``randint``, ``permutation`` (NumPy's signatures).
+    """
+
+    name = HOST
+
+    def seed(self, n: int) -> None:
+        np.random.seed(n)
+
+    def get_state(self):
+        return np.random.get_state()  # a fresh tuple holding a copy of the key array
+
+    def set_state(self, state) -> None:
+        np.random.set_state(state)
+
+    def rand(self, *shape):
+        return np.random.rand(*shape)
+
+    def randn(self, *shape):
+        return np.random.randn(*shape)
+
+    def randint(self, low, high=None, size=None):
+        return np.random.randint(low, high=high, size=size)
+
+    def permutation(self, n):
+        return np.random.permutation(n)
+
+
+_HOST_STREAM = NumpyGlobalStream()
+_STREAMS: dict[str, Any] = {}  # device name -> stream; devices absent here use the host stream
+_OBSERVERS: dict[int, Callable] = {}
+_OBSERVER_IDS = iter(range(1 << 62))
+_LOCK = threading.Lock()
+
+
+def _device_name(device) -> str:
+    if device is None:
+        return HOST
+    if isinstance(device, str):
+        return device
+    name = getattr(device, "name", None)
+    if not isinstance(name, str):
+        raise DeviceError(
+            f"random: unknown device, expected a device object with a name or a str, got "
+            f"{device!r}")
+    return name
+
+
+def stream_for(device=None):
+    """The stream that draws for ``device`` (None or unregistered devices: the host stream).
+
+    Example:
+        >>> stream_for().name
+        'host'
+    """
+    name = _device_name(device)
+    return _STREAMS.get(name, _HOST_STREAM)
+
+
+def register_stream(device, stream) -> None:
+    """Give ``device`` (a device or its name) its own generator ``stream``.
+
+    Example:
+        >>> class Fixed(NumpyGlobalStream):
+        ...     name = "fake"
+        >>> register_stream("fake", Fixed()); stream_for("fake").name
+        'fake'
+        >>> unregister_stream("fake")
+    """
+    for method in ("seed", "get_state", "set_state", "rand", "randn", "randint", "permutation"):
+        if not callable(getattr(stream, method, None)):
+            raise DeviceError(
+                f"register_stream: stream lacks {method}(), expected an object with seed, "
+                f"get_state, set_state and the draw methods, got {type(stream).__name__}")
+    _STREAMS[_device_name(device)] = stream
+
+
+def unregister_stream(device) -> None:
+    """Undo :func:`register_stream`; the device draws from the host stream again."""
+    _STREAMS.pop(_device_name(device), None)
+
+
+def _all_streams() -> dict[str, Any]:
+    streams = {HOST: _HOST_STREAM}
+    for name, stream in _STREAMS.items():
+        if stream is not _HOST_STREAM:
+            streams[name] = stream
+    return streams
+
+
+class RNGState(dict):
+    """A snapshot of every stream: ``{stream key: that stream's own state}``.
+
+    Returned by :func:`get_state` without a device; accepted by :func:`set_state`.
+    """
+
+    def __repr__(self) -> str:
+        return f"RNGState(streams={sorted(self)})"
+
+
+# ----- seeding and state --------------------------------------------------------------------
+def seed(n: int, device=None) -> None:
+    """Seed ``device``'s stream, or every stream (NumPy's global generator first) when None.
+
+    Example:
+        >>> seed(0); a = rand(1); seed(0); bool(a == rand(1))
+        True
+    """
+    if device is not None:
+        stream_for(device).seed(n)
+        return
+    for stream in _all_streams().values():
+        stream.seed(n)
+
+
+def get_state(device=None):
+    """A copy of the generator state: of ``device``'s stream, or of all streams when None.
+
+    The host state is exactly ``np.random.get_state()``.
+
+    Example:
+        >>> s = get_state(); x = rand(2); set_state(s); bool((x == rand(2)).all())
+        True
+    """
+    if device is not None:
+        return stream_for(device).get_state()
+    return RNGState({key: stream.get_state() for key, stream in _all_streams().items()})
+
+
+def set_state(state, device=None) -> None:
+    """Restore a state from :func:`get_state` (all streams for an :class:`RNGState`).
+
+    Raises:
+        RNGStateError: an RNGState naming a stream that is not registered any more.
+    """
+    if device is not None or not isinstance(state, RNGState):
+        stream_for(device).set_state(state)
+        return
+    streams = _all_streams()
+    for key, value in state.items():
+        stream = streams.get(key)
+        if stream is None:
+            raise RNGStateError(
+                f"set_state: no stream {key!r}, expected one of {sorted(streams)}, got a state "
+                f"saved while {key!r} was registered")
+        stream.set_state(value)
+
+
+@contextlib.contextmanager
+def fork_rng(devices=None, enabled: bool = True) -> Iterator[None]:
+    """Run the block on a copy of the RNG state: draws inside do not advance the outside.
+
+    Args:
+        devices: devices whose streams are saved and restored (None: every stream).
+        enabled: False makes this a no-op (handy for ``fork_rng(enabled=flag)``).
+
+    Example:
+        >>> seed(1); s = get_state()
+        >>> with fork_rng():
+        ...     _ = rand(100)
+        >>> after = get_state()[HOST][1]; bool((after == s[HOST][1]).all())
+        True
+    """
+    if not enabled:
+        yield
+        return
+    if devices is None:
+        saved = [(None, get_state())]
+    else:
+        saved = [(d, get_state(d)) for d in devices]
+    try:
+        yield
+    finally:
+        for device, state in saved:
+            set_state(state, device)
+
+
+# ----- draws ----------------------------------------------------------------------------------
+def _notify(kind: str, device, value) -> None:
+    if _OBSERVERS:
+        name = _device_name(device)
+        for fn in list(_OBSERVERS.values()):
+            fn(kind, name, value)
+
+
+def rand(*shape, device=None):
+    """Uniform [0, 1) samples: ``np.random.rand(*shape)`` on the host stream (one draw).
+
+    Example:
+        >>> seed(0); rand(2).shape
+        (2,)
+    """
+    value = stream_for(device).rand(*shape)
+    _notify("rand", device, value)
+    return value
+
+
+def randn(*shape, device=None):
+    """Standard normal samples: ``np.random.randn(*shape)`` on the host stream (one draw)."""
+    value = stream_for(device).randn(*shape)
+    _notify("randn", device, value)
+    return value
+
+
+def randint(low, high=None, size=None, device=None):
+    """Integers in [low, high): ``np.random.randint(low, high=high, size=size)`` (one draw).
+
+    Example:
+        >>> seed(0); randint(-3, 4, size=2).shape
+        (2,)
+    """
+    value = stream_for(device).randint(low, high=high, size=size)
+    _notify("randint", device, value)
+    return value
+
+
+def permutation(n, device=None):
+    """A random order of ``range(n)``: ``np.random.permutation(n)`` (one draw)."""
+    value = stream_for(device).permutation(n)
+    _notify("permutation", device, value)
+    return value
+
+
+# ----- observers ------------------------------------------------------------------------------
+class _ObserverHandle:
+    __slots__ = ("id",)
+
+    def __init__(self, key: int):
+        self.id = key
+
+    def remove(self) -> None:
+        _OBSERVERS.pop(self.id, None)
+
+
+def add_draw_observer(fn: Callable[[str, str, Any], None]) -> _ObserverHandle:
+    """Call ``fn(kind, device_name, value)`` after every draw made through this module.
+
+    Returns a handle with ``remove()``. Observers must not draw themselves.
+
+    Example:
+        >>> seen = []; h = add_draw_observer(lambda k, d, v: seen.append(k))
+        >>> _ = randn(2); h.remove(); seen
+        ['randn']
+    """
+    with _LOCK:
+        key = next(_OBSERVER_IDS)
+    _OBSERVERS[key] = fn
+    return _ObserverHandle(key)
+
+
+@contextlib.contextmanager
+def observe_draws() -> Iterator[list]:
+    """Collect ``(kind, device_name, value)`` for every draw made inside the block.
+
+    Example:
+        >>> with observe_draws() as draws:
+        ...     _ = rand(3); _ = permutation(4)
+        >>> [kind for kind, _, _ in draws]
+        ['rand', 'permutation']
+    """
+    draws: list = []
+    handle = add_draw_observer(lambda kind, device, value: draws.append((kind, device, value)))
+    try:
+        yield draws
+    finally:
+        handle.remove()

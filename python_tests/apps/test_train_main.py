@@ -1,0 +1,112 @@
+"""The main job apps/train.py: accuracy on the digits, end-to-end outputs, bad arguments."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import train  # noqa: E402 - apps/ is on sys.path (conftest)
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(REPO, "apps", "train.py")
+MNIST_DIR = os.path.join(REPO, "..", "shared", "data", "mnist")
+
+
+def _run(*args, timeout=120):
+    env = dict(os.environ, MPLBACKEND="Agg", OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=REPO)
+
+
+def test_digits_training_reaches_95_percent():
+    cfg = train.parse_args(["--epochs", "8", "--no-progress", "--seed", "0"])
+    summary = train.train(cfg)
+    assert summary["final_test_accuracy"] >= 0.95
+    assert summary["train_examples"] + summary["test_examples"] == 1797
+    assert summary["test_examples"] == round(1797 * 0.2)
+    h = summary["history"]
+    assert h["train_loss"][-1] < h["train_loss"][0]
+
+
+def test_digits_holdout_is_disjoint_and_seeded():
+    a = train.load_digits_split(seed=3)
+    b = train.load_digits_split(seed=3)
+    for x, y in zip(a, b, strict=False):
+        np.testing.assert_array_equal(x, y)
+    X, _, Xt, _ = a
+    rows = {r.tobytes() for r in X}
+    # sklearn's digits contain a few duplicate images; nearly all held-out rows are unseen.
+    assert sum(r.tobytes() in rows for r in Xt) < 10
+    assert X.max() <= 1.0 and X.dtype == np.float32
+
+
+def _check_outputs(out_dir, epochs):
+    with open(os.path.join(out_dir, "summary.json")) as f:
+        summary = json.load(f)
+    assert 0.0 <= summary["final_test_accuracy"] <= 1.0
+    assert summary["examples_per_second"] > 0 and np.isfinite(summary["final_train_loss"])
+    assert len(summary["history"]["test_acc"]) == epochs
+    with open(os.path.join(out_dir, "training.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert os.path.getsize(os.path.join(out_dir, "training.png")) > 5000
+    return summary
+
+
+def test_main_job_end_to_end(tmp_path):
+    out = tmp_path / "run"
+    proc = _run("--epochs", "2", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "held-out accuracy" in proc.stdout and "examples/second" in proc.stdout
+    summary = _check_outputs(out, 2)
+    assert summary["final_test_accuracy"] > 0.8
+    assert summary["config"]["model"] == "mlp_resnet"
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(MNIST_DIR, "t10k-labels-idx1-ubyte.gz")),
+                    reason="MNIST t10k files absent")
+def test_main_job_on_mnist_t10k(tmp_path):
+    proc = _run("--data", "mnist", "--data-dir", MNIST_DIR, "--model", "mlp", "--epochs", "1",
+                "--batch-size", "128", "--out", str(tmp_path), "--no-progress",
+                "--device", "cpu_numpy")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = _check_outputs(tmp_path, 1)
+    assert summary["test_examples"] == 2000 and summary["final_test_accuracy"] > 0.8
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--model", "transformerxl"], "unknown --model"),
+    (["--data", "mnist", "--data-dir", "/nonexistent/dir"], "data directory not found"),
+    (["--data", "mnist"], "--data-dir"),
+    (["--device", "tpu"], "unknown --device"),
+    (["--epochs", "0"], "--epochs must be positive"),
+    (["--bogus"], "unrecognized arguments"),
+])
+def test_bad_arguments_give_one_line(args, needle):
+    proc = _run(*args, timeout=60)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in proc.stderr
+
+
+def test_mnist_dir_without_files(tmp_path):
+    with pytest.raises(train.UsageError, match="no MNIST files"):
+        train.load_mnist_split(str(tmp_path))
+
+
+def test_small_cnn_trains_a_step():
+    import needle.backend_ndarray as nd
+    from needle import nn, optim
+    from needle.autograd import Tensor
+
+    np.random.seed(0)
+    model = train.build_model("cnn", 64, 10, 32, nd.cpu_numpy())
+    x = Tensor(np.random.rand(4, 64), device=nd.cpu_numpy())
+    y = Tensor(np.array([1, 2, 3, 4]), device=nd.cpu_numpy())
+    loss = nn.SoftmaxLoss()(model(x), y)
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    loss.backward()
+    opt.step()
+    assert model(x).shape == (4, 10)

@@ -1,0 +1,338 @@
+"""Kernel tests of the CUDA backend, shared by the GPU run and the host-emulation run.
+
+Each ``check_*`` takes a backend module ``B`` that follows docs/backend_protocol.md and
+compares it with the NumPy reference backend ``R`` (the oracle) on the same data, on compact
+and non-compact views, for one dtype. The ``test_*`` functions at the end use a ``backend``
+fixture: test_cuda_backend.py imports them with the real GPU backend, test_cuda_emulated.py
+with the same .cu sources compiled for the host (this file is not collected by itself).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from needle.backend_ndarray import ndarray_backend_numpy as R
+
+DTYPES = ("float32", "float64", "float16")
+EPS = {"float32": 1.2e-7, "float64": 2.3e-16, "float16": 9.8e-4}
+BINARY = ("add", "sub", "mul", "div", "maximum", "minimum", "power", "eq", "ge")
+SCALAR = ("add", "sub", "rsub", "mul", "div", "rdiv", "power", "rpower", "maximum", "minimum",
+          "eq", "ge", "le")
+UNARY = ("neg", "log", "exp", "tanh", "sqrt", "abs", "sign", "sigmoid")
+
+
+def compact_strides(shape) -> tuple:
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= n
+    return tuple(reversed(out))
+
+
+# (base size, shape, strides, offset): views of a flat buffer, including negative and zero
+# strides, and a 9-dim view that only fits the kernels' 8 dims after merging.
+VIEWS = {
+    "compact": (24, (2, 3, 4), (12, 4, 1), 0),
+    "transpose": (24, (4, 3, 2), (1, 4, 12), 0),
+    "step_slice": (60, (3, 4), (20, 2), 5),
+    "flipped": (24, (2, 3, 4), (-12, 4, -1), 15),
+    "broadcast": (4, (3, 4, 5), (0, 1, 0), 0),
+    "five_dims_permuted": (72, (2, 3, 2, 3, 2), (1, 6, 36, 2, 18), 0),
+    "nine_dims": (512, (2,) * 9, (256, 128, 64, 32, 16, 8, 4, 2, 1), 0),
+    "scalar_like": (5, (1, 1), (1, 1), 3),
+}
+# Views with no repeated element: valid destinations of a scatter.
+SCATTER_VIEWS = ("compact", "transpose", "step_slice", "flipped", "five_dims_permuted",
+                 "nine_dims", "scalar_like")
+
+
+def rand(rng, shape, dtype, low=-2.0, high=2.0) -> np.ndarray:
+    return rng.uniform(low, high, size=shape).astype(dtype)
+
+
+def put(B, x: np.ndarray):
+    """A buffer of backend ``B`` holding ``x`` (flattened)."""
+    arr = B.Array(x.size, x.dtype.name)
+    B.from_numpy(np.ascontiguousarray(x), arr)
+    return arr
+
+
+def get(B, arr, shape=None) -> np.ndarray:
+    shape = (arr.size,) if shape is None else tuple(shape)
+    return B.to_numpy(arr, shape, compact_strides(shape), 0)
+
+
+def assert_close(got, want, dtype, scale=None, ulps=8.0) -> None:
+    """Equal up to ``ulps`` units of ``dtype`` relative to ``scale`` (default: |want|).
+
+    Where ``want`` is NaN or infinite, ``got`` must be the same NaN or infinity.
+    """
+    got64, want64 = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got64.shape == want64.shape, (got64.shape, want64.shape)
+    finite = np.isfinite(want64)
+    np.testing.assert_array_equal(got64[~finite], want64[~finite])
+    scale = np.abs(want64) if scale is None else np.asarray(scale, np.float64)
+    scale = np.broadcast_to(scale, want64.shape)[finite]
+    tol = ulps * EPS[dtype] * scale + (6e-8 if dtype == "float16" else 1e-300)
+    err = np.abs(got64[finite] - want64[finite])
+    assert np.all(err <= tol), (
+        f"max error {np.nanmax(err / tol, initial=0):.3g} x tolerance; got {got64[finite][:8]}, "
+        f"want {want64[finite][:8]}")
+
+
+# ---- buffers and transfers ------------------------------------------------------------------
+def check_array_and_transfer(B, dtype: str) -> None:
+    x = rand(np.random.default_rng(1), (37,), dtype)
+    a = put(B, x)
+    assert (a.size, a.dtype, a.itemsize) == (37, dtype, np.dtype(dtype).itemsize)
+    assert isinstance(a.ptr(), int) and a.ptr() != 0
+    np.testing.assert_array_equal(get(B, a), x)
+    empty = B.Array(0, dtype)
+    assert empty.size == 0 and get(B, empty).shape == (0,)
+    # from_numpy casts to the buffer's dtype.
+    c = B.Array(4, dtype)
+    B.from_numpy(np.arange(4, dtype=np.float64), c)
+    np.testing.assert_array_equal(get(B, c), np.arange(4).astype(dtype))
+    B.fill(c, -1.5)
+    np.testing.assert_array_equal(get(B, c), np.full(4, -1.5, dtype))
+
+
+def check_to_numpy_view(B, dtype: str, view: str) -> None:
+    base, shape, strides, offset = VIEWS[view]
+    x = rand(np.random.default_rng(2), (base,), dtype)
+    want = R.to_numpy(put(R, x), shape, strides, offset)
+    np.testing.assert_array_equal(B.to_numpy(put(B, x), shape, strides, offset), want)
+
+
+# ---- strided kernels --------------------------------------------------------------------------
+def check_compact(B, dtype: str, view: str) -> None:
+    base, shape, strides, offset = VIEWS[view]
+    x = rand(np.random.default_rng(3), (base,), dtype)
+    size = math.prod(shape)
+    want, got = R.Array(size, dtype), B.Array(size, dtype)
+    R.compact(put(R, x), want, shape, strides, offset)
+    B.compact(put(B, x), got, shape, strides, offset)
+    np.testing.assert_array_equal(get(B, got), want.array)
+
+
+def check_setitem(B, dtype: str, view: str) -> None:
+    base, shape, strides, offset = VIEWS[view]
+    rng = np.random.default_rng(4)
+    x, vals = rand(rng, (base,), dtype), rand(rng, (math.prod(shape),), dtype)
+    want, got = put(R, x), put(B, x)
+    R.ewise_setitem(put(R, vals), want, shape, strides, offset)
+    B.ewise_setitem(put(B, vals), got, shape, strides, offset)
+    np.testing.assert_array_equal(get(B, got), want.array)
+    R.scalar_setitem(math.prod(shape), 0.1, want, shape, strides, offset)
+    B.scalar_setitem(math.prod(shape), 0.1, got, shape, strides, offset)
+    np.testing.assert_array_equal(get(B, got), want.array)
+
+
+# ---- elementwise ------------------------------------------------------------------------------
+def _operands(name: str, dtype: str, n: int = 1000):
+    rng = np.random.default_rng(5)
+    a, b = rand(rng, (n,), dtype), rand(rng, (n,), dtype)
+    if name in ("power", "rpower", "log", "sqrt"):
+        a = np.abs(a) + np.asarray(0.25, dtype)  # real results (NaN cases are checked apart)
+    if name in ("eq", "ge", "le", "maximum", "minimum"):
+        b[::3] = a[::3]  # ties
+    if name in ("div", "rdiv"):
+        a, b = np.where(np.abs(a) < 0.1, 1, a).astype(dtype), np.where(
+            np.abs(b) < 0.1, 1, b).astype(dtype)
+    return a, b
+
+
+def _run(M, fn_name: str, *arrays_and_scalars, n: int, dtype: str):
+    out = M.Array(n, dtype)
+    args = [put(M, v) if isinstance(v, np.ndarray) else v for v in arrays_and_scalars]
+    with np.errstate(all="ignore"):  # overflow to inf is part of what is compared
+        getattr(M, fn_name)(*args, out)
+    return get(M, out) if M is not R else out.array
+
+
+def check_binary(B, dtype: str, name: str) -> None:
+    a, b = _operands(name, dtype)
+    want = _run(R, f"ewise_{name}", a, b, n=a.size, dtype=dtype)
+    assert_close(_run(B, f"ewise_{name}", a, b, n=a.size, dtype=dtype), want, dtype)
+
+
+def check_scalar(B, dtype: str, name: str) -> None:
+    a, _ = _operands(name, dtype)
+    val = 1.7 if name not in ("eq", "ge", "le") else float(a[7])
+    want = _run(R, f"scalar_{name}", a, val, n=a.size, dtype=dtype)
+    assert_close(_run(B, f"scalar_{name}", a, val, n=a.size, dtype=dtype), want, dtype)
+
+
+def check_unary(B, dtype: str, name: str) -> None:
+    a, _ = _operands(name, dtype)
+    if name in ("sign", "abs", "neg"):
+        a[:5] = 0
+    if name in ("exp", "sigmoid", "tanh"):
+        a = a * np.asarray(20, dtype)  # saturating arguments on both sides
+    want = _run(R, f"ewise_{name}", a, n=a.size, dtype=dtype)
+    assert_close(_run(B, f"ewise_{name}", a, n=a.size, dtype=dtype), want, dtype)
+
+
+def check_nan_semantics(B, dtype: str) -> None:
+    """maximum/minimum propagate NaN; power of a negative base to a fraction is NaN."""
+    a = np.array([np.nan, 1.0, -2.0, 3.0], dtype)
+    b = np.array([0.0, np.nan, 0.5, 1.0], dtype)
+    for name in ("maximum", "minimum", "power"):
+        want = _run(R, f"ewise_{name}", a, b, n=4, dtype=dtype)
+        assert_close(_run(B, f"ewise_{name}", a, b, n=4, dtype=dtype), want, dtype)
+    want = _run(R, "ewise_sign", a, n=4, dtype=dtype)
+    assert_close(_run(B, "ewise_sign", a, n=4, dtype=dtype), want, dtype)
+
+
+def check_cast(B, src: str, dst: str) -> None:
+    x = rand(np.random.default_rng(6), (513,), src, -70000.0, 70000.0) if src != "float16" \
+        else rand(np.random.default_rng(6), (513,), src)
+    out = B.Array(x.size, dst)
+    B.ewise_cast(put(B, x), out)
+    # NumPy's astype is the reference (overflow to inf included).
+    with np.errstate(over="ignore"):
+        np.testing.assert_array_equal(get(B, out), x.astype(dst))
+
+
+# ---- reductions -------------------------------------------------------------------------------
+REDUCE_SHAPES = ((7, 5), (1, 1), (3, 33), (40, 100), (2, 100_000), (1, 70_001))
+
+
+def check_reduce(B, dtype: str, op: str, rows: int, size: int) -> None:
+    x = rand(np.random.default_rng(7), (rows, size), dtype)
+    out = B.Array(rows, dtype)
+    getattr(B, f"reduce_{op}")(put(B, x), out, size)
+    x64 = x.astype(np.float64)
+    want = {"sum": x64.sum(axis=1), "max": x64.max(axis=1), "min": x64.min(axis=1)}[op]
+    # A sum is compared with the exact one, to within a few roundings of its magnitude.
+    scale = np.abs(x64).sum(axis=1) if op == "sum" else None
+    ulps = 4.0 if op == "sum" and dtype != "float16" else 8.0
+    assert_close(get(B, out), want.astype(dtype) if op != "sum" else want, dtype, scale, ulps)
+
+
+def check_reduce_nan(B, dtype: str) -> None:
+    x = np.arange(200, dtype=dtype).reshape(2, 100)
+    x[1, 57] = np.nan
+    for op in ("max", "min", "sum"):
+        out = B.Array(2, dtype)
+        getattr(B, f"reduce_{op}")(put(B, x), out, 100)
+        got = get(B, out)
+        assert not np.isnan(got[0]) and np.isnan(got[1]), (op, got)
+
+
+# ---- matmul -----------------------------------------------------------------------------------
+MATMUL_SHAPES = ((1, 1, 1), (5, 3, 7), (64, 64, 64), (130, 20, 140), (129, 257, 65), (3, 0, 4))
+
+
+def check_matmul(B, dtype: str, m: int, n: int, p: int) -> None:
+    rng = np.random.default_rng(8)
+    a, b = rand(rng, (m, n), dtype), rand(rng, (n, p), dtype)
+    out = B.Array(m * p, dtype)
+    B.fill(out, 123.0)  # must be overwritten
+    B.matmul(put(B, a), put(B, b), out, m, n, p)
+    want = a.astype(np.float64) @ b.astype(np.float64)
+    scale = np.abs(a.astype(np.float64)) @ np.abs(b.astype(np.float64))
+    assert_close(get(B, out, (m, p)), want, dtype, scale, ulps=4.0 * max(n, 1) ** 0.5 + 4)
+
+
+def check_matmul_tiled(B, dtype: str, m: int, n: int, p: int) -> None:
+    t = B.__tile_size__
+    rng = np.random.default_rng(9)
+    a, b = rand(rng, (m, n), dtype), rand(rng, (n, p), dtype)
+
+    def tiled(x):
+        r, c = x.shape
+        return np.ascontiguousarray(x.reshape(r // t, t, c // t, t).transpose(0, 2, 1, 3))
+
+    out = B.Array(m * p, dtype)
+    B.matmul_tiled(put(B, tiled(a)), put(B, tiled(b)), out, m, n, p)
+    got = get(B, out, (m // t, p // t, t, t)).transpose(0, 2, 1, 3).reshape(m, p)
+    want = a.astype(np.float64) @ b.astype(np.float64)
+    scale = np.abs(a.astype(np.float64)) @ np.abs(b.astype(np.float64))
+    assert_close(got, want, dtype, scale, ulps=4.0 * max(n, 1) ** 0.5 + 4)
+
+
+# ---- the tests (collected where a module imports them and defines ``backend``) -----------------
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_array_and_transfer(backend, dtype):
+    check_array_and_transfer(backend, dtype)
+
+
+@pytest.mark.parametrize("view", sorted(VIEWS))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_to_numpy_of_views(backend, dtype, view):
+    check_to_numpy_view(backend, dtype, view)
+
+
+@pytest.mark.parametrize("view", sorted(VIEWS))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_compact(backend, dtype, view):
+    check_compact(backend, dtype, view)
+
+
+@pytest.mark.parametrize("view", SCATTER_VIEWS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_setitem(backend, dtype, view):
+    check_setitem(backend, dtype, view)
+
+
+@pytest.mark.parametrize("name", BINARY)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ewise_binary(backend, dtype, name):
+    check_binary(backend, dtype, name)
+
+
+@pytest.mark.parametrize("name", SCALAR)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scalar_ops(backend, dtype, name):
+    check_scalar(backend, dtype, name)
+
+
+@pytest.mark.parametrize("name", UNARY)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_unary_ops(backend, dtype, name):
+    check_unary(backend, dtype, name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nan_semantics(backend, dtype):
+    check_nan_semantics(backend, dtype)
+
+
+@pytest.mark.parametrize("dst", DTYPES)
+@pytest.mark.parametrize("src", DTYPES)
+def test_ewise_cast(backend, src, dst):
+    check_cast(backend, src, dst)
+
+
+@pytest.mark.parametrize("shape", REDUCE_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("op", ("sum", "max", "min"))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reduce(backend, dtype, op, shape):
+    check_reduce(backend, dtype, op, *shape)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reduce_nan(backend, dtype):
+    check_reduce_nan(backend, dtype)
+
+
+@pytest.mark.parametrize("impl", ("cublas", "tiled"))
+@pytest.mark.parametrize("shape", MATMUL_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matmul(backend, dtype, shape, impl):
+    before = backend.get_matmul_impl()
+    backend.set_matmul_impl(impl)
+    try:
+        check_matmul(backend, dtype, *shape)
+    finally:
+        backend.set_matmul_impl(before)
+
+
+@pytest.mark.parametrize("shape", ((4, 4, 4), (8, 12, 16), (12, 4, 8)),
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matmul_tiled(backend, dtype, shape):
+    check_matmul_tiled(backend, dtype, *shape)

@@ -1,0 +1,217 @@
+"""Basic modules: values against NumPy re-derivations, RNG order, gradients by gradcheck."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from needle import nn
+from needle._core.errors import NeedleError, ShapeError
+from needle.autograd import Tensor, gradcheck
+
+
+def T(a, device, dtype="float32", requires_grad=False):
+    return Tensor(np.asarray(a), device=device, dtype=dtype, requires_grad=requires_grad)
+
+
+def _uniform(shape, bound):
+    return np.random.rand(*shape) * 2 * bound - bound
+
+
+def test_linear_init_order_and_forward(device):
+    np.random.seed(1337)
+    lin = nn.Linear(7, 4, device=device)
+    np.random.seed(1337)
+    w = _uniform((7, 4), math.sqrt(6 / 7))
+    b = _uniform((4, 1), math.sqrt(6 / 4)).reshape(1, 4)
+    np.testing.assert_allclose(lin.weight.numpy(), w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lin.bias.numpy(), b, rtol=1e-5, atol=1e-6)
+    assert lin.weight.device == device and isinstance(lin.weight, nn.Parameter)
+    x = np.random.randn(3, 5, 7)
+    np.testing.assert_allclose(lin(T(x, device)).numpy(), x @ w + b, rtol=1e-4, atol=1e-5)
+    lin.bias = nn.Parameter(T(b.reshape(4), device))  # (out,)-shaped bias also broadcasts
+    np.testing.assert_allclose(lin(T(x[0], device)).numpy(), x[0] @ w + b, rtol=1e-4,
+                               atol=1e-5)
+    with pytest.raises(ShapeError, match="Linear"):
+        lin(T(np.ones((2, 6)), device))
+    assert nn.Linear(3, 2, bias=False, device=device).bias is None
+
+
+def test_linear_gradients(device):
+    np.random.seed(0)
+    lin = nn.Linear(4, 3, device=device, dtype="float64")
+
+    def f(x, w, b):
+        lin.weight, lin.bias = w, b
+        return lin(x)
+
+    assert gradcheck(f, T(np.random.randn(5, 4), device, "float64"),
+                     lin.weight.detach(), lin.bias.detach())
+
+
+def test_activations_flatten_identity(device):
+    x = np.random.randn(2, 3, 4)
+    t = T(x, device)
+    np.testing.assert_allclose(nn.ReLU()(t).numpy(), np.maximum(x, 0), rtol=1e-6)
+    np.testing.assert_allclose(nn.Tanh()(t).numpy(), np.tanh(x), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(nn.Sigmoid()(t).numpy(), 1 / (1 + np.exp(-x)), rtol=1e-5,
+                               atol=1e-6)
+    assert nn.Flatten()(t).shape == (2, 12)
+    np.testing.assert_allclose(nn.Flatten()(t).numpy(), x.reshape(2, 12), rtol=1e-6)
+    assert nn.Identity()(t) is t
+    assert gradcheck(lambda a: nn.Sigmoid()(a), T(x[0], device, "float64"))
+
+
+def test_sequential_residual(device):
+    np.random.seed(42)
+    model = nn.Sequential(nn.Linear(5, 5, device=device), nn.ReLU(),
+                          nn.Residual(nn.Linear(5, 5, device=device)))
+    np.random.seed(42)
+    w1, b1 = _uniform((5, 5), math.sqrt(6 / 5)), _uniform((5, 1), math.sqrt(6 / 5)).T
+    w2, b2 = _uniform((5, 5), math.sqrt(6 / 5)), _uniform((5, 1), math.sqrt(6 / 5)).T
+    x = np.random.randn(4, 5)
+    h = np.maximum(x @ w1 + b1, 0)
+    np.testing.assert_allclose(model(T(x, device)).numpy(), h @ w2 + b2 + h, rtol=1e-4,
+                               atol=1e-5)
+
+
+def test_softmax_loss(device):
+    z = np.random.randn(6, 4) * 3
+    y = np.array([0, 3, 1, 1, 2, 3])
+    lse = np.log(np.exp(z).sum(axis=1))
+    ref = np.mean(lse - z[np.arange(6), y])
+    got = nn.SoftmaxLoss()(T(z, device), T(y, device)).numpy()
+    np.testing.assert_allclose(got, ref, rtol=1e-5)
+    assert gradcheck(lambda a: nn.SoftmaxLoss()(a, T(y, device, "float64")),
+                     T(z, device, "float64"))
+    with pytest.raises(ShapeError):
+        nn.SoftmaxLoss()(T(z.reshape(-1), device), T(y, device))
+
+
+def _bn_ref(x, w, b, eps):
+    mu, var = x.mean(axis=0), x.var(axis=0)
+    return w * (x - mu) / np.sqrt(var + eps) + b, mu, var
+
+
+def test_batchnorm1d_train_eval_running_stats(device):
+    np.random.seed(0)
+    state = np.random.get_state()[1].copy()
+    bn = nn.BatchNorm1d(3, momentum=0.2, device=device)
+    assert np.array_equal(state, np.random.get_state()[1])  # no RNG consumed
+    x1, x2 = np.random.randn(8, 3) * 2 + 1, np.random.randn(5, 3) - 1
+    y1 = bn(T(x1, device)).numpy()
+    ref, mu1, var1 = _bn_ref(x1, 1.0, 0.0, 1e-5)
+    np.testing.assert_allclose(y1, ref, rtol=1e-4, atol=1e-5)
+    bn(T(x2, device))
+    _, mu2, var2 = _bn_ref(x2, 1.0, 0.0, 1e-5)
+    rm = 0.8 * (0.8 * 0 + 0.2 * mu1) + 0.2 * mu2
+    rv = 0.8 * (0.8 * 1 + 0.2 * var1) + 0.2 * var2
+    np.testing.assert_allclose(bn.running_mean.numpy(), rm, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(bn.running_var.numpy(), rv, rtol=1e-5, atol=1e-6)
+    assert not bn.running_mean.requires_grad and bn.running_mean.dtype == "float32"
+    bn.eval()
+    np.testing.assert_allclose(bn(T(x1, device)).numpy(), (x1 - rm) / np.sqrt(rv + 1e-5),
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_batchnorm_gradients(device):
+    np.random.seed(1)
+    bn = nn.BatchNorm1d(3, device=device, dtype="float64")
+
+    def f(x, w, b):
+        bn.weight, bn.bias = w, b
+        return bn(x)
+
+    w = T(np.random.rand(3) + 0.5, device, "float64")
+    b = T(np.random.randn(3), device, "float64")
+    assert gradcheck(f, T(np.random.randn(6, 3), device, "float64"), w, b)
+
+
+def test_batchnorm2d_matches_per_channel(device):
+    x = np.random.randn(2, 3, 4, 5)
+    bn = nn.BatchNorm2d(3, device=device)
+    got = bn(T(x, device)).numpy()
+    mu = x.mean(axis=(0, 2, 3), keepdims=True)
+    var = x.var(axis=(0, 2, 3), keepdims=True)
+    np.testing.assert_allclose(got, (x - mu) / np.sqrt(var + 1e-5), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(bn.running_mean.numpy(), 0.1 * mu.reshape(3), rtol=1e-4,
+                               atol=1e-6)
+
+
+def test_layernorm(device):
+    x = np.random.randn(2, 4, 6) * 3
+    ln = nn.LayerNorm1d(6, device=device)
+    mu, var = x.mean(axis=-1, keepdims=True), x.var(axis=-1, keepdims=True)
+    np.testing.assert_allclose(ln(T(x, device)).numpy(), (x - mu) / np.sqrt(var + 1e-5),
+                               rtol=1e-4, atol=1e-5)
+    ln64 = nn.LayerNorm1d(6, device=device, dtype="float64")
+    assert gradcheck(lambda a: ln64(a), T(x[0], device, "float64"))
+
+
+def test_dropout_seeded_and_eval(device):
+    x = np.random.randn(10, 7) + 3
+    drop = nn.Dropout(0.3)
+    np.random.seed(3)
+    a = drop(T(x, device)).numpy()
+    np.random.seed(3)
+    mask = np.random.rand(10, 7) <= 0.7
+    np.testing.assert_allclose(a, x * mask / 0.7, rtol=1e-5)
+    np.random.seed(3)
+    np.testing.assert_array_equal(drop(T(x, device)).numpy(), a)  # same seed, same values
+    drop.eval()
+    np.testing.assert_array_equal(drop(T(x, device)).numpy(), x.astype(np.float32))
+    zero = nn.Dropout(0.0)
+    np.random.seed(8)
+    zero(T(x, device))
+    marker = np.random.rand()
+    np.random.seed(8)
+    np.random.rand(10, 7)  # p = 0 still makes its one draw (course rule)
+    assert marker == np.random.rand()
+
+
+def test_module_tree_state_dict_and_modes(device):
+    np.random.seed(0)
+    model = nn.Sequential(nn.Linear(3, 4, device=device), nn.BatchNorm1d(4, device=device),
+                          nn.Residual(nn.Sequential(nn.Linear(4, 4, device=device),
+                                                    nn.Dropout(0.1))))
+    names = [n for n, _ in model.named_parameters()]
+    assert names == ["modules.0.weight", "modules.0.bias", "modules.1.weight",
+                     "modules.1.bias", "modules.2.fn.modules.0.weight",
+                     "modules.2.fn.modules.0.bias"]
+    assert [id(p) for p in model.parameters()] == [id(p) for _, p in model.named_parameters()]
+    assert len(model._children()) == 6
+    model.eval()
+    assert not any(m.training for m in [model] + model._children())
+    model.train()
+    assert all(m.training for m in model._children())
+
+    state = model.state_dict()
+    assert "modules.1.running_var" in state and len(state) == 8
+    np.random.seed(1)
+    other = nn.Sequential(nn.Linear(3, 4, device=device), nn.BatchNorm1d(4, device=device),
+                          nn.Residual(nn.Sequential(nn.Linear(4, 4, device=device),
+                                                    nn.Dropout(0.1))))
+    weight = other.modules[0].weight
+    other.load_state_dict(state)
+    assert other.modules[0].weight is weight  # identity kept for optimisers
+    for key, value in other.state_dict().items():
+        np.testing.assert_array_equal(value, state[key])
+    with pytest.raises(NeedleError, match="keys"):
+        other.load_state_dict({"modules.0.weight": state["modules.0.weight"]})
+    bad = dict(state, **{"modules.0.weight": np.zeros((4, 3))})
+    with pytest.raises(ShapeError):
+        other.load_state_dict(bad)
+
+
+def test_parameters_inside_dicts_and_lists():
+    class Holder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = {"a": nn.Linear(2, 2), "b": [nn.Linear(2, 1)]}
+            self.scale = nn.Parameter(Tensor(np.ones(1)))
+
+    h = Holder()
+    assert len(h.parameters()) == 5
+    h.eval()
+    assert not h.layers["b"][0].training

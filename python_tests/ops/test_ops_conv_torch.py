@@ -1,0 +1,36 @@
+"""conv forward and both gradients against PyTorch (NCHW <-> NHWC), as the course checks."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import needle.ops as ops
+from needle.autograd import Tensor
+from needle.backend_selection import BACKEND
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.skipif(BACKEND != "nd", reason="nd-mode test")
+
+
+@pytest.mark.parametrize("n, h, cin, cout, k, stride, padding", [
+    (2, 8, 3, 4, 3, 1, 1), (2, 9, 3, 5, 3, 2, 1), (1, 8, 2, 3, 5, 2, 2), (2, 6, 4, 2, 1, 1, 0),
+    (1, 7, 3, 2, 3, 2, 0)])
+def test_conv_matches_torch(device, n, h, cin, cout, k, stride, padding):
+    rng = np.random.default_rng(0)
+    x_np = rng.standard_normal((n, h, h, cin)).astype(np.float32)
+    w_np = rng.standard_normal((k, k, cin, cout)).astype(np.float32)
+    x, w = Tensor(x_np, device=device), Tensor(w_np, device=device)
+    y = ops.conv(x, w, stride=stride, padding=padding)
+    (y * y).sum().backward()
+
+    xt = torch.tensor(x_np.transpose(0, 3, 1, 2), requires_grad=True)
+    wt = torch.tensor(w_np.transpose(3, 2, 0, 1), requires_grad=True)
+    yt = torch.nn.functional.conv2d(xt, wt, stride=stride, padding=padding)
+    (yt * yt).sum().backward()
+
+    np.testing.assert_allclose(y.numpy(), yt.detach().numpy().transpose(0, 2, 3, 1),
+                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(x.grad.numpy(), xt.grad.numpy().transpose(0, 2, 3, 1),
+                               rtol=1e-3, atol=1e-3)
+    np.testing.assert_allclose(w.grad.numpy(), wt.grad.numpy().transpose(2, 3, 1, 0),
+                               rtol=1e-3, atol=1e-3)
