@@ -69,6 +69,26 @@ def _device_array(B, x: np.ndarray):
     return arr
 
 
+def _matmul_row(B, torch, n: int, repeats: int) -> dict:
+    rng = np.random.default_rng(n)
+    a = _device_array(B, rng.standard_normal((n, n), dtype=np.float32))
+    b = _device_array(B, rng.standard_normal((n, n), dtype=np.float32))
+    out = B.Array(n * n, "float32")
+    ta, tb = torch.randn(n, n, device="cuda"), torch.randn(n, n, device="cuda")
+    tout = torch.empty(n, n, device="cuda")
+    flop, row, torch_rates = 2.0 * n ** 3, {"n": n}, []
+    for impl in ("cublas", "tiled"):
+        B.set_matmul_impl(impl)
+        t_needle, t_torch = _median_pair(
+            lambda: B.matmul(a, b, out, n, n, n), lambda: torch.matmul(ta, tb, out=tout),
+            B.synchronize, torch.cuda.synchronize, repeats)
+        row[impl] = flop / t_needle / 1e12
+        torch_rates.append(flop / t_torch / 1e12)
+    B.set_matmul_impl("cublas")
+    row["torch"] = statistics.median(torch_rates)
+    return row
+
+
 def bench_matmul(sizes, repeats: int) -> list:
     import torch
 
@@ -76,23 +96,7 @@ def bench_matmul(sizes, repeats: int) -> list:
     torch.backends.cuda.matmul.allow_tf32 = False
     rows = []
     for n in sizes:
-        rng = np.random.default_rng(n)
-        a = _device_array(B, rng.standard_normal((n, n), dtype=np.float32))
-        b = _device_array(B, rng.standard_normal((n, n), dtype=np.float32))
-        out = B.Array(n * n, "float32")
-        ta, tb = torch.randn(n, n, device="cuda"), torch.randn(n, n, device="cuda")
-        tout = torch.empty(n, n, device="cuda")
-        flop = 2.0 * n ** 3
-        row = {"n": n}
-        for impl in ("cublas", "tiled"):
-            B.set_matmul_impl(impl)
-            t_needle, t_torch = _median_pair(
-                lambda: B.matmul(a, b, out, n, n, n), lambda: torch.matmul(ta, tb, out=tout),
-                B.synchronize, torch.cuda.synchronize, repeats)
-            row[impl] = flop / t_needle / 1e12
-            row.setdefault("torch", []).append(flop / t_torch / 1e12)
-        B.set_matmul_impl("cublas")
-        row["torch"] = statistics.median(row["torch"])
+        row = _matmul_row(B, torch, n, repeats)
         rows.append(row)
         print(f"matmul f32 n={n:5d}  cuBLAS path {row['cublas']:6.2f}  own tiled "
               f"{row['tiled']:6.2f}  PyTorch {row['torch']:6.2f} TFLOP/s   ratios "
@@ -229,8 +233,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if os.environ.get("CUPY_TF32") == "1":
         raise SystemExit("bench_gpu: unset CUPY_TF32: the comparison is float32 without TF32")
-    import cupy
-    import torch
+    try:
+        import cupy
+        import torch
+    except ImportError as exc:
+        raise SystemExit(f"bench_gpu: needs CuPy and PyTorch with CUDA ({exc})") from exc
 
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())
     info = {"device": props["name"].decode() if isinstance(props["name"], bytes)

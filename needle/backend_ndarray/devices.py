@@ -71,8 +71,12 @@ class BackendDevice:
         return _nd().NDArray(np.random.rand(*shape), device=self, dtype=dtype)
 
     def one_hot(self, n, i, dtype="float32"):
-        return _nd().NDArray(np.eye(n, dtype=np.float64)[np.asarray(i, dtype=np.int64)],
-                             device=self, dtype=dtype)
+        """Rows of the n×n identity picked by the indices ``i`` (shape ``i.shape + (n,)``)."""
+        idx = np.asarray(i, dtype=np.int64)
+        # Scatter the ones directly: np.eye(n)[i] would build n*n floats (800 MB at n=10k).
+        rows = np.zeros((idx.size, n), dtype=np.float32)
+        rows[np.arange(idx.size), idx.reshape(-1)] = 1.0
+        return _nd().NDArray(rows.reshape(idx.shape + (n,)), device=self, dtype=dtype)
 
     def empty(self, shape, dtype="float32"):
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
