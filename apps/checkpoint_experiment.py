@@ -77,8 +77,13 @@ def segment_counts(layers: int) -> list[int]:
     return counts
 
 
-def run_experiment(layers=64, width=1024, batch=256, segments=None, device=None, repeats=1):
-    """Measure every configuration; returns a list of row dicts (see ``format_table``)."""
+def run_experiment(layers=64, width=1024, batch=256, segments=None, device=None, repeats=1,
+                   warmup=0):
+    """Measure every configuration; returns a list of row dicts (see ``format_table``).
+
+    Peaks are exact allocator counts (the same in every repeat); times are the best of
+    ``repeats`` after ``warmup`` untimed steps (first touches of fresh memory are slow).
+    """
     device = device or cpu_numpy()
     model = build_model(layers, width, device)
     x = Tensor(np.random.randn(batch, width).astype("float32"), device=device,
@@ -87,6 +92,8 @@ def run_experiment(layers=64, width=1024, batch=256, segments=None, device=None,
     modes = ["plain", "release_unsaved"] + list(segments or segment_counts(layers))
     rows = []
     for mode in modes:
+        for _ in range(warmup):
+            _step(model, x, mode, layers)
         runs = [_step(model, x, mode, layers) for _ in range(repeats)]
         peak = min(r[0] for r in runs)
         seconds = min(r[1] for r in runs)
@@ -144,7 +151,8 @@ def main(argv=None) -> int:
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--segments", type=int, nargs="*", default=None)
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--device", choices=["cpu_numpy", "cpu"], default="cpu_numpy",
                         help="a device whose buffers come from needle's caching allocator")
     parser.add_argument("--plot", default=None, help="write the PNG here")
@@ -152,7 +160,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     device = cpu_numpy() if args.device == "cpu_numpy" else cpu()
     rows = run_experiment(args.layers, args.width, args.batch, args.segments, device,
-                          args.repeats)
+                          args.repeats, args.warmup)
     print(format_table(rows, args.batch * args.width * 4))
     best = min((r for r in rows if r["segments"]), key=lambda r: r["peak_bytes"])
     print(f"measured minimum at K = {best['segments']} segments")

@@ -281,6 +281,10 @@ class TensorTuple(Value):
     def __getitem__(self, index: int):
         return _ops.tuple_get_item(self, index)
 
+    def __iter__(self):
+        # Explicit so unpacking (``i, f, g, o = split(x, 1)``) and ``list()`` work.
+        return iter(self.tuple())
+
     def tuple(self) -> tuple:
         return tuple(self[i] for i in range(len(self)))
 

@@ -78,7 +78,8 @@ inline half_bits double_to_half(double d) {
   if (rem > halfway || (rem == halfway && (kept & 1))) ++kept;
   // For normals `kept` carries the implicit bit at 1<<10; adding the biased exponent - 1
   // places it correctly, and a mantissa carry rolls into the exponent as IEEE requires.
-  std::uint32_t out = e < -14 ? std::uint32_t(kept) : std::uint32_t(kept) + (std::uint32_t(e + 14) << 10);
+  std::uint32_t out = std::uint32_t(kept);
+  if (e >= -14) out += std::uint32_t(e + 14) << 10;
   if (out >= 0x7c00u) out = 0x7c00u;
   return half_bits(sign | out);
 }

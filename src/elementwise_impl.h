@@ -151,7 +151,8 @@ inline __m256 tanh8(__m256 x) {
   const __m256 one = _mm256_set1_ps(1.0f);
   __m256 big = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
   big = _mm256_or_ps(big, _mm256_and_ps(x, sign));
-  const __m256 res = _mm256_blendv_ps(big, small, _mm256_cmp_ps(ax, _mm256_set1_ps(0.625f), _CMP_LT_OQ));
+  const __m256 below = _mm256_cmp_ps(ax, _mm256_set1_ps(0.625f), _CMP_LT_OQ);
+  const __m256 res = _mm256_blendv_ps(big, small, below);
   return _mm256_blendv_ps(res, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
 }
 

@@ -186,7 +186,9 @@ template <class T>
 inline void tile(std::size_t k, const T* ap, const T* bp, T* c, std::size_t ldc,
                  std::size_t mr, std::size_t nr, bool acc) {
   using G = GemmConfig<T>;
-  if (mr == std::size_t(G::MR) && nr == std::size_t(G::NR)) return G::kernel(k, ap, bp, c, ldc, acc);
+  if (mr == std::size_t(G::MR) && nr == std::size_t(G::NR)) {
+    return G::kernel(k, ap, bp, c, ldc, acc);
+  }
   alignas(64) T tmp[G::MR * G::NR];
   G::kernel(k, ap, bp, tmp, G::NR, false);
   for (std::size_t r = 0; r < mr; ++r)
@@ -220,13 +222,15 @@ void gemm(const T* a, const T* b, T* c, std::size_t m, std::size_t n, std::size_
       const std::size_t nc = min_size(G::NC, p - jc);
       const std::size_t panels = ceil_div(nc, NR);
       // With fewer row blocks than threads, each row block's panels are split further.
-      const std::size_t jr_parts = n_ic >= std::size_t(nt) ? 1 : min_size(panels, ceil_div(nt, n_ic));
+      const std::size_t jr_parts =
+          n_ic >= std::size_t(nt) ? 1 : min_size(panels, ceil_div(nt, n_ic));
       for (std::size_t pc = 0; pc < n; pc += G::KC) {
         const std::size_t kc = min_size(G::KC, n - pc);
 #pragma omp for schedule(static)
         for (std::size_t jp = 0; jp < panels; ++jp) {
           const std::size_t j0 = jp * NR;
-          pack_b_panel<T, NR>(b + pc * p + jc + j0, p, kc, min_size(NR, nc - j0), bpack + jp * NR * kc);
+          pack_b_panel<T, NR>(b + pc * p + jc + j0, p, kc, min_size(NR, nc - j0),
+                              bpack + jp * NR * kc);
         }
 #pragma omp for schedule(static)
         for (std::size_t item = 0; item < n_ic * jr_parts; ++item) {

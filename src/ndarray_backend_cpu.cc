@@ -60,7 +60,8 @@ const KernelTable& select_isa(const std::string& name) {
   if (name == "avx2") throw std::invalid_argument("_set_isa: this CPU lacks AVX2/FMA/F16C");
 #endif
   if (name == "baseline" || name == "auto") return base::table;
-  throw std::invalid_argument("_set_isa: expected 'auto', 'avx2' or 'baseline', got '" + name + "'");
+  throw std::invalid_argument("_set_isa: expected 'auto', 'avx2' or 'baseline', got '" + name +
+                              "'");
 }
 
 DType dtype_of(const py::object& dtype) {
@@ -78,7 +79,8 @@ void same_dtype(const char* op, const Array& a, const Array& out) {
 void big_enough(const char* op, const char* what, const Array& a, std::size_t need) {
   if (a.size() < need) {
     throw std::invalid_argument(std::string(op) + ": " + what + " too small, expected at least " +
-                                std::to_string(need) + " elements, got " + std::to_string(a.size()));
+                                std::to_string(need) + " elements, got " +
+                                std::to_string(a.size()));
   }
 }
 
@@ -134,9 +136,12 @@ void fill(Array& out, double val) {
   const std::uint64_t bits = scalar_bits(out.dtype(), val);
   py::gil_scoped_release release;
   switch (itemsize(out.dtype())) {
-    case 2: return fill_bits(static_cast<std::uint16_t*>(out.data()), std::uint16_t(bits), out.size());
-    case 4: return fill_bits(static_cast<std::uint32_t*>(out.data()), std::uint32_t(bits), out.size());
-    default: return fill_bits(static_cast<std::uint64_t*>(out.data()), bits, out.size());
+    case 2:
+      return fill_bits(static_cast<std::uint16_t*>(out.data()), std::uint16_t(bits), out.size());
+    case 4:
+      return fill_bits(static_cast<std::uint32_t*>(out.data()), std::uint32_t(bits), out.size());
+    default:
+      return fill_bits(static_cast<std::uint64_t*>(out.data()), bits, out.size());
   }
 }
 
@@ -274,7 +279,8 @@ PYBIND11_MODULE(ndarray_backend_cpu, m) {
       .def_property_readonly("itemsize", [](const Array& a) { return itemsize(a.dtype()); })
       .def("ptr", [](const Array& a) { return reinterpret_cast<std::uintptr_t>(a.data()); })
       .def("__repr__", [](const Array& a) {
-        return "Array(size=" + std::to_string(a.size()) + ", dtype='" + dtype_name(a.dtype()) + "')";
+        return "Array(size=" + std::to_string(a.size()) + ", dtype='" + dtype_name(a.dtype()) +
+               "')";
       });
 
   m.def("to_numpy", &nd::to_numpy, py::arg("a"), py::arg("shape"), py::arg("strides"),

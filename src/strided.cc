@@ -1,5 +1,6 @@
 #include "strided.h"
 
+#include <algorithm>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -32,13 +33,19 @@ View simplify(const View& v) {
   return s;
 }
 
-// Calls row(pos, len, stride, index) for every innermost row of the simplified view: `pos` is
-// the element offset of its first element and `index` its row-major position in the view.
-template <class RowFn>
-void for_each_row(const View& view, bool allow_parallel, RowFn&& row) {
+// Walks the simplified view as runs of rows: calls
+//   rows(pos, count, row_stride, len, step, at)
+// for `count` consecutive innermost rows of `len` elements `step` apart, the first starting at
+// element offset `pos`, the next `row_stride` further on; `at` is the row-major index of the
+// run's first element in the view. Runs are as long as the second-innermost dim allows, so
+// short rows (im2col windows) do not pay the odometer once per row.
+template <class RowsFn>
+void for_each_rows(const View& view, bool allow_parallel, RowsFn&& rows_fn) {
   const View v = simplify(view);
   const std::size_t nd = v.shape.size();
   const std::int64_t len = v.shape[nd - 1], step = v.strides[nd - 1];
+  const std::int64_t inner_rows = nd >= 2 ? v.shape[nd - 2] : 1;
+  const std::int64_t row_stride = nd >= 2 ? v.strides[nd - 2] : 0;
   std::size_t rows = 1;
   for (std::size_t d = 0; d + 1 < nd; ++d) rows *= std::size_t(v.shape[d]);
   const std::size_t threshold =
@@ -53,43 +60,65 @@ void for_each_row(const View& view, bool allow_parallel, RowFn&& row) {
       rest /= std::size_t(v.shape[d]);
       pos += idx[d] * v.strides[d];
     }
-    for (std::size_t r = r0; r < r1; ++r) {
-      row(pos, len, step, std::int64_t(r) * len);
-      for (std::size_t d = nd - 1; d-- > 0;) {
-        pos += v.strides[d];
-        if (++idx[d] < v.shape[d]) break;
+    for (std::size_t r = r0; r < r1;) {
+      const std::int64_t in_dim = nd >= 2 ? inner_rows - idx[nd - 2] : 1;
+      const std::int64_t count = std::min<std::int64_t>(in_dim, std::int64_t(r1 - r));
+      rows_fn(pos, count, row_stride, len, step, std::int64_t(r) * len);
+      r += std::size_t(count);
+      if (nd < 2) break;
+      idx[nd - 2] += count;
+      pos += count * row_stride;
+      // Carry into the outer dims once the second-innermost one wraps.
+      for (std::size_t d = nd - 1; d-- > 0 && idx[d] >= v.shape[d];) {
         pos -= v.strides[d] * v.shape[d];
         idx[d] = 0;
+        if (d == 0) break;
+        pos += v.strides[d - 1];
+        ++idx[d - 1];
       }
     }
   }, 1);
 }
 
+using I = std::int64_t;
+
 template <class U>
 void gather_t(const U* src, const View& v, U* out) {
-  for_each_row(v, true, [&](std::int64_t pos, std::int64_t len, std::int64_t step, std::int64_t at) {
-    const U* s = src + pos;
+  for_each_rows(v, true, [&](I pos, I count, I rstride, I len, I step, I at) {
     U* o = out + at;
-    if (step == 1) { std::memcpy(o, s, std::size_t(len) * sizeof(U)); return; }
-    for (std::int64_t i = 0; i < len; ++i) o[i] = s[i * step];
+    for (I r = 0; r < count; ++r, o += len) {
+      const U* s = src + pos + r * rstride;
+      if (step == 1 && len >= 16) {
+        std::memcpy(o, s, std::size_t(len) * sizeof(U));
+      } else {
+        for (I i = 0; i < len; ++i) o[i] = s[i * step];
+      }
+    }
   });
 }
 
 template <class U>
 void scatter_t(const U* src, const View& v, U* dst, bool parallel) {
-  for_each_row(v, parallel, [&](std::int64_t pos, std::int64_t len, std::int64_t step, std::int64_t at) {
-    U* d = dst + pos;
+  for_each_rows(v, parallel, [&](I pos, I count, I rstride, I len, I step, I at) {
     const U* s = src + at;
-    if (step == 1) { std::memcpy(d, s, std::size_t(len) * sizeof(U)); return; }
-    for (std::int64_t i = 0; i < len; ++i) d[i * step] = s[i];
+    for (I r = 0; r < count; ++r, s += len) {
+      U* d = dst + pos + r * rstride;
+      if (step == 1 && len >= 16) {
+        std::memcpy(d, s, std::size_t(len) * sizeof(U));
+      } else {
+        for (I i = 0; i < len; ++i) d[i * step] = s[i];
+      }
+    }
   });
 }
 
 template <class U>
 void scatter_value_t(U value, const View& v, U* dst) {
-  for_each_row(v, true, [&](std::int64_t pos, std::int64_t len, std::int64_t step, std::int64_t) {
-    U* d = dst + pos;
-    for (std::int64_t i = 0; i < len; ++i) d[i * step] = value;
+  for_each_rows(v, true, [&](I pos, I count, I rstride, I len, I step, I) {
+    for (I r = 0; r < count; ++r) {
+      U* d = dst + pos + r * rstride;
+      for (I i = 0; i < len; ++i) d[i * step] = value;
+    }
   });
 }
 

@@ -1,4 +1,5 @@
-// Kernels that move elements between compact buffers and strided views. They depend only on the element size, not on the instruction set.
+// Kernels that move elements between compact buffers and strided views. They depend only
+// on the element size, not on the instruction set.
 #pragma once
 
 #include <cstddef>

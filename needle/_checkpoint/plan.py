@@ -105,7 +105,7 @@ def predict_peak(layer_costs: Sequence, segments, checkpointed=None):
     flags = [True] * len(segments) if checkpointed is None else list(checkpointed)
     _check_segments(segments, len(costs), flags)
     peak, kept = 0, 0
-    for (start, stop), ckpt in zip(segments, flags):
+    for (start, stop), ckpt in zip(segments, flags, strict=True):
         seg = sum(costs[start:stop])
         boundary = costs[stop - 1]
         peak = max(peak, kept + (boundary + seg if ckpt else seg))
@@ -196,7 +196,7 @@ def _optimal_plan(costs: list, compute: list, budget) -> CheckpointPlan:
     """
     n = len(costs)
     prefix_a, prefix_c = [0], [0]
-    for a, c in zip(costs, compute):
+    for a, c in zip(costs, compute, strict=True):
         prefix_a.append(prefix_a[-1] + a)
         prefix_c.append(prefix_c[-1] + c)
     fronts: list[list] = [[(0, 0, None)]] + [[] for _ in range(n)]

@@ -121,7 +121,7 @@ class _RegionOp(TensorOp):
         return self.region.backward([out_grad])
 
 
-class _RegionTupleOp(_RegionOp, TensorTupleOp):
+class _RegionTupleOp(TensorTupleOp, _RegionOp):  # TensorTupleOp first: its __call__
     """The checkpoint node of a region with several tensor outputs."""
 
     def gradient(self, out_grad, node):
@@ -145,7 +145,7 @@ class _Region:
     # -- shared by forward and recomputation ------------------------------------------------
     def _fresh_args(self) -> list:
         out = []
-        for a, is_tensor in zip(self.args, self.is_tensor):
+        for a, is_tensor in zip(self.args, self.is_tensor, strict=True):
             if is_tensor:
                 data, requires_grad, is_tuple = a
                 cls = TensorTuple if is_tuple else Tensor
@@ -214,7 +214,7 @@ def _is_tensor(value) -> bool:
 
 def _same_slots(a: list, b: list) -> bool:
     return len(a) == len(b) and all(x[0] == y[0] and x[1] is y[1] if x[0] == "captured"
-                                    else x == y for x, y in zip(a, b))
+                                    else x == y for x, y in zip(a, b, strict=True))
 
 
 def _describe_slots(slots: list) -> str:
@@ -244,7 +244,7 @@ def _rebuild(region, outputs, structure, leaves, mark, original_args, slot_tenso
             final.append(type(o).make_const(o.realize_cached_data()))
     if grad_positions and slot_tensors:
         for i, value in zip(grad_positions, _region_node(region, outputs, grad_positions,
-                                                         slot_tensors)):
+                                                         slot_tensors), strict=True):
             final[i] = value
     return final[0] if structure is None else structure(final)
 
@@ -304,7 +304,7 @@ class _Record:
             raise CheckpointError(
                 f"checkpoint: region {name!r} made a different number of random draws when "
                 f"recomputed, expected {len(self.draws)}, got {len(draws)}")
-        for k, ((kind, device, value), want) in enumerate(zip(draws, self.draws)):
+        for k, ((kind, _device, value), want) in enumerate(zip(draws, self.draws, strict=True)):
             _compare(name, f"random draw {k} ({want[0]} on {want[1]})", want[2],
                      _fingerprint(value), kind_have=kind, kind_want=want[0])
         if not _same_state(self.rng_after, ndl_random.get_state()):
@@ -316,7 +316,7 @@ class _Record:
             raise CheckpointError(
                 f"checkpoint: region {name!r} returned a different number of outputs when "
                 f"recomputed, expected {len(self.outputs)}, got {len(outputs)}")
-        for k, (out, want) in enumerate(zip(outputs, self.outputs)):
+        for k, (out, want) in enumerate(zip(outputs, self.outputs, strict=True)):
             if want is not None:
                 _compare(name, f"output {k}", want, _fingerprint(out.realize_cached_data()))
 
@@ -342,7 +342,7 @@ def _same_state(a, b) -> bool:
         x, y = a[key], b[key]
         if isinstance(x, tuple) and isinstance(y, tuple):
             if len(x) != len(y) or not all(np.array_equal(p, q) if isinstance(p, np.ndarray)
-                                           else p == q for p, q in zip(x, y)):
+                                           else p == q for p, q in zip(x, y, strict=True)):
                 return False
         elif x != y:
             return False

@@ -72,6 +72,21 @@ class Released:
         return f"Released(shape={self.shape}, dtype={self.dtype}, op={self.op_name})"
 
 
+def _refuse(name: str):
+    def method(self, *args):
+        self._fail(f"its values (through {name})")
+
+    method.__name__ = name
+    return method
+
+
+# Dunder methods bypass __getattr__: refuse arithmetic, comparisons and indexing explicitly.
+for _name in ("add", "radd", "sub", "rsub", "mul", "rmul", "truediv", "rtruediv", "matmul",
+              "rmatmul", "pow", "rpow", "neg", "abs", "gt", "ge", "lt", "le", "getitem",
+              "setitem", "iter", "float", "int"):
+    setattr(Released, f"__{_name}__", _refuse(f"__{_name}__"))
+
+
 def release(node) -> None:
     """Replace ``node``'s array by a :class:`Released` stand-in (tuples and lazies untouched)."""
     data = node.cached_data

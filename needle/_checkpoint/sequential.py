@@ -75,7 +75,7 @@ def checkpoint_sequential(modules, segments, x, *, preserve_rng_state: bool = Tr
     """
     layers = _module_list(modules)
     bounds, flags = _segments(layers, segments)
-    for k, ((start, stop), ckpt) in enumerate(zip(bounds, flags)):
+    for k, ((start, stop), ckpt) in enumerate(zip(bounds, flags, strict=True)):
         run = _run_chain(layers[start:stop])
         if ckpt:
             x = checkpoint(run, x, preserve_rng_state=preserve_rng_state, verify=verify,

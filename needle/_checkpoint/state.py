@@ -4,9 +4,10 @@ back the state that was current, so stateful layers act once per step.
 BatchNorm in training mode updates ``running_mean``/``running_var`` on every forward; a counter
 module bumps an int. Recomputing such a region would apply the update twice and could even
 compute different outputs (the state has moved on). The region therefore snapshots, at its first
-forward, the *buffers* (Tensor attributes that are not Parameters, by their arrays) and plain
-scalar attributes of every module it can see, and around the recomputation it (1) saves the
-current values, (2) restores the snapshot, (3) recomputes, (4) restores the saved current values.
+forward, the Tensor attributes (buffers and parameters, by their arrays) and plain scalar
+attributes of every module it can see (by reference: nothing is copied), and around the
+recomputation it (1) saves the current values, (2) restores the snapshot, (3) recomputes,
+(4) restores the saved current values.
 
 Which modules are seen: ``fn`` itself when it is a Module, the Module behind a bound method, Modules
 held in ``fn``'s closure or ``functools.partial`` arguments (also inside lists, tuples, dicts),
@@ -30,17 +31,15 @@ __all__ = ["ModuleState", "modules_of"]
 _SCALARS = (bool, int, float, complex, str, bytes, type(None))
 
 
-def _module_class():
-    from ..nn.nn_module import Module, Parameter  # same layer (L5); imported late
-
-    return Module, Parameter
+def _is_module(value) -> bool:
+    # Duck-typed so that this package does not import needle.nn (a sibling in layer L5).
+    return callable(getattr(value, "_children", None)) and hasattr(value, "training")
 
 
 def _collect(value, out: list, seen: set, depth: int = 0) -> None:
-    Module, _ = _module_class()
     if depth > 3:
         return
-    if isinstance(value, Module):
+    if _is_module(value):
         for m in [value] + value._children():
             if id(m) not in seen:
                 seen.add(id(m))
@@ -81,14 +80,15 @@ class ModuleState:
         self.before = None
 
     def _snapshot(self) -> list:
-        Module, Parameter = _module_class()
         from ..autograd import Tensor
 
         snap = []
         for m in self.modules:
             entries = []
             for key, value in m.__dict__.items():
-                if isinstance(value, Tensor) and not isinstance(value, Parameter):
+                # parameters too: unchanged by a forward, so restoring them costs nothing, and
+                # a recomputation then always sees the weights the first forward saw
+                if isinstance(value, Tensor):
                     entries.append((key, value, value.cached_data))
                 elif isinstance(value, _SCALARS):
                     entries.append((key, value, None))

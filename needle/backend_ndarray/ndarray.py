@@ -87,6 +87,8 @@ class NDArray:
     """
 
     __array_priority__ = 1000
+    # Cached answer of is_compact(): True/False once known, None = not yet computed.
+    _compact = None
 
     def __init__(self, other, device=None, dtype=None):
         if isinstance(other, NDArray):
@@ -109,6 +111,7 @@ class NDArray:
         self._offset = other._offset
         self._device = other._device
         self._handle = other._handle
+        self._compact = other._compact
 
     @staticmethod
     def compact_strides(shape) -> tuple:
@@ -118,15 +121,17 @@ class NDArray:
     @staticmethod
     def make(shape, strides=None, device=None, handle=None, offset=0, dtype="float32"):
         """A new NDArray; allocates (uninitialised) memory when ``handle`` is None."""
-        array = NDArray.__new__(NDArray)
-        array._shape = tuple(shape)
-        array._strides = _compact_strides(array._shape) if strides is None else tuple(strides)
+        shape = tuple(shape)
+        device = device if device is not None else default_device()
+        if handle is None and strides is None and offset == 0:
+            return _alloc(shape, device, dtype)
+        array = _new_ndarray(NDArray)
+        array._shape = shape
+        array._strides = _compact_strides(shape) if strides is None else tuple(strides)
         array._offset = offset
-        array._device = device if device is not None else default_device()
-        if handle is None:
-            array._handle = array._device.Array(math.prod(array._shape), dtype)
-        else:
-            array._handle = handle
+        array._device = device
+        array._handle = device.Array(math.prod(shape), dtype) if handle is None else handle
+        array._compact = None  # unknown until is_compact() looks
         return array
 
     # ---- properties -------------------------------------------------------------------
@@ -199,17 +204,21 @@ class NDArray:
         return out
 
     def is_compact(self) -> bool:
-        return (self._offset == 0 and self._strides == _compact_strides(self._shape)
+        compact = self._compact
+        if compact is None:
+            compact = self._compact = (
+                self._offset == 0 and self._strides == _compact_strides(self._shape)
                 and math.prod(self._shape) == self._handle.size)
+        return compact
 
     def compact(self) -> "NDArray":
         """Self if compact, else a compact copy."""
-        if self.is_compact():
+        if self._compact or self.is_compact():
             return self
         return self._copy()
 
     def _copy(self) -> "NDArray":
-        out = NDArray.make(self._shape, device=self._device, dtype=self.dtype)
+        out = _alloc(self._shape, self._device, self._handle.dtype)
         if out.size:
             self._device.compact(self._handle, out._handle, self._shape, self._strides,
                                  self._offset)
@@ -321,20 +330,24 @@ class NDArray:
 
     # ---- elementwise ------------------------------------------------------------------
     def _ewise(self, other, ewise, scalar, op: str) -> "NDArray":
-        out = NDArray.make(self._shape, device=self._device, dtype=self._handle.dtype)
+        a = self if self._compact else self.compact()
+        out = _alloc(self._shape, self._device, self._handle.dtype)
         if isinstance(other, NDArray):
-            _check_pair(op, self, other)
+            if other._device is not self._device or other._handle.dtype != out._handle.dtype:
+                _check_pair(op, self, other)
             if other._shape != self._shape:
                 raise ShapeError(f"{op}: shapes differ, expected {self._shape}, "
                                  f"got {other._shape} (broadcast explicitly)")
-            ewise(self.compact()._handle, other.compact()._handle, out._handle)
+            b = other if other._compact else other.compact()
+            ewise(a._handle, b._handle, out._handle)
         else:
-            scalar(self.compact()._handle, _scalar_value(other, op), out._handle)
+            scalar(a._handle, _scalar_value(other, op), out._handle)
         return out
 
     def _unary(self, kernel) -> "NDArray":
-        out = NDArray.make(self._shape, device=self._device, dtype=self._handle.dtype)
-        kernel(self.compact()._handle, out._handle)
+        a = self if self._compact else self.compact()
+        out = _alloc(self._shape, self._device, self._handle.dtype)
+        kernel(a._handle, out._handle)
         return out
 
     def __add__(self, other):
@@ -503,6 +516,21 @@ class NDArray:
         return out
 
 
+_new_ndarray = object.__new__
+
+
+def _alloc(shape: tuple, device: BackendDevice, dtype: str) -> NDArray:
+    """A fresh compact array (the hot path of every kernel's output): no validation."""
+    array = _new_ndarray(NDArray)
+    array._shape = shape
+    array._strides = _compact_strides(shape)
+    array._offset = 0
+    array._device = device
+    array._handle = device.Array(math.prod(shape), dtype)
+    array._compact = True
+    return array
+
+
 def _scalar_value(value, op: str) -> float:
     if isinstance(value, (int, float, np.number)):
         return float(value)
@@ -513,7 +541,7 @@ def _scalar_value(value, op: str) -> float:
 
 
 def _check_pair(op: str, a: NDArray, b: NDArray) -> None:
-    if a._device != b._device:
+    if a._device is not b._device and a._device != b._device:
         raise DeviceError(f"{op}: operands on different devices, expected {a.device}, "
                           f"got {b.device}")
     if a._handle.dtype != b._handle.dtype:

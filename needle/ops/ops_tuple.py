@@ -9,7 +9,7 @@ Example:
 """
 from __future__ import annotations
 
-from .._core.errors import ShapeError
+from .._core.errors import IndexOutOfRange, ShapeError
 from ..autograd import Tensor, TensorOp, TensorTuple, TensorTupleOp
 from . import _array as A
 from .ops_mathematic import as_scalar
@@ -41,7 +41,7 @@ class TupleGetItem(TensorOp):
                 f"tuple_get_item: expected a TensorTuple, got {type(a).__name__}")
         n = len(a)
         if not -n <= self.index < n:
-            raise ShapeError(
+            raise IndexOutOfRange(
                 f"tuple_get_item: index out of range, expected [{-n}, {n}), got {self.index}")
         self.index %= n
         # make_tuple(...)[i] is just its i-th input: no node needed

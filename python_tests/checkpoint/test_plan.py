@@ -17,7 +17,7 @@ def _simulate_peak(costs, segments, flags):
     peaks = []
     for j, (start, stop) in enumerate(segments):
         earlier = 0
-        for (s, e), ck in zip(segments[:j], flags[:j]):
+        for (s, e), ck in zip(segments[:j], flags[:j], strict=False):
             earlier += costs[e - 1] if ck else sum(costs[s:e])
         here = sum(costs[start:stop]) + (costs[stop - 1] if flags[j] else 0)
         peaks.append(earlier + here)
@@ -27,7 +27,7 @@ def _simulate_peak(costs, segments, flags):
 def _all_plans(n):
     for cuts in itertools.product([False, True], repeat=n - 1):
         starts = [0] + [i + 1 for i, c in enumerate(cuts) if c]
-        segments = [(s, e) for s, e in zip(starts, starts[1:] + [n])]
+        segments = [(s, e) for s, e in zip(starts, starts[1:] + [n], strict=False)]
         for flags in itertools.product([False, True], repeat=len(segments)):
             yield segments, list(flags)
 
@@ -69,7 +69,8 @@ def test_optimal_policy_equals_brute_force(seed):
     plans = [(segs, flags, _simulate_peak(costs, segs, flags)) for segs, flags in _all_plans(n)]
     least = min(p for _, _, p in plans)
     for budget in (least, (least + sum(costs)) // 2, sum(costs)):
-        fits = [sum(compute[i] for (s, e), ck in zip(segs, flags) if ck for i in range(s, e))
+        fits = [sum(compute[i] for (s, e), ck in zip(segs, flags, strict=True) if ck
+                    for i in range(s, e))
                 for segs, flags, peak in plans if peak <= budget]
         plan = plan_checkpoints(costs, memory_budget=budget, compute_costs=compute)
         assert plan.policy == "optimal"
