@@ -29,6 +29,8 @@ import contextlib
 import hashlib
 import threading
 
+import numpy as np
+
 from .. import memory
 from .. import random as ndl_random
 from .._autograd.engine import run_backward
@@ -77,8 +79,6 @@ def _mark() -> int:
 
 def _fingerprint(data) -> tuple:
     array = data.numpy() if hasattr(data, "numpy") else data
-    import numpy as np
-
     array = np.ascontiguousarray(np.asarray(array))
     return (tuple(array.shape), str(array.dtype), hashlib.blake2b(array.tobytes(),
                                                                    digest_size=16).hexdigest())
@@ -334,8 +334,6 @@ def _compare(name, what, want, have, kind_have=None, kind_want=None) -> None:
 
 
 def _same_state(a, b) -> bool:
-    import numpy as np
-
     if set(a) != set(b):
         return False
     for key in a:

@@ -100,7 +100,8 @@ class NDArray:
             other = other.numpy()
         device = default_device() if device is None else check_enabled(device, "NDArray")
         dtype = canonical_dtype(dtype, "NDArray")
-        src = np.ascontiguousarray(np.asarray(other), dtype=numpy_dtype(dtype))
+        # np.asarray, not ascontiguousarray: the latter turns a 0-d array into shape (1,).
+        src = np.asarray(other, dtype=numpy_dtype(dtype), order="C")
         array = NDArray.make(src.shape, device=device, dtype=dtype)
         device.from_numpy(src, array._handle)
         self._init(array)

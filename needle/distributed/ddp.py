@@ -23,7 +23,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ._buffers import _setter_for, borrow
+from ._buffers import borrow
 from ._errors import CommError
 from ._group import resolve
 from .collectives import all_gather, all_reduce, broadcast
@@ -254,13 +254,13 @@ class DistributedDataParallel:
 
     @staticmethod
     def _write_grad(param: Any, value: np.ndarray) -> None:
-        if param.grad is None:  # unused here, maybe used elsewhere: give it the synced value
-            from needle.autograd import Tensor
+        # Always a fresh Tensor, never an in-place write: the engine may hand one gradient
+        # Tensor to several leaves (``a + b`` gives both the same out_grad), so writing into
+        # p.grad in place would also change another parameter's (or the caller's) gradient.
+        from needle.autograd import Tensor
 
-            param.grad = Tensor(value.copy(), device=param.device, dtype=str(param.dtype),
-                                requires_grad=False)
-        else:  # in place, so the gradient buffer the optimizer sees stays the same
-            _setter_for(param.grad.realize_cached_data())(value)
+        param.grad = Tensor(value.copy(), device=param.device, dtype=str(param.dtype),
+                            requires_grad=False)
 
     def _divisor(self) -> float:
         if self._num_examples is None:

@@ -345,3 +345,10 @@ def test_disabled_device_raises_backend_unavailable():
     with pytest.raises(BackendUnavailable):
         nd.array([1.0], device=dead)
     assert not dead.enabled()
+
+
+def test_zero_dim_arrays_keep_their_shape(device):
+    a = nd.array(np.array(2.5), device=device)
+    assert a.shape == () and a.size == 1
+    np.testing.assert_array_equal((a * 2).numpy(), np.array(5.0))
+    assert nd.array(np.ones((2, 3)), device=device).sum().shape == ()

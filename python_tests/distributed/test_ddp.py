@@ -111,3 +111,31 @@ def test_wrapped_optimizer_syncs_before_step() -> None:
         return opt.seen.ravel().tolist()
 
     assert dist.spawn_threads(job, 2) == [[0.5, 0.5], [0.5, 0.5]]
+
+
+class SharedGradient(nn.Module):
+    """``(a + b).sum()``: the engine may hand a and b one and the same gradient Tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(Tensor(np.ones(3, np.float32)))
+        self.b = nn.Parameter(Tensor(np.ones(3, np.float32)))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ((self.a + self.b) * x).sum()
+
+
+def test_synced_gradients_do_not_alias_between_parameters() -> None:
+    """Each parameter's synced gradient is reduced once, even when the grads alias."""
+
+    def job(rank: int) -> list:
+        ddp = dist.DistributedDataParallel(SharedGradient())
+        out_grad = Tensor(np.ones((), np.float32), requires_grad=False)
+        ddp(Tensor(np.full(3, rank + 1.0, np.float32))).backward(out_grad)
+        ddp.finish_gradient_sync()
+        a, b = ddp.module.a.grad.numpy(), ddp.module.b.grad.numpy()
+        return [a.tolist(), b.tolist(), out_grad.numpy().tolist()]
+
+    # mean of the ranks' x: (1 + 2) / 2 = 1.5 for both parameters; out_grad untouched
+    want = [[1.5] * 3, [1.5] * 3, 1.0]
+    assert dist.spawn_threads(job, 2) == [want, want]
