@@ -9,18 +9,21 @@ Example:
     >>> (x * x).sum().backward(); x.grad.numpy().tolist()
     [[2.0, 4.0]]
 """
-from . import backend_ndarray  # noqa: F401  (imported in both modes: ptb_dataset needs it)
-from . import memory  # noqa: F401  (installs the caching allocators before anything allocates)
+# ruff: noqa: I001, F401, F403, E402  (the order below is the course's contract)
+from . import backend_ndarray  # imported in both modes: ptb_dataset needs it
+from . import memory  # installs the caching allocators before anything allocates
 from . import ops
-from .ops import *  # noqa: F401,F403
-from .autograd import Tensor, TensorTuple, no_grad, enable_grad  # noqa: F401
-from . import autograd  # noqa: F401
+from .ops import *
+from .autograd import Tensor, TensorTuple, no_grad, enable_grad
+from . import autograd
 from . import init
-from .init import ones, zeros, zeros_like, ones_like  # noqa: F401
-from . import data  # noqa: F401
-from . import nn  # noqa: F401
-from . import optim  # noqa: F401
-from .backend_selection import *  # noqa: F401,F403
+from .init import ones, zeros, zeros_like, ones_like
+from . import data
+from . import nn
+from . import optim
+from . import random
+from .checkpoint import checkpoint, checkpoint_sequential, plan_checkpoints
+from .backend_selection import *
 
 
 def __getattr__(name):

@@ -33,17 +33,13 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from ._core.errors import DeviceError, NeedleError
+from ._core.errors import DeviceError, RNGStateError
 
 __all__ = ["seed", "get_state", "set_state", "fork_rng", "rand", "randn", "randint",
            "permutation", "register_stream", "unregister_stream", "stream_for",
            "observe_draws", "add_draw_observer", "RNGState", "NumpyGlobalStream", "HOST"]
 
 HOST = "host"  # key of the host stream (NumPy's global generator)
-
-
-class RNGStateError(NeedleError, ValueError):
-    """A state object that does not fit the stream(s) it is given to."""
 
 
 class NumpyGlobalStream:

@@ -51,6 +51,10 @@ class CheckpointError(NeedleError, RuntimeError):
     """A checkpoint region whose recomputation differed from its first forward."""
 
 
+class RNGStateError(NeedleError, ValueError):
+    """A random-stream state that does not fit the stream(s) it is given to."""
+
+
 class MemoryArgumentError(NeedleError, ValueError):
     """A bad argument to a ``needle.memory`` function (unknown category, bad size, ...)."""
 

@@ -23,8 +23,16 @@ import numpy as np
 
 from .._core.dtypes import canonical_dtype, numpy_dtype
 from .._core.errors import AxisError, DeviceError, DTypeError, IndexOutOfRange, ShapeError
-from .devices import (BackendDevice, all_devices, check_enabled, cpu, cpu_numpy, cuda,
-                      default_device, device_by_name)
+from .devices import (
+    BackendDevice,
+    all_devices,
+    check_enabled,
+    cpu,
+    cpu_numpy,
+    cuda,
+    default_device,
+    device_by_name,
+)
 
 __all__ = ["NDArray", "BackendDevice", "cpu", "cpu_numpy", "cuda", "default_device",
            "all_devices", "device_by_name", "prod"]
@@ -261,7 +269,7 @@ class NDArray:
             raise ShapeError(f"broadcast_to: cannot drop dimensions, expected at least "
                              f"{self.ndim} dims, got {new_shape} for {self._shape}")
         strides = [0] * lead
-        for dim, (old, new) in enumerate(zip(self._shape, new_shape[lead:])):
+        for dim, (old, new) in enumerate(zip(self._shape, new_shape[lead:], strict=True)):
             if old == new:
                 strides.append(self._strides[dim])
             elif old == 1:
@@ -510,10 +518,10 @@ class NDArray:
         if len(axes) != self.ndim or any(len(p) != 2 or builtins.min(p) < 0 for p in axes):
             raise ShapeError(f"pad: expected {self.ndim} non-negative (before, after) pairs, "
                              f"got {axes}")
-        shape = tuple(n + lo + hi for n, (lo, hi) in zip(self._shape, axes))
+        shape = tuple(n + lo + hi for n, (lo, hi) in zip(self._shape, axes, strict=True))
         out = NDArray.make(shape, device=self._device, dtype=self.dtype)
         out.fill(0.0)
-        out[tuple(slice(lo, lo + n) for n, (lo, _) in zip(self._shape, axes))] = self
+        out[tuple(slice(lo, lo + n) for n, (lo, _) in zip(self._shape, axes, strict=True))] = self
         return out
 
 

@@ -18,6 +18,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from .. import random as _random
 from .._core.errors import NeedleError, ShapeError
 from ..autograd import Tensor
 
@@ -94,7 +95,7 @@ class DataLoader:
             self._resume_pending = False
             return self
         n = len(self.dataset)
-        order = np.random.permutation(n) if self.shuffle else np.arange(n)
+        order = _random.permutation(n) if self.shuffle else np.arange(n)
         self.ordering = _split_batches(order, self.batch_size)
         self._batch_index = 0
         self._started = True

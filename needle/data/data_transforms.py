@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import random as _random
 from .._core.errors import ShapeError
 
 __all__ = ["Transform", "RandomFlipHorizontal", "RandomCrop"]
@@ -41,7 +42,7 @@ class RandomFlipHorizontal(Transform):
         self.p = p
 
     def __call__(self, img: np.ndarray) -> np.ndarray:
-        flip = np.random.rand() < self.p
+        flip = _random.rand() < self.p
         _check_hwc("RandomFlipHorizontal", img)
         return np.flip(img, axis=1) if flip else img
 
@@ -58,7 +59,7 @@ class RandomCrop(Transform):
 
     def __call__(self, img: np.ndarray) -> np.ndarray:
         pad = self.padding
-        shift_x, shift_y = np.random.randint(low=-pad, high=pad + 1, size=2)
+        shift_x, shift_y = _random.randint(-pad, high=pad + 1, size=2)
         _check_hwc("RandomCrop", img)
         h, w = img.shape[0], img.shape[1]
         padded = np.pad(img, ((pad, pad), (pad, pad), (0, 0)))

@@ -1,7 +1,7 @@
 """Basic tensor factories: random (uniform, normal, Bernoulli), constant, one-hot.
 
-Every random factory consumes NumPy's global generator through ``device.rand``/``randn``
-exactly once, with the full shape (NEEDLE_API §11): course goldens depend on it.
+Every random factory draws once, with the full shape, through :mod:`needle.random` (whose
+host stream is NumPy's global generator, NEEDLE_API §11): course goldens depend on it.
 
 Example:
     >>> from needle import init
@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import random as _random
 from .._core.errors import IndexOutOfRange
 from ..autograd import Tensor
-from ..backend_selection import BACKEND, default_device
+from ..backend_selection import BACKEND, NDArray, default_device
 
 __all__ = ["rand", "randn", "constant", "ones", "zeros", "randb", "one_hot",
            "zeros_like", "ones_like"]
@@ -27,12 +28,14 @@ def _device(device):
 
 
 def _draw(device, kind: str, shape: tuple, dtype):
-    # nd devices take a dtype for the array they build; np-mode devices always give float64
-    # (the course draws in float64 there and casts when the Tensor is made).
-    fn = getattr(device, kind)
-    if _ND and dtype in ("float64", "float16"):
-        return fn(*shape, dtype=dtype)
-    return fn(*shape)
+    # One draw through needle.random (so checkpoint verification sees it), then the array the
+    # course's device.rand/randn would build: nd devices make it in float32 unless float64 or
+    # float16 is asked for; np mode keeps NumPy's float64 and casts when the Tensor is made.
+    values = getattr(_random, kind)(*shape)
+    if not _ND:
+        return values
+    return NDArray(values, device=device,
+                   dtype=dtype if dtype in ("float64", "float16") else "float32")
 
 
 def rand(*shape, low=0.0, high=1.0, device=None, dtype="float32", requires_grad=False):
@@ -69,7 +72,7 @@ def zeros(*shape, device=None, dtype="float32", requires_grad=False):
 def randb(*shape, p=0.5, device=None, dtype="bool", requires_grad=False):
     """Bernoulli(p) samples: ``rand(shape) <= p`` (nd mode stores them as float32 0/1)."""
     device = _device(device)
-    array = device.rand(*shape) <= p
+    array = _draw(device, "rand", shape, "float32") <= p
     return Tensor(array, device=device, dtype=dtype, requires_grad=requires_grad)
 
 

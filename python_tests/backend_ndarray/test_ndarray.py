@@ -7,8 +7,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import needle.backend_ndarray as nd
-from needle._core.errors import (AxisError, DeviceError, DTypeError, IndexOutOfRange,
-                                 NeedleError, ShapeError)
+from needle._core.errors import (
+    AxisError,
+    DeviceError,
+    DTypeError,
+    IndexOutOfRange,
+    NeedleError,
+    ShapeError,
+)
 
 DTYPES = ["float32", "float64", "float16"]
 TOL = {"float32": 1e-5, "float64": 1e-12, "float16": 2e-3}

@@ -143,3 +143,23 @@ def test_observers_see_every_draw_and_can_be_removed():
     handle.remove()
     nr.randn(1)
     assert len(seen) == 1
+
+
+def test_library_draws_go_through_needle_random():
+    """init, Dropout, DataLoader shuffle and transforms all draw through needle.random."""
+    import needle as ndl
+    from needle import data, init, nn
+
+    loader = data.DataLoader(data.NDArrayDataset(np.arange(6.0).reshape(6, 1)), 2,
+                             shuffle=True)
+    flip, crop = data.RandomFlipHorizontal(0.5), data.RandomCrop(1)
+    with nr.observe_draws() as draws:
+        nn.Linear(3, 2)                      # weight then bias: two rand draws
+        nn.Dropout(0.5)(ndl.Tensor(np.ones((2, 3), np.float32)))   # one rand draw
+        iter(loader)                         # one permutation per pass
+        crop(flip(np.zeros((4, 4, 1))))      # one rand, one randint
+        init.randn(2, 2)
+    kinds = [kind for kind, _, _ in draws]
+    assert kinds == ["rand", "rand", "rand", "permutation", "rand", "randint", "randn"]
+    # the Linear weight draw has the weight's full shape (one draw, NEEDLE_API §11)
+    assert draws[0][2].shape == (3, 2)
