@@ -8,9 +8,13 @@ Example:
     $ python apps/train.py --epochs 5 --out runs/quick
     $ python apps/train.py --data mnist --data-dir data --model cnn --device cpu
 
-Data parallelism: :func:`train` takes a ``shard`` (rank, world size) that picks this process's
-share of every batch and a ``grad_sync(params)`` callback run between ``backward()`` and
-``step()``; a later ``--nproc N`` option plugs ``needle.distributed`` in there.
+Data parallelism: ``--nproc N`` re-runs this command on N ranks through needle's launcher
+(MPI by default, ``NEEDLE_DIST_BACKEND=tcp`` for ZeroMQ). Every rank draws the same shuffled
+order and keeps its slice of each batch; ``DistributedDataParallel`` all-reduces gradients in
+buckets during backward, weighting each rank by its number of examples so the update equals the
+single-process one on the whole batch. Rank 0 alone prints and writes the outputs.
+
+    $ python apps/train.py --nproc 2 --epochs 5
 """
 from __future__ import annotations
 
@@ -21,7 +25,6 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for _p in (_ROOT, os.path.join(_ROOT, "python")):  # run from this repo or a course root
@@ -55,6 +58,7 @@ class Config:
     out: str = "runs"
     seed: int = 0
     progress: bool = True
+    nproc: int = 1
 
 
 @dataclass
@@ -90,6 +94,8 @@ def parse_args(argv=None) -> Config:
     p.add_argument("--out", default=d.out, help="output folder for summary.json and the plot")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--nproc", type=int, default=d.nproc,
+                   help="data-parallel ranks started through needle.distributed.launch")
     cfg = Config(**vars(p.parse_args(argv)))
     _validate(cfg)
     return cfg
@@ -106,7 +112,7 @@ def _validate(cfg: Config) -> None:
     _choice("--optimizer", cfg.optimizer, OPTIMIZERS)
     if cfg.device is not None:
         _choice("--device", cfg.device, DEVICES)
-    for name in ("epochs", "batch_size", "hidden"):
+    for name in ("epochs", "batch_size", "hidden", "nproc"):
         if getattr(cfg, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got "
                              f"{getattr(cfg, name)}")
@@ -240,9 +246,6 @@ def build_optimizer(name: str, params, lr: float, weight_decay: float):
 
 
 # ---- training -------------------------------------------------------------------------------
-GradSync = Callable[[list], None]
-
-
 def _batches(X, y, batch_size: int, shuffle: bool, device, shard=(0, 1)):
     """DataLoader over (X, y); with a shard, each batch is cut to this rank's slice."""
     from needle.data import DataLoader, NDArrayDataset
@@ -260,6 +263,8 @@ def _sharded(loader, rank: int, world: int):
 
     iter(loader)
     for indices in loader.ordering:
+        if len(indices) < world:  # a last batch too short to give every rank an example
+            break
         part = indices[len(indices) * rank // world:len(indices) * (rank + 1) // world]
         yield tuple(Tensor(a, device=loader.device, requires_grad=False)
                     for a in loader.dataset[part])
@@ -283,8 +288,12 @@ def evaluate(model, X, y, batch_size: int, device) -> tuple[float, float]:
 
 
 def train_epoch(model, opt, X, y, cfg: Config, device, bar_desc: str,
-                shard=(0, 1), grad_sync: GradSync | None = None) -> tuple[float, float, float]:
-    """One shuffled pass; returns (mean loss, accuracy, examples per second)."""
+                shard=(0, 1), ddp=None) -> tuple[float, float, float]:
+    """One shuffled pass; returns (mean loss, accuracy, examples per second).
+
+    With ``ddp`` (a DistributedDataParallel around ``model``) each rank trains on its shard
+    and gradients are synchronised before every optimizer step.
+    """
     from tqdm import tqdm
 
     from needle import nn
@@ -293,32 +302,37 @@ def train_epoch(model, opt, X, y, cfg: Config, device, bar_desc: str,
     loss_fn = nn.SoftmaxLoss()
     total_loss, correct, seen = 0.0, 0, 0
     steps = -(-X.shape[0] // cfg.batch_size)
-    bar = tqdm(total=steps, desc=bar_desc, disable=not cfg.progress, leave=False,
-               dynamic_ncols=True)
+    bar = tqdm(total=steps, desc=bar_desc, disable=not cfg.progress or shard[0] != 0,
+               leave=False, dynamic_ncols=True)
+    forward = model if ddp is None else ddp
     start = time.perf_counter()
     for Xb, yb in _batches(X, y, cfg.batch_size, True, device, shard):
-        logits = model(Xb)
+        if ddp is not None:  # weight this rank by its examples: the global-batch mean
+            ddp.set_num_examples(Xb.shape[0])
+        logits = forward(Xb)
         loss = loss_fn(logits, yb)
         opt.reset_grad()
         loss.backward()
-        if grad_sync is not None:
-            grad_sync(opt.params)
+        if ddp is not None:
+            ddp.finish_gradient_sync()
         opt.step()
         labels = yb.numpy().astype(np.int64)
         total_loss += float(loss.numpy()) * labels.shape[0]
         correct += int((logits.numpy().argmax(axis=1) == labels).sum())
         seen += labels.shape[0]
-        rate = seen / max(time.perf_counter() - start, 1e-9)
+        rate = seen * shard[1] / max(time.perf_counter() - start, 1e-9)
         bar.set_postfix(loss=f"{total_loss / seen:.4f}", ex_s=f"{rate:,.0f}")
         bar.update(1)
     bar.close()
-    return total_loss / seen, correct / seen, seen / max(time.perf_counter() - start, 1e-9)
+    # throughput of the whole job: every rank processes about as many examples as this one
+    return (total_loss / seen, correct / seen,
+            seen * shard[1] / max(time.perf_counter() - start, 1e-9))
 
 
-def train(cfg: Config, *, shard=(0, 1), grad_sync: GradSync | None = None) -> dict:
+def train(cfg: Config, *, shard=(0, 1)) -> dict:
     """Train as ``cfg`` says and return the summary (also what ``summary.json`` holds).
 
-    ``shard``/``grad_sync`` are the data-parallel seam described in the module docstring.
+    ``shard`` is (rank, world size) of an initialised process group when data-parallel.
     """
     device = _device(cfg.device)
     np.random.seed(cfg.seed)
@@ -326,22 +340,28 @@ def train(cfg: Config, *, shard=(0, 1), grad_sync: GradSync | None = None) -> di
     classes = int(max(y.max(), yt.max())) + 1
     model = build_model(cfg.model, X.shape[1], classes, cfg.hidden, device)
     opt = build_optimizer(cfg.optimizer, model.parameters(), cfg.lr, cfg.weight_decay)
+    ddp = None
+    if shard[1] > 1:
+        import needle.distributed as dist
+
+        ddp = dist.DistributedDataParallel(model)  # also broadcasts rank 0's parameters
     history = History()
     started = time.perf_counter()
     for epoch in range(1, cfg.epochs + 1):
         loss, acc, rate = train_epoch(model, opt, X, y, cfg, device,
-                                      f"epoch {epoch}/{cfg.epochs}", shard, grad_sync)
+                                      f"epoch {epoch}/{cfg.epochs}", shard, ddp)
         test_loss, test_acc = evaluate(model, Xt, yt, cfg.batch_size, device)
         for key, value in (("epoch", epoch), ("train_loss", loss), ("train_acc", acc),
                            ("test_loss", test_loss), ("test_acc", test_acc),
                            ("examples_per_s", rate)):
             getattr(history, key).append(value)
-        if cfg.progress:
+        if cfg.progress and shard[0] == 0:
             print(f"epoch {epoch:3d}  loss {loss:.4f}  train acc {acc:.4f}  "
                   f"held-out acc {test_acc:.4f}  {rate:,.0f} examples/s", flush=True)
     elapsed = time.perf_counter() - started
     n_params = int(sum(math.prod(p.shape) for p in model.parameters()))
-    return {"config": asdict(cfg), "device": str(device), "train_examples": int(X.shape[0]),
+    return {"config": asdict(cfg), "device": str(device), "world_size": shard[1],
+            "train_examples": int(X.shape[0]),
             "test_examples": int(Xt.shape[0]), "parameters": n_params,
             "final_test_accuracy": history.test_acc[-1], "final_test_loss": history.test_loss[-1],
             "final_train_loss": history.train_loss[-1],
@@ -380,10 +400,28 @@ def write_outputs(summary: dict, out_dir: str) -> tuple[str, str]:
     return json_path, png_path
 
 
+def _start_data_parallel(cfg: Config) -> tuple[int, int]:
+    """With ``--nproc N``: in the user's process, run this command on N ranks and exit with
+    the job's status; inside a rank, join the process group and return (rank, world size)."""
+    if cfg.nproc == 1:
+        return 0, 1
+    from needle.distributed.launch import relaunch
+
+    relaunch(cfg.nproc)  # returns only inside a rank
+    import needle.distributed as dist
+
+    dist.init_process_group(timeout=300)
+    if dist.get_world_size() != cfg.nproc:
+        raise UsageError(f"--nproc {cfg.nproc} but the process group has "
+                         f"{dist.get_world_size()} ranks")
+    return dist.get_rank(), dist.get_world_size()
+
+
 def main(argv=None) -> int:
     try:
         cfg = parse_args(argv)
-        summary = train(cfg)
+        shard = _start_data_parallel(cfg)
+        summary = train(cfg, shard=shard)
     except UsageError as exc:
         print(f"train.py: error: {exc}", file=sys.stderr)
         return 2
@@ -394,10 +432,13 @@ def main(argv=None) -> int:
             raise
         print(f"train.py: error: {exc}", file=sys.stderr)
         return 2
+    if shard[0] != 0:
+        return 0
     json_path, png_path = write_outputs(summary, cfg.out)
     print(f"held-out accuracy {summary['final_test_accuracy']:.4f} "
           f"({summary['test_examples']} examples), "
-          f"{summary['examples_per_second']:,.0f} examples/second on {summary['device']}")
+          f"{summary['examples_per_second']:,.0f} examples/second on {summary['device']}"
+          + (f" x {shard[1]} ranks" if shard[1] > 1 else ""))
     print(f"wrote {json_path} and {png_path}")
     return 0
 

@@ -163,9 +163,14 @@ template <class T> struct GemmConfig {  // portable kernel, float64 and baseline
   }
 };
 #if defined(__AVX2__) && defined(__FMA__)
+#ifndef NEEDLE_SGEMM_KC  // blocking of the float32 kernel; overridable for tuning experiments
+#define NEEDLE_SGEMM_KC 256
+#define NEEDLE_SGEMM_MC 144
+#define NEEDLE_SGEMM_NC 3072
+#endif
 template <> struct GemmConfig<float> {
   static constexpr int MR = 6, NR = 16;
-  static constexpr std::size_t KC = 256, MC = 144, NC = 3072;
+  static constexpr std::size_t KC = NEEDLE_SGEMM_KC, MC = NEEDLE_SGEMM_MC, NC = NEEDLE_SGEMM_NC;
   static void kernel(std::size_t k, const float* ap, const float* bp, float* c,
                      std::size_t ldc, bool acc) {
     micro_avx2_6x16(k, ap, bp, c, ldc, acc);

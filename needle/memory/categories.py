@@ -6,7 +6,10 @@ Every allocation is attributed to one of :data:`CATEGORIES`. The framework sets 
 communication thread does not inherit the main thread's category.
 
 Resolution order (:func:`resolve`): innermost user ``category`` > explicit hint passed by the
-caller (e.g. L1's ``workspace``) > innermost ``framework_category`` > ``"other"``.
+caller (e.g. L1's ``workspace``) > innermost ``framework_category`` > the op default >
+``"other"``. The op default is one thread-local field (``thread_state().op_category``) that the
+autograd dispatch sets to ``"activation"`` only while it computes an op it records: two
+attribute writes per op instead of a scope, because small models are dispatch-bound.
 
 Example:
     >>> from needle.memory.categories import category, current_category
@@ -25,7 +28,7 @@ from typing import Callable, Iterator
 from ._errors import MemoryArgumentError
 
 __all__ = ["CATEGORIES", "category", "framework_category", "current_category", "resolve",
-           "check_category", "add_listener", "remove_listener"]
+           "check_category", "add_listener", "remove_listener", "thread_state"]
 
 CATEGORIES = ("weight", "gradient", "optimizer", "activation", "workspace", "other")
 _CATEGORY_SET = frozenset(CATEGORIES)
@@ -33,12 +36,26 @@ _DEFAULT = "other"
 
 
 class _State(threading.local):
+    # Class attribute = the per-thread default (a fresh thread is outside any op).
+    op_category: str | None = None
+
     def __init__(self) -> None:
         self.user: list[str] = []
         self.framework: list[str] = []
 
 
 _STATE = _State()
+
+
+def thread_state() -> _State:
+    """The thread-local category state; L3 writes its ``op_category`` field directly.
+
+    Example:
+        >>> st = thread_state(); st.op_category = "activation"; current_category()
+        'activation'
+        >>> st.op_category = None
+    """
+    return _STATE
 # Listeners learn the resolved category whenever a scope opens or closes; the C++ allocator
 # keeps its own "current category" and is kept in sync this way.
 _LISTENERS: list[Callable[[str], None]] = []
@@ -73,7 +90,7 @@ def resolve(hint: str | None = None) -> str:
         return hint
     if state.framework:
         return state.framework[-1]
-    return _DEFAULT
+    return state.op_category or _DEFAULT
 
 
 def current_category() -> str:

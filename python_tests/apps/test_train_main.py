@@ -110,3 +110,26 @@ def test_small_cnn_trains_a_step():
     loss.backward()
     opt.step()
     assert model(x).shape == (4, 10)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("backend", ["mpi", "tcp"])
+def test_main_job_data_parallel_two_ranks(tmp_path, backend):
+    """--nproc 2 trains through the launcher and reaches single-process accuracy."""
+    env_backup = os.environ.get("NEEDLE_DIST_BACKEND")
+    os.environ["NEEDLE_DIST_BACKEND"] = backend
+    try:
+        result = _run("--nproc", "2", "--epochs", "8", "--no-progress", "--out",
+                      str(tmp_path), timeout=200)
+    finally:
+        if env_backup is None:
+            os.environ.pop("NEEDLE_DIST_BACKEND")
+        else:
+            os.environ["NEEDLE_DIST_BACKEND"] = env_backup
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "[rank 0] held-out accuracy" in result.stdout and "x 2 ranks" in result.stdout
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["world_size"] == 2
+    assert summary["final_test_accuracy"] >= 0.95
+    assert (tmp_path / "training.png").stat().st_size > 1000
