@@ -30,6 +30,8 @@ from .backend_selection import (  # noqa: F401 - re-exported as the course's aut
     cpu,
     default_device,
 )
+from .memory import categories as _mem_categories
+from .memory import hooks as _mem_hooks
 
 __all__ = ["Op", "TensorOp", "TensorTupleOp", "Value", "Tensor", "TensorTuple",
            "find_topo_sort", "topo_sort_dfs", "sum_node_list", "compute_gradient_of_variables",
@@ -41,6 +43,19 @@ TENSOR_COUNTER = 0
 _SEQ = itertools.count()  # creation order; the engine runs later-created nodes first
 _SELF = object()  # marks "the saved tensor is the node's own output" (avoids a self-cycle)
 _ND = BACKEND == "nd"
+# needle.memory (L2) attribution: while a recorded op computes, allocations default to the
+# "activation" category (one thread-local field, written twice per recorded op).
+_MEM_STATE = _mem_categories.thread_state()
+# The memory observer (trace/record), or None: the only per-op cost of observation is this test.
+_OBSERVER = None
+
+
+def _set_observer(observer) -> None:
+    global _OBSERVER
+    _OBSERVER = observer
+
+
+_mem_hooks.bind(_set_observer)
 
 
 class ImplicitGradWarning(UserWarning):
@@ -91,12 +106,14 @@ class TensorTupleOp(Op):
         return _make_from_op(TensorTuple, self, args)
 
 
-def _make_from_op(cls, op, inputs):
+def _make_from_op(cls, op, inputs, _observe=True):
     """Run ``op`` now and record it when grad mode is on and some input requires grad.
 
     This is the hot path of every op call: keep it short (PERF_NOTES: dispatch-bound models).
     """
     global TENSOR_COUNTER
+    if _OBSERVER is not None and _observe:
+        return _make_observed(cls, op, inputs)
     node = object.__new__(cls)
     TENSOR_COUNTER += 1
     if LAZY_MODE:
@@ -106,21 +123,41 @@ def _make_from_op(cls, op, inputs):
         return node
     # eager mode: inputs are always realised; the class defaults (op None, inputs (),
     # requires_grad False) already describe an unrecorded result
-    if len(inputs) == 1:
-        node.cached_data = op.compute(inputs[0].cached_data)
-    elif len(inputs) == 2:
-        node.cached_data = op.compute(inputs[0].cached_data, inputs[1].cached_data)
-    else:
-        node.cached_data = op.compute(*[x.cached_data for x in inputs])
     state = STATE
+    record = False
     if state.grad_enabled:
         for x in inputs:
             if x.requires_grad:
-                node.op, node.inputs, node.requires_grad = op, inputs, True
-                node._seq = next(_SEQ)
-                if state.saved_hooks is not None:
-                    node._saved = _pack(op, node, state.saved_hooks)
-                return node
+                record = True
+                _MEM_STATE.op_category = "activation"
+                break
+    try:
+        if len(inputs) == 1:
+            node.cached_data = op.compute(inputs[0].cached_data)
+        elif len(inputs) == 2:
+            node.cached_data = op.compute(inputs[0].cached_data, inputs[1].cached_data)
+        else:
+            node.cached_data = op.compute(*[x.cached_data for x in inputs])
+    finally:
+        if record:
+            _MEM_STATE.op_category = None
+    if record:
+        node.op, node.inputs, node.requires_grad = op, inputs, True
+        node._seq = next(_SEQ)
+        if state.saved_hooks is not None:
+            node._saved = _pack(op, node, state.saved_hooks)
+    return node
+
+
+def _make_observed(cls, op, inputs):
+    """:func:`_make_from_op` with the memory observer told before and after the compute."""
+    observer = _OBSERVER
+    token = observer.op_begin(op, inputs)
+    node = None
+    try:
+        node = _make_from_op(cls, op, inputs, False)
+    finally:
+        observer.op_end(token, node)
     return node
 
 
@@ -351,8 +388,9 @@ def compute_gradient_of_variables(output_tensor, out_grad) -> None:
     in np mode: gradients are Tensors with their own graph (gradient of gradient works) and
     every node on the way, leaf or not, gets ``.grad`` assigned (not accumulated).
     """
-    run_backward(output_tensor, out_grad, retain_graph=True, create_graph=True,
-                 accumulate=False, grad_all_nodes=True, strict=_ND)
+    with _mem_categories.framework_category("gradient"):
+        run_backward(output_tensor, out_grad, retain_graph=True, create_graph=True,
+                     accumulate=False, grad_all_nodes=True, strict=_ND)
 
 
 def backward(tensor, out_grad=None, *, retain_graph=None, create_graph=None) -> None:
@@ -361,7 +399,13 @@ def backward(tensor, out_grad=None, *, retain_graph=None, create_graph=None) -> 
         raise GraphError(
             f"backward: tensor does not require grad, expected a result of ops on tensors with "
             f"requires_grad=True, got {describe(tensor)}")
-    grad = _root_grad(tensor, out_grad)
+    # The seed and everything the backward pass allocates count as "gradient" memory.
+    with _mem_categories.framework_category("gradient"):
+        grad = _root_grad(tensor, out_grad)
+        _backward(tensor, grad, retain_graph, create_graph)
+
+
+def _backward(tensor, grad, retain_graph, create_graph) -> None:
     if not _ND:
         retain_graph = True if retain_graph is None else retain_graph
         create_graph = True if create_graph is None else create_graph

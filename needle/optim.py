@@ -15,12 +15,15 @@ Example:
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
 
 from ._core.errors import NeedleError, ShapeError
 from .autograd import Tensor
+from .memory import attribute as _attribute
+from .memory import framework_category as _framework_category
 
 __all__ = ["Optimizer", "SGD", "Adam", "clip_grad_norm"]
 
@@ -51,15 +54,39 @@ def _from_numpy(value, like: Tensor):
                   requires_grad=False).realize_cached_data()
 
 
+def _attributed_step(step):
+    """Wrap a ``step`` so needle.memory sees its allocations as ``optimizer`` memory and the
+    arrays it installs as parameters as ``weight`` memory."""
+    if getattr(step, "_memory_attributed", False):
+        return step
+
+    @functools.wraps(step)
+    def wrapper(self, *args, **kwargs):
+        with _framework_category("optimizer"):
+            out = step(self, *args, **kwargs)
+        for p in self.params:
+            _attribute(p, "weight")
+        return out
+
+    wrapper._memory_attributed = True
+    return wrapper
+
+
 class Optimizer:
     """Base class: holds ``params``; ``step()`` updates them, ``reset_grad()`` clears grads.
 
     Per-parameter state lives in dicts keyed by parameter (identity); ``state_dict()``
     returns it as NumPy arrays keyed by parameter position, plus the hyper-parameters.
+    Every subclass's ``step`` is wrapped for memory attribution (see :func:`_attributed_step`).
     """
 
     _slots: tuple[str, ...] = ()
     _hyper: tuple[str, ...] = ()
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "step" in cls.__dict__:
+            cls.step = _attributed_step(cls.__dict__["step"])
 
     def __init__(self, params):
         self.params = list(params)
@@ -220,6 +247,7 @@ def clip_grad_norm(params, max_norm=0.25) -> float:
     norm = math.sqrt(total)
     if norm > max_norm:
         scale = float(max_norm) / (norm + 1e-6)
-        for p in grads:
-            p.grad = Tensor.make_const(_array(p.grad) * scale)
+        with _framework_category("gradient"):  # the scaled copies are the new .grad buffers
+            for p in grads:
+                p.grad = Tensor.make_const(_array(p.grad) * scale)
     return norm

@@ -15,18 +15,21 @@ namespace needle {
 
 enum class DType : int { f32 = 0, f64 = 1, f16 = 2 };
 
+// The helpers below are `static inline`: kernels_avx2.cc compiles them with AVX2 enabled, and
+// with plain `inline` the linker could keep that copy for the baseline code as well.
+
 // float16 is stored as its 16 raw bits; kernels convert to float32, compute and round back.
 using half_bits = std::uint16_t;
 
-inline std::size_t itemsize(DType t) {
+static inline std::size_t itemsize(DType t) {
   return t == DType::f64 ? 8 : (t == DType::f32 ? 4 : 2);
 }
 
-inline const char* dtype_name(DType t) {
+static inline const char* dtype_name(DType t) {
   return t == DType::f64 ? "float64" : (t == DType::f32 ? "float32" : "float16");
 }
 
-inline DType parse_dtype(const std::string& name) {
+static inline DType parse_dtype(const std::string& name) {
   if (name == "float32") return DType::f32;
   if (name == "float64") return DType::f64;
   if (name == "float16") return DType::f16;
@@ -36,7 +39,7 @@ inline DType parse_dtype(const std::string& name) {
 
 // ---- float16 <-> float conversion (IEEE binary16, round to nearest even) -------------------
 
-inline float half_to_float(half_bits h) {
+static inline float half_to_float(half_bits h) {
   const std::uint32_t sign = std::uint32_t(h & 0x8000u) << 16;
   const std::uint32_t exp = (h >> 10) & 0x1fu;
   std::uint32_t mant = h & 0x3ffu;
@@ -58,7 +61,7 @@ inline float half_to_float(half_bits h) {
 }
 
 // Rounds a double straight to binary16 (no intermediate float, so no double rounding).
-inline half_bits double_to_half(double d) {
+static inline half_bits double_to_half(double d) {
   std::uint64_t bits;
   std::memcpy(&bits, &d, 8);
   const half_bits sign = half_bits((bits >> 48) & 0x8000u);
@@ -84,7 +87,7 @@ inline half_bits double_to_half(double d) {
   return half_bits(sign | out);
 }
 
-inline half_bits float_to_half(float f) { return double_to_half(double(f)); }
+static inline half_bits float_to_half(float f) { return double_to_half(double(f)); }
 
 // ---- threading --------------------------------------------------------------------------
 

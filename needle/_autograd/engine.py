@@ -21,7 +21,19 @@ import heapq
 
 from .._core.errors import DeviceError, DTypeError, GraphError, ShapeError
 from ..backend_ndarray import NDArray as _NDArray
+from ..memory import hooks as _mem_hooks
 from .grad_mode import STATE
+
+# The memory observer (needle.memory trace/record) or None; tested once per backward.
+_OBSERVER = None
+
+
+def _set_observer(observer) -> None:
+    global _OBSERVER
+    _OBSERVER = observer
+
+
+_mem_hooks.bind(_set_observer)
 
 
 def describe(node) -> str:
@@ -149,16 +161,22 @@ def run_backward(root, grad, *, retain_graph: bool, create_graph: bool, accumula
     """
     prev = STATE.grad_enabled
     STATE.grad_enabled = create_graph
+    observer = _OBSERVER
+    if observer is not None:
+        observer.backward_begin()
     try:
         if root.op is None:
             _finish_leaf(root, grad, accumulate)
             return
-        _propagate(root, grad, retain_graph, accumulate, grad_all_nodes, strict)
+        _propagate(root, grad, retain_graph, accumulate, grad_all_nodes, strict, observer)
     finally:
         STATE.grad_enabled = prev
+        if observer is not None:
+            observer.backward_end()
 
 
-def _propagate(root, grad, retain_graph, accumulate, grad_all_nodes, strict) -> None:
+def _propagate(root, grad, retain_graph, accumulate, grad_all_nodes, strict,
+               observer=None) -> None:
     # One flat loop on purpose: this runs once per node of every backward, and small models
     # are dispatch-bound (PERF_NOTES), so checks and delivery are inlined here.
     deps = _count_dependencies(root)
@@ -168,6 +186,8 @@ def _propagate(root, grad, retain_graph, accumulate, grad_all_nodes, strict) -> 
     heappop, heappush = heapq.heappop, heapq.heappush
     while heap:
         node = heappop(heap)[1]
+        if observer is not None:
+            token = observer.node_begin(node)  # must not keep ``node`` alive
         parts = pending.pop(id(node))
         grad = parts[0] if len(parts) == 1 else _sum(parts)
         if node._hooks:
@@ -203,3 +223,5 @@ def _propagate(root, grad, retain_graph, accumulate, grad_all_nodes, strict) -> 
                 else:
                     heappush(heap, (-inp._seq, inp))
         inputs = grads = inp = part = parts = None
+        if observer is not None:
+            observer.node_end(token)

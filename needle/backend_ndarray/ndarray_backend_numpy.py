@@ -176,16 +176,21 @@ def matmul(a: Array, b: Array, out: Array, m: int, n: int, p: int) -> None:
     out.array[:] = (a.array[: m * n].reshape(m, n) @ b.array[: n * p].reshape(n, p)).reshape(-1)
 
 
+def _blocks(a: Array, out: Array, reduce_size: int) -> np.ndarray:
+    # reshape(out.size, k), not (-1, k): the latter cannot infer -1 when k == 0
+    return a.array[: out.size * reduce_size].reshape(out.size, reduce_size)
+
+
 def reduce_sum(a: Array, out: Array, reduce_size: int) -> None:
-    out.array[:] = a.array[: out.size * reduce_size].reshape(-1, reduce_size).sum(axis=1)
+    out.array[:] = _blocks(a, out, reduce_size).sum(axis=1)
 
 
 def reduce_max(a: Array, out: Array, reduce_size: int) -> None:
-    out.array[:] = a.array[: out.size * reduce_size].reshape(-1, reduce_size).max(axis=1)
+    out.array[:] = _blocks(a, out, reduce_size).max(axis=1)
 
 
 def reduce_min(a: Array, out: Array, reduce_size: int) -> None:
-    out.array[:] = a.array[: out.size * reduce_size].reshape(-1, reduce_size).min(axis=1)
+    out.array[:] = _blocks(a, out, reduce_size).min(axis=1)
 
 
 def set_num_threads(n: int) -> None:

@@ -3,7 +3,8 @@
 * measure: every buffer of a Python backend comes from a :class:`CachingAllocator`;
   :func:`stats`, :func:`reset_peak`, :func:`empty_cache`, :func:`category`, :func:`record`,
   :func:`plot_timeline`;
-* plan: :func:`plan` places a graph's intermediates in one arena (liveness, greedy by size);
+* plan: :func:`trace` records a call's buffer graph, :func:`plan` places its intermediates in
+  one arena (liveness, greedy by size) and ``Plan.run`` executes the call in that arena;
 * explain: :func:`estimate` predicts a training step's bytes, :func:`compare` lays the
   prediction beside measured peaks.
 
@@ -30,14 +31,16 @@ from .registry import (
     stats,
 )
 from .timeline import Event, Timeline, current_op, plot_timeline, record, set_current_op
+from .trace import TracedGraph, trace
 
 __all__ = [
-    "stats", "reset_peak", "empty_cache", "category", "record", "plot_timeline", "plan",
-    "estimate", "compare",
+    "stats", "reset_peak", "empty_cache", "category", "record", "plot_timeline", "trace",
+    "plan", "estimate", "compare",
     # framework-facing
     "framework_category", "current_category", "attribute", "set_current_op", "current_op",
     "register_allocator", "get_allocator", "CachingAllocator", "Block", "CATEGORIES",
-    "Graph", "OpNode", "TensorSpec", "Plan", "Ledger", "Comparison", "Event", "Timeline",
+    "Graph", "TracedGraph", "OpNode", "TensorSpec", "Plan", "Ledger", "Comparison", "Event",
+    "Timeline",
 ]
 
 install_python_allocators()

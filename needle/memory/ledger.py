@@ -255,7 +255,7 @@ class Comparison:
 def _explain(name: str, estimated: int, rounding: int, residual: int) -> str:
     if estimated == 0 and rounding + residual > 0:
         return {"workspace": "not estimated: kernel workspaces",
-                "other": "not estimated: untracked temporaries"}.get(
+                "other": "not estimated: input batch and untracked temporaries"}.get(
                     name, "not estimated by the ledger")
     if residual > 0:
         return "temporaries alive at the peak beyond the estimate"

@@ -27,7 +27,7 @@ from ._errors import MemoryArgumentError, MemoryPlanError
 
 __all__ = ["TensorSpec", "OpNode", "Graph", "Plan", "plan", "lower_bound", "STRATEGIES"]
 
-PHASES = ("forward", "backward")
+PHASES = ("forward", "backward", "other")  # other: outside any op (optimiser, data)
 KINDS = ("input", "parameter", "intermediate", "output")
 STRATEGIES = ("auto", "greedy_by_size", "first_fit", "two_sided")
 
@@ -144,6 +144,16 @@ class Plan:
     sizes: dict[int, int]
     strategy: str
     graph: Graph = field(repr=False)
+
+    def run(self, *inputs):
+        """Execute the traced call again with every intermediate in one arena.
+
+        Needs a graph from :func:`needle.memory.trace`; returns what the call returns. See
+        :mod:`needle.memory.replay`.
+        """
+        from .replay import run_plan  # lazy: replay needs a device, the planner does not
+
+        return run_plan(self, *inputs)
 
     def __str__(self) -> str:
         return (f"Plan({len(self.assignments)} tensors, arena {self.peak_bytes} B, lower bound "

@@ -63,14 +63,31 @@ def get_allocator(device=None):
 
     Raises:
         DeviceError: when no allocator is registered for it.
+        BackendUnavailable: for ``cpu`` while its C++ allocator exposes no statistics
+            (see :mod:`needle.memory.cpp_adapter`).
     """
     name = _device_name(device)
     alloc = _ALLOCATORS.get(name)
+    if alloc is None and name == "cpu":
+        return _cpu_adapter()
     if alloc is None:
         raise DeviceError(
             f"memory: no allocator for device {name!r}, expected one of "
             f"{registered_devices()}, got {name!r}")
     return alloc
+
+
+def _cpu_adapter():
+    """Register the C++ allocator's adapter on first use, or raise BackendUnavailable.
+
+    Lazy so that ``import needle`` does not load the compiled backend.
+    """
+    from needle.backend_ndarray import device_by_name
+
+    from .cpp_adapter import make_adapter
+
+    adapter = make_adapter(device_by_name("cpu").mod, "cpu")
+    return register_allocator("cpu", adapter)
 
 
 def _allocators_for(device) -> list:

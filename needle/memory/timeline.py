@@ -1,8 +1,10 @@
 """Allocation timelines: record alloc/free events and plot them stacked by category.
 
 Allocators call :func:`emit` for every allocation, release and re-attribution while at least one
-:func:`record` block is open (a single list check otherwise). The op name attached to an event
-is whatever the autograd engine set with :func:`set_current_op`.
+:func:`record` block (or another sink, e.g. a trace) is open (a single list check otherwise).
+The op name attached to an event is the op (``MatMul``) or backward step (``MatMul.gradient``)
+that was running: a record block installs an L3 observer (:mod:`needle.memory.hooks`) that
+calls :func:`set_current_op`.
 
 Example:
     >>> from needle.memory.caching_allocator import CachingAllocator
@@ -23,9 +25,10 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from .categories import CATEGORIES
+from .hooks import Observer, add_observer, remove_observer
 
 __all__ = ["Event", "Timeline", "record", "emit", "set_current_op", "current_op", "op_scope",
-           "timeline_series", "plot_timeline"]
+           "timeline_series", "plot_timeline", "add_sink", "remove_sink"]
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,37 @@ def emit(event: Event) -> None:
             timeline.append(event)
 
 
+def add_sink(sink, devices: frozenset | None = None) -> tuple:
+    """Deliver events of ``devices`` (None: all) to ``sink.append``; returns a handle."""
+    entry = (sink, devices)
+    with _RECORDERS_LOCK:
+        _RECORDERS.append(entry)
+    return entry
+
+
+def remove_sink(entry: tuple) -> None:
+    """Undo :func:`add_sink` (unknown handles are ignored)."""
+    with _RECORDERS_LOCK:
+        if entry in _RECORDERS:
+            _RECORDERS.remove(entry)
+
+
+class _OpNamer(Observer):
+    """Names events after the op (or backward step) that caused them, while recording."""
+
+    def op_begin(self, op, inputs):
+        return set_current_op(type(op).__name__)
+
+    def op_end(self, token, node) -> None:
+        set_current_op(token)
+
+    def node_begin(self, node):
+        return set_current_op(type(node.op).__name__ + ".gradient")
+
+    def node_end(self, token) -> None:
+        set_current_op(token)
+
+
 @contextmanager
 def record(device=None, allocators: Iterable | None = None) -> Iterator[Timeline]:
     """Collect allocator events until the block ends.
@@ -130,14 +164,13 @@ def record(device=None, allocators: Iterable | None = None) -> Iterator[Timeline
         for cat, row in alloc.stats()["by_category"].items():
             baseline[cat] += row["current"]
     timeline = Timeline(baseline)
-    entry = (timeline, names)
-    with _RECORDERS_LOCK:
-        _RECORDERS.append(entry)
+    entry = add_sink(timeline, names)
+    namer = add_observer(_OpNamer())  # op names on events: costs L3 nothing when off
     try:
         yield timeline
     finally:
-        with _RECORDERS_LOCK:
-            _RECORDERS.remove(entry)
+        remove_observer(namer)
+        remove_sink(entry)
 
 
 def timeline_series(events: Iterable[Event], baseline: dict[str, int] | None = None

@@ -19,12 +19,30 @@ import numpy as np
 
 from .._core.errors import NeedleError, ShapeError
 from ..autograd import Tensor
+from ..memory import attribute as _attribute
 
 __all__ = ["Parameter", "Module"]
 
 
 class Parameter(Tensor):
-    """A Tensor that a Module owns as a trainable parameter."""
+    """A Tensor that a Module owns as a trainable parameter.
+
+    Its buffer counts as ``weight`` memory in :mod:`needle.memory`, also after ``.data`` is
+    assigned (optimisers re-attribute the arrays they install themselves).
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _attribute(self, "weight")
+
+    @property
+    def data(self):
+        return self.detach()
+
+    @data.setter
+    def data(self, value):
+        Tensor.data.fset(self, value)
+        _attribute(self, "weight")
 
 
 def _walk(value: Any, prefix: str) -> Iterator[tuple[str, Any]]:

@@ -1,0 +1,121 @@
+"""``python -m needle.memory report``: one training step, estimate beside measurement.
+
+Example:
+    python -m needle.memory report --model mlp_resnet --batch-size 128 --optimizer adam \\
+        --device cpu_numpy --plot step.png
+
+Models: ``mlp_resnet`` (the course's hw2 MLP-ResNet on MNIST-shaped input: 784 → hidden, blocks
+of Linear/BatchNorm/ReLU/Dropout/Linear/BatchNorm with a residual, → 10 classes) and ``mlp``
+(``--num-layers`` × Linear+ReLU of width ``--hidden-dim``). Inputs are random, seeded.
+
+This module is an application on top of the whole stack: it builds models, so it loads
+``needle.nn`` and ``needle.optim`` at run time (``importlib``) rather than importing them, which
+the layer contract forbids for the library code of ``needle.memory``.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+import numpy as np
+
+from needle._core.errors import NeedleError
+
+from .report import training_step_report
+
+MODELS = ("mlp_resnet", "mlp")
+OPTIMIZERS = ("adam", "sgd", "sgd_momentum")
+
+
+def _mlp_resnet(nn, dim, hidden, blocks, classes, device, drop_prob=0.1):
+    def block():
+        inner = nn.Sequential(
+            nn.Linear(hidden, hidden // 2, device=device), nn.BatchNorm1d(hidden // 2,
+                                                                          device=device),
+            nn.ReLU(), nn.Dropout(drop_prob), nn.Linear(hidden // 2, hidden, device=device),
+            nn.BatchNorm1d(hidden, device=device))
+        return nn.Sequential(nn.Residual(inner), nn.ReLU())
+
+    return nn.Sequential(nn.Linear(dim, hidden, device=device), nn.ReLU(),
+                         *[block() for _ in range(blocks)],
+                         nn.Linear(hidden, classes, device=device))
+
+
+def _mlp(nn, dim, hidden, layers, classes, device):
+    mods, width = [], dim
+    for _ in range(layers):
+        mods += [nn.Linear(width, hidden, device=device), nn.ReLU()]
+        width = hidden
+    return nn.Sequential(*mods, nn.Linear(width, classes, device=device))
+
+
+def build(args):
+    """(model, loss, optimiser, x, y) for the parsed arguments."""
+    ndl = importlib.import_module("needle")
+    nn = importlib.import_module("needle.nn")
+    optim = importlib.import_module("needle.optim")
+    device = ndl.backend_ndarray.device_by_name(args.device)
+    np.random.seed(args.seed)
+    if args.model == "mlp_resnet":
+        model = _mlp_resnet(nn, args.input_dim, args.hidden_dim, args.num_blocks, 10, device)
+    else:
+        model = _mlp(nn, args.input_dim, args.hidden_dim, args.num_layers, 10, device)
+    if args.optimizer == "adam":
+        opt = optim.Adam(model.parameters(), lr=1e-3)
+    else:
+        momentum = 0.9 if args.optimizer == "sgd_momentum" else 0.0
+        opt = optim.SGD(model.parameters(), lr=0.01, momentum=momentum)
+    x = ndl.Tensor(np.random.rand(args.batch_size, args.input_dim), device=device,
+                   requires_grad=False)
+    y = ndl.Tensor(np.random.randint(0, 10, args.batch_size), device=device,
+                   requires_grad=False)
+    return model, nn.SoftmaxLoss(), opt, x, y
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser(prog="python -m needle.memory",
+                                     description="needle memory tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+    rep = sub.add_parser("report", help="one training step: estimate vs measured peaks")
+    rep.add_argument("--model", choices=MODELS, default="mlp_resnet")
+    rep.add_argument("--batch-size", type=int, default=128)
+    rep.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
+    rep.add_argument("--device", default="cpu_numpy")
+    rep.add_argument("--plot", default=None, help="write the timeline PNG here")
+    rep.add_argument("--input-dim", type=int, default=784)
+    rep.add_argument("--hidden-dim", type=int, default=100)
+    rep.add_argument("--num-blocks", type=int, default=3, help="mlp_resnet blocks")
+    rep.add_argument("--num-layers", type=int, default=4, help="mlp hidden layers")
+    rep.add_argument("--margin", type=float, default=0.25)
+    rep.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse(sys.argv[1:] if argv is None else argv)
+    try:
+        model, loss_fn, opt, x, y = build(args)
+        report = training_step_report(model, loss_fn, opt, x, y, optimizer_name=args.optimizer,
+                                      device=x.device, margin=args.margin, plot=args.plot)
+    except NeedleError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    n = report.ledger.num_params
+    print(f"needle memory report: {args.model}, {n:,} parameters, batch {args.batch_size}, "
+          f"{args.optimizer}, device {x.device}, loss {report.loss:.4f}")
+    print(f"activations kept by the graph at the end of forward: {report.saved_bytes:,} B")
+    print()
+    print(report.ledger)
+    print()
+    print(report.comparison)
+    events = report.timeline
+    print(f"\ntimeline: {len(events)} events, {sum(e.new_segment for e in events)} new "
+          f"segments, measured peak {report.stats['peak_bytes']:,} B")
+    if args.plot:
+        print(f"timeline plot written to {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

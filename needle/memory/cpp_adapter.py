@@ -1,0 +1,87 @@
+"""Adapter between ``needle.memory`` and the C++ allocator of the ``cpu`` backend.
+
+The C++ backend owns its allocator (``src/allocator.cc``); L2 only reads it. The adapter
+needs these functions in the pybind module ``ndarray_backend_cpu`` (:data:`REQUIRED`):
+
+* ``allocator_stats() -> dict``: the fields of :meth:`CachingAllocator.stats` (docs/memory.md),
+  ``by_category`` keyed by the six category names;
+* ``allocator_reset_peak() -> None`` and ``allocator_empty_cache() -> int`` (bytes returned);
+* ``allocator_retag(array: Array, category: str) -> None``: move a live buffer's bytes;
+* ``allocator_set_category_resolver(fn) -> None``: C++ calls ``fn(hint)`` (``hint`` is
+  ``None`` or ``"workspace"``) with the GIL held when it allocates an ``Array``, and uses the
+  returned name; ``fn`` is :func:`needle.memory.categories.resolve`, so user scopes, framework
+  scopes and the per-op ``activation`` default all apply. Kernel workspaces allocated without
+  the GIL use ``"workspace"`` directly.
+
+Until the module has them, :func:`make_adapter` explains what is missing and
+``stats(cpu())`` raises :class:`~needle._core.errors.BackendUnavailable` instead of reporting
+zeros.
+
+Example:
+    >>> missing_api(object())[:2]
+    ['allocator_stats', 'allocator_reset_peak']
+"""
+from __future__ import annotations
+
+from needle._core.errors import BackendUnavailable
+
+from . import categories
+
+__all__ = ["REQUIRED", "CppAllocatorAdapter", "missing_api", "make_adapter"]
+
+REQUIRED = ("allocator_stats", "allocator_reset_peak", "allocator_empty_cache",
+            "allocator_retag", "allocator_set_category_resolver")
+
+
+def missing_api(mod) -> list[str]:
+    """Names of :data:`REQUIRED` that ``mod`` lacks."""
+    return [name for name in REQUIRED if not hasattr(mod, name)]
+
+
+class CppAllocatorAdapter:
+    """The allocator protocol of docs/memory.md over the C++ module's functions."""
+
+    def __init__(self, mod, name: str = "cpu"):
+        self.mod = mod
+        self.name = name
+        mod.allocator_set_category_resolver(categories.resolve)
+
+    def stats(self) -> dict:
+        out = dict(self.mod.allocator_stats())
+        out["device"] = self.name
+        by_cat = out.get("by_category", {})
+        out["by_category"] = {c: dict(by_cat.get(c, {"current": 0, "peak": 0,
+                                                         "current_requested": 0,
+                                                         "peak_requested": 0}))
+                              for c in categories.CATEGORIES}
+        return out
+
+    def reset_peak(self) -> None:
+        self.mod.allocator_reset_peak()
+
+    def empty_cache(self) -> int:
+        return int(self.mod.allocator_empty_cache())
+
+    def retag(self, handle, category: str) -> None:
+        categories.check_category(category, "retag")
+        if isinstance(handle, self.mod.Array):
+            self.mod.allocator_retag(handle, categories.resolve(category))
+
+
+def make_adapter(mod, name: str = "cpu") -> CppAllocatorAdapter:
+    """An adapter over ``mod``.
+
+    Raises:
+        BackendUnavailable: ``mod`` is missing (backend not built) or lacks statistics.
+    """
+    if mod is None:
+        raise BackendUnavailable(
+            f"memory: {name}() backend is not available, expected a built "
+            f"ndarray_backend_cpu module, got none")
+    missing = missing_api(mod)
+    if missing:
+        raise BackendUnavailable(
+            f"memory: the C++ allocator of {name}() exposes no statistics yet, expected "
+            f"ndarray_backend_cpu to define {list(REQUIRED)}, got a module without "
+            f"{missing}; use device cpu_numpy() for memory measurements")
+    return CppAllocatorAdapter(mod, name)

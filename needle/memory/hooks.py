@@ -1,0 +1,129 @@
+"""Observer slots through which L2 watches the autograd layer (L3) without importing it.
+
+L3 modules register a setter at import (:func:`bind`); while at least one observer is active
+(:func:`add_observer`: :func:`needle.memory.record` names ops, :func:`needle.memory.trace`
+builds a graph), every setter receives it, else ``None``. L3 tests one module global per op,
+so observation costs nothing when it is off.
+
+The protocol L3 calls on the observer it was given (all methods optional to implement, see
+:class:`Observer`):
+
+* ``op_begin(op, inputs) -> token`` / ``op_end(token, node)``: around ``op.compute`` in the
+  op dispatch (``node`` is None when compute raised);
+* ``backward_begin()`` / ``backward_end()``: around one ``backward`` call;
+* ``node_begin(node) -> token`` / ``node_end(token)``: around one node's backward step
+  (gradient summation, hooks and ``op.gradient``).
+
+Example:
+    >>> seen = []
+    >>> class Names(Observer):
+    ...     def op_begin(self, op, inputs):
+    ...         seen.append(type(op).__name__)
+    >>> obs = add_observer(Names())
+    >>> import needle as ndl
+    >>> _ = ndl.Tensor([1.0]) * 2
+    >>> remove_observer(obs); seen
+    ['MulScalar']
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+__all__ = ["Observer", "bind", "add_observer", "remove_observer", "active_observer"]
+
+_SETTERS: list[Callable[[object], None]] = []
+_OBSERVERS: list["Observer"] = []
+_LOCK = threading.Lock()
+_CURRENT: "Observer | None" = None
+
+
+class Observer:
+    """Base class: every callback does nothing (subclasses override what they need)."""
+
+    def op_begin(self, op, inputs):
+        return None
+
+    def op_end(self, token, node) -> None:
+        pass
+
+    def backward_begin(self) -> None:
+        pass
+
+    def backward_end(self) -> None:
+        pass
+
+    def node_begin(self, node):
+        return None
+
+    def node_end(self, token) -> None:
+        pass
+
+
+class _Many(Observer):
+    """Several observers behind one slot (e.g. a trace inside a record block)."""
+
+    def __init__(self, observers):
+        self.observers = tuple(observers)
+
+    def op_begin(self, op, inputs):
+        return [o.op_begin(op, inputs) for o in self.observers]
+
+    def op_end(self, token, node) -> None:
+        for o, t in zip(reversed(self.observers), reversed(token), strict=True):
+            o.op_end(t, node)
+
+    def backward_begin(self) -> None:
+        for o in self.observers:
+            o.backward_begin()
+
+    def backward_end(self) -> None:
+        for o in reversed(self.observers):
+            o.backward_end()
+
+    def node_begin(self, node):
+        return [o.node_begin(node) for o in self.observers]
+
+    def node_end(self, token) -> None:
+        for o, t in zip(reversed(self.observers), reversed(token), strict=True):
+            o.node_end(t)
+
+
+def _publish() -> None:
+    global _CURRENT
+    if not _OBSERVERS:
+        _CURRENT = None
+    elif len(_OBSERVERS) == 1:
+        _CURRENT = _OBSERVERS[0]
+    else:
+        _CURRENT = _Many(_OBSERVERS)
+    for setter in _SETTERS:
+        setter(_CURRENT)
+
+
+def bind(setter: Callable[[object], None]) -> None:
+    """Register ``setter(observer_or_None)`` (called now and whenever the observers change)."""
+    with _LOCK:
+        _SETTERS.append(setter)
+        setter(_CURRENT)
+
+
+def add_observer(observer: Observer) -> Observer:
+    """Start delivering L3 events to ``observer``; returns it."""
+    with _LOCK:
+        _OBSERVERS.append(observer)
+        _publish()
+    return observer
+
+
+def remove_observer(observer: Observer) -> None:
+    """Stop delivering events to ``observer`` (unknown observers are ignored)."""
+    with _LOCK:
+        if observer in _OBSERVERS:
+            _OBSERVERS.remove(observer)
+            _publish()
+
+
+def active_observer() -> Observer | None:
+    """The observer L3 currently sees (``None`` when observation is off)."""
+    return _CURRENT

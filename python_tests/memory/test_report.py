@@ -1,0 +1,161 @@
+"""The ledger beside a real training step, the CLI, leaks, and the C++ allocator adapter."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import needle as ndl
+import needle.memory as mem
+from needle import nn, optim
+from needle._core.errors import BackendUnavailable
+from needle.memory import __main__ as cli
+from needle.memory import cpp_adapter
+from needle.memory.caching_allocator import CachingAllocator, round_size
+from needle.memory.report import saved_activation_bytes, training_step_report
+
+DEV = ndl.cpu_numpy()
+
+
+def mlp(seed=0, width=32):
+    np.random.seed(seed)
+    return nn.Sequential(nn.Linear(16, width, device=DEV), nn.ReLU(),
+                         nn.Linear(width, 4, device=DEV))
+
+
+def batch(n=8):
+    rng = np.random.default_rng(0)
+    x = ndl.Tensor(rng.standard_normal((n, 16)), device=DEV, requires_grad=False)
+    y = ndl.Tensor(rng.integers(0, 4, n), device=DEV, requires_grad=False)
+    return x, y
+
+
+def test_saved_activation_bytes_counts_each_buffer_once_and_skips_leaves():
+    model = mlp()
+    x, _ = batch()
+    loss = model(x).sum()
+    # x@W1, +b1, relu: (8, 32); r@W2, +b2: (8, 4); the sum: one float. The broadcast bias
+    # views belong to the parameters, the reshape-free views add nothing.
+    assert saved_activation_bytes(loss) == 4 * (3 * 8 * 32 + 2 * 8 * 4 + 1)
+
+
+@pytest.mark.parametrize("name", ["adam", "sgd"])
+def test_compare_on_a_real_training_step(name):
+    model = mlp()
+    params = model.parameters()
+    opt = optim.Adam(params) if name == "adam" else optim.SGD(params, lr=0.1)
+    x, y = batch()
+    r = training_step_report(model, nn.SoftmaxLoss(), opt, x, y, optimizer_name=name)
+    n = sum(math.prod(p.shape) for p in params)
+    rounded = sum(round_size(math.prod(p.shape) * 4) for p in params)
+    w = r.comparison.row("weight")
+    assert (w.estimated, w.measured_peak, w.residual) == (4 * n, rounded, 0)
+    assert w.rounding == rounded - 4 * n
+    g = r.comparison.row("gradient")
+    assert g.estimated == 4 * n and g.measured_peak >= rounded
+    o = r.comparison.row("optimizer")
+    assert o.estimated == (8 * n if name == "adam" else 0)
+    assert o.measured_peak >= (2 * rounded if name == "adam" else 0)
+    a = r.comparison.row("activation")
+    assert a.estimated == r.saved_bytes and a.residual >= 0
+    for row in r.comparison.rows[:6]:
+        assert row.difference == row.rounding + row.residual == row.measured_peak - row.estimated
+    assert r.comparison.row("peak (all at once)").measured_peak == r.stats["peak_bytes"]
+    assert "allocator rounding" in w.explanation
+
+
+def test_cli_report_prints_the_table_and_writes_the_plot(tmp_path, capsys):
+    png = tmp_path / "step.png"
+    rc = cli.main(["report", "--model", "mlp_resnet", "--batch-size", "16", "--input-dim", "32",
+                   "--hidden-dim", "16", "--num-blocks", "1", "--plot", str(png)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    for word in ("weight", "gradient", "optimizer", "activation", "estimate with margin"):
+        assert word in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_report_on_cpu_explains_what_is_missing(capsys):
+    rc = cli.main(["report", "--model", "mlp", "--device", "cpu", "--batch-size", "4",
+                   "--input-dim", "8", "--hidden-dim", "8", "--num-layers", "1"])
+    assert rc == 2
+    assert "cpu()" in capsys.readouterr().err
+
+
+def test_no_leak_after_1000_steps():  # ~2 s
+    model = mlp(width=16)
+    params = model.parameters()
+    opt = optim.Adam(params, lr=1e-3)
+    x, y = batch(4)
+    loss_fn = nn.SoftmaxLoss()
+
+    def step():
+        opt.reset_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+
+    step()
+    first = mem.stats(DEV)
+    for _ in range(999):
+        step()
+    last = mem.stats(DEV)
+    assert last["allocated_bytes"] == first["allocated_bytes"]
+    for c in mem.CATEGORIES:
+        assert last["by_category"][c]["current"] == first["by_category"][c]["current"], c
+    assert last["num_segment_allocs"] == first["num_segment_allocs"]  # all reuse, no growth
+
+
+class FakeCpuModule:
+    """The pybind API docs/memory.md asks of ndarray_backend_cpu, in Python."""
+
+    class Array:
+        def __init__(self, nbytes):
+            self.nbytes = nbytes
+
+    def __init__(self):
+        self.inner = CachingAllocator("cpu")
+        self.resolver = None
+        self.blocks = {}
+
+    def allocator_set_category_resolver(self, fn):
+        self.resolver = fn
+
+    def new_array(self, nbytes):
+        arr = self.Array(nbytes)
+        self.blocks[id(arr)] = self.inner.allocate(nbytes, category=self.resolver(None))
+        return arr
+
+    def allocator_stats(self):
+        return self.inner.stats()
+
+    def allocator_reset_peak(self):
+        self.inner.reset_peak()
+
+    def allocator_empty_cache(self):
+        return self.inner.empty_cache()
+
+    def allocator_retag(self, arr, category):
+        self.inner.retag(self.blocks[id(arr)], category)
+
+
+def test_cpp_adapter_over_the_requested_api():
+    mod = FakeCpuModule()
+    adapter = cpp_adapter.make_adapter(mod)
+    with mem.category("optimizer"):
+        a = mod.new_array(1000)
+    b = mod.new_array(10)
+    adapter.retag(b, "weight")
+    s = adapter.stats()
+    assert s["device"] == "cpu" and s["allocated_bytes"] == 1024 + 512
+    assert s["by_category"]["optimizer"]["current"] == 1024
+    assert s["by_category"]["weight"]["current"] == 512
+    assert mod.resolver is mem.categories.resolve
+    del a, b
+
+
+def test_cpp_adapter_refuses_a_module_without_statistics():
+    with pytest.raises(BackendUnavailable, match="allocator_retag"):
+        cpp_adapter.make_adapter(type("M", (), {"allocator_stats": 1})())
+    with pytest.raises(BackendUnavailable, match="not available"):
+        cpp_adapter.make_adapter(None)

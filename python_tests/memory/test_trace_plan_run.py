@@ -1,0 +1,228 @@
+"""trace -> plan -> run on real needle graphs: lifetimes, non-overlap, planned == measured."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import needle as ndl
+import needle.memory as mem
+from needle import nn
+from needle._core.errors import MemoryPlanError
+from needle.memory.caching_allocator import round_size
+
+DEV = ndl.cpu_numpy()
+B, W = 8, 32
+BUF = B * W * 4  # one (B, W) float32 activation: 1024 B, a multiple of every alignment used
+
+
+def chain(depth, bias=False, seed=0):
+    np.random.seed(seed)
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(W, W, bias=bias, device=DEV), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+def data(seed=1):
+    rng = np.random.default_rng(seed)
+    return ndl.Tensor(rng.standard_normal((B, W)), device=DEV, requires_grad=False)
+
+
+def measure_run(p, *inputs):
+    """(result, peak requested bytes above what was live before the run)."""
+    before = mem.stats(DEV)["requested_bytes"]
+    mem.reset_peak(DEV)
+    out = p.run(*inputs)
+    return out, mem.stats(DEV)["peak_requested_bytes"] - before
+
+
+def test_trace_records_kinds_producers_consumers_and_lifetimes():
+    x = data()
+    w = ndl.Tensor(np.ones((W, W)), device=DEV)
+
+    def infer(a):
+        with ndl.no_grad():  # with a graph, the result would keep every intermediate alive
+            return ndl.ops.relu(a @ w).sum()
+
+    g = mem.trace(infer, x)
+    by_kind = {}
+    for t in g.tensors:
+        by_kind.setdefault(t.kind, []).append(t)
+    assert sorted(t.nbytes for t in by_kind["input"]) == [BUF]
+    assert [t.nbytes for t in by_kind["parameter"]] == [W * W * 4]
+    inter = sorted(by_kind["intermediate"], key=lambda t: t.def_index)
+    assert [(t.producer, t.nbytes) for t in inter] == [("MatMul", BUF), ("ReLU", BUF)]
+    assert inter[0].consumers == ("ReLU",) and inter[1].consumers == ("Summation",)
+    assert inter[0].def_index < inter[1].def_index <= inter[0].last_use < inter[1].last_use
+    (out,) = by_kind["output"]
+    assert (out.producer, out.nbytes, out.last_use) == ("Summation", 4, g.end_index)
+    assert [op.name for op in g.ops] == ["MatMul", "ReLU", "Summation"]
+    assert g.ops[0].outputs == (inter[0].id,)
+
+
+def test_trace_of_backward_has_gradient_steps():
+    model = chain(2)
+    g = mem.trace(lambda a: model(a).sum().backward(), data())
+    names = [op.name for op in g.ops]
+    assert names.index("Summation") < names.index("Summation.gradient")
+    assert {"MatMul.gradient", "ReLU.gradient"} <= set(names)
+    grads = [t for t in g.tensors if t.kind == "output"]
+    assert sorted(t.nbytes for t in grads) == [W * W * 4] * 2  # the two weight gradients
+    assert all(t.phase == "backward" for t in grads)
+    for p in model.parameters():
+        p.grad = None
+
+
+def overlaps(a, b):
+    return a[0] < b[1] and b[0] < a[1]
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_planned_tensors_never_share_bytes_while_both_live(train):
+    model = chain(3, bias=True)
+
+    def step(a):
+        if train:
+            model(a).sum().backward()
+            return None
+        with ndl.no_grad():
+            return model(a)
+
+    g = mem.trace(step, data())
+    p = mem.plan(g)
+    specs = {t.id: t for t in g.planned()}
+    assert set(p.assignments) == set(specs)
+    items = list(specs)
+    for i, a in enumerate(items):
+        for b in items[i + 1:]:
+            live = (specs[a].def_index <= specs[b].last_use
+                    and specs[b].def_index <= specs[a].last_use)
+            mem_a = (p.assignments[a], p.assignments[a] + p.sizes[a])
+            mem_b = (p.assignments[b], p.assignments[b] + p.sizes[b])
+            assert not (live and overlaps(mem_a, mem_b)), (a, b)
+    for q in model.parameters():
+        q.grad = None
+
+
+def test_run_matches_eager_and_measured_peak_is_the_plan():
+    model = chain(4, bias=True)
+    x = data()
+
+    def infer(a):
+        with ndl.no_grad():
+            return model(a)
+
+    g = mem.trace(infer, x)
+    p = mem.plan(g)
+    out, peak = measure_run(p, data(seed=7))
+    np.testing.assert_allclose(out.numpy(), infer(data(seed=7)).numpy(), rtol=1e-6)
+    assert peak == p.peak_bytes + g.output_bytes
+    assert g.output_bytes == BUF
+
+
+def test_run_of_a_training_step_gives_the_eager_gradients():
+    model = chain(3, bias=True)
+    params = model.parameters()
+    x = data()
+
+    def step(a):
+        model(a).sum().backward()
+
+    eager = None
+    step(x)
+    eager = [p.grad.numpy() for p in params]
+    for p in params:
+        p.grad = None
+    g = mem.trace(step, x)
+    p = mem.plan(g)
+    for q in params:
+        q.grad = None
+    _, peak = measure_run(p, x)
+    for q, want in zip(params, eager, strict=True):
+        np.testing.assert_allclose(q.grad.numpy(), want, rtol=1e-5, atol=1e-6)
+    assert peak == p.peak_bytes + g.output_bytes
+    assert g.output_bytes == sum(int(np.prod(q.shape)) * 4 for q in params)
+    for q in params:
+        q.grad = None
+
+
+def plans_for(depths, train):
+    out = []
+    for depth in depths:
+        model = chain(depth)
+
+        def step(a, model=model):
+            if train:
+                model(a).sum().backward()
+                return None
+            with ndl.no_grad():
+                return model(a)
+
+        g = mem.trace(step, data())
+        p = mem.plan(g)
+        for q in model.parameters():
+            q.grad = None
+        _, peak = measure_run(p, data())
+        out.append((p, peak - g.output_bytes))
+        for q in model.parameters():
+            q.grad = None
+    return out
+
+
+def test_inference_chain_needs_two_buffers_whatever_the_depth():
+    results = plans_for((4, 16, 64), train=False)
+    for p, measured in results:
+        assert p.peak_bytes == p.lower_bound_bytes == 2 * BUF
+        assert measured == 2 * BUF
+
+
+def test_training_chain_activations_grow_linearly_with_depth():
+    (p4, m4), (p16, m16), (p64, m64) = plans_for((4, 16, 64), train=True)
+    per_layer = 2 * BUF  # each layer keeps its matmul output and its relu output
+    assert p16.peak_bytes - p4.peak_bytes == 12 * per_layer
+    assert p64.peak_bytes - p16.peak_bytes == 48 * per_layer
+    for p, measured in ((p4, m4), (p16, m16), (p64, m64)):
+        assert p.peak_bytes == p.lower_bound_bytes == measured
+
+
+def test_run_refuses_a_call_that_does_not_repeat():
+    model = chain(1)
+    x = data()
+    step = lambda a: model(a).sum().backward()  # noqa: E731 - the second call accumulates
+    p = mem.plan(mem.trace(step, x))
+    with pytest.raises(MemoryPlanError, match="differs from the trace|more allocations"):
+        p.run(x)
+    for q in model.parameters():
+        q.grad = None
+    mem.get_allocator(DEV)  # the backend allocator is restored
+    assert DEV.mod._ALLOCATOR is mem.get_allocator(DEV)
+
+
+def test_run_needs_a_traced_graph():
+    p = mem.plan([(100, 0, 1), (100, 1, 2)])
+    with pytest.raises(MemoryPlanError, match="trace"):
+        p.run()
+
+
+def test_trace_sizes_are_requested_bytes_and_plan_rounds_to_alignment():
+    x = ndl.Tensor(np.ones(10), device=DEV, requires_grad=False)
+    g = mem.trace(lambda a: (a + 1) * 2, x)
+    inter = g.planned()
+    assert [t.nbytes for t in inter] == [40]
+    assert mem.plan(g, alignment=512).peak_bytes == round_size(40)
+
+
+def test_a_returned_graph_keeps_its_intermediates_alive():
+    w = ndl.Tensor(np.ones((W, W)), device=DEV)
+    g = mem.trace(lambda a: ndl.ops.relu(a @ w).sum(), data())
+    assert not g.planned()  # the result's graph holds them: outputs, not intermediates
+    assert sorted(t.nbytes for t in g.tensors if t.kind == "output") == [4, BUF, BUF]
+
+
+def test_trace_inside_record_feeds_both_observers():
+    x = data()
+    with mem.record(DEV) as events:
+        g = mem.trace(lambda a: (a * 2) + 1, x)
+    assert [op.name for op in g.ops] == ["MulScalar", "AddScalar"]
+    assert [e.op for e in events if e.kind == "alloc"] == ["MulScalar", "AddScalar"]
+    assert mem.hooks.active_observer() is None
