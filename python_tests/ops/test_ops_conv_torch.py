@@ -8,7 +8,7 @@ import needle.ops as ops
 from needle.autograd import Tensor
 from needle.backend_selection import BACKEND
 
-torch = pytest.importorskip("torch")
+import torch  # noqa: E402 - part of the [test] extra: a missing torch must fail, not skip
 pytestmark = pytest.mark.skipif(BACKEND != "nd", reason="nd-mode test")
 
 
