@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch  # part of the [test] extra: a missing torch must fail, not skip
 
 import needle.ops as ops
 from needle.autograd import Tensor
 from needle.backend_selection import BACKEND
 
-import torch  # noqa: E402 - part of the [test] extra: a missing torch must fail, not skip
 pytestmark = pytest.mark.skipif(BACKEND != "nd", reason="nd-mode test")
 
 
