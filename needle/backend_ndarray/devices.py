@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 
 import numpy as np
 
@@ -105,9 +106,21 @@ def _nd():
     return ndarray
 
 
+def _prepare_cpu_threads() -> None:
+    # The C++ kernels use OpenMP. With libgomp's default (spinning) wait policy, an idle
+    # worker keeps burning a core between kernels; when anything else wants that core (a
+    # second rank, a data loader, the test runner) every parallel region then waits a whole
+    # scheduler slice, and a ResNet9 step measured 20-40x slower. Sleeping workers cost a few
+    # microseconds of wake-up per region instead. libgomp reads this when it is loaded, so it
+    # is set just before the module's first import, and only if the user has not chosen.
+    os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
+
 def _device(name: str) -> BackendDevice:
     dev = _DEVICES.get(name)
     if dev is None:
+        if name == "cpu":
+            _prepare_cpu_threads()
         try:
             mod = importlib.import_module(_MODULE_FOR_DEVICE[name])
             if hasattr(mod, "available") and not mod.available():

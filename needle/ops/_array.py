@@ -163,6 +163,16 @@ if ND:
     def to_device(a, device):
         return a.to(device)
 
+    def col2im_add(target, cols, stride: int) -> None:
+        """Scatter-add im2col columns (N, H', W', K, K, C) into ``target`` (N, Hp, Wp, C)."""
+        n, ho, wo, kh, kw, c = cols.shape
+        for i in range(kh):
+            for j in range(kw):
+                index = (slice(None), slice(i, i + stride * (ho - 1) + 1, stride),
+                         slice(j, j + stride * (wo - 1) + 1, stride), slice(None))
+                part = cols[:, :, :, i, j, :].compact().reshape((n, ho, wo, c))
+                target[index] = target[index] + part
+
     def is_array(x) -> bool:
         return isinstance(x, NDArray)
 else:
@@ -231,6 +241,13 @@ else:
 
     def to_device(a, device):
         return a
+
+    def col2im_add(target, cols, stride: int) -> None:
+        n, ho, wo, kh, kw, c = cols.shape
+        for i in range(kh):
+            for j in range(kw):
+                target[:, i:i + stride * (ho - 1) + 1:stride,
+                       j:j + stride * (wo - 1) + 1:stride, :] += cols[:, :, :, i, j, :]
 
     def is_array(x) -> bool:
         return isinstance(x, numpy.ndarray)
