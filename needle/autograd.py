@@ -342,6 +342,51 @@ class TensorTuple(Value):
         return TensorTuple.make_const(self.realize_cached_data())
 
 
+class SparseTupleGrad(TensorTuple):
+    """A gradient for a tuple in which only some entries are non-zero (plain backward only).
+
+    ``split(x)[i]`` used once per ``i`` would otherwise give each ``tuple_get_item`` a full
+    tuple of zeros and a sum of those: O(n²) arrays for an n-way split (an unrolled LSTM
+    over its time steps). Entries are merged by index when gradients are summed, and the
+    dense tuple (zeros where nothing arrived) is built once, when an op reads it.
+    """
+
+    @classmethod
+    def make(cls, entries: dict, like: tuple) -> "SparseTupleGrad":
+        value = cls.make_const(None)
+        value._like, value._entries = like, entries
+        return value
+
+    def __len__(self) -> int:
+        return len(self._like)
+
+    _dense = None
+
+    @property
+    def cached_data(self):
+        # Materialised on first read, by whichever path reads it (ops read the field).
+        if self._dense is None and self.__dict__.get("_entries") is not None:
+            zeros = _ops.ops_tuple._zeros_array_like
+            self._dense = tuple(self._entries[i] if i in self._entries else zeros(like)
+                                for i, like in enumerate(self._like))
+        return self._dense
+
+    @cached_data.setter
+    def cached_data(self, value):
+        self._dense = value
+
+    def realize_cached_data(self):
+        return self.cached_data
+
+    def __add__(self, other):
+        if type(other) is SparseTupleGrad and len(other) == len(self):
+            merged = dict(self._entries)
+            for i, array in other._entries.items():
+                merged[i] = merged[i] + array if i in merged else array
+            return SparseTupleGrad.make(merged, self._like)
+        return TensorTuple.make_const(self.cached_data) + other
+
+
 def find_topo_sort(node_list) -> list:
     """Nodes reachable from ``node_list`` in post-order DFS (inputs left to right), once each.
 

@@ -146,9 +146,9 @@ def _check_unusual(node, i, inp, grad) -> None:
     kind = getattr(grad, "_is_tuple", None)
     if kind is not inp._is_tuple:
         _mismatch(GraphError, node, i, "type", type(inp).__name__, type(grad).__name__)
-    if inp._is_tuple and len(grad.cached_data) != len(inp.cached_data):
-        _mismatch(ShapeError, node, i, "tuple length", len(inp.cached_data),
-                  len(grad.cached_data))
+    # len(grad), not len(grad.cached_data): a sparse tuple gradient stays unmaterialised
+    if inp._is_tuple and len(grad) != len(inp.cached_data):
+        _mismatch(ShapeError, node, i, "tuple length", len(inp.cached_data), len(grad))
 
 
 def run_backward(root, grad, *, retain_graph: bool, create_graph: bool, accumulate: bool,

@@ -8,6 +8,7 @@ Example:
 """
 from ..autograd import Op, Tensor, TensorOp, TensorTuple, TensorTupleOp, Value  # noqa: F401
 from .ops_conv import *  # noqa: F401,F403
+from .ops_embedding import *  # noqa: F401,F403
 from .ops_logarithmic import *  # noqa: F401,F403
 from .ops_mathematic import *  # noqa: F401,F403
 from .ops_mathematic import _ADD, _MATMUL, _MUL, _NEG, as_scalar  # noqa: F401

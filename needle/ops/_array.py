@@ -163,6 +163,17 @@ if ND:
     def to_device(a, device):
         return a.to(device)
 
+    def take_rows(a, rows):
+        """``a[rows]`` for a 2-D array and an integer NumPy index array of any shape."""
+        host = a.numpy()[rows]
+        return NDArray(host, device=a.device, dtype=a.dtype)
+
+    def to_numpy(a):
+        return a.numpy()
+
+    def from_numpy_like(host, like):
+        return NDArray(host, device=like.device, dtype=like.dtype)
+
     def col2im_add(target, cols, stride: int) -> None:
         """Scatter-add im2col columns (N, H', W', K, K, C) into ``target`` (N, Hp, Wp, C)."""
         n, ho, wo, kh, kw, c = cols.shape
@@ -241,6 +252,15 @@ else:
 
     def to_device(a, device):
         return a
+
+    def take_rows(a, rows):
+        return a[rows]
+
+    def to_numpy(a):
+        return a
+
+    def from_numpy_like(host, like):
+        return host.astype(like.dtype, copy=False)
 
     def col2im_add(target, cols, stride: int) -> None:
         n, ho, wo, kh, kw, c = cols.shape

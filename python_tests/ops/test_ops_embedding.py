@@ -1,0 +1,58 @@
+"""embedding (row gather): forward vs NumPy indexing, scatter-add gradient, errors."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import needle as ndl
+from needle._core.errors import IndexOutOfRange
+from needle.autograd import Tensor, gradcheck
+from needle.backend_selection import BACKEND
+
+pytestmark = pytest.mark.skipif(BACKEND != "nd", reason="nd-mode test")
+
+
+def _setup(device, dtype="float64"):
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((7, 3))
+    ids = np.array([[1, 4, 1], [6, 0, 1]], dtype=np.float32)  # id 1 three times
+    return w, ids, Tensor(w, device=device, dtype=dtype), Tensor(ids, device=device,
+                                                                  requires_grad=False)
+
+
+def test_forward_is_numpy_indexing(device):
+    w, ids, tw, tids = _setup(device)
+    out = ndl.ops.embedding(tw, tids)
+    assert out.shape == (2, 3, 3)
+    np.testing.assert_array_equal(out.numpy(), w[ids.astype(int)])
+
+
+def test_gradient_scatter_adds_repeated_ids(device):
+    w, ids, tw, tids = _setup(device)
+    g = np.random.default_rng(1).standard_normal((2, 3, 3))
+    ndl.ops.embedding(tw, tids).backward(Tensor(g, device=device, dtype="float64"))
+    want = np.zeros_like(w)
+    for pos, row in enumerate(ids.astype(int).reshape(-1)):
+        want[row] += g.reshape(-1, 3)[pos]
+    np.testing.assert_allclose(tw.grad.numpy(), want, rtol=1e-12)
+    assert tids.grad is None
+
+
+def test_graph_gradient_matches_plain_gradient(device):
+    _, _, tw, tids = _setup(device)
+    (ndl.ops.embedding(tw, tids) ** 2).sum().backward(create_graph=True)
+    graph = tw.grad.numpy()
+    _, _, tw2, tids2 = _setup(device)
+    (ndl.ops.embedding(tw2, tids2) ** 2).sum().backward()
+    np.testing.assert_allclose(graph, tw2.grad.numpy(), rtol=1e-12)
+
+
+def test_gradcheck(device):
+    _, _, tw, tids = _setup(device)
+    assert gradcheck(lambda w: ndl.ops.embedding(w, tids), tw, atol=1e-6, rtol=1e-4)
+
+
+def test_id_out_of_range_names_op(device):
+    _, _, tw, _ = _setup(device)
+    with pytest.raises(IndexOutOfRange, match=r"embedding: id out of range.*\[0, 7\).*got 9"):
+        ndl.ops.embedding(tw, Tensor([[9.0]], device=device, requires_grad=False))
