@@ -144,6 +144,46 @@ def bench_elementwise(sizes, threads, phases: int) -> list[tuple]:
     return rows
 
 
+def _im2col(n: int, h: int, w: int, c: int, k: int, stride: int) -> tuple:
+    """(shape, strides) in elements of conv's im2col view of a compact NHWC array."""
+    ho, wo = (h - k) // stride + 1, (w - k) // stride + 1
+    return ((n, ho, wo, k, k, c),
+            (h * w * c, stride * w * c, stride * c, w * c, c, 1))
+
+
+# name: (source elements, shape, strides, offset) of the view that compact gathers.
+COMPACT = {
+    "im2col C=3 (conv1)": (32 * 32 * 32 * 3, *_im2col(32, 32, 32, 3, 3, 1), 0),
+    "im2col C=32": (32 * 32 * 32 * 32, *_im2col(32, 32, 32, 32, 3, 1), 0),
+    "im2col C=128 s=2": (32 * 16 * 16 * 128, *_im2col(32, 16, 16, 128, 3, 2), 0),
+    "slice [:, 1:-1] 1024x1024": (1024 * 1024, (1024, 1022), (1024, 1), 1),
+    "transpose 1024x1024": (1024 * 1024, (1024, 1024), (1, 1024), 0),
+    "NHWC->NCHW 32x32x32x64": (32 * 32 * 32 * 64, (32, 64, 32, 32), (65536, 1, 2048, 64), 0),
+    "broadcast (1024,1)->(1024,1024)": (1024, (1024, 1024), (1, 0), 0),
+}
+
+
+def bench_compact(threads, phases: int) -> list[tuple]:
+    """compact (gather a strided view) against np.ascontiguousarray of the same view."""
+    rows = []
+    rng = np.random.default_rng(2)
+    for name, (size, shape, strides, offset) in COMPACT.items():
+        src = rng.standard_normal(size, dtype=np.float32)
+        view = np.lib.stride_tricks.as_strided(
+            src[offset:], shape, tuple(4 * s for s in strides))
+        count = int(np.prod(shape))
+        ha, ho = _buffer(src), cpu.Array(count)
+        calls = max(3, int(3e7 / count))
+        for nt in threads:
+            cpu.set_num_threads(nt)
+            t = compare(partial(np.ascontiguousarray, view),
+                        partial(cpu.compact, ha, ho, shape, strides, offset), phases, calls)
+            gbytes = 2 * count * 4 / 1e9  # read + write of every output element
+            rows.append((f"compact {name}", nt, gbytes / t["numpy"], gbytes / t["needle"],
+                         t["numpy"] / t["needle"], "GB/s"))
+    return rows
+
+
 def print_table(rows) -> None:
     print("| kernel | threads | NumPy | needle | unit | needle/NumPy | vs NumPy out= |")
     print("|---|---|---|---|---|---|---|")
@@ -160,6 +200,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--skip-matmul", action="store_true")
     parser.add_argument("--skip-elementwise", action="store_true")
+    parser.add_argument("--skip-compact", action="store_true")
     parser.add_argument("--stat", choices=["best", "median"], default="best",
                         help="best phase median (default) or median of all calls")
     args = parser.parse_args()
@@ -178,6 +219,8 @@ def main() -> None:
         rows += bench_matmul(sizes, args.threads, phases)
     if not args.skip_elementwise:
         rows += bench_elementwise([10**6, 10**7], args.threads, phases)
+    if not args.skip_compact:
+        rows += bench_compact(args.threads, phases)
     print_table(rows)
 
 

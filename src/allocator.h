@@ -1,21 +1,115 @@
-// The one allocation function pair of the C++ CPU backend.
+// The caching allocator of the C++ CPU backend, with exact statistics per memory category.
 //
-// Every buffer the backend owns (Array storage and kernel workspaces) is obtained from
-// needle_alloc and returned to needle_free, so that a later caching allocator with statistics
-// only has to replace these two functions.
+// Every buffer the backend owns comes from here: Array storage through mem::allocate (a Block
+// handle, charged to a category) and kernel workspaces through needle_alloc/needle_free
+// (charged to "workspace"). The size classes are those of the Python CachingAllocator
+// (needle/memory/caching_allocator.py, docs/memory.md), so both report the same numbers for
+// the same sequence of requests:
+//
+//  * block size = request rounded up to a multiple of 512 B (0 B takes 512 B);
+//  * small pool (block <= 1 MiB): blocks are cut from 2 MiB segments;
+//  * large pool (block > 1 MiB): a fresh segment is the block rounded up to 2 MiB; a cut keeps
+//    the remainder as a free block only if it exceeds 1 MiB, else the whole block is handed out;
+//  * reuse is best fit within the pool (LIFO among equal sizes); freed neighbours coalesce;
+//    empty_cache() returns the segments that are entirely free.
+//
+// Segments are 2 MiB-aligned anonymous mappings; large ones are advised MADV_HUGEPAGE (first
+// touch of fresh pages costs ~10x a refill, PERF_NOTES). All functions are thread-safe (one
+// mutex); none of them touches Python.
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
 
 namespace needle {
 
 // Alignment of every block: enough for AVX-512 loads and for the course's tile loads.
 constexpr std::size_t kAlignment = 256;
 
-// Returns a kAlignment-aligned block of at least `bytes` bytes (a 0-byte request still
-// returns a valid, freeable block). Throws std::bad_alloc when the system is out of memory.
-void* needle_alloc(std::size_t bytes);
+constexpr std::size_t kBlockRound = 512;
+constexpr std::size_t kSmallLimit = std::size_t(1) << 20;
+constexpr std::size_t kSmallSegment = std::size_t(2) << 20;
+constexpr std::size_t kLargeRound = std::size_t(2) << 20;
+constexpr std::size_t kMinLargeSplit = std::size_t(1) << 20;
 
+// The memory categories of docs/memory.md, in the order of needle.memory.categories.CATEGORIES.
+enum class Category : std::uint8_t { weight, gradient, optimizer, activation, workspace, other };
+constexpr int kNumCategories = 6;
+
+const char* category_name(Category c) noexcept;
+// Sets *out and returns true when `name` is a category name.
+bool parse_category(const std::string& name, Category* out) noexcept;
+// "['weight', 'gradient', ...]" for error messages.
+std::string category_list();
+
+struct Block;  // opaque handle to a live block
+
+namespace mem {
+
+// A live block of at least `requested` bytes charged to `cat`; throws std::bad_alloc when the
+// system has no memory left even after the cache was emptied.
+Block* allocate(std::size_t requested, Category cat);
+// Returns `b` to the cache (exactly once; the handle may be handed out again afterwards).
+void release(Block* b) noexcept;
+// Moves a live block's bytes to category `cat` (an event is recorded when it changes).
+void retag(Block* b, Category cat) noexcept;
+
+void* data(const Block* b) noexcept;
+std::uint64_t block_id(const Block* b) noexcept;
+std::size_t block_size(const Block* b) noexcept;
+Category block_category(const Block* b) noexcept;
+
+struct CategoryCounters {
+  std::int64_t current = 0, peak = 0, current_requested = 0, peak_requested = 0;
+};
+
+struct Stats {
+  std::int64_t allocated = 0, requested = 0, peak = 0, peak_requested = 0;
+  std::int64_t reserved = 0, peak_reserved = 0;
+  std::int64_t num_allocs = 0, num_frees = 0, num_reused = 0;
+  std::int64_t num_segments = 0, num_segment_allocs = 0, num_segment_frees = 0;
+  CategoryCounters by_category[kNumCategories];
+};
+
+Stats stats();
+void reset_peak();
+// Unmaps every wholly free segment; returns the bytes released.
+std::size_t empty_cache();
+
+// ---- event log (the timeline of needle.memory.record) ----------------------------------
+
+enum class EventKind : std::uint8_t { alloc, free, retag };
+
+struct Event {
+  EventKind kind;
+  Category category;       // after the event
+  Category prev_category;  // before a retag (meaningless otherwise)
+  bool new_segment;
+  std::uint64_t block;
+  std::int64_t nbytes;     // block size
+  std::int64_t requested;
+  std::int64_t allocated;  // allocated bytes after the event
+  int op;                  // interned op name, -1 for none
+};
+
+// Switches the log on or off; returns the previous state. The log keeps growing while on.
+bool set_recording(bool on);
+// The logged events, oldest first; `clear` empties the log.
+std::vector<Event> events(bool clear);
+
+// Op names attached to events: interned once, then set per thread by index.
+int intern_op(const std::string& name);
+std::string op_name(int op);
+// Sets this thread's op (-1: none); returns the previous one.
+int set_thread_op(int op) noexcept;
+
+}  // namespace mem
+
+// Kernel workspaces: a kAlignment-aligned block of at least `bytes` bytes charged to
+// "workspace" (a 0-byte request still returns a valid, freeable block). Throws std::bad_alloc.
+void* needle_alloc(std::size_t bytes);
 // Releases a block returned by needle_alloc. nullptr is ignored.
 void needle_free(void* ptr) noexcept;
 

@@ -12,6 +12,8 @@
 #include <string>
 
 #include "allocator.h"
+#include "allocator_py.h"
+#include "array.h"
 #include "kernels.h"
 #include "strided.h"
 #include "tiled.h"
@@ -22,33 +24,6 @@ namespace needle {
 namespace {
 
 constexpr std::size_t kTile = 8;
-
-// A flat buffer of `size` elements of one dtype, owned through needle_alloc/needle_free.
-class Array {
- public:
-  Array(std::int64_t size, DType dtype) : dtype_(dtype) {
-    if (size < 0) {
-      throw std::invalid_argument("Array: size must be >= 0, got " + std::to_string(size));
-    }
-    size_ = std::size_t(size);
-    // At least one tile row of bytes, so aligned tile loads never run off a tiny buffer.
-    const std::size_t bytes = size_ * itemsize(dtype);
-    ptr_ = needle_alloc(bytes < kTile * 8 ? kTile * 8 : bytes);
-  }
-  ~Array() { needle_free(ptr_); }
-  Array(const Array&) = delete;
-  Array& operator=(const Array&) = delete;
-
-  std::size_t size() const { return size_; }
-  DType dtype() const { return dtype_; }
-  void* data() { return ptr_; }
-  const void* data() const { return ptr_; }
-
- private:
-  void* ptr_ = nullptr;
-  std::size_t size_ = 0;
-  DType dtype_;
-};
 
 const KernelTable* g_kernels = &base::table;
 
@@ -269,11 +244,13 @@ PYBIND11_MODULE(ndarray_backend_cpu, m) {
   const char* isa = std::getenv("NEEDLE_CPU_ISA");
   g_kernels = &select_isa(isa && *isa ? isa : "auto");
 
-  py::class_<Array>(m, "Array")
-      .def(py::init([](std::int64_t size, const py::object& dtype) {
-             return new Array(size, dtype_of(dtype));
+  py::class_<Array> array_class(m, "Array");
+  array_class
+      .def(py::init([](std::int64_t size, const py::object& dtype, const py::object& category) {
+             const DType t = dtype_of(dtype);
+             return new Array(size, t, pyalloc::creation_category(category));
            }),
-           py::arg("size"), py::arg("dtype") = "float32")
+           py::arg("size"), py::arg("dtype") = "float32", py::arg("category") = py::none())
       .def_property_readonly("size", &Array::size)
       .def_property_readonly("dtype", [](const Array& a) { return dtype_name(a.dtype()); })
       .def_property_readonly("itemsize", [](const Array& a) { return itemsize(a.dtype()); })
@@ -282,6 +259,8 @@ PYBIND11_MODULE(ndarray_backend_cpu, m) {
         return "Array(size=" + std::to_string(a.size()) + ", dtype='" + dtype_name(a.dtype()) +
                "')";
       });
+
+  pyalloc::bind(m, array_class);
 
   m.def("to_numpy", &nd::to_numpy, py::arg("a"), py::arg("shape"), py::arg("strides"),
         py::arg("offset"));

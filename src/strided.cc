@@ -39,9 +39,9 @@ View simplify(const View& v) {
 // element offset `pos`, the next `row_stride` further on; `at` is the row-major index of the
 // run's first element in the view. Runs are as long as the second-innermost dim allows, so
 // short rows (im2col windows) do not pay the odometer once per row.
+// `v` must be simplified.
 template <class RowsFn>
-void for_each_rows(const View& view, bool allow_parallel, RowsFn&& rows_fn) {
-  const View v = simplify(view);
+void for_each_rows(const View& v, bool allow_parallel, RowsFn&& rows_fn) {
   const std::size_t nd = v.shape.size();
   const std::int64_t len = v.shape[nd - 1], step = v.strides[nd - 1];
   const std::int64_t inner_rows = nd >= 2 ? v.shape[nd - 2] : 1;
@@ -82,14 +82,78 @@ void for_each_rows(const View& view, bool allow_parallel, RowsFn&& rows_fn) {
 
 using I = std::int64_t;
 
+// Tiles of the transposing path: kTile values of the contiguous dim j (one 64-byte line of
+// float32 read per strided row) by kTileL values of the innermost dim. Measured on a 1024 x
+// 1024 float32 transpose: 16 x 8 -> 12.9 GB/s, 8 x 8 -> 12.4, 16 x 16 -> 7.3, 32 x 32 -> 4.1:
+// with power-of-two row strides every row of a tile maps to the same L1 set (8 ways), so the
+// side walked with the large stride must stay at 8 rows.
+constexpr I kTile = 16;
+constexpr I kTileL = 8;
+
+// Views whose innermost dimension is strided (a transpose, NHWC <-> NCHW) while another
+// dimension `j` is contiguous in memory. Walking them row by row reads one element per cache
+// line; moving tiles of (j, innermost) instead reads and writes whole lines. Work items
+// are (index over the other dims, block of kTile values of j). Returns false when the view is
+// not of this kind. kGather: compact <- view, else view <- compact (no repeated positions).
+template <class U, bool kGather>
+bool move_tiles(const View& v, U* strided, U* compact) {
+  const std::size_t nd = v.shape.size();
+  const I len = v.shape[nd - 1], step = v.strides[nd - 1];
+  if (nd < 2 || step == 1 || step == 0 || len < kTile) return false;
+  std::size_t j = nd;
+  for (std::size_t d = 0; d + 1 < nd && j == nd; ++d) {
+    if (v.strides[d] == 1 && v.shape[d] >= kTile) j = d;
+  }
+  if (j == nd) return false;
+  Dims cstride(nd);  // strides of the compact side
+  I acc = 1;
+  for (std::size_t d = nd; d-- > 0;) { cstride[d] = acc; acc *= v.shape[d]; }
+  const I nj = v.shape[j], cj = cstride[j];
+  const std::size_t blocks = std::size_t((nj + kTile - 1) / kTile);
+  std::size_t planes = 1;
+  for (std::size_t d = 0; d + 1 < nd; ++d) if (d != j) planes *= std::size_t(v.shape[d]);
+  const std::size_t threshold = kParallelMinElements / std::size_t(kTile * len) + 1;
+  parallel_range(planes * blocks, threshold, [&](std::size_t i0, std::size_t i1) {
+    for (std::size_t item = i0; item < i1; ++item) {
+      std::size_t rest = item / blocks;
+      I so = v.offset, co = 0;
+      for (std::size_t d = nd - 1; d-- > 0;) {
+        if (d == j) continue;
+        const I idx = I(rest % std::size_t(v.shape[d]));
+        rest /= std::size_t(v.shape[d]);
+        so += idx * v.strides[d];
+        co += idx * cstride[d];
+      }
+      const I j0 = I(item % blocks) * kTile, j1 = std::min(nj, j0 + kTile);
+      for (I l0 = 0; l0 < len; l0 += kTileL) {
+        const I l1 = std::min(len, l0 + kTileL);
+        for (I jj = j0; jj < j1; ++jj) {
+          U* s = strided + so + jj;
+          U* c = compact + co + jj * cj;
+          for (I l = l0; l < l1; ++l) {
+            if (kGather) c[l] = s[l * step];
+            else s[l * step] = c[l];
+          }
+        }
+      }
+    }
+  }, 1);
+  return true;
+}
+
 template <class U>
-void gather_t(const U* src, const View& v, U* out) {
+void gather_t(const U* src, const View& view, U* out) {
+  const View v = simplify(view);
+  if (move_tiles<U, true>(v, const_cast<U*>(src), out)) return;
   for_each_rows(v, true, [&](I pos, I count, I rstride, I len, I step, I at) {
     U* o = out + at;
     for (I r = 0; r < count; ++r, o += len) {
       const U* s = src + pos + r * rstride;
       if (step == 1 && len >= 16) {
         std::memcpy(o, s, std::size_t(len) * sizeof(U));
+      } else if (step == 0) {  // broadcast along the row: a fill
+        const U value = s[0];
+        for (I i = 0; i < len; ++i) o[i] = value;
       } else {
         for (I i = 0; i < len; ++i) o[i] = s[i * step];
       }
@@ -98,7 +162,9 @@ void gather_t(const U* src, const View& v, U* out) {
 }
 
 template <class U>
-void scatter_t(const U* src, const View& v, U* dst, bool parallel) {
+void scatter_t(const U* src, const View& view, U* dst, bool parallel) {
+  const View v = simplify(view);
+  if (parallel && move_tiles<U, false>(v, dst, const_cast<U*>(src))) return;
   for_each_rows(v, parallel, [&](I pos, I count, I rstride, I len, I step, I at) {
     const U* s = src + at;
     for (I r = 0; r < count; ++r, s += len) {
@@ -113,8 +179,8 @@ void scatter_t(const U* src, const View& v, U* dst, bool parallel) {
 }
 
 template <class U>
-void scatter_value_t(U value, const View& v, U* dst) {
-  for_each_rows(v, true, [&](I pos, I count, I rstride, I len, I step, I) {
+void scatter_value_t(U value, const View& view, U* dst) {
+  for_each_rows(simplify(view), true, [&](I pos, I count, I rstride, I len, I step, I) {
     for (I r = 0; r < count; ++r) {
       U* d = dst + pos + r * rstride;
       for (I i = 0; i < len; ++i) d[i * step] = value;

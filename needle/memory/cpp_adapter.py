@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from needle._core.errors import BackendUnavailable
 
-from . import categories
+from . import categories, timeline
 
 __all__ = ["REQUIRED", "CppAllocatorAdapter", "missing_api", "make_adapter"]
 
@@ -44,7 +44,24 @@ class CppAllocatorAdapter:
     def __init__(self, mod, name: str = "cpu"):
         self.mod = mod
         self.name = name
+        self._was_recording = False
         mod.allocator_set_category_resolver(categories.resolve)
+        if hasattr(mod, "allocator_set_op"):
+            timeline.add_op_listener(mod.allocator_set_op)
+
+    def begin_recording(self) -> None:
+        """Start the C++ event log (events are collected by :meth:`end_recording`)."""
+        if hasattr(self.mod, "allocator_record"):
+            self.mod.allocator_events(True)  # drop whatever an earlier log left behind
+            self._was_recording = bool(self.mod.allocator_record(True))
+
+    def end_recording(self) -> list:
+        """The C++ events since :meth:`begin_recording`, as :class:`timeline.Event`."""
+        if not hasattr(self.mod, "allocator_record"):
+            return []
+        events = [timeline.Event(*t) for t in self.mod.allocator_events(True)]
+        self.mod.allocator_record(self._was_recording)
+        return events
 
     def stats(self) -> dict:
         out = dict(self.mod.allocator_stats())

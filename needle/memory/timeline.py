@@ -82,7 +82,18 @@ def set_current_op(name: str | None) -> str | None:
     """
     prev = _OP.op
     _OP.op = name
+    for listener in _OP_LISTENERS:  # allocators that keep their own op name (the C++ one)
+        listener(name)
     return prev
+
+
+_OP_LISTENERS: list = []
+
+
+def add_op_listener(fn) -> None:
+    """Also call ``fn(name)`` whenever this thread's op name changes (see set_current_op)."""
+    if fn not in _OP_LISTENERS:
+        _OP_LISTENERS.append(fn)
 
 
 def current_op() -> str | None:
@@ -165,12 +176,18 @@ def record(device=None, allocators: Iterable | None = None) -> Iterator[Timeline
             baseline[cat] += row["current"]
     timeline = Timeline(baseline)
     entry = add_sink(timeline, names)
+    # Allocators that log events on their own side (the C++ one) hand them over at the end.
+    logging = [a for a in allocs if hasattr(a, "begin_recording")]
+    for alloc in logging:
+        alloc.begin_recording()
     namer = add_observer(_OpNamer())  # op names on events: costs L3 nothing when off
     try:
         yield timeline
     finally:
         remove_observer(namer)
         remove_sink(entry)
+        for alloc in logging:
+            timeline.extend(alloc.end_recording())
 
 
 def timeline_series(events: Iterable[Event], baseline: dict[str, int] | None = None

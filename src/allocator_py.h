@@ -1,0 +1,220 @@
+// Python bindings of the caching allocator: statistics, categories, the event log.
+// Included by ndarray_backend_cpu.cc only (the module's one translation unit with pybind11).
+//
+// Category of a new Array, resolved with the GIL held when it is created:
+//   1. this thread's category set by allocator_set_category(name), if any;
+//   2. else the resolver installed by allocator_set_category_resolver(fn): fn(hint);
+//   3. else the `category=` hint given to Array(...);
+//   4. else "other".
+// Kernel workspaces (needle_alloc, no GIL) are always "workspace".
+#pragma once
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <atomic>
+#include <chrono>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "allocator.h"
+#include "array.h"
+
+namespace needle {
+namespace pyalloc {
+
+namespace py = pybind11;
+
+inline thread_local int t_category = -1;  // -1: not set on this thread
+inline py::object* g_resolver = nullptr;  // guarded by the GIL; leaked on purpose (shutdown)
+
+// needle._core.errors.MemoryArgumentError (a NeedleError and ValueError) when importable.
+[[noreturn]] inline void raise_category_error(const char* op, py::handle got) {
+  static py::handle cls = [] {
+    try {
+      return py::object(py::module_::import("needle._core.errors").attr("MemoryArgumentError"))
+          .release();
+    } catch (py::error_already_set&) {
+      return py::handle(PyExc_ValueError);
+    }
+  }();
+  const std::string msg = std::string(op) + ": unknown memory category, expected one of " +
+                          category_list() + ", got " + std::string(py::repr(got));
+  PyErr_SetString(cls.ptr(), msg.c_str());
+  throw py::error_already_set();
+}
+
+inline Category to_category(py::handle name, const char* op) {
+  Category c;
+  if (!py::isinstance<py::str>(name) || !parse_category(name.cast<std::string>(), &c)) {
+    raise_category_error(op, name);
+  }
+  return c;
+}
+
+inline Category creation_category(const py::object& hint) {
+  if (!hint.is_none()) to_category(hint, "Array");  // a bad hint is an error whoever wins
+  if (t_category >= 0) return Category(t_category);
+  if (g_resolver != nullptr && !g_resolver->is_none()) {
+    return to_category((*g_resolver)(hint), "allocator resolver");
+  }
+  return hint.is_none() ? Category::other : to_category(hint, "Array");
+}
+
+inline py::dict stats_dict() {
+  const mem::Stats s = mem::stats();
+  py::dict by_category;
+  for (int i = 0; i < kNumCategories; ++i) {
+    const mem::CategoryCounters& r = s.by_category[i];
+    py::dict row;
+    row["current"] = r.current;
+    row["peak"] = r.peak;
+    row["current_requested"] = r.current_requested;
+    row["peak_requested"] = r.peak_requested;
+    by_category[category_name(Category(i))] = row;
+  }
+  py::dict d;
+  d["device"] = "cpu";
+  d["allocated_bytes"] = s.allocated;
+  d["requested_bytes"] = s.requested;
+  d["peak_bytes"] = s.peak;
+  d["peak_requested_bytes"] = s.peak_requested;
+  d["reserved_bytes"] = s.reserved;
+  d["peak_reserved_bytes"] = s.peak_reserved;
+  d["cached_bytes"] = s.reserved - s.allocated;
+  d["num_allocs"] = s.num_allocs;
+  d["num_frees"] = s.num_frees;
+  d["num_reused"] = s.num_reused;
+  d["num_segments"] = s.num_segments;
+  d["num_segment_allocs"] = s.num_segment_allocs;
+  d["num_segment_frees"] = s.num_segment_frees;
+  d["by_category"] = by_category;
+  return d;
+}
+
+// Tuples in the field order of needle.memory.timeline.Event, so `Event(*t)` rebuilds one.
+inline py::list events_list(bool clear) {
+  static const char* const kinds[] = {"alloc", "free", "retag"};
+  py::list out;
+  std::vector<std::string> names;  // op names resolved once per distinct index
+  for (const mem::Event& e : mem::events(clear)) {
+    py::object op = py::none();
+    if (e.op >= 0) {
+      if (std::size_t(e.op) >= names.size()) names.resize(std::size_t(e.op) + 1);
+      if (names[std::size_t(e.op)].empty()) names[std::size_t(e.op)] = mem::op_name(e.op);
+      op = py::str(names[std::size_t(e.op)]);
+    }
+    py::object prev = e.kind == mem::EventKind::retag
+                          ? py::object(py::str(category_name(e.prev_category)))
+                          : py::object(py::none());
+    out.append(py::make_tuple(kinds[int(e.kind)], "cpu", e.nbytes, e.requested,
+                              category_name(e.category), op, e.block, e.new_segment,
+                              e.allocated, prev));
+  }
+  return out;
+}
+
+// ns per allocate+release pair of `nbytes`, measured in C++ (no Python in the loop).
+inline double bench(std::size_t nbytes, std::int64_t iterations) {
+  py::gil_scoped_release release;
+  mem::release(mem::allocate(nbytes, Category::workspace));  // warm: a cached block exists
+  const auto t0 = std::chrono::steady_clock::now();
+  for (std::int64_t i = 0; i < iterations; ++i) {
+    mem::release(mem::allocate(nbytes, Category::workspace));
+  }
+  const auto t1 = std::chrono::steady_clock::now();
+  return std::chrono::duration<double, std::nano>(t1 - t0).count() / double(iterations);
+}
+
+// `threads` C++ threads allocate, retag and free random sizes (small and large pools, Array
+// blocks and raw workspaces) concurrently; everything is freed before returning.
+inline void stress(int threads, std::int64_t iterations, std::uint64_t seed) {
+  py::gil_scoped_release release;
+  auto work = [iterations](std::uint64_t s) {
+    std::mt19937_64 rng(s);
+    std::vector<Block*> live;
+    std::vector<void*> raw;
+    for (std::int64_t i = 0; i < iterations; ++i) {
+      const std::uint64_t r = rng();
+      const std::size_t bytes = r % 8 == 0 ? std::size_t(rng() % (3u << 20))
+                                           : std::size_t(rng() % 70000);
+      switch ((r >> 8) % 5) {
+        case 0: case 1:
+          if (live.size() < 16) {
+            live.push_back(mem::allocate(bytes, Category(rng() % kNumCategories)));
+            break;
+          }
+          [[fallthrough]];  // bounded: free one instead
+        case 2:
+          if (!live.empty()) {
+            const std::size_t k = rng() % live.size();
+            mem::release(live[k]);
+            live[k] = live.back();
+            live.pop_back();
+          }
+          break;
+        case 3:
+          if (!live.empty()) {
+            mem::retag(live[rng() % live.size()], Category(rng() % kNumCategories));
+          }
+          break;
+        default:
+          if (raw.size() < 4) raw.push_back(needle_alloc(bytes));
+          else { needle_free(raw.back()); raw.pop_back(); }
+      }
+    }
+    for (Block* b : live) mem::release(b);
+    for (void* p : raw) needle_free(p);
+  };
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t) pool.emplace_back(work, seed + std::uint64_t(t));
+  for (auto& th : pool) th.join();
+}
+
+template <class ArrayClass>
+void bind(py::module_& m, ArrayClass& cls) {
+  cls.def_property(
+         "category", [](const Array& a) { return category_name(mem::block_category(a.block())); },
+         [](Array& a, py::handle name) { mem::retag(a.block(), to_category(name, "category")); },
+         "Memory category the buffer is charged to; assigning moves its bytes (a retag).")
+      .def_property_readonly("block_id", [](const Array& a) { return mem::block_id(a.block()); },
+                             "Allocator block id (the `block` field of events).");
+
+  m.def("allocator_stats", &stats_dict, "Statistics of the caching allocator (docs/memory.md).");
+  m.def("allocator_reset_peak", &mem::reset_peak, "Set every peak to its current value.");
+  m.def("allocator_empty_cache", [] {
+    py::gil_scoped_release release;
+    return mem::empty_cache();
+  }, "Unmap wholly free segments; returns the bytes released.");
+  m.def("allocator_retag", [](Array& a, py::handle name) {
+    mem::retag(a.block(), to_category(name, "allocator_retag"));
+  }, py::arg("array"), py::arg("category"));
+  m.def("allocator_set_category_resolver", [](py::object fn) {
+    py::object prev = g_resolver ? *g_resolver : py::none();
+    if (g_resolver == nullptr) g_resolver = new py::object();
+    *g_resolver = std::move(fn);
+    return prev;
+  }, py::arg("fn"), "Install fn(hint) -> category name (None uninstalls); returns the previous.");
+  m.def("allocator_set_category", [](py::object name) -> py::object {
+    const int prev = t_category;
+    t_category = name.is_none() ? -1 : int(to_category(name, "allocator_set_category"));
+    return prev < 0 ? py::object(py::none()) : py::object(py::str(category_name(Category(prev))));
+  }, py::arg("name"), "This thread's category for new Arrays (None: unset); returns the previous.");
+  m.def("allocator_record", &mem::set_recording, py::arg("on"),
+        "Switch the event log on or off; returns the previous state.");
+  m.def("allocator_events", &events_list, py::arg("clear") = true,
+        "Logged events as tuples in needle.memory.timeline.Event field order.");
+  m.def("allocator_set_op", [](py::object name) -> py::object {
+    const int op = name.is_none() ? -1 : mem::intern_op(name.cast<std::string>());
+    const int prev = mem::set_thread_op(op);
+    return prev < 0 ? py::object(py::none()) : py::object(py::str(mem::op_name(prev)));
+  }, py::arg("name"), "This thread's op name for events (None: none); returns the previous.");
+  m.def("_allocator_bench", &bench, py::arg("nbytes"), py::arg("iterations"));
+  m.def("_allocator_stress", &stress, py::arg("threads"), py::arg("iterations"),
+        py::arg("seed") = 0);
+}
+
+}  // namespace pyalloc
+}  // namespace needle
