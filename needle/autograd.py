@@ -20,6 +20,8 @@ import warnings
 from ._autograd.engine import describe, run_backward
 from ._autograd.grad_mode import STATE, enable_grad, is_grad_enabled, no_grad, set_grad_enabled
 from ._autograd.hooks import RemovableHandle, saved_tensors_hooks
+from ._autograd.release import sweep as _sweep_released
+from ._autograd.release import track as _track
 from ._core.errors import DTypeError, GraphError, ShapeError
 from .backend_selection import (  # noqa: F401 - re-exported as the course's autograd does
     BACKEND,
@@ -146,6 +148,8 @@ def _make_from_op(cls, op, inputs, _observe=True):
         node._seq = next(_SEQ)
         if state.saved_hooks is not None:
             node._saved = _pack(op, node, state.saved_hooks)
+        elif _ND:
+            _track(node, op, inputs)  # free what backward won't read (_autograd/release.py)
     return node
 
 
@@ -198,6 +202,9 @@ class Value:
     _post_hooks = None  # {handle id: fn(tensor)}
     _retains_grad = False
     _is_tuple = False
+    _tracked = False  # may be released once only the graph holds it (_autograd/release.py)
+    _links = 0  # consumers recorded with this node as an input, counted while tracked
+    _keep = False  # some op saves this node's data for backward
 
     def realize_cached_data(self):
         """The backend array of this value (computed once from the inputs)."""
@@ -444,6 +451,8 @@ def backward(tensor, out_grad=None, *, retain_graph=None, create_graph=None) -> 
         raise GraphError(
             f"backward: tensor does not require grad, expected a result of ops on tensors with "
             f"requires_grad=True, got {describe(tensor)}")
+    if _ND:
+        _sweep_released(final=True)  # forward locals are gone now: last chance to release
     # The seed and everything the backward pass allocates count as "gradient" memory.
     with _mem_categories.framework_category("gradient"):
         grad = _root_grad(tensor, out_grad)

@@ -43,6 +43,13 @@ class GraphError(NeedleError, RuntimeError):
     """Misuse of the autograd graph (backward through a freed graph, bad gradient from an op)."""
 
 
+class ReleasedDataError(GraphError, AttributeError):
+    """A read of an intermediate's data that autograd released (nothing saved or named it).
+
+    Also an ``AttributeError`` so that ``getattr(array, name, default)`` probes see "absent".
+    """
+
+
 class CommError(NeedleError, RuntimeError):
     """A distributed operation that failed or timed out; names the op and the ranks."""
 
