@@ -130,7 +130,23 @@ def _device(name: str) -> BackendDevice:
             _LOAD_ERRORS[name] = f"{type(exc).__name__}: {exc}"
             mod = None
         dev = _DEVICES[name] = BackendDevice(name, mod)
+        if mod is not None:
+            for hook in list(_DEVICE_HOOKS):
+                hook(dev)
     return dev
+
+
+# Called with each device the first time it is made and enabled: the seam through which the
+# memory layer (L2) installs its allocators without L1 importing it.
+_DEVICE_HOOKS: list = []
+
+
+def add_device_hook(fn) -> None:
+    """Call ``fn(device)`` for every enabled device already made and every later one."""
+    _DEVICE_HOOKS.append(fn)
+    for dev in list(_DEVICES.values()):
+        if dev.mod is not None:
+            fn(dev)
 
 
 def cpu() -> BackendDevice:

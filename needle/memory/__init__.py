@@ -25,6 +25,7 @@ from .registry import (
     attribute,
     empty_cache,
     get_allocator,
+    install_device_hook,
     install_python_allocators,
     register_allocator,
     reset_peak,
@@ -44,3 +45,4 @@ __all__ = [
 ]
 
 install_python_allocators()
+install_device_hook()  # cuda gets its allocator when the device is first made

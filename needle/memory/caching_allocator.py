@@ -109,8 +109,12 @@ class Block:
         return self.segment.data[start:start + count * dtype.itemsize].view(dtype)
 
     def ptr(self) -> int:
-        """Address of the block's first byte (NumPy segments only)."""
-        return int(self.segment.data.ctypes.data) + self.offset
+        """Address of the block's first byte."""
+        data = self.segment.data
+        # NumPy segments know their address through ctypes; device segments (CuPy memory
+        # pointers) carry it as ``ptr``.
+        base = data.ptr if hasattr(data, "ptr") else data.ctypes.data
+        return int(base) + self.offset
 
     def release(self) -> None:
         """Give the block back to its allocator (exactly once)."""

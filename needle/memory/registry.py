@@ -157,3 +157,20 @@ def install_python_allocators() -> list[str]:
         dev.mod.set_allocator(alloc)
         return [dev.name]
     return []
+
+
+def _install_for_device(dev) -> None:
+    """Device hook (L1 calls it for each enabled device): give ``cuda`` its allocator."""
+    if dev.name != "cuda" or dev.name in _ALLOCATORS:
+        return
+    from .cuda_allocator import install_cuda_allocator
+
+    cupy = dev.mod.runtime.cupy_module()
+    register_allocator(dev.name, install_cuda_allocator(dev.mod, cupy.cuda.alloc))
+
+
+def install_device_hook() -> None:
+    """Called once at ``import needle.memory``: allocators for devices made later (cuda)."""
+    from needle.backend_ndarray.devices import add_device_hook
+
+    add_device_hook(_install_for_device)

@@ -99,3 +99,66 @@ def test_ndarray_on_emulated_device(backend):
     assert back.device == nd.cpu_numpy()
     np.testing.assert_array_equal(back.to(dev).numpy(), x)
     np.testing.assert_array_equal(a.astype("float16").numpy(), x.astype(np.float16))
+
+
+def test_needle_caching_allocator_serves_the_cuda_backend(backend, emulated):
+    """ndl.memory.stats(cuda) reports the same fields, from blocks cut out of CuPy segments."""
+    import needle.memory as mem
+    from needle.memory import registry
+    from needle.memory.caching_allocator import round_size
+    from needle.memory.cuda_allocator import install_cuda_allocator
+
+    cupy_before = emulated.cuda.allocated_bytes
+    alloc = install_cuda_allocator(B, emulated.cuda.alloc)
+    saved = registry._ALLOCATORS.get("cuda")
+    registry.register_allocator("cuda", alloc)
+    dev = nd.BackendDevice("cuda", B)
+    try:
+        x = np.arange(12, dtype=np.float32).reshape(3, 4)
+        a = nd.NDArray(x, device=dev)                       # 48 B -> one 512 B block
+        s = mem.stats(dev)
+        assert s["device"] == "cuda" and s["allocated_bytes"] == round_size(48)
+        assert s["requested_bytes"] == 48 and s["num_segments"] == 1
+        assert emulated.cuda.allocated_bytes - cupy_before == s["reserved_bytes"] == 2 << 20
+        with mem.category("activation"):
+            b = a * 2.0                                      # kernels write into the block
+        np.testing.assert_array_equal(b.numpy(), x * 2)
+        assert mem.stats(dev)["by_category"]["activation"]["current"] == round_size(48)
+        del b
+        s1 = mem.stats(dev)
+        c = a + 1.0                                          # reuses a freed block
+        s2 = mem.stats(dev)
+        assert s2["num_reused"] - s1["num_reused"] == 1
+        assert s2["reserved_bytes"] == s["reserved_bytes"]
+        np.testing.assert_array_equal(c.numpy(), x + 1)
+        del a, c
+        assert mem.stats(dev)["allocated_bytes"] == 0
+    finally:
+        B.set_allocator(None)
+        if saved is None:
+            registry.unregister_allocator("cuda")
+        else:
+            registry.register_allocator("cuda", saved)
+
+
+def test_memory_layer_installs_the_cuda_allocator_when_the_device_appears(backend, emulated):
+    """The L1 device hook hands a new cuda device to needle.memory, which wires its allocator."""
+    import needle.memory as mem
+    from needle.backend_ndarray import devices
+    from needle.memory import registry
+
+    assert registry._install_for_device in devices._DEVICE_HOOKS  # installed at import
+    saved = registry._ALLOCATORS.pop("cuda", None)
+    try:
+        registry._install_for_device(nd.BackendDevice("cuda", B))
+        dev = nd.BackendDevice("cuda", B)
+        before = mem.stats(dev)["num_allocs"]
+        a = nd.NDArray(np.ones(300, np.float32), device=dev)
+        assert mem.stats(dev)["num_allocs"] - before == 1
+        assert mem.stats(dev)["requested_bytes"] >= 1200
+        del a
+    finally:
+        B.set_allocator(None)
+        registry._ALLOCATORS.pop("cuda", None)
+        if saved is not None:
+            registry._ALLOCATORS["cuda"] = saved

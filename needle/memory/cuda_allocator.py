@@ -1,0 +1,50 @@
+"""needle's caching allocator for the ``cuda`` device, over memory from CuPy.
+
+The CUDA backend asks ``fn(nbytes) -> owner`` for every buffer (``owner.ptr`` is the device
+address; dropping the owner frees it). Here ``fn`` cuts blocks from segments that CuPy
+allocates (CuPy's pool underneath, as the issue allows) with the same size classes and
+statistics as the CPU allocators, so ``needle.memory.stats(cuda())`` reports the same fields.
+Reuse follows stream order: every needle kernel runs on the current stream, so a block freed
+after its last kernel was queued is only written again by kernels queued after that one.
+
+Example:
+    >>> class FakeMemory:                     # stands in for cupy.cuda.MemoryPointer
+    ...     def __init__(self, n): self.ptr = 4096
+    >>> alloc = make_cuda_allocator(FakeMemory)
+    >>> owner = DeviceBlock(alloc.allocate(1000)); owner.ptr
+    4096
+"""
+from __future__ import annotations
+
+from .caching_allocator import CachingAllocator
+
+__all__ = ["DeviceBlock", "make_cuda_allocator", "install_cuda_allocator"]
+
+
+class DeviceBlock:
+    """What the CUDA backend holds for one buffer: the address, and the block until dropped."""
+
+    __slots__ = ("block", "ptr")
+
+    def __init__(self, block):
+        self.block = block
+        self.ptr = block.ptr()
+
+    def __del__(self):
+        try:
+            self.block.release()
+        except Exception:  # noqa: BLE001 - interpreter shutdown may have torn the allocator down
+            pass
+
+
+def make_cuda_allocator(segment_alloc) -> CachingAllocator:
+    """A caching allocator whose segments come from ``segment_alloc(nbytes)`` (e.g.
+    ``cupy.cuda.alloc``, returning an object with ``.ptr``)."""
+    return CachingAllocator("cuda", segment_factory=segment_alloc)
+
+
+def install_cuda_allocator(mod, segment_alloc) -> CachingAllocator:
+    """Route the CUDA backend module ``mod`` through a new caching allocator; returns it."""
+    alloc = make_cuda_allocator(segment_alloc)
+    mod.set_allocator(lambda nbytes: DeviceBlock(alloc.allocate(nbytes)))
+    return alloc
