@@ -28,33 +28,22 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import math
 import sys
 import weakref
 
+from .._autograd.release import Released as _EngineReleased
 from .._core.errors import CheckpointError
 
 __all__ = ["Released", "Tracker", "release", "release_unsaved"]
 
 
-class Released:
-    """What is left of a released array: its shape, dtype and device, nothing to compute on."""
+class Released(_EngineReleased):
+    """A stand-in released inside a checkpoint region: reads raise :class:`CheckpointError`.
 
-    __slots__ = ("shape", "dtype", "device", "op_name")
+    The fields and refusals are the engine's (:class:`needle._autograd.release.Released`).
+    """
 
-    def __init__(self, shape, dtype, device, op_name: str):
-        self.shape = tuple(shape)
-        self.dtype = dtype
-        self.device = device
-        self.op_name = op_name
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
-    def size(self) -> int:
-        return math.prod(self.shape)
+    __slots__ = ()
 
     def _fail(self, what: str):
         raise CheckpointError(
@@ -62,35 +51,11 @@ class Released:
             f"because no op declares it saved (save_inputs/save_output), expected backward not "
             f"to read it, got a read of {what}")
 
-    def __getattr__(self, name):
-        self._fail(repr(name))
-
-    def __array__(self, *args, **kwargs):
-        self._fail("its values")
-
-    def __repr__(self) -> str:
-        return f"Released(shape={self.shape}, dtype={self.dtype}, op={self.op_name})"
-
-
-def _refuse(name: str):
-    def method(self, *args):
-        self._fail(f"its values (through {name})")
-
-    method.__name__ = name
-    return method
-
-
-# Dunder methods bypass __getattr__: refuse arithmetic, comparisons and indexing explicitly.
-for _name in ("add", "radd", "sub", "rsub", "mul", "rmul", "truediv", "rtruediv", "matmul",
-              "rmatmul", "pow", "rpow", "neg", "abs", "gt", "ge", "lt", "le", "getitem",
-              "setitem", "iter", "float", "int"):
-    setattr(Released, f"__{_name}__", _refuse(f"__{_name}__"))
-
 
 def release(node) -> None:
     """Replace ``node``'s array by a :class:`Released` stand-in (tuples and lazies untouched)."""
     data = node.cached_data
-    if data is None or node._is_tuple or isinstance(data, Released):
+    if data is None or node._is_tuple or isinstance(data, _EngineReleased):
         return
     op_name = type(node.op).__name__ if node.op is not None else "a leaf"
     node.cached_data = Released(data.shape, data.dtype, getattr(data, "device", None), op_name)
