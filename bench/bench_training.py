@@ -5,7 +5,9 @@ batch 128 SGD; 2-layer LSTM language model (vocab 10k, embedding 30, hidden 100,
 batch 16) SGD. Each side runs warm-up steps, then ``--repeats`` timed blocks of ``--steps``
 steps, alternating needle and PyTorch; the median block gives items/second. PyTorch runs with
 ``--threads`` intra-op threads (2 = the machine); while needle runs, BLAS pools are limited to
-the same count with threadpoolctl.
+the same count with threadpoolctl. Both OpenMP runtimes (needle's and PyTorch's own libgomp)
+get ``OMP_WAIT_POLICY=passive`` unless set: with spinning workers, whichever side ran last
+keeps burning the cores the other side needs (PERF_NOTES, "two spinning thread pools").
 
 Usage:
     python bench/bench_training.py [--quick] [--only mlp,resnet9,lstm] [--device cpu]
@@ -17,6 +19,9 @@ import os
 import statistics
 import sys
 import time
+
+# Before either OpenMP runtime loads (they read it once): see the module docstring.
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -36,18 +41,21 @@ def needle_step_fn(workload: str, device):
     np.random.seed(0)
     if workload == "mlp":
         model = _mlp_on(device)
-        x = Tensor(np.random.rand(128, 784).astype(np.float32), device=device)
-        y = Tensor(np.random.randint(0, 10, 128), device=device)
+        x = Tensor(np.random.rand(128, 784).astype(np.float32), device=device,
+                   requires_grad=False)
+        y = Tensor(np.random.randint(0, 10, 128), device=device, requires_grad=False)
         items, h0 = 128, None
     elif workload == "resnet9":
         model = ResNet9(device=device)
-        x = Tensor(np.random.rand(128, 3, 32, 32).astype(np.float32), device=device)
-        y = Tensor(np.random.randint(0, 10, 128), device=device)
+        # data does not require grad (as in PyTorch): no gradient for the input images
+        x = Tensor(np.random.rand(128, 3, 32, 32).astype(np.float32), device=device,
+                   requires_grad=False)
+        y = Tensor(np.random.randint(0, 10, 128), device=device, requires_grad=False)
         items, h0 = 128, None
     else:
         model = LanguageModel(30, 10000, 100, num_layers=2, seq_model="lstm", device=device)
-        x = Tensor(np.random.randint(0, 10000, (20, 16)), device=device)
-        y = Tensor(np.random.randint(0, 10000, 320), device=device)
+        x = Tensor(np.random.randint(0, 10000, (20, 16)), device=device, requires_grad=False)
+        y = Tensor(np.random.randint(0, 10000, 320), device=device, requires_grad=False)
         items, h0 = 320, True
     loss_fn = nn.SoftmaxLoss()
     opt = optim.SGD(model.parameters(), lr=0.01)

@@ -68,6 +68,13 @@ def _count_dependencies(root) -> dict:
 
 def _sum(parts):
     grad = parts[0]
+    if not STATE.grad_enabled and not grad._is_tuple and len(parts) > 1:
+        # plain backward: add the arrays and wrap once, instead of one recorded-op dispatch
+        # per partial gradient (a parameter used n times has n of them)
+        data = grad.cached_data
+        for part in parts[1:]:
+            data = data + part.cached_data
+        return type(grad).make_const(data)
     for part in parts[1:]:
         grad = grad + part
     return grad

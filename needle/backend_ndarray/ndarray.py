@@ -452,20 +452,22 @@ class NDArray:
     # ---- matmul -----------------------------------------------------------------------
     def __matmul__(self, other: "NDArray") -> "NDArray":
         """2-D matrix product (batched products live in :func:`matmul`)."""
-        if not isinstance(other, NDArray) or self.ndim != 2 or other.ndim != 2:
+        if not isinstance(other, NDArray) or len(self._shape) != 2 or len(other._shape) != 2:
             got = other.shape if isinstance(other, NDArray) else type(other).__name__
             raise ShapeError(f"matmul: expected two 2-D arrays, got {self.shape} @ {got} "
                              f"(use needle.backend_ndarray.matmul for batches)")
-        _check_pair("matmul", self, other)
+        if other._device is not self._device or other._handle.dtype != self._handle.dtype:
+            _check_pair("matmul", self, other)
         (m, n), (n2, p) = self._shape, other._shape
         if n != n2:
             raise ShapeError(f"matmul: inner dimensions differ, expected a.shape[-1] == "
                              f"b.shape[-2], got {self.shape} @ {other.shape}")
         if USE_TILED_MATMUL and _tiled_ok(self._device, m, n, p):
             return _matmul_tiled(self, other, m, n, p)
-        out = NDArray.make((m, p), device=self._device, dtype=self.dtype)
-        self._device.matmul(self.compact()._handle, other.compact()._handle, out._handle,
-                            m, n, p)
+        out = _alloc((m, p), self._device, self._handle.dtype)
+        a = self if self._compact else self.compact()
+        b = other if other._compact else other.compact()
+        self._device.matmul(a._handle, b._handle, out._handle, m, n, p)
         return out
 
     # ---- reductions -------------------------------------------------------------------

@@ -180,11 +180,12 @@ def broadcast_shapes(*shapes) -> tuple:
 
 def matmul(a, b):
     """NumPy ``matmul``: 2-D products, batched and broadcast over leading dims (N-D ≥ 2)."""
-    if a.ndim < 2 or b.ndim < 2:
+    da, db = len(a.shape), len(b.shape)
+    if da == 2 and db == 2:  # the common case first: NDArray.__matmul__ checks the rest
+        return a @ b
+    if da < 2 or db < 2:
         raise ShapeError(f"matmul: expected arrays with at least 2 dims, got {a.shape} @ "
                          f"{b.shape}")
-    if a.ndim == 2 and b.ndim == 2:
-        return a @ b
     if a.shape[-1] != b.shape[-2]:
         raise ShapeError(f"matmul: inner dimensions differ, expected a.shape[-1] == "
                          f"b.shape[-2], got {a.shape} @ {b.shape}")

@@ -74,8 +74,16 @@ def _conv_gradient_arrays(g, x, w, stride: int, padding: int, need_x: bool, need
     grad_x = grad_w = None
     if need_w:
         cols, _ = _im2col(x, kh, kw, stride, padding)
-        grad_w = A.reshape(A.matmul(A.swap_last(cols), g2), (kh, kw, cin, cout))
-    if need_x:
+        # (gᵀ @ cols)ᵀ, not colsᵀ @ g: the operand that must be transposed (copied) is then
+        # g (N·H'·W' × Cout) rather than the KH·KW·Cin times wider patch matrix
+        grad_w_t = A.matmul(A.swap_last(g2), cols)
+        grad_w = A.reshape(A.compact(A.swap_last(grad_w_t)), (kh, kw, cin, cout))
+    if need_x and stride == 1 and kh == kw and padding <= kh - 1:
+        # stride 1: the input gradient is the full correlation of g with the flipped kernel,
+        # one im2col and one matmul (col2im below would take kh·kw strided passes)
+        w_flip = A.compact(A.permute(A.flip(w, (0, 1)), (0, 1, 3, 2)))
+        grad_x = _conv_compute(g, w_flip, 1, kh - 1 - padding)
+    elif need_x:
         w2 = A.reshape(A.compact(w), (kh * kw * cin, cout))
         cols_g = A.reshape(A.matmul(g2, A.swap_last(w2)), (n, ho, wo, kh, kw, cin))
         padded = A.zeros((n, h + 2 * padding, wd + 2 * padding, cin), g)
