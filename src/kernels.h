@@ -27,6 +27,11 @@ struct KernelTable {
   // out(m x p) = a(m x n) @ b(n x p), row-major, overwrites out.
   void (*matmul)(DType t, const void* a, const void* b, void* out, std::size_t m, std::size_t n,
                  std::size_t p);
+  // The same with strided operands: a(i, k) = a[i * ars + k * acs], b(k, j) = b[k * brs +
+  // j * bcs] (float32/float64).
+  void (*matmul_strided)(DType t, const void* a, std::ptrdiff_t ars, std::ptrdiff_t acs,
+                         const void* b, std::ptrdiff_t brs, std::ptrdiff_t bcs, void* out,
+                         std::size_t m, std::size_t n, std::size_t p);
 };
 
 namespace base { extern const KernelTable table; }

@@ -21,7 +21,7 @@ namespace NEEDLE_ISA {
 #include "matmul_impl.h"
 
 extern const KernelTable table = {
-    NEEDLE_ISA_NAME, binary, scalar, unary, cast, reduce, matmul,
+    NEEDLE_ISA_NAME, binary, scalar, unary, cast, reduce, matmul, matmul_strided,
 };
 
 }  // namespace NEEDLE_ISA

@@ -36,14 +36,20 @@ inline std::size_t min_size(std::size_t a, std::size_t b) { return a < b ? a : b
 inline std::size_t ceil_div(std::size_t a, std::size_t b) { return (a + b - 1) / b; }
 
 // A rows [0, rows) x cols [0, k) -> panels of MR rows, each stored k-major (MR values per k).
+// A is strided: element (i, kk) at a[i * rs + kk * cs] (cs == 1 for a compact matrix).
 template <class T, int MR>
-void pack_a(const T* a, std::size_t lda, std::size_t rows, std::size_t k, T* dst) {
+void pack_a(const T* a, std::ptrdiff_t rs, std::ptrdiff_t cs, std::size_t rows, std::size_t k,
+            T* dst) {
   for (std::size_t i0 = 0; i0 < rows; i0 += MR, dst += MR * k) {
     const std::size_t mr = min_size(MR, rows - i0);
     for (std::size_t r = 0; r < std::size_t(MR); ++r) {
       if (r < mr) {
-        const T* src = a + (i0 + r) * lda;
-        for (std::size_t kk = 0; kk < k; ++kk) dst[kk * MR + r] = src[kk];
+        const T* src = a + std::ptrdiff_t(i0 + r) * rs;
+        if (cs == 1) {
+          for (std::size_t kk = 0; kk < k; ++kk) dst[kk * MR + r] = src[kk];
+        } else {
+          for (std::size_t kk = 0; kk < k; ++kk) dst[kk * MR + r] = src[std::ptrdiff_t(kk) * cs];
+        }
       } else {
         for (std::size_t kk = 0; kk < k; ++kk) dst[kk * MR + r] = T(0);
       }
@@ -52,12 +58,18 @@ void pack_a(const T* a, std::size_t lda, std::size_t rows, std::size_t k, T* dst
 }
 
 // One NR-column panel of B rows [0, k): NR values per k, zero padded past `cols`.
+// B is strided: element (kk, c) at b[kk * rs + c * cs].
 template <class T, int NR>
-void pack_b_panel(const T* b, std::size_t ldb, std::size_t k, std::size_t cols, T* dst) {
+void pack_b_panel(const T* b, std::ptrdiff_t rs, std::ptrdiff_t cs, std::size_t k,
+                  std::size_t cols, T* dst) {
   for (std::size_t kk = 0; kk < k; ++kk, dst += NR) {
-    const T* src = b + kk * ldb;
+    const T* src = b + std::ptrdiff_t(kk) * rs;
     std::size_t c = 0;
-    for (; c < cols; ++c) dst[c] = src[c];
+    if (cs == 1) {
+      for (; c < cols; ++c) dst[c] = src[c];
+    } else {
+      for (; c < cols; ++c) dst[c] = src[std::ptrdiff_t(c) * cs];
+    }
     for (; c < std::size_t(NR); ++c) dst[c] = T(0);
   }
 }
@@ -203,8 +215,11 @@ inline void tile(std::size_t k, const T* ap, const T* bp, T* c, std::size_t ldc,
 
 // One function for the whole loop nest (longer than our usual 40 lines) because the OpenMP
 // region must enclose every loop: a region per block would fork and join thousands of times.
+// a(i, k) = a[i * ars + k * acs], b(k, j) = b[k * brs + j * bcs]; c is compact m x p. Packing
+// reads any strides, so transposed or sliced operands need no compact copy first.
 template <class T>
-void gemm(const T* a, const T* b, T* c, std::size_t m, std::size_t n, std::size_t p) {
+void gemm(const T* a, std::ptrdiff_t ars, std::ptrdiff_t acs, const T* b, std::ptrdiff_t brs,
+          std::ptrdiff_t bcs, T* c, std::size_t m, std::size_t n, std::size_t p) {
   using G = GemmConfig<T>;
   constexpr std::size_t MR = G::MR, NR = G::NR;
   if (m == 0 || p == 0) return;
@@ -234,15 +249,16 @@ void gemm(const T* a, const T* b, T* c, std::size_t m, std::size_t n, std::size_
 #pragma omp for schedule(static)
         for (std::size_t jp = 0; jp < panels; ++jp) {
           const std::size_t j0 = jp * NR;
-          pack_b_panel<T, NR>(b + pc * p + jc + j0, p, kc, min_size(NR, nc - j0),
-                              bpack + jp * NR * kc);
+          pack_b_panel<T, NR>(b + std::ptrdiff_t(pc) * brs + std::ptrdiff_t(jc + j0) * bcs,
+                              brs, bcs, kc, min_size(NR, nc - j0), bpack + jp * NR * kc);
         }
 #pragma omp for schedule(static)
         for (std::size_t item = 0; item < n_ic * jr_parts; ++item) {
           const std::size_t ib = item / jr_parts, part = item % jr_parts;
           const std::size_t ic = ib * mc, mcur = min_size(mc, m - ic);
           if (packed_ic != ic || packed_pc != pc) {
-            pack_a<T, MR>(a + ic * n + pc, n, mcur, kc, apack);
+            pack_a<T, MR>(a + std::ptrdiff_t(ic) * ars + std::ptrdiff_t(pc) * acs, ars, acs,
+                          mcur, kc, apack);
             packed_ic = ic;
             packed_pc = pc;
           }
@@ -262,12 +278,13 @@ void gemm(const T* a, const T* b, T* c, std::size_t m, std::size_t n, std::size_
 
 void matmul(DType t, const void* a, const void* b, void* out, std::size_t m, std::size_t n,
             std::size_t p) {
+  const auto ni = std::ptrdiff_t(n), pi = std::ptrdiff_t(p);
   if (t == DType::f32) {
-    return gemm(static_cast<const float*>(a), static_cast<const float*>(b),
+    return gemm(static_cast<const float*>(a), ni, 1, static_cast<const float*>(b), pi, 1,
                 static_cast<float*>(out), m, n, p);
   }
   if (t == DType::f64) {
-    return gemm(static_cast<const double*>(a), static_cast<const double*>(b),
+    return gemm(static_cast<const double*>(a), ni, 1, static_cast<const double*>(b), pi, 1,
                 static_cast<double*>(out), m, n, p);
   }
   // float16: widen both operands, multiply in float32, round the result once.
@@ -277,11 +294,26 @@ void matmul(DType t, const void* a, const void* b, void* out, std::size_t m, std
   try {
     cast(DType::f16, a, DType::f32, af, m * n);
     cast(DType::f16, b, DType::f32, bf, n * p);
-    gemm(af, bf, cf, m, n, p);
+    gemm(af, std::ptrdiff_t(n), 1, bf, std::ptrdiff_t(p), 1, cf, m, n, p);
     cast(DType::f32, cf, DType::f16, out, m * p);
   } catch (...) {
     needle_free(af);
     throw;
   }
   needle_free(af);
+}
+
+// out(m x p) = A @ B for strided float32/float64 operands (see gemm); float16 callers compact.
+void matmul_strided(DType t, const void* a, std::ptrdiff_t ars, std::ptrdiff_t acs,
+                    const void* b, std::ptrdiff_t brs, std::ptrdiff_t bcs, void* out,
+                    std::size_t m, std::size_t n, std::size_t p) {
+  if (t == DType::f32) {
+    return gemm(static_cast<const float*>(a), ars, acs, static_cast<const float*>(b), brs, bcs,
+                static_cast<float*>(out), m, n, p);
+  }
+  if (t == DType::f64) {
+    return gemm(static_cast<const double*>(a), ars, acs, static_cast<const double*>(b), brs,
+                bcs, static_cast<double*>(out), m, n, p);
+  }
+  throw std::invalid_argument("matmul_strided: expected float32 or float64, got float16");
 }

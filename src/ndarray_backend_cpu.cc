@@ -207,6 +207,44 @@ void matmul(const Array& a, const Array& b, Array& out, std::int64_t m, std::int
   g_kernels->matmul(out.dtype(), a.data(), b.data(), out.data(), m, n, p);
 }
 
+// Element span a strided rows x cols view reaches (offset + last index + 1); strides >= 0.
+std::size_t strided_extent(const char* op, const char* what, std::int64_t rows,
+                           std::int64_t cols, std::int64_t offset, std::int64_t rs,
+                           std::int64_t cs) {
+  if (offset < 0 || rs < 0 || cs < 0) {
+    throw std::invalid_argument(std::string(op) + ": " + what + " offset and strides must be >= 0"
+                                ", got offset " + std::to_string(offset) + ", strides (" +
+                                std::to_string(rs) + ", " + std::to_string(cs) + ")");
+  }
+  if (rows == 0 || cols == 0) return 0;
+  return std::size_t(offset + (rows - 1) * rs + (cols - 1) * cs + 1);
+}
+
+void matmul_strided(const Array& a, const Array& b, Array& out, std::int64_t m, std::int64_t n,
+                    std::int64_t p, std::int64_t a_offset, std::int64_t ars, std::int64_t acs,
+                    std::int64_t b_offset, std::int64_t brs, std::int64_t bcs) {
+  const char* op = "matmul_strided";
+  same_dtype(op, a, out);
+  same_dtype(op, b, out);
+  if (m < 0 || n < 0 || p < 0) {
+    throw std::invalid_argument(std::string(op) + ": dimensions must be >= 0");
+  }
+  if (out.dtype() == DType::f16) {
+    throw std::invalid_argument(std::string(op) + ": expected float32 or float64, got float16");
+  }
+  big_enough(op, "a", a, strided_extent(op, "a", m, n, a_offset, ars, acs));
+  big_enough(op, "b", b, strided_extent(op, "b", n, p, b_offset, brs, bcs));
+  big_enough(op, "out", out, std::size_t(m) * std::size_t(p));
+  if (out.data() == a.data() || out.data() == b.data()) {
+    throw std::invalid_argument(std::string(op) + ": out must not share memory with an input");
+  }
+  const std::size_t item = itemsize(out.dtype());
+  const char* ap = static_cast<const char*>(a.data()) + std::size_t(a_offset) * item;
+  const char* bp = static_cast<const char*>(b.data()) + std::size_t(b_offset) * item;
+  py::gil_scoped_release release;
+  g_kernels->matmul_strided(out.dtype(), ap, ars, acs, bp, brs, bcs, out.data(), m, n, p);
+}
+
 void matmul_tiled_entry(const Array& a, const Array& b, Array& out, std::int64_t m,
                         std::int64_t n, std::int64_t p) {
   check_matmul("matmul_tiled", a, b, out, m, n, p);
@@ -297,6 +335,7 @@ PYBIND11_MODULE(ndarray_backend_cpu, m) {
 
   m.def("ewise_cast", &nd::ewise_cast);
   m.def("matmul", &nd::matmul);
+  m.def("matmul_strided", &nd::matmul_strided);
   m.def("matmul_tiled", &nd::matmul_tiled_entry);
   m.def("reduce_sum", [](const Array& a, Array& out, std::int64_t size) {
     nd::reduce(RedOp::sum, "reduce_sum", a, out, size); });

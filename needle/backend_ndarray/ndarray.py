@@ -464,7 +464,17 @@ class NDArray:
                              f"b.shape[-2], got {self.shape} @ {other.shape}")
         if USE_TILED_MATMUL and _tiled_ok(self._device, m, n, p):
             return _matmul_tiled(self, other, m, n, p)
-        out = _alloc((m, p), self._device, self._handle.dtype)
+        dtype = self._handle.dtype
+        out = _alloc((m, p), self._device, dtype)
+        strided = getattr(self._device.mod, "matmul_strided", None)
+        (ars, acs), (brs, bcs) = self._strides, other._strides
+        if (strided is not None and dtype != "float16" and ars >= 0 and acs >= 0 and brs >= 0
+                and bcs >= 0):
+            # the kernel packs straight from the views: no compact copy of a transposed or
+            # sliced operand (every matmul backward multiplies by a transpose)
+            strided(self._handle, other._handle, out._handle, m, n, p, self._offset, ars, acs,
+                    other._offset, brs, bcs)
+            return out
         a = self if self._compact else self.compact()
         b = other if other._compact else other.compact()
         self._device.matmul(a._handle, b._handle, out._handle, m, n, p)

@@ -176,6 +176,13 @@ def matmul(a: Array, b: Array, out: Array, m: int, n: int, p: int) -> None:
     out.array[:] = (a.array[: m * n].reshape(m, n) @ b.array[: n * p].reshape(n, p)).reshape(-1)
 
 
+def matmul_strided(a: Array, b: Array, out: Array, m: int, n: int, p: int,
+                   a_offset: int, ars: int, acs: int, b_offset: int, brs: int, bcs: int) -> None:
+    if m and p:
+        out.array[:] = (_view(a, (m, n), (ars, acs), a_offset)
+                        @ _view(b, (n, p), (brs, bcs), b_offset)).reshape(-1)
+
+
 def _blocks(a: Array, out: Array, reduce_size: int) -> np.ndarray:
     # reshape(out.size, k), not (-1, k): the latter cannot infer -1 when k == 0
     return a.array[: out.size * reduce_size].reshape(out.size, reduce_size)

@@ -506,3 +506,17 @@ def test_bad_input_raises_instead_of_crashing():
         cpu.reduce_sum(a, small, 4)
     with pytest.raises(ValueError, match="_set_isa"):
         cpu._set_isa("sse9")
+
+
+def test_matmul_strided_checks_extents_and_strides():
+    """The strided matmul refuses views that would read outside the buffer (no crash)."""
+    cpu = pytest.importorskip("needle.backend_ndarray.ndarray_backend_cpu")
+    a, b, out = cpu.Array(12), cpu.Array(12), cpu.Array(9)
+    cpu.fill(a, 1.0)
+    cpu.fill(b, 2.0)
+    cpu.matmul_strided(a, b, out, 3, 4, 3, 0, 4, 1, 0, 1, 4)  # b read transposed
+    np.testing.assert_array_equal(cpu.to_numpy(out, (3, 3), (3, 1), 0), np.full((3, 3), 8.0))
+    with pytest.raises(ValueError, match="a too small"):
+        cpu.matmul_strided(a, b, out, 3, 4, 3, 1, 4, 1, 0, 3, 1)
+    with pytest.raises(ValueError, match="strides must be >= 0"):
+        cpu.matmul_strided(a, b, out, 3, 4, 3, 0, -4, 1, 0, 3, 1)

@@ -358,3 +358,22 @@ def test_zero_dim_arrays_keep_their_shape(device):
     assert a.shape == () and a.size == 1
     np.testing.assert_array_equal((a * 2).numpy(), np.array(5.0))
     assert nd.array(np.ones((2, 3)), device=device).sum().shape == ()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matmul_of_transposed_sliced_and_broadcast_views(device, dtype):
+    """Backends with matmul_strided read the views directly; the result must not change."""
+    rng = np.random.default_rng(8)
+    x, y = _rand(rng, (40, 30), dtype), _rand(rng, (50, 40), dtype)
+    a = nd.array(x, dtype=dtype, device=device)
+    b = nd.array(y, dtype=dtype, device=device)
+    cases = [
+        (a.permute((1, 0)), b.permute((1, 0)), x.T, y.T),                 # both transposed
+        (a[3:20, 5:25], b[2:22, 1:40:3], x[3:20, 5:25], y[2:22, 1:40:3]),  # offsets, steps
+        (a[0:1, :].broadcast_to((7, 30)), b[0:30, :], np.broadcast_to(x[0:1], (7, 30)),
+         y[0:30]),                                                          # stride 0 rows
+    ]
+    for av, bv, xv, yv in cases:
+        want = xv.astype(np.float64) @ yv.astype(np.float64)
+        _close(av @ bv, want, dtype, scale=np.sqrt(xv.shape[1]) * 10)
+    assert a[0:0, :].shape == (0, 30) and (a[0:0, :] @ b[0:30, :]).shape == (0, 40)
