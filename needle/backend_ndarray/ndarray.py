@@ -22,7 +22,7 @@ from functools import lru_cache
 import numpy as np
 
 from .._core.dtypes import canonical_dtype, numpy_dtype
-from .._core.errors import AxisError, DeviceError, DTypeError, IndexOutOfRange, ShapeError
+from .._core.errors import AxisError, DTypeError, IndexOutOfRange, ShapeError
 from .devices import (
     BackendDevice,
     all_devices,
@@ -33,6 +33,14 @@ from .devices import (
     default_device,
     device_by_name,
 )
+from .ndarray_checks import (
+    check_pair,
+    is_scalar,
+    normalize_axes,
+    resolve_reshape,
+    scalar_value,
+)
+from .ndarray_tiled import matmul_tiled, tiled_ok
 
 __all__ = ["NDArray", "BackendDevice", "cpu", "cpu_numpy", "cuda", "default_device",
            "all_devices", "device_by_name", "prod"]
@@ -51,31 +59,6 @@ def _compact_strides(shape: tuple) -> tuple:
         strides.append(stride)
         stride *= dim
     return tuple(reversed(strides))
-
-
-def _is_scalar(x) -> bool:
-    return isinstance(x, (int, float, np.number))
-
-
-def _normalize_axis(axis: int, ndim: int, op: str) -> int:
-    if not isinstance(axis, (int, np.integer)):
-        raise AxisError(f"{op}: axis must be an int, expected int in [{-ndim}, {ndim}), "
-                        f"got {axis!r}")
-    if not -ndim <= axis < builtins.max(ndim, 1):
-        raise AxisError(f"{op}: axis out of range, expected an axis in [{-ndim}, {ndim}), "
-                        f"got {axis}")
-    return int(axis) % builtins.max(ndim, 1)
-
-
-def normalize_axes(axis, ndim: int, op: str) -> tuple:
-    """``None`` → all axes; int or sequence → sorted tuple of distinct non-negative axes."""
-    if axis is None:
-        return tuple(range(ndim))
-    axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
-    out = tuple(sorted(_normalize_axis(a, ndim, op) for a in axes))
-    if len(set(out)) != len(out):
-        raise AxisError(f"{op}: repeated axis, expected distinct axes, got {axis}")
-    return out
 
 
 class NDArray:
@@ -244,7 +227,7 @@ class NDArray:
 
     def reshape(self, new_shape) -> "NDArray":
         """A view with ``new_shape`` (one dim may be -1); non-compact arrays are copied first."""
-        new_shape = _resolve_reshape(self._shape, new_shape)
+        new_shape = resolve_reshape(self._shape, new_shape)
         if new_shape == self._shape:
             return self
         base = self.compact()
@@ -326,11 +309,11 @@ class NDArray:
             if other.size != view.size:
                 raise ShapeError(f"setitem: size mismatch, expected {view.size} elements "
                                  f"(view {view.shape}), got {other.size} ({other.shape})")
-            _check_pair("setitem", self, other)
+            check_pair("setitem", self, other)
             if view.size:
                 self._device.ewise_setitem(other.compact()._handle, self._handle, view._shape,
                                            view._strides, view._offset)
-        elif _is_scalar(other):
+        elif is_scalar(other):
             self._device.scalar_setitem(view.size, float(other), self._handle, view._shape,
                                         view._strides, view._offset)
         else:
@@ -343,14 +326,14 @@ class NDArray:
         out = _alloc(self._shape, self._device, self._handle.dtype)
         if isinstance(other, NDArray):
             if other._device is not self._device or other._handle.dtype != out._handle.dtype:
-                _check_pair(op, self, other)
+                check_pair(op, self, other)
             if other._shape != self._shape:
                 raise ShapeError(f"{op}: shapes differ, expected {self._shape}, "
                                  f"got {other._shape} (broadcast explicitly)")
             b = other if other._compact else other.compact()
             ewise(a._handle, b._handle, out._handle)
         else:
-            scalar(a._handle, _scalar_value(other, op), out._handle)
+            scalar(a._handle, scalar_value(other, op), out._handle)
         return out
 
     def _unary(self, kernel) -> "NDArray":
@@ -457,13 +440,13 @@ class NDArray:
             raise ShapeError(f"matmul: expected two 2-D arrays, got {self.shape} @ {got} "
                              f"(use needle.backend_ndarray.matmul for batches)")
         if other._device is not self._device or other._handle.dtype != self._handle.dtype:
-            _check_pair("matmul", self, other)
+            check_pair("matmul", self, other)
         (m, n), (n2, p) = self._shape, other._shape
         if n != n2:
             raise ShapeError(f"matmul: inner dimensions differ, expected a.shape[-1] == "
                              f"b.shape[-2], got {self.shape} @ {other.shape}")
-        if USE_TILED_MATMUL and _tiled_ok(self._device, m, n, p):
-            return _matmul_tiled(self, other, m, n, p)
+        if USE_TILED_MATMUL and tiled_ok(self._device, m, n, p):
+            return matmul_tiled(self, other, m, n, p)
         dtype = self._handle.dtype
         out = _alloc((m, p), self._device, dtype)
         strided = getattr(self._device.mod, "matmul_strided", None)
@@ -550,63 +533,6 @@ def _alloc(shape: tuple, device: BackendDevice, dtype: str) -> NDArray:
     array._handle = device.Array(math.prod(shape), dtype)
     array._compact = True
     return array
-
-
-def _scalar_value(value, op: str) -> float:
-    if isinstance(value, (int, float, np.number)):
-        return float(value)
-    if isinstance(value, np.ndarray) and value.size == 1:
-        return float(value.reshape(-1)[0])
-    raise DTypeError(f"{op}: expected an NDArray or a scalar, got {type(value).__name__}"
-                     + (f" of shape {value.shape}" if hasattr(value, "shape") else ""))
-
-
-def _check_pair(op: str, a: NDArray, b: NDArray) -> None:
-    if a._device is not b._device and a._device != b._device:
-        raise DeviceError(f"{op}: operands on different devices, expected {a.device}, "
-                          f"got {b.device}")
-    if a._handle.dtype != b._handle.dtype:
-        raise DTypeError(f"{op}: mixed dtypes, expected {a.dtype}, got {b.dtype} "
-                         f"(convert one with .astype)")
-
-
-def _resolve_reshape(shape: tuple, new_shape) -> tuple:
-    if isinstance(new_shape, (int, np.integer)):
-        new_shape = (new_shape,)
-    new_shape = tuple(int(d) for d in new_shape)
-    size = math.prod(shape)
-    if new_shape.count(-1) > 1 or any(d < -1 for d in new_shape):
-        raise ShapeError(f"reshape: invalid shape, expected non-negative dims and at most "
-                         f"one -1, got {new_shape}")
-    if -1 in new_shape:
-        known = math.prod(d for d in new_shape if d != -1)
-        if known == 0 or size % known:
-            raise ShapeError(f"reshape: cannot infer -1, expected size {size} divisible by "
-                             f"{known}, got {new_shape} for {shape}")
-        new_shape = tuple(size // known if d == -1 else d for d in new_shape)
-    if math.prod(new_shape) != size:
-        raise ShapeError(f"reshape: size differs, expected {size} elements ({shape}), "
-                         f"got {math.prod(new_shape)} ({new_shape})")
-    return new_shape
-
-
-def _tiled_ok(device: BackendDevice, m: int, n: int, p: int) -> bool:
-    mod = device.mod
-    tile = getattr(mod, "__tile_size__", 0)
-    return hasattr(mod, "matmul_tiled") and tile > 1 and not (m % tile or n % tile or p % tile)
-
-
-def _tile(a: NDArray, tile: int) -> NDArray:
-    rows, cols = a.shape
-    return a.compact().as_strided(
-        (rows // tile, cols // tile, tile, tile), (tile * cols, tile, cols, 1)).compact()
-
-
-def _matmul_tiled(a: NDArray, b: NDArray, m: int, n: int, p: int) -> NDArray:
-    tile = a.device.__tile_size__
-    t = NDArray.make((m // tile, p // tile, tile, tile), device=a.device, dtype=a.dtype)
-    a.device.matmul_tiled(_tile(a, tile)._handle, _tile(b, tile)._handle, t._handle, m, n, p)
-    return t.permute((0, 2, 1, 3)).compact().reshape((m, p))
 
 
 from .ndarray_functions import *  # noqa: E402,F401,F403 - the module functions of §3.1

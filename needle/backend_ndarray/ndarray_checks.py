@@ -1,0 +1,79 @@
+"""Input checks shared by NDArray's methods: axes, scalars, operand pairs, reshape targets.
+
+Public NDArray methods call these before any kernel runs (kernels assume valid input).
+
+Example:
+    >>> normalize_axes(-1, 3, "sum"), resolve_reshape((2, 6), (3, -1))
+    ((2,), (3, 4))
+"""
+from __future__ import annotations
+
+import builtins
+import math
+
+import numpy as np
+
+from .._core.errors import AxisError, DeviceError, DTypeError, ShapeError
+
+
+def is_scalar(x) -> bool:
+    return isinstance(x, (int, float, np.number))
+
+
+def normalize_axis(axis: int, ndim: int, op: str) -> int:
+    if not isinstance(axis, (int, np.integer)):
+        raise AxisError(f"{op}: axis must be an int, expected int in [{-ndim}, {ndim}), "
+                        f"got {axis!r}")
+    if not -ndim <= axis < builtins.max(ndim, 1):
+        raise AxisError(f"{op}: axis out of range, expected an axis in [{-ndim}, {ndim}), "
+                        f"got {axis}")
+    return int(axis) % builtins.max(ndim, 1)
+
+
+def normalize_axes(axis, ndim: int, op: str) -> tuple:
+    """``None`` → all axes; int or sequence → sorted tuple of distinct non-negative axes."""
+    if axis is None:
+        return tuple(range(ndim))
+    axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
+    out = tuple(sorted(normalize_axis(a, ndim, op) for a in axes))
+    if len(set(out)) != len(out):
+        raise AxisError(f"{op}: repeated axis, expected distinct axes, got {axis}")
+    return out
+
+
+def scalar_value(value, op: str) -> float:
+    if isinstance(value, (int, float, np.number)):
+        return float(value)
+    if isinstance(value, np.ndarray) and value.size == 1:
+        return float(value.reshape(-1)[0])
+    raise DTypeError(f"{op}: expected an NDArray or a scalar, got {type(value).__name__}"
+                     + (f" of shape {value.shape}" if hasattr(value, "shape") else ""))
+
+
+def check_pair(op: str, a, b) -> None:
+    if a._device is not b._device and a._device != b._device:
+        raise DeviceError(f"{op}: operands on different devices, expected {a.device}, "
+                          f"got {b.device}")
+    if a._handle.dtype != b._handle.dtype:
+        raise DTypeError(f"{op}: mixed dtypes, expected {a.dtype}, got {b.dtype} "
+                         f"(convert one with .astype)")
+
+
+def resolve_reshape(shape: tuple, new_shape) -> tuple:
+    if isinstance(new_shape, (int, np.integer)):
+        new_shape = (new_shape,)
+    new_shape = tuple(int(d) for d in new_shape)
+    size = math.prod(shape)
+    if new_shape.count(-1) > 1 or any(d < -1 for d in new_shape):
+        raise ShapeError(f"reshape: invalid shape, expected non-negative dims and at most "
+                         f"one -1, got {new_shape}")
+    if -1 in new_shape:
+        known = math.prod(d for d in new_shape if d != -1)
+        if known == 0 or size % known:
+            raise ShapeError(f"reshape: cannot infer -1, expected size {size} divisible by "
+                             f"{known}, got {new_shape} for {shape}")
+        new_shape = tuple(size // known if d == -1 else d for d in new_shape)
+    if math.prod(new_shape) != size:
+        raise ShapeError(f"reshape: size differs, expected {size} elements ({shape}), "
+                         f"got {math.prod(new_shape)} ({new_shape})")
+    return new_shape
