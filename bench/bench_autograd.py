@@ -32,28 +32,7 @@ def needle_chain(device):
     c = Tensor(rng.standard_normal((10, 10)) * 0.1, device=device, dtype="float32",
                requires_grad=False)
 
-    def forward():
-        h = x
-        for i in range(N_OPS):
-            k = i % 5
-            if k == 0:
-                h = h + c
-            elif k == 1:
-                h = h * c
-            elif k == 2:
-                h = ops.tanh(h)
-            elif k == 3:
-                h = h @ w
-            else:
-                h = ops.relu(h)
-        return h
-
-    def step():
-        forward().sum().backward()
-        x.grad = None
-        w.grad = None
-
-    return forward, step
+    return _chain(x, w, c, ops.tanh, ops.relu)
 
 
 def torch_chain():
@@ -66,6 +45,12 @@ def torch_chain():
                      requires_grad=True)
     c = torch.tensor(rng.standard_normal((10, 10)) * 0.1, dtype=torch.float32)
 
+    return _chain(x, w, c, torch.tanh, torch.relu)
+
+
+def _chain(x, w, c, tanh, relu):
+    """The same 50-op chain for either framework: (forward, forward + backward) closures."""
+
     def forward():
         h = x
         for i in range(N_OPS):
@@ -75,11 +60,11 @@ def torch_chain():
             elif k == 1:
                 h = h * c
             elif k == 2:
-                h = torch.tanh(h)
+                h = tanh(h)
             elif k == 3:
                 h = h @ w
             else:
-                h = torch.relu(h)
+                h = relu(h)
         return h
 
     def step():
