@@ -164,16 +164,21 @@ def split(a, axis: int = 0):
     return tuple(parts)
 
 
-def broadcast_shapes(*shapes) -> tuple:
-    """The NumPy broadcast of several shapes; :class:`ShapeError` if incompatible."""
+def broadcast_shapes(*shapes, op: str = "broadcast") -> tuple:
+    """The NumPy broadcast of several shapes; :class:`ShapeError` naming ``op`` if they clash.
+
+    Example:
+        >>> broadcast_shapes((3, 1), (4,))
+        (3, 4)
+    """
     ndim = builtins.max(len(s) for s in shapes)
     out = []
     for d in range(ndim):
         dims = {s[d - ndim + len(s)] for s in shapes if d - ndim + len(s) >= 0}
         dims.discard(1)
         if len(dims) > 1:
-            raise ShapeError(f"broadcast: incompatible shapes, expected equal dims or 1, "
-                             f"got {shapes}")
+            raise ShapeError(f"{op}: shapes do not broadcast, expected equal dims or 1, "
+                             f"got {' and '.join(str(tuple(s)) for s in shapes)}")
         out.append(dims.pop() if dims else 1)
     return tuple(out)
 

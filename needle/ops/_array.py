@@ -15,41 +15,17 @@ import math
 
 import numpy
 
-from .._core.errors import AxisError, DTypeError, ShapeError
+from ..backend_ndarray.ndarray import NDArray as _NDArrayClass
+from ..backend_ndarray.ndarray_checks import normalize_axes  # noqa: F401 - the ops' axis check
+from ..backend_ndarray.ndarray_functions import broadcast_shapes
 from ..backend_selection import BACKEND, NDArray, array_api
 
 ND = BACKEND == "nd"
 
 
-def normalize_axes(axes, ndim: int, op: str) -> tuple:
-    """``None`` → all axes; int / sequence → sorted tuple of distinct axes in range."""
-    if axes is None:
-        return tuple(range(ndim))
-    if isinstance(axes, (int, numpy.integer)):
-        axes = (axes,)
-    out = []
-    for axis in axes:
-        if not isinstance(axis, (int, numpy.integer)) or not -ndim <= axis < max(ndim, 1):
-            raise AxisError(
-                f"{op}: axis out of range, expected an int in [{-ndim}, {ndim}), got {axis!r}")
-        out.append(int(axis) % max(ndim, 1))
-    if len(set(out)) != len(out):
-        raise AxisError(f"{op}: repeated axis, expected distinct axes, got {axes}")
-    return tuple(sorted(out))
-
-
 def broadcast_shape(op: str, a: tuple, b: tuple) -> tuple:
     """NumPy broadcast of two shapes, or :class:`ShapeError` naming ``op`` and both shapes."""
-    ndim = max(len(a), len(b))
-    pa, pb = (1,) * (ndim - len(a)) + tuple(a), (1,) * (ndim - len(b)) + tuple(b)
-    out = []
-    for x, y in zip(pa, pb, strict=True):
-        if x != y and x != 1 and y != 1:
-            raise ShapeError(
-                f"{op}: shapes do not broadcast, expected equal dims or 1, got "
-                f"{tuple(a)} and {tuple(b)}")
-        out.append(y if x == 1 else x)
-    return tuple(out)
+    return broadcast_shapes(tuple(a), tuple(b), op=op)
 
 
 def sum_to_shape_axes(shape: tuple, target: tuple) -> tuple:
@@ -58,13 +34,6 @@ def sum_to_shape_axes(shape: tuple, target: tuple) -> tuple:
     axes = tuple(range(lead)) + tuple(
         lead + i for i, n in enumerate(target) if n == 1 and shape[lead + i] != 1)
     return axes, tuple(target)
-
-
-def check_same_dtype(op: str, a, b) -> None:
-    if a.dtype != b.dtype:
-        raise DTypeError(
-            f"{op}: mixed dtypes, expected both {a.dtype}, got {a.dtype} and {b.dtype} "
-            f"(convert one with .astype)")
 
 
 def size_of(shape) -> int:
@@ -273,9 +242,4 @@ else:
         return isinstance(x, numpy.ndarray)
 
 
-def compact_strides(shape) -> tuple:
-    strides, stride = [], 1
-    for dim in reversed(tuple(shape)):
-        strides.append(stride)
-        stride *= dim
-    return tuple(reversed(strides))
+compact_strides = _NDArrayClass.compact_strides  # row-major strides (pure; both modes)
