@@ -38,6 +38,16 @@ def _grad(p: Tensor, theta):
     return g if g.dtype == theta.dtype else g.astype(theta.dtype)
 
 
+def _decayed_grads(params, wd: float):
+    """(parameter, its array, grad + wd·θ) for every parameter that has a gradient."""
+    for p in params:
+        if p.grad is None:
+            continue
+        theta = _array(p)
+        g = _grad(p, theta)
+        yield p, theta, (g + theta * wd if wd else g)
+
+
 def _assign(p: Tensor, array) -> None:
     # Same effect as ``p.data = Tensor(array)`` without building a throwaway Tensor. A wider
     # gradient (np mode lets float64 data reach float32 weights) must not widen the weight.
@@ -164,13 +174,7 @@ class SGD(Optimizer):
 
     def step(self) -> None:
         lr, mom, wd = float(self.lr), float(self.momentum), float(self.weight_decay)
-        for p in self.params:
-            if p.grad is None:
-                continue
-            theta = _array(p)
-            g = _grad(p, theta)
-            if wd:
-                g = g + theta * wd
+        for p, theta, g in _decayed_grads(self.params, wd):
             if mom:
                 u = self.u.get(p)
                 u = g * (1 - mom) if u is None else u * mom + g * (1 - mom)
@@ -204,13 +208,7 @@ class Adam(Optimizer):
         b1, b2, wd = float(self.beta1), float(self.beta2), float(self.weight_decay)
         c1, c2 = 1 - b1 ** self.t, 1 - b2 ** self.t
         lr, eps = float(self.lr), float(self.eps)
-        for p in self.params:
-            if p.grad is None:
-                continue
-            theta = _array(p)
-            g = _grad(p, theta)
-            if wd:
-                g = g + theta * wd
+        for p, theta, g in _decayed_grads(self.params, wd):
             m, v = self.m.get(p), self.v.get(p)
             m = g * (1 - b1) if m is None else m * b1 + g * (1 - b1)
             v = (g * g) * (1 - b2) if v is None else v * b2 + (g * g) * (1 - b2)

@@ -13,7 +13,6 @@ Example:
 from __future__ import annotations
 
 import importlib
-import math
 import os
 
 import numpy as np
@@ -197,5 +196,3 @@ def check_enabled(device: BackendDevice, op: str) -> BackendDevice:
             f"{op}: device {device} is not available ({reason}), expected an enabled device")
     return device
 
-
-prod = math.prod

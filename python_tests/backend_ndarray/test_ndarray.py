@@ -36,8 +36,18 @@ def test_device_names_and_equality():
     assert str(nd.cpu()) == "cpu()" and repr(nd.cpu_numpy()) == "cpu_numpy()"
     assert str(nd.cuda()) == "cuda()"
     assert nd.cpu_numpy() == nd.cpu_numpy() and nd.cpu() != nd.cpu_numpy()
-    assert nd.cuda().enabled() in (True, False)  # never raises
     assert nd.default_device() in nd.all_devices()
+
+
+def test_cuda_device_never_raises_until_used():
+    from needle._core.errors import BackendUnavailable
+    dev = nd.cuda()  # must not raise, GPU or not
+    if dev.enabled():
+        assert nd.array([1.0], device=dev).numpy().tolist() == [1.0]
+    else:
+        assert dev not in nd.all_devices()
+        with pytest.raises(BackendUnavailable, match=r"cuda\(\)"):
+            nd.array([1.0], device=dev)
 
 
 def test_unknown_device_and_dtype_raise():

@@ -77,9 +77,8 @@ def overlaps(a, b):
     return a[0] < b[1] and b[0] < a[1]
 
 
-@pytest.mark.parametrize("train", [False, True])
-def test_planned_tensors_never_share_bytes_while_both_live(train):
-    model = chain(3, bias=True)
+def step_fn(model, train: bool):
+    """One training step (backward, returns nothing) or one inference (no_grad, returns out)."""
 
     def step(a):
         if train:
@@ -88,7 +87,13 @@ def test_planned_tensors_never_share_bytes_while_both_live(train):
         with ndl.no_grad():
             return model(a)
 
-    g = mem.trace(step, data())
+    return step
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_planned_tensors_never_share_bytes_while_both_live(train):
+    model = chain(3, bias=True)
+    g = mem.trace(step_fn(model, train), data())
     p = mem.plan(g)
     specs = {t.id: t for t in g.planned()}
     assert set(p.assignments) == set(specs)
@@ -150,15 +155,7 @@ def plans_for(depths, train):
     out = []
     for depth in depths:
         model = chain(depth)
-
-        def step(a, model=model):
-            if train:
-                model(a).sum().backward()
-                return None
-            with ndl.no_grad():
-                return model(a)
-
-        g = mem.trace(step, data())
+        g = mem.trace(step_fn(model, train), data())
         p = mem.plan(g)
         for q in model.parameters():
             q.grad = None
