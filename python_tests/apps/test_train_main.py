@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 
@@ -24,7 +26,7 @@ def _run(*args, timeout=120):
 def test_digits_training_reaches_95_percent():
     cfg = train.parse_args(["--epochs", "8", "--no-progress", "--seed", "0"])
     summary = train.train(cfg)
-    assert summary["final_test_accuracy"] >= 0.95
+    assert summary["accuracy"] >= 0.95 and summary["final_test_accuracy"] == summary["accuracy"]
     assert summary["train_examples"] + summary["test_examples"] == 1797
     assert summary["test_examples"] == round(1797 * 0.2)
     h = summary["history"]
@@ -60,6 +62,7 @@ def test_main_job_end_to_end(tmp_path):
     proc = _run("--epochs", "2", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "held-out accuracy" in proc.stdout and "examples/second" in proc.stdout
+    assert proc.stdout.count("epoch ") == 2  # per-epoch lines are printed with progress on
     summary = _check_outputs(out, 2)
     assert summary["final_test_accuracy"] > 0.8
     assert summary["config"]["model"] == "mlp_resnet"
@@ -133,3 +136,113 @@ def test_main_job_data_parallel_two_ranks(tmp_path, backend):
     assert summary["world_size"] == 2
     assert summary["final_test_accuracy"] >= 0.95
     assert (tmp_path / "training.png").stat().st_size > 1000
+    assert summary["strategy"] == "ddp" and summary["steps"] == 8 * summary["steps_per_epoch"]
+
+
+# ---- the step loop, the summary contract and the strategy registry -------------------------
+CONTRACT_KEYS = ("accuracy", "final_loss", "strategy", "world_size", "steps", "wall_s",
+                 "examples_per_s", "params_sha256", "losses")
+
+
+def _quiet(*args):
+    return train.parse_args([*args, "--no-progress"])
+
+
+def test_summary_contract_and_max_steps():
+    summary = train.train(_quiet("--model", "mlp", "--max-steps", "7", "--epochs", "5"))
+    for key in CONTRACT_KEYS:
+        assert key in summary, key
+    assert summary["steps"] == 7 and len(summary["losses"]) == 7
+    assert summary["strategy"] == "single" and summary["world_size"] == 1
+    assert summary["final_loss"] == summary["losses"][-1]
+    assert len(summary["history"]["epoch"]) == 1  # stopped inside the first epoch, evaluated
+    assert 0.0 <= summary["accuracy"] <= 1.0 and len(summary["params_sha256"]) == 64
+
+
+def test_seed_makes_runs_repeatable_and_distinct():
+    a = train.train(_quiet("--model", "mlp", "--max-steps", "5", "--seed", "1"))
+    b = train.train(_quiet("--model", "mlp", "--max-steps", "5", "--seed", "1"))
+    c = train.train(_quiet("--model", "mlp", "--max-steps", "5", "--seed", "2"))
+    assert a["params_sha256"] == b["params_sha256"] and a["losses"] == b["losses"]
+    assert a["params_sha256"] != c["params_sha256"]
+
+
+def test_params_sha256_covers_every_byte():
+    p = [np.zeros((2, 3), np.float32), np.ones(4, np.float32)]
+    q = [x.copy() for x in p]
+    q[1][3] = np.nextafter(np.float32(1), np.float32(2))
+    assert train.params_sha256(p) != train.params_sha256(q)
+    # the shape is part of the hash: the same bytes in another layout differ
+    assert train.params_sha256([p[0].reshape(3, 2), p[1]]) != train.params_sha256(p)
+
+
+def test_each_optimizer_has_its_own_learning_rate():
+    # SGD used to inherit Adam's 0.003 and ended below chance after 2 epochs.
+    cfg = _quiet("--optimizer", "sgd", "--epochs", "2")
+    assert cfg.learning_rate == 0.1
+    summary = train.train(cfg)
+    assert summary["accuracy"] > 0.85
+    assert _quiet("--optimizer", "adam").learning_rate == 0.003
+    assert _quiet("--optimizer", "sgd", "--lr", "0.5").learning_rate == 0.5
+
+
+def test_help_shows_every_default():
+    proc = _run("--help", timeout=60)
+    assert proc.returncode == 0
+    text = " ".join(proc.stdout.split())
+    for fragment in ("adam 0.003", "sgd 0.1", "(default: 64)", "(default: digits)",
+                     "--strategy", "--slow-worker", "--kill-worker", "--die-at-step"):
+        assert fragment in text, fragment
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--strategy", "carrier-pigeon"], "unknown --strategy"),
+    (["--strategy", "single", "--nproc", "2"], "runs one process"),
+    (["--strategy", "ddp"], "needs --nproc >= 2"),
+    (["--max-steps", "0"], "--max-steps must be positive"),
+    (["--slow-worker", "1"], "RANK:MS"),
+    (["--kill-worker", "x@3"], "RANK must be an integer"),
+    (["--kill-worker", "5@3"], "RANK must be in [0, 1)"),
+])
+def test_strategy_and_fault_arguments_are_checked(args, needle):
+    with pytest.raises(train.UsageError, match=re.escape(needle)):
+        cfg = train.parse_args(args)
+        train.train(cfg)
+
+
+def test_die_at_step_really_sigkills(tmp_path):
+    proc = _run("--model", "mlp", "--die-at-step", "3", "--out", str(tmp_path), "--no-progress")
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert "--die-at-step 3" in proc.stderr
+    assert not (tmp_path / "summary.json").exists()
+
+
+def test_slow_worker_really_sleeps():
+    summary = train.train(_quiet("--model", "mlp", "--max-steps", "4", "--slow-worker", "0:150"))
+    assert summary["wall_s"] >= 4 * 0.150  # a lower bound: load only makes it later
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(240)
+def test_ddp_step_equals_the_single_process_step(tmp_path):
+    """Without BatchNorm or dropout, 2 DDP ranks compute the very same steps as 1 process."""
+    # an odd global batch: the ranks hold 32 and 31 examples, so their weights matter
+    single = train.train(_quiet("--model", "mlp", "--max-steps", "12", "--seed", "4",
+                                "--batch-size", "63"))
+    proc = _run("--model", "mlp", "--max-steps", "12", "--seed", "4", "--nproc", "2",
+                "--batch-size", "63",
+                "--no-progress", "--out", str(tmp_path), timeout=200)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    ddp = json.loads((tmp_path / "summary.json").read_text())
+    assert ddp["steps"] == 12 and ddp["world_size"] == 2
+    np.testing.assert_allclose(ddp["losses"], single["losses"], rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(240)
+def test_kill_worker_sigkills_that_rank(tmp_path):
+    proc = _run("--model", "mlp", "--nproc", "2", "--kill-worker", "1@3", "--no-progress",
+                "--out", str(tmp_path), timeout=200)
+    assert proc.returncode != 0
+    assert "--kill-worker 1@3" in proc.stdout + proc.stderr
+    assert not (tmp_path / "summary.json").exists()

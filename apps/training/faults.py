@@ -1,0 +1,76 @@
+"""Fault injection for the main job: these really sleep and really SIGKILL.
+
+``--slow-worker RANK:MS`` makes rank RANK sleep MS milliseconds before every step (a
+straggler); ``--kill-worker RANK@STEP`` makes rank RANK SIGKILL itself when step STEP is about
+to start; ``--die-at-step N`` makes every rank SIGKILL itself when step N is about to start
+(after N − 1 completed steps, and after any checkpoint written at step N − 1).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+from .config import UsageError
+
+
+@dataclass(frozen=True)
+class Faults:
+    slow_rank: int | None = None
+    slow_ms: float = 0.0
+    kill_rank: int | None = None
+    kill_step: int | None = None
+    die_step: int | None = None
+
+    def before_step(self, rank: int, step: int) -> None:
+        """Apply the faults that concern ``rank`` before step ``step`` (1-based) runs."""
+        if self.die_step is not None and step == self.die_step:
+            _sigkill_self(f"--die-at-step {step}")
+        if self.kill_rank == rank and step == self.kill_step:
+            _sigkill_self(f"--kill-worker {rank}@{step}")
+        if self.slow_rank == rank and self.slow_ms > 0:
+            time.sleep(self.slow_ms / 1000.0)
+
+
+def _sigkill_self(reason: str) -> None:
+    print(f"train.py: {reason}: sending SIGKILL to myself (pid {os.getpid()})",
+          file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _int(text: str, flag: str, what: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise UsageError(f"{flag}: {what} must be an integer, got {text!r}") from None
+
+
+def parse_faults(cfg, world_size: int) -> Faults:
+    """The :class:`Faults` of ``cfg`` (raises :class:`UsageError` on a malformed spec)."""
+    slow_rank = kill_rank = kill_step = None
+    slow_ms = 0.0
+    if cfg.slow_worker is not None:
+        rank, sep, ms = cfg.slow_worker.partition(":")
+        if not sep:
+            raise UsageError(f"--slow-worker expects RANK:MS, got {cfg.slow_worker!r}")
+        slow_rank = _int(rank, "--slow-worker", "RANK")
+        try:
+            slow_ms = float(ms)
+        except ValueError:
+            raise UsageError(f"--slow-worker: MS must be a number, got {ms!r}") from None
+        if slow_ms < 0:
+            raise UsageError(f"--slow-worker: MS must be >= 0, got {slow_ms}")
+    if cfg.kill_worker is not None:
+        rank, sep, step = cfg.kill_worker.partition("@")
+        if not sep:
+            raise UsageError(f"--kill-worker expects RANK@STEP, got {cfg.kill_worker!r}")
+        kill_rank, kill_step = _int(rank, "--kill-worker", "RANK"), _int(
+            step, "--kill-worker", "STEP")
+        if kill_step < 1:
+            raise UsageError(f"--kill-worker: STEP must be >= 1, got {kill_step}")
+    for flag, rank in (("--slow-worker", slow_rank), ("--kill-worker", kill_rank)):
+        if rank is not None and not 0 <= rank < world_size:
+            raise UsageError(f"{flag}: RANK must be in [0, {world_size}), got {rank}")
+    return Faults(slow_rank, slow_ms, kill_rank, kill_step, cfg.die_at_step)

@@ -1,0 +1,65 @@
+"""``--strategy ddp``: data parallelism with needle's ``DistributedDataParallel``.
+
+Every rank holds the whole model; each computes its share of the global batch and DDP
+all-reduces the gradients in buckets during backward, weighting every rank by its number of
+examples, so a step equals the single-process step on the whole global batch.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .base import StepResult, Strategy
+
+
+class DataParallel(Strategy):
+    name = "ddp"
+
+    @staticmethod
+    def add_arguments(group) -> None:
+        group.add_argument("--bucket-cap-mb", type=float, default=1.0,
+                           help="DDP gradient bucket size in MiB")
+
+    @classmethod
+    def validate(cls, cfg) -> None:
+        from ..config import UsageError
+
+        if cfg.nproc < 2:
+            raise UsageError(f"--strategy {cfg.strategy} needs --nproc >= 2, got {cfg.nproc}")
+        if cfg.extra.get("bucket_cap_mb", 1.0) <= 0:
+            raise UsageError(f"--bucket-cap-mb must be positive, got "
+                             f"{cfg.extra['bucket_cap_mb']}")
+
+    @property
+    def distributed(self) -> bool:
+        return True
+
+    def setup(self, ctx) -> None:
+        super().setup(ctx)
+        import needle.distributed as dist
+
+        # Also broadcasts rank 0's parameters, so every rank starts from the same weights.
+        self.ddp = dist.DistributedDataParallel(
+            self.model, bucket_cap_mb=self.cfg.extra.get("bucket_cap_mb", 1.0))
+
+    def data_shard(self) -> tuple[int, int]:
+        return self.world_size, self.rank
+
+    def train_step(self, X: np.ndarray, y: np.ndarray) -> StepResult | None:
+        self.ddp.set_num_examples(int(y.shape[0]))
+        local = self._local_step(X, y, forward=self.ddp,
+                                 after_backward=self.ddp.finish_gradient_sync)
+        return global_step_result(local, self.rank)
+
+    def evaluate(self, X, y):
+        return self._local_evaluate(X, y) if self.rank == 0 else None
+
+
+def global_step_result(local: tuple[float, int, int], rank: int, root: int = 0):
+    """Sum (loss_sum, correct, examples) over all ranks; the result on ``root``, else None."""
+    import needle.distributed as dist
+
+    totals = np.array(local, dtype=np.float64)
+    dist.all_reduce(totals, op="sum")
+    if rank != root:
+        return None
+    return StepResult(float(totals[0]), int(round(totals[1])), int(round(totals[2])))

@@ -1,0 +1,79 @@
+"""``summary.json`` (a contract: users, tests and benchmarks read its keys) and the plot."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict
+
+import numpy as np
+
+
+def params_sha256(params: list[np.ndarray]) -> str:
+    """SHA-256 over every parameter's bytes, in order, as stored (C order, native dtype)."""
+    digest = hashlib.sha256()
+    for p in params:
+        array = np.ascontiguousarray(p)
+        digest.update(str(array.dtype).encode() + str(array.shape).encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()
+
+
+def build_summary(cfg, strategy, device, history, losses, steps, wall, params,
+                  n_train, n_test, steps_per_epoch) -> dict:
+    """The summary dict of a finished run (the reporting rank's view)."""
+    accuracy = history.test_acc[-1] if history.test_acc else float("nan")
+    test_loss = history.test_loss[-1] if history.test_loss else float("nan")
+    rate = float(np.median(history.examples_per_s)) if history.examples_per_s else 0.0
+    summary = {
+        "strategy": strategy.name, "world_size": strategy.world_size, "steps": steps,
+        "accuracy": accuracy, "final_loss": losses[-1] if losses else float("nan"),
+        "losses": losses, "wall_s": wall, "examples_per_s": rate,
+        "params_sha256": params_sha256(params),
+        "config": asdict(cfg), "device": str(device),
+        "parameters": int(sum(p.size for p in params)),
+        "train_examples": int(n_train), "test_examples": int(n_test),
+        "steps_per_epoch": steps_per_epoch, "history": asdict(history),
+        # the names of the first release, kept for readers that use them
+        "final_test_accuracy": accuracy, "final_test_loss": test_loss,
+        "final_train_loss": history.train_loss[-1] if history.train_loss else float("nan"),
+        "examples_per_second": rate, "train_seconds": wall,
+    }
+    summary.update(strategy.summary_blocks())
+    return summary
+
+
+def write_outputs(summary: dict, out_dir: str) -> tuple[str, str]:
+    """Write ``summary.json`` and ``training.png`` (loss and accuracy per epoch)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(out_dir, exist_ok=True)
+    json_path = os.path.join(out_dir, "summary.json")
+    tmp_path = json_path + ".tmp"
+    with open(tmp_path, "w") as f:
+        json.dump(summary, f, indent=2)
+    os.replace(tmp_path, json_path)  # readers never see half a file
+    h = summary["history"]
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
+    ax_loss.plot(range(1, len(summary["losses"]) + 1), summary["losses"], alpha=0.4,
+                 label="train (per step)")
+    per_epoch = summary.get("steps_per_epoch") or 1
+    ax_loss.plot([e * per_epoch for e in h["epoch"]], h["test_loss"], "o-", label="held-out")
+    ax_loss.set(xlabel="optimizer step", ylabel="softmax loss", title="loss")
+    ax_acc.plot(h["epoch"], h["train_acc"], label="train")
+    ax_acc.plot(h["epoch"], h["test_acc"], label="held-out")
+    ax_acc.set(xlabel="epoch", ylabel="accuracy", title="accuracy")
+    for ax in (ax_loss, ax_acc):
+        ax.legend()
+        ax.grid(alpha=0.3)
+    cfg = summary["config"]
+    fig.suptitle(f"{cfg['model']} on {cfg['data']}, strategy {summary['strategy']} "
+                 f"x {summary['world_size']} ({summary['device']})")
+    fig.tight_layout()
+    png_path = os.path.join(out_dir, "training.png")
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return json_path, png_path
