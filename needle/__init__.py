@@ -23,6 +23,7 @@ from . import nn
 from . import optim
 from . import random
 from .checkpoint import checkpoint, checkpoint_sequential, plan_checkpoints
+from .serialization import save, load
 from .backend_selection import *
 
 

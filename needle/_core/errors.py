@@ -78,3 +78,7 @@ def expect(condition: bool, error: type[NeedleError], op: str, what: str, expect
     """
     if not condition:
         raise error(f"{op}: {what}, expected {expected}, got {got}")
+
+
+class SerializationError(NeedleError, ValueError):
+    """A file that ``ndl.load`` cannot read back, or an object ``ndl.save`` cannot write."""
