@@ -81,6 +81,11 @@ def main(argv=None) -> int:
 
     try:
         cfg = parse_args(argv)
+        if cfg.verify_resume is not None:
+            from training.verify_resume import verify_resume
+
+            return verify_resume(cfg, sys.argv[1:] if argv is None else list(argv),
+                                 os.path.abspath(__file__))
         rank, world_size = _start_ranks(cfg)
         summary = train(cfg, rank=rank, world_size=world_size)
     except (UsageError, NeedleError) as exc:  # bad input: one line, no traceback

@@ -45,6 +45,12 @@ class Config:
     slow_worker: str | None = None  # "RANK:MS"
     kill_worker: str | None = None  # "RANK@STEP"
     die_at_step: int | None = None
+    save_every: int | None = None
+    checkpoint_dir: str | None = None  # None: --resume's folder, else OUT/checkpoints
+    keep_checkpoints: int = 3
+    resume: str | None = None
+    rng_ledger: str | None = None
+    verify_resume: int | None = None
     extra: dict | None = None  # strategy-specific options, by dest name
 
     @property
@@ -92,6 +98,21 @@ def build_parser(strategies: dict) -> argparse.ArgumentParser:
                         help="rank RANK SIGKILLs itself when it reaches step STEP")
     faults.add_argument("--die-at-step", type=int, default=None, metavar="N",
                         help="every rank of the job SIGKILLs itself at step N")
+    ckpt = p.add_argument_group("checkpoints and exact resume")
+    ckpt.add_argument("--save-every", type=int, default=None, metavar="K",
+                      help="write a checkpoint every K optimizer steps")
+    ckpt.add_argument("--checkpoint-dir", default=None, metavar="D",
+                      help="where checkpoints go (default: the --resume folder, else "
+                           "OUT/checkpoints)")
+    ckpt.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints,
+                      help="how many complete checkpoints to keep")
+    ckpt.add_argument("--resume", default=None, metavar="D",
+                      help="continue from the newest complete checkpoint under D")
+    ckpt.add_argument("--rng-ledger", default=None, metavar="FILE",
+                      help="record every random draw (JSON lines; one file per rank)")
+    ckpt.add_argument("--verify-resume", type=int, default=None, metavar="K",
+                      help="certify exact resume: run --max-steps straight, then save at step "
+                           "K, SIGKILL, resume, and compare (see docs/training.md)")
     for name, cls in strategies.items():
         group = p.add_argument_group(f"--strategy {name}")
         cls.add_arguments(group)
@@ -127,10 +148,16 @@ def validate(cfg: Config, strategies: dict) -> None:
         if getattr(cfg, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got "
                              f"{getattr(cfg, name)}")
-    for name in ("max_steps", "die_at_step"):
+    for name in ("max_steps", "die_at_step", "save_every", "keep_checkpoints", "verify_resume"):
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if cfg.verify_resume is not None and (cfg.max_steps is None
+                                          or not 0 < cfg.verify_resume < cfg.max_steps):
+        raise UsageError(f"--verify-resume K needs --max-steps S with 0 < K < S, got K="
+                         f"{cfg.verify_resume}, S={cfg.max_steps}")
+    if cfg.resume is not None and not os.path.isdir(cfg.resume):
+        raise UsageError(f"--resume: no such folder {cfg.resume}")
     if cfg.lr is not None and cfg.lr <= 0:
         raise UsageError(f"--lr must be positive, got {cfg.lr}")
     if cfg.data == "mnist":

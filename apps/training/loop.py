@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from .checkpoints import Cursor, RunCheckpoints
 from .data import global_batches, load_data, replica_share, steps_per_epoch
 from .faults import parse_faults
 from .models import build_model, build_optimizer, device_by_name
@@ -58,6 +59,11 @@ class _Epoch:
     correct: int = 0
     seen: int = 0
 
+    def add(self, result) -> None:
+        self.loss_sum += result.loss_sum
+        self.correct += result.correct
+        self.seen += result.examples
+
 
 def _progress_bar(cfg, strategy, total: int, desc: str):
     from tqdm import tqdm
@@ -73,43 +79,66 @@ def run(cfg, strategy, rank: int = 0, world_size: int = 1) -> dict | None:
     classes = int(max(y.max(), yt.max())) + 1
     faults = parse_faults(cfg, world_size)
     strategy.setup(RunContext(cfg, device, X.shape[1], classes, rank, world_size))
+    ledger = _start_ledger(cfg, rank)
+    checkpoints = RunCheckpoints(cfg, strategy, rank, world_size, ledger)
+    cursor = checkpoints.restore() or Cursor()
+    history = History(**cursor.history) if cursor.history else History()
     replicas, index = strategy.data_shard()
-    history, losses, steps = History(), [], 0
     started = time.perf_counter()
     max_steps = cfg.max_steps if cfg.max_steps is not None else math.inf
-    for epoch in range(1, cfg.epochs + 1):
-        epoch_stats, epoch_start = _Epoch(), time.perf_counter()
-        batches = [b for b in global_batches(X.shape[0], cfg.batch_size, cfg.seed, epoch)
+    while cursor.epoch <= cfg.epochs and cursor.steps < max_steps:
+        stats = _Epoch(**cursor.epoch_stats) if cursor.epoch_stats else _Epoch()
+        epoch_start = time.perf_counter()
+        batches = [b for b in global_batches(X.shape[0], cfg.batch_size, cfg.seed, cursor.epoch)
                    if len(b) >= replicas]  # every replica needs at least one example
-        bar = _progress_bar(cfg, strategy, min(len(batches), max_steps - steps),
-                            f"epoch {epoch}/{cfg.epochs}")
-        for indices in batches:
-            if steps >= max_steps:
-                break
-            faults.before_step(rank, steps + 1)
-            share = replica_share(indices, replicas, index)
+        bar = _progress_bar(cfg, strategy, min(len(batches), max_steps - cursor.steps),
+                            f"epoch {cursor.epoch}/{cfg.epochs}")
+        while cursor.batch_index < len(batches) and cursor.steps < max_steps:
+            faults.before_step(rank, cursor.steps + 1)
+            share = replica_share(batches[cursor.batch_index], replicas, index)
             result = strategy.train_step(X[share], y[share])
-            steps += 1
+            cursor.steps += 1
+            cursor.batch_index += 1
             if result is not None:
-                losses.append(result.loss)
-                epoch_stats.loss_sum += result.loss_sum
-                epoch_stats.correct += result.correct
-                epoch_stats.seen += result.examples
+                cursor.losses.append(result.loss)
+                stats.add(result)
                 bar.set_postfix(loss=f"{result.loss:.4f}")
             bar.update(1)
+            cursor.epoch_stats, cursor.history = asdict(stats), asdict(history)
+            checkpoints.maybe_save(cursor)
         bar.close()
         evaluated = strategy.evaluate(Xt, yt)
-        if strategy.is_reporter and epoch_stats.seen:
-            rate = epoch_stats.seen / max(time.perf_counter() - epoch_start, 1e-9)
-            _record_epoch(history, epoch, epoch_stats, evaluated, rate)
-        if steps >= max_steps:
-            break
+        if strategy.is_reporter and stats.seen:
+            rate = stats.seen / max(time.perf_counter() - epoch_start, 1e-9)
+            _record_epoch(history, cursor.epoch, stats, evaluated, rate)
+        if cursor.batch_index >= len(batches):
+            cursor.epoch, cursor.batch_index, cursor.epoch_stats = cursor.epoch + 1, 0, None
     wall = time.perf_counter() - started
     params = strategy.full_parameters()
+    state_digest = strategy.state_sha256()
+    if ledger is not None:
+        ledger.stop()
+        ledger.flush(ledger_path(cfg.rng_ledger, rank, world_size))
     if not strategy.is_reporter:
         return None
-    return build_summary(cfg, strategy, device, history, losses, steps, wall, params,
-                         X.shape[0], Xt.shape[0], steps_per_epoch(X.shape[0], cfg.batch_size))
+    summary = build_summary(cfg, strategy, device, history, cursor.losses, cursor.steps, wall,
+                            params, X.shape[0], Xt.shape[0],
+                            steps_per_epoch(X.shape[0], cfg.batch_size))
+    summary["state_sha256"] = state_digest
+    return summary
+
+
+def ledger_path(base: str, rank: int, world_size: int) -> str:
+    """The RNG ledger file of ``rank`` (``base`` itself for a single process)."""
+    return base if world_size == 1 else f"{base}.rank{rank}"
+
+
+def _start_ledger(cfg, rank: int):
+    if not cfg.rng_ledger:
+        return None
+    from needle.train_state import RNGLedger
+
+    return RNGLedger(rank).start()
 
 
 def _record_epoch(history: History, epoch: int, stats: _Epoch, evaluated, rate: float) -> None:

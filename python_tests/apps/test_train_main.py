@@ -246,3 +246,73 @@ def test_kill_worker_sigkills_that_rank(tmp_path):
     assert proc.returncode != 0
     assert "--kill-worker 1@3" in proc.stdout + proc.stderr
     assert not (tmp_path / "summary.json").exists()
+
+
+# ---- checkpoints and the exact-resume certificate ---------------------------------------------
+def _certificate(tmp_path, *args, timeout=300):
+    proc = _run("--max-steps", "30", "--verify-resume", "12", "--no-progress",
+                "--out", str(tmp_path), *args, timeout=timeout)
+    cert_path = tmp_path / "resume_certificate.json"
+    assert cert_path.exists(), proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc, json.loads(cert_path.read_text())
+
+
+@pytest.mark.slow
+def test_killed_and_resumed_run_is_identical_with_dropout_and_batchnorm(tmp_path):
+    proc, cert = _certificate(tmp_path)  # mlp_resnet: Dropout(0.1) and BatchNorm1d
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert cert["identical"] and cert["exit_codes"]["killed"] == -signal.SIGKILL
+    assert cert["draws_compared"]["0"] >= 30 * 3  # three dropout layers draw every step
+    assert "IDENTICAL" in proc.stdout
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_killed_and_resumed_ddp_run_is_identical(tmp_path):
+    proc, cert = _certificate(tmp_path, "--nproc", "2", timeout=280)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert cert["identical"] and set(cert["draws_compared"]) == {"0", "1"}
+
+
+def test_certificate_names_what_differs():
+    from training.verify_resume import compare
+
+    run = {"params_sha256": "a", "state_sha256": "s", "losses": [1.0, 2.0, 3.0], "steps": 3}
+    entry = {"stream": "host", "offset": 0, "count": 2, "kind": "rand", "shape": [2],
+             "digest": "x", "site": "f.py:1 Dropout.forward", "rank": 0}
+    same = compare(run, dict(run), {0: [entry]}, {0: [dict(entry)]})
+    assert same["identical"] and same["first_different_step"] is None
+    other = dict(run, losses=[1.0, 2.5, 3.0], state_sha256="t")
+    diff = compare(run, other, {0: [entry]}, {0: [dict(entry, digest="y")]})
+    assert not diff["identical"] and diff["first_different_step"] == 2
+    assert not diff["state_identical"] and diff["params_identical"]
+    assert "Dropout.forward" in diff["rng_first_divergence"]["0"]
+
+
+def test_resume_continues_and_keeps_the_newest_checkpoints(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    cfg = _quiet("--model", "mlp", "--max-steps", "20", "--save-every", "5",
+                 "--checkpoint-dir", str(ckpt), "--keep-checkpoints", "2")
+    straight = train.train(cfg)
+    assert sorted(os.listdir(ckpt)) == ["step-00000015", "step-00000020"]
+    # resume from step 20 and go on to 26: the first 20 losses are the saved ones
+    resumed = train.train(_quiet("--model", "mlp", "--max-steps", "26", "--resume", str(ckpt)))
+    assert resumed["steps"] == 26 and resumed["losses"][:20] == straight["losses"]
+    longer = train.train(_quiet("--model", "mlp", "--max-steps", "26"))
+    assert resumed["params_sha256"] == longer["params_sha256"]
+
+
+def test_resume_refuses_other_options(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    train.train(_quiet("--model", "mlp", "--max-steps", "4", "--save-every", "2",
+                       "--checkpoint-dir", str(ckpt)))
+    with pytest.raises(train.UsageError, match="--seed 0 -> 5.*|--seed"):
+        train.train(_quiet("--model", "mlp", "--max-steps", "6", "--seed", "5",
+                           "--resume", str(ckpt)))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(train.UsageError, match="no complete checkpoint"):
+        train.train(_quiet("--model", "mlp", "--resume", str(empty)))
+    with pytest.raises(train.UsageError, match="0 < K < S"):
+        train.parse_args(["--verify-resume", "5"])

@@ -26,6 +26,29 @@ class StepResult:
         return self.loss_sum / max(self.examples, 1)
 
 
+def state_digest(state) -> str:
+    """SHA-256 over a nested state dict: keys in sorted order, arrays by dtype, shape, bytes."""
+    import hashlib
+
+    digest = hashlib.sha256()
+
+    def visit(value, path: str) -> None:
+        if isinstance(value, dict):
+            for key in sorted(value, key=str):
+                visit(value[key], f"{path}/{key}")
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                visit(item, f"{path}/{i}")
+        else:
+            array = np.asarray(value)
+            digest.update(f"{path}:{array.dtype}:{array.shape}:".encode())
+            digest.update(np.ascontiguousarray(array).tobytes() if array.dtype != object
+                          else repr(value).encode())
+
+    visit(state, "")
+    return digest.hexdigest()
+
+
 class Strategy:
     """Single process: the model, its optimizer, plain forward/backward/step."""
 
@@ -119,6 +142,20 @@ class Strategy:
 
     def summary_blocks(self) -> dict:
         return {}
+
+    # ---- checkpoints ---------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """This rank's part of the training state (model with buffers, optimizer)."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def state_sha256(self) -> str | None:
+        """A digest of the whole training state (buffers and optimizer state included) on
+        the reporting rank, so two runs can be compared beyond their parameters."""
+        return state_digest(self.state_dict())
 
     def close(self) -> None:
         """Release what setup acquired (called on every rank, also after an error)."""

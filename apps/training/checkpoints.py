@@ -1,0 +1,102 @@
+"""Saving and resuming the main job: ``--save-every K --checkpoint-dir D`` and ``--resume D``.
+
+A checkpoint holds, per rank, the strategy's state (model, optimizer, and whatever the
+strategy shards), every random stream, the RNG ledger's positions and the loop's cursor
+(step, epoch, next batch, the loss history so far). The data order is a pure function of
+``(seed, epoch)``, so the cursor is all the data loader needs. Resuming restores all of it at
+the same update boundary, so the continuation is the one the uninterrupted run computes.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+
+from .config import UsageError
+
+# Options that may differ between a run and its resumption (they do not change the math).
+_FREE = {"out", "progress", "resume", "checkpoint_dir", "save_every", "keep_checkpoints",
+         "max_steps", "epochs", "die_at_step", "kill_worker", "slow_worker", "rng_ledger",
+         "verify_resume"}
+
+
+@dataclass
+class Cursor:
+    """Where the loop stands: ``steps`` done, and the next batch of ``epoch`` to run."""
+
+    steps: int = 0
+    epoch: int = 1
+    batch_index: int = 0
+    losses: list = field(default_factory=list)
+    history: dict | None = None
+    epoch_stats: dict | None = None
+
+
+def fingerprint(cfg) -> dict:
+    """The options a resumed run must share with the run that saved the checkpoint."""
+    return {k: v for k, v in asdict(cfg).items() if k not in _FREE}
+
+
+class RunCheckpoints:
+    """Saves and restores one rank's part of the job's checkpoints."""
+
+    def __init__(self, cfg, strategy, rank: int, world_size: int, ledger=None):
+        self.cfg, self.strategy, self.rank, self.world_size = cfg, strategy, rank, world_size
+        self.ledger = ledger
+        self.directory = cfg.checkpoint_dir or cfg.resume or os.path.join(cfg.out, "checkpoints")
+
+    def _state(self, cursor: Cursor | None = None):
+        from needle.train_state import TrainState
+
+        parts = {"strategy": self.strategy}
+        if self.ledger is not None:
+            parts["ledger"] = self.ledger
+        return TrainState(extra={"cursor": asdict(cursor)} if cursor else None, **parts)
+
+    def _barrier(self):
+        if self.world_size == 1:
+            return None
+        import needle.distributed as dist
+
+        return dist.barrier
+
+    def maybe_save(self, cursor: Cursor) -> None:
+        every = self.cfg.save_every
+        if not every or cursor.steps % every:
+            return
+        if self.ledger is not None:  # the draws up to this checkpoint are on disk with it
+            from .loop import ledger_path
+
+            self.ledger.flush(ledger_path(self.cfg.rng_ledger, self.rank, self.world_size))
+        self._state(cursor).save(self.directory, cursor.steps, rank=self.rank,
+                                 world_size=self.world_size, keep=self.cfg.keep_checkpoints,
+                                 barrier=self._barrier(),
+                                 meta={"config": fingerprint(self.cfg),
+                                       "strategy": self.strategy.name})
+
+    def restore(self) -> Cursor | None:
+        """Load the newest complete checkpoint of ``--resume`` (None without ``--resume``)."""
+        if not self.cfg.resume:
+            return None
+        from needle.train_state import read_checkpoint
+
+        try:
+            manifest, shard = read_checkpoint(self.cfg.resume, self.rank)
+        except Exception as exc:  # SerializationError and friends: a usage problem here
+            raise UsageError(f"--resume {self.cfg.resume}: {exc}") from None
+        self._check_compatible(manifest)
+        state = self._state()
+        state.load_state_dict(shard)
+        return Cursor(**state.extra["cursor"])
+
+    def _check_compatible(self, manifest: dict) -> None:
+        if manifest["world_size"] != self.world_size:
+            raise UsageError(
+                f"--resume: the checkpoint was saved by {manifest['world_size']} ranks, "
+                f"expected {self.world_size} (this strategy cannot reshard)")
+        saved = manifest.get("meta", {}).get("config", {})
+        now = fingerprint(self.cfg)
+        differ = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+        if differ:
+            detail = ", ".join(f"--{k.replace('_', '-')} {saved.get(k)!r} -> {now.get(k)!r}"
+                               for k in differ)
+            raise UsageError(f"--resume: options differ from the saved run: {detail}")
