@@ -160,26 +160,48 @@ class Module:
     def load_state_dict(self, state: dict, strict: bool = True) -> None:
         """Copy values into the existing tensors (identity kept, so optimisers stay valid).
 
+        Every name, shape and dtype is checked before anything is copied, and every mismatch
+        is reported in one error. With ``strict=False`` missing and unexpected names are
+        allowed (shape and dtype mismatches never are).
+
         Raises:
-            NeedleError: with ``strict``, for missing or unexpected keys.
-            ShapeError: for a value whose shape differs from the tensor's.
+            NeedleError: listing missing and unexpected keys (with ``strict``) and every
+                shape or dtype mismatch (a :class:`ShapeError` when only shapes differ).
+
+        Example:
+            >>> import numpy as np
+            >>> from needle import nn
+            >>> np.random.seed(0); a, b = nn.Linear(2, 3), nn.Linear(2, 3)
+            >>> b.load_state_dict(a.state_dict())
+            >>> bool((a.weight.numpy() == b.weight.numpy()).all())
+            True
         """
         tensors = dict(self.named_tensors())
+        problems, arrays, shapes_only = [], {}, True
         if strict:
             missing = sorted(set(tensors) - set(state))
             extra = sorted(set(state) - set(tensors))
-            if missing or extra:
-                raise NeedleError(
-                    f"load_state_dict: keys differ, expected {sorted(tensors)}, got missing "
-                    f"{missing} and unexpected {extra}")
+            if missing:
+                problems.append(f"missing keys {missing}")
+            if extra:
+                problems.append(f"unexpected keys {extra}")
+            shapes_only = not problems
         for name, value in state.items():
             if name not in tensors:
                 continue
             target = tensors[name]
             array = value.numpy() if isinstance(value, Tensor) else np.asarray(value)
             if tuple(array.shape) != tuple(target.shape):
-                raise ShapeError(
-                    f"load_state_dict: shape of {name!r} differs, expected "
-                    f"{tuple(target.shape)}, got {tuple(array.shape)}")
+                problems.append(f"{name!r} shape expected {tuple(target.shape)}, got "
+                                f"{tuple(array.shape)}")
+            elif str(array.dtype) != str(target.dtype):
+                shapes_only = False
+                problems.append(f"{name!r} dtype expected {target.dtype}, got {array.dtype}")
+            arrays[name] = array
+        if problems:
+            error = ShapeError if shapes_only else NeedleError
+            raise error(f"load_state_dict: {len(problems)} mismatch(es): " + "; ".join(problems))
+        for name, array in arrays.items():
+            target = tensors[name]
             target.data = Tensor(array, device=target.device, dtype=target.dtype,
                                  requires_grad=False)

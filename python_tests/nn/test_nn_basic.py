@@ -215,3 +215,25 @@ def test_parameters_inside_dicts_and_lists():
     assert len(h.parameters()) == 5
     h.eval()
     assert not h.layers["b"][0].training
+
+
+def test_load_state_dict_reports_every_mismatch_at_once():
+    np.random.seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    state = model.state_dict()
+    before = model.state_dict()
+    bad = dict(state)
+    bad["modules.0.weight"] = np.zeros((4, 3), np.float32)        # shape
+    bad["modules.1.running_var"] = np.ones(4, np.float64)          # dtype
+    del bad["modules.0.bias"]                                      # missing
+    bad["modules.9.weight"] = np.ones(1, np.float32)               # unexpected
+    with pytest.raises(NeedleError) as err:
+        model.load_state_dict(bad)
+    message = str(err.value)
+    assert "4 mismatch(es)" in message
+    for fragment in ("missing keys ['modules.0.bias']", "unexpected keys ['modules.9.weight']",
+                     "'modules.0.weight' shape expected (3, 4), got (4, 3)",
+                     "'modules.1.running_var' dtype expected float32, got float64"):
+        assert fragment in message
+    for key, value in model.state_dict().items():  # nothing was copied
+        np.testing.assert_array_equal(value, before[key])
