@@ -33,3 +33,36 @@ def _device_param(name):
 def device(request):
     """Each backend device: cpu_numpy (reference), cpu (C++), cuda (when present)."""
     return request.param
+
+
+@pytest.fixture(scope="module")
+def emulated_cuda():
+    """A ``cuda()`` device whose kernels run on the host through the CUDA emulator.
+
+    The .cu sources are compiled with g++ behind a shim of the CUDA built-ins (see
+    ``backend_ndarray/_cuda_emulator.py``), so layers above the backend (autograd, nn,
+    distributed strategies) can be tested on cuda() tensors without a GPU. Slow per kernel:
+    keep tensors tiny. Skips when g++ is missing.
+    """
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "backend_ndarray", "_cuda_emulator.py")
+    spec = importlib.util.spec_from_file_location("_needle_cuda_emulator", path)
+    emulator = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(emulator)
+    if not emulator.compiler_available():
+        pytest.skip("g++ not found: no CUDA emulator")
+    from needle.backend_ndarray import ndarray_backend_cuda as backend
+    from needle.backend_ndarray._cuda import runtime
+
+    saved = (runtime._cupy, runtime._reason, runtime._allocator)
+    caches = (runtime._modules, runtime._functions, runtime._num_sms)
+    saved_caches = [dict(c) for c in caches]
+    runtime._cupy, runtime._reason, runtime._allocator = emulator.FakeCupy(num_sms=2), None, None
+    for cache in caches:
+        cache.clear()
+    yield nd.BackendDevice("cuda", backend)
+    runtime._cupy, runtime._reason, runtime._allocator = saved
+    for cache, old in zip(caches, saved_caches, strict=True):
+        cache.clear()
+        cache.update(old)
