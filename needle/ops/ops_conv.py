@@ -14,7 +14,7 @@ Example:
 """
 from __future__ import annotations
 
-from .._autograd.grad_mode import STATE
+from ..autograd.grad_mode import STATE
 from .._core.errors import ShapeError
 from ..autograd import TensorOp, _leaf
 from . import _array as A

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy
 
-from .._autograd.grad_mode import STATE
+from ..autograd.grad_mode import STATE
 from .._core.errors import IndexOutOfRange, ShapeError
 from ..autograd import Tensor, TensorOp, _leaf
 from . import _array as A

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy
 
-from .._autograd.grad_mode import STATE
+from ..autograd.grad_mode import STATE
 from .._core.errors import DTypeError, ShapeError
 from ..autograd import TensorOp, Value, _leaf
 from . import _array as A

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import builtins
 
-from .._autograd.grad_mode import STATE
+from ..autograd.grad_mode import STATE
 from .._core.errors import IndexOutOfRange, ShapeError
 from ..autograd import Tensor, TensorOp
 from . import _array as A

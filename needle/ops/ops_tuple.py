@@ -9,7 +9,7 @@ Example:
 """
 from __future__ import annotations
 
-from .._autograd.grad_mode import STATE
+from ..autograd.grad_mode import STATE
 from .._core.errors import IndexOutOfRange, ShapeError
 from ..autograd import SparseTupleGrad, Tensor, TensorOp, TensorTuple, TensorTupleOp
 from . import _array as A

@@ -1,11 +1,11 @@
-"""Autograd releases recorded outputs that backward will not read (needle/_autograd/release.py)."""
+"""Autograd releases recorded outputs that backward will not read (needle/autograd/release.py)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 import needle as ndl
-from needle._autograd import release
+from needle.autograd import release
 from needle._core.errors import GraphError
 from needle.backend_selection import BACKEND
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from needle._autograd import release
+from needle.autograd import release
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,7 @@ alone and returns the proxies' gradients. Consequences:
   would without checkpointing, so gradients are bitwise equal, and a parameter's hooks fire once
   (when its gradient is final), however many regions read it;
 * the first forward records the region's graph only to find those edges; a
-  :class:`~needle._checkpoint.release.Tracker` drops its arrays as soon as they are unreachable,
+  :class:`~needle.checkpoint.release.Tracker` drops its arrays as soon as they are unreachable,
   so the forward keeps no more than a ``no_grad`` forward would.
 
 Example:
@@ -33,8 +33,8 @@ import numpy as np
 
 from .. import memory
 from .. import random as ndl_random
-from .._autograd.engine import run_backward
-from .._autograd.grad_mode import STATE, enable_grad
+from ..autograd.engine import run_backward
+from ..autograd.grad_mode import STATE, enable_grad
 from .._core.errors import CheckpointError
 from ..autograd import Tensor, TensorOp, TensorTuple, TensorTupleOp, Value, saved_tensors_hooks
 from ..backend_selection import BACKEND

@@ -22,10 +22,10 @@ Example:
 """
 from __future__ import annotations
 
-from ._checkpoint.plan import CheckpointPlan, equal_segments, plan_checkpoints, predict_peak
-from ._checkpoint.region import checkpoint, is_recomputing
-from ._checkpoint.release import Released, release_unsaved
-from ._checkpoint.sequential import checkpoint_sequential
+from .plan import CheckpointPlan, equal_segments, plan_checkpoints, predict_peak
+from .region import checkpoint, is_recomputing
+from .release import Released, release_unsaved
+from .sequential import checkpoint_sequential
 
 __all__ = ["checkpoint", "checkpoint_sequential", "plan_checkpoints", "CheckpointPlan",
            "predict_peak", "equal_segments", "is_recomputing", "Released", "release_unsaved"]

@@ -2,7 +2,7 @@
 
 Ops run eagerly: each call computes its array at once and, when grad mode is on and an input
 requires grad, records the op and its inputs so that :meth:`Tensor.backward` can walk back.
-The engine (``needle/_autograd/engine.py``) counts dependencies, fires hooks as gradients
+The engine (``needle/autograd/engine.py``) counts dependencies, fires hooks as gradients
 become ready, and frees the graph as it goes; ``docs/autograd.md`` states the rules per mode.
 
 Example:
@@ -17,13 +17,13 @@ from __future__ import annotations
 import itertools
 import warnings
 
-from ._autograd.engine import describe, run_backward
-from ._autograd.grad_mode import STATE, enable_grad, is_grad_enabled, no_grad, set_grad_enabled
-from ._autograd.hooks import RemovableHandle, saved_tensors_hooks
-from ._autograd.release import sweep as _sweep_released
-from ._autograd.release import track as _track
-from ._core.errors import DTypeError, GraphError, ShapeError
-from .backend_selection import (  # noqa: F401 - re-exported as the course's autograd does
+from .engine import describe, run_backward
+from .grad_mode import STATE, enable_grad, is_grad_enabled, no_grad, set_grad_enabled
+from .hooks import RemovableHandle, saved_tensors_hooks
+from .release import sweep as _sweep_released
+from .release import track as _track
+from .._core.errors import DTypeError, GraphError, ShapeError
+from ..backend_selection import (  # noqa: F401 - re-exported as the course's autograd does
     BACKEND,
     Device,
     NDArray,
@@ -32,8 +32,8 @@ from .backend_selection import (  # noqa: F401 - re-exported as the course's aut
     cpu,
     default_device,
 )
-from .memory import categories as _mem_categories
-from .memory import hooks as _mem_hooks
+from ..memory import categories as _mem_categories
+from ..memory import hooks as _mem_hooks
 
 __all__ = ["Op", "TensorOp", "TensorTupleOp", "Value", "Tensor", "TensorTuple",
            "find_topo_sort", "topo_sort_dfs", "sum_node_list", "compute_gradient_of_variables",
@@ -149,7 +149,7 @@ def _make_from_op(cls, op, inputs, _observe=True):
         if state.saved_hooks is not None:
             node._saved = _pack(op, node, state.saved_hooks)
         elif _ND:
-            _track(node, op, inputs)  # free what backward won't read (_autograd/release.py)
+            _track(node, op, inputs)  # free what backward won't read (autograd/release.py)
     return node
 
 
@@ -202,7 +202,7 @@ class Value:
     _post_hooks = None  # {handle id: fn(tensor)}
     _retains_grad = False
     _is_tuple = False
-    _tracked = False  # may be released once only the graph holds it (_autograd/release.py)
+    _tracked = False  # may be released once only the graph holds it (autograd/release.py)
     _links = 0  # consumers recorded with this node as an input, counted while tracked
     _keep = False  # some op saves this node's data for backward
 
@@ -497,8 +497,8 @@ def _root_grad(tensor, out_grad):
 
 def gradcheck(fn, *inputs, eps=1e-6, atol=1e-5, rtol=1e-3, directions=3, seed=0):
     """Compare ``backward`` of ``fn`` with central differences in float64; see
-    :func:`needle._autograd.gradcheck.gradcheck`."""
-    from ._autograd.gradcheck import gradcheck as _gradcheck
+    :func:`needle.autograd.gradcheck.gradcheck`."""
+    from .gradcheck import gradcheck as _gradcheck
 
     return _gradcheck(fn, *inputs, eps=eps, atol=atol, rtol=rtol, directions=directions,
                       seed=seed)
@@ -506,9 +506,9 @@ def gradcheck(fn, *inputs, eps=1e-6, atol=1e-5, rtol=1e-3, directions=3, seed=0)
 
 # isort: off
 # Order matters: Tensor must exist before needle.ops (which imports it) is loaded.
-from ._autograd.tensor import Tensor  # noqa: E402 - Tensor subclasses Value, defined above
-from ._autograd import tensor as _tensor_module  # noqa: E402
-from . import ops as _ops  # noqa: E402 - ops import this module; bound late on purpose
+from .tensor import Tensor  # noqa: E402 - Tensor subclasses Value, defined above
+from . import tensor as _tensor_module  # noqa: E402
+from .. import ops as _ops  # noqa: E402 - ops import this module; bound late on purpose
 # isort: on
 
 _tensor_module._ops = _ops

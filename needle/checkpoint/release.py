@@ -31,7 +31,7 @@ import contextlib
 import sys
 import weakref
 
-from .._autograd.release import Released as _EngineReleased
+from ..autograd.release import Released as _EngineReleased
 from .._core.errors import CheckpointError
 
 __all__ = ["Released", "Tracker", "release", "release_unsaved"]
@@ -40,7 +40,7 @@ __all__ = ["Released", "Tracker", "release", "release_unsaved"]
 class Released(_EngineReleased):
     """A stand-in released inside a checkpoint region: reads raise :class:`CheckpointError`.
 
-    The fields and refusals are the engine's (:class:`needle._autograd.release.Released`).
+    The fields and refusals are the engine's (:class:`needle.autograd.release.Released`).
     """
 
     __slots__ = ()
