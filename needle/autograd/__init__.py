@@ -33,7 +33,7 @@ from ..backend_selection import (  # noqa: F401 - re-exported as the course's au
     default_device,
 )
 from ..memory import categories as _mem_categories
-from ..memory import hooks as _mem_hooks
+from ..memory import observers as _mem_observers
 
 __all__ = ["Op", "TensorOp", "TensorTupleOp", "Value", "Tensor", "TensorTuple",
            "find_topo_sort", "topo_sort_dfs", "sum_node_list", "compute_gradient_of_variables",
@@ -57,7 +57,7 @@ def _set_observer(observer) -> None:
     _OBSERVER = observer
 
 
-_mem_hooks.bind(_set_observer)
+_mem_observers.bind(_set_observer)
 
 
 class ImplicitGradWarning(UserWarning):

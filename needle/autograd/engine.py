@@ -21,7 +21,7 @@ import heapq
 
 from .._core.errors import DeviceError, DTypeError, GraphError, ShapeError
 from ..backend_ndarray import NDArray as _NDArray
-from ..memory import hooks as _mem_hooks
+from ..memory import observers as _mem_observers
 from .grad_mode import STATE
 
 # The memory observer (needle.memory trace/record) or None; tested once per backward.
@@ -33,7 +33,7 @@ def _set_observer(observer) -> None:
     _OBSERVER = observer
 
 
-_mem_hooks.bind(_set_observer)
+_mem_observers.bind(_set_observer)
 
 
 def describe(node) -> str:

@@ -25,7 +25,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from .categories import CATEGORIES
-from .hooks import Observer, add_observer, remove_observer
+from .observers import Observer, add_observer, remove_observer
 
 __all__ = ["Event", "Timeline", "record", "emit", "set_current_op", "current_op", "op_scope",
            "timeline_series", "plot_timeline", "add_sink", "remove_sink"]

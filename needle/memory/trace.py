@@ -40,7 +40,7 @@ from needle._core.errors import BackendUnavailable
 
 from . import timeline as _timeline
 from .caching_allocator import CachingAllocator
-from .hooks import Observer, add_observer, remove_observer
+from .observers import Observer, add_observer, remove_observer
 from .planner import Graph, OpNode, TensorSpec
 from .registry import get_allocator
 
