@@ -2,8 +2,9 @@
 
 Nodes follow a small protocol (the engine never imports Tensor): ``op``, ``inputs``,
 ``requires_grad``, ``cached_data``, ``grad``, ``_seq`` (creation order), ``_freed``,
-``_is_tuple``, ``_hooks``, ``_post_hooks``, ``_retains_grad`` and ``_saved`` (what
-``Value._free_graph`` resets; the loop inlines it).
+``_is_tuple``, ``_hooks``, ``_post_hooks``, ``_retains_grad`` and ``_saved`` (see
+``value.py``). The walk is ``Tensor.backward`` -> :func:`backward` -> :func:`run_backward` ->
+each node's ``op.gradient`` (``op.plain_gradient`` when no graph is recorded).
 
 Order. Each node waits until every consumer inside this backward has handed it a partial
 gradient (a dependency count per node). Among ready nodes the one created last runs first,
@@ -18,12 +19,23 @@ references is released as soon as its last backward use is over.
 from __future__ import annotations
 
 import heapq
+from functools import reduce
+from operator import add
 
 from .._core.errors import DeviceError, DTypeError, GraphError, ShapeError
 from ..backend_ndarray import NDArray as _NDArray
+from ..backend_selection import BACKEND
+from ..memory import categories as _mem_categories
 from ..memory import observers as _mem_observers
+from . import release
 from .grad_mode import STATE
+from .value import _SEQ, describe
 
+__all__ = ["backward", "compute_gradient_of_variables", "run_backward", "find_topo_sort",
+           "topo_sort_dfs", "sum_node_list", "check_gradients", "describe", "graph_mark",
+           "recorded_after", "boundary_edges", "edge_gradients", "prepare_backward"]
+
+_ND = BACKEND == "nd"
 # The memory observer (needle.memory trace/record) or None; tested once per backward.
 _OBSERVER = None
 
@@ -36,17 +48,9 @@ def _set_observer(observer) -> None:
 _mem_observers.bind(_set_observer)
 
 
-def describe(node) -> str:
-    """A short human name for a node, used in error messages and hook notes."""
-    op = type(node.op).__name__ if node.op is not None else "leaf"
-    data = node.cached_data
-    if node._is_tuple:
-        return f"TensorTuple(len={len(data)}, op={op})"
-    return f"Tensor(shape={tuple(data.shape)}, dtype={data.dtype}, op={op})"
-
-
-def _count_dependencies(root) -> dict:
-    """Number of consumers of every node reachable from ``root`` through requires-grad edges."""
+def _count_dependencies(root, stops=None) -> dict:
+    """Number of consumers of every node reachable from ``root`` through requires-grad edges
+    (``stops``: edges ``(id(consumer), index)`` the walk does not cross)."""
     deps: dict[int, int] = {}
     stack = [root]
     while stack:
@@ -55,7 +59,10 @@ def _count_dependencies(root) -> dict:
             raise GraphError(
                 f"backward: graph already freed at {type(node.op).__name__}, expected a graph "
                 f"kept by retain_graph=True on the earlier backward, got a freed node")
-        for inp in node.inputs:
+        inputs = node.inputs
+        if stops is not None:
+            inputs = [x for i, x in enumerate(inputs) if (id(node), i) not in stops]
+        for inp in inputs:
             if inp.requires_grad:
                 key = id(inp)
                 if key in deps:
@@ -159,12 +166,14 @@ def _check_unusual(node, i, inp, grad) -> None:
 
 
 def run_backward(root, grad, *, retain_graph: bool, create_graph: bool, accumulate: bool,
-                 grad_all_nodes: bool, strict: bool) -> None:
+                 grad_all_nodes: bool, strict: bool, capture=None) -> None:
     """Propagate ``grad`` (d root) to every requires-grad node reachable from ``root``.
 
-    ``accumulate``: add into a leaf's existing ``.grad`` (PyTorch) instead of assigning it.
-    ``grad_all_nodes``: set ``.grad`` on non-leaf nodes too (the course's contract).
-    ``strict``: also check gradient dtypes and devices.
+    ``create_graph``: record the backward itself (ops' ``gradient``); else ops may use their
+    ``plain_gradient``. ``accumulate``: add into a leaf's existing ``.grad`` (PyTorch) instead
+    of assigning it. ``grad_all_nodes``: set ``.grad`` on non-leaf nodes too (the course's
+    contract). ``strict``: also check gradient dtypes and devices. ``capture``: see
+    :func:`edge_gradients`.
     """
     prev = STATE.grad_enabled
     STATE.grad_enabled = create_graph
@@ -175,18 +184,19 @@ def run_backward(root, grad, *, retain_graph: bool, create_graph: bool, accumula
         if root.op is None:
             _finish_leaf(root, grad, accumulate)
             return
-        _propagate(root, grad, retain_graph, accumulate, grad_all_nodes, strict, observer)
+        _propagate(root, grad, retain_graph, create_graph, accumulate, grad_all_nodes, strict,
+                   observer, capture)
     finally:
         STATE.grad_enabled = prev
         if observer is not None:
             observer.backward_end()
 
 
-def _propagate(root, grad, retain_graph, accumulate, grad_all_nodes, strict,
-               observer=None) -> None:
+def _propagate(root, grad, retain_graph, create_graph, accumulate, grad_all_nodes, strict,
+               observer=None, capture=None) -> None:
     # One flat loop on purpose: this runs once per node of every backward, and small models
-    # are dispatch-bound (PERF_NOTES), so checks and delivery are inlined here.
-    deps = _count_dependencies(root)
+    # are dispatch-bound, so checks and delivery are inlined here.
+    deps = _count_dependencies(root, None if capture is None else capture.stops)
     pending = {id(root): [grad]}
     heap = [(-root._seq, root)]
     del grad
@@ -201,11 +211,16 @@ def _propagate(root, grad, retain_graph, accumulate, grad_all_nodes, strict,
             grad = _run_tensor_hooks(node, grad)
         if grad_all_nodes or node._retains_grad:
             node.grad = grad
-        grads = node.op.gradient(grad, node)
+        if create_graph:
+            grads = node.op.gradient(grad, node)
+        else:
+            grads = node.op.plain_gradient(grad, node)
         if type(grads) is not tuple:
             grads = tuple(grads) if isinstance(grads, list) else (grads,)
         check_gradients(node, grads, strict)
         inputs = node.inputs
+        if capture is not None and id(node) in capture.consumers:
+            inputs = capture.take(node, inputs, grads)
         if not retain_graph:
             # cut the links now: inputs nobody else holds are released as soon as they are
             # processed themselves, so backward memory falls as it proceeds
@@ -232,3 +247,162 @@ def _propagate(root, grad, retain_graph, accumulate, grad_all_nodes, strict,
         inputs = grads = inp = part = parts = None
         if observer is not None:
             observer.node_end(token)
+
+
+# ----- entry points ---------------------------------------------------------------------------
+def prepare_backward() -> None:
+    """Before a backward: release what only the graph still holds (the forward's locals are
+    gone by now, so this is the last chance; see ``release.py``)."""
+    if _ND:
+        release.sweep(final=True)
+
+
+def backward(root, grad, *, retain_graph=None, create_graph=None) -> None:
+    """The walk behind ``Tensor.backward`` once the seed ``grad`` is built.
+
+    nd mode (PyTorch's meaning): ``retain_graph`` and ``create_graph`` default to False and
+    leaves accumulate into ``.grad``. np mode (the course's): both default to True and every
+    node on the way gets ``.grad`` assigned.
+    """
+    if not _ND:
+        retain_graph = True if retain_graph is None else retain_graph
+        create_graph = True if create_graph is None else create_graph
+        run_backward(root, grad, retain_graph=retain_graph, create_graph=create_graph,
+                     accumulate=False, grad_all_nodes=True, strict=False)
+        return
+    run_backward(root, grad, retain_graph=bool(retain_graph), create_graph=bool(create_graph),
+                 accumulate=True, grad_all_nodes=False, strict=True)
+
+
+def compute_gradient_of_variables(output_tensor, out_grad) -> None:
+    """The course's engine contract: ``.grad`` assigned on every node, built with graph.
+
+    Equivalent to ``output_tensor.backward(out_grad, retain_graph=True, create_graph=True)``
+    in np mode: gradients are Tensors with their own graph (gradient of gradient works) and
+    every node on the way, leaf or not, gets ``.grad`` assigned (not accumulated).
+    """
+    with _mem_categories.framework_category("gradient"):
+        run_backward(output_tensor, out_grad, retain_graph=True, create_graph=True,
+                     accumulate=False, grad_all_nodes=True, strict=_ND)
+
+
+# ----- sub-graphs: what a checkpoint region needs -----------------------------------------------
+def graph_mark() -> int:
+    """A point in creation order: nodes made after this call are :func:`recorded_after` it.
+
+    Example:
+        >>> import needle as ndl
+        >>> before = ndl.Tensor([1.0]); mark = graph_mark(); y = before * 2
+        >>> recorded_after(y, mark), recorded_after(before, mark)
+        (True, False)
+    """
+    return next(_SEQ)
+
+
+def recorded_after(node, mark: int) -> bool:
+    """True when ``node`` was recorded by an op (or made as a leaf) after :func:`graph_mark`."""
+    return node._seq > mark
+
+
+def boundary_edges(outputs, mark: int) -> list:
+    """Edges ``(consumer, input index, input)`` from nodes recorded after ``mark`` to
+    requires-grad nodes made before it, found from ``outputs``, in the order the engine hands
+    those edges their gradients (later consumers first, then by input index).
+
+    These are the points where a sub-graph recorded after ``mark`` (a checkpoint region) meets
+    the rest of the graph.
+    """
+    edges, seen, stack = [], set(), [o for o in outputs if o._seq > mark]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen or node.op is None or not node.requires_grad:
+            continue
+        seen.add(id(node))
+        for i, inp in enumerate(node.inputs):
+            if not inp.requires_grad:
+                continue
+            if inp._seq <= mark:
+                edges.append((node, i, inp))
+            else:
+                stack.append(inp)
+    edges.sort(key=lambda e: (-e[0]._seq, e[1]))
+    return edges
+
+
+class _Capture:
+    """Edges whose gradient :func:`edge_gradients` returns instead of passing it on."""
+
+    def __init__(self, edges):
+        self.stops = {(id(c), i) for c, i, _ in edges}
+        self.consumers: dict[int, list] = {}
+        for slot, (consumer, index, _) in enumerate(edges):
+            self.consumers.setdefault(id(consumer), []).append((index, slot))
+        self.grads: list = [None] * len(edges)
+
+    def take(self, node, inputs, grads):
+        # keyed by id: a consumer stays alive until the engine processes it (it is reachable
+        # from the pending frontier), so its id cannot be reused before this lookup
+        stopped = list(inputs)
+        for index, slot in self.consumers.pop(id(node)):
+            self.grads[slot] = grads[index]
+            stopped[index] = _STOP
+        return stopped
+
+
+class _Stop:
+    requires_grad = False
+
+
+_STOP = _Stop()
+
+
+def edge_gradients(root, grad, edges, *, create_graph: bool) -> tuple:
+    """Backpropagate ``grad`` from ``root`` and return the gradient reaching each edge.
+
+    ``edges`` are ``(consumer, input index, input)`` triples (:func:`boundary_edges`). The walk
+    stops at them: their inputs and everything behind are not visited and get no ``.grad``;
+    the partial gradient each edge carries is returned, one per edge, in order (None where
+    none arrived). The graph below ``root`` is freed as by a plain backward.
+    """
+    prepare_backward()
+    capture = _Capture(edges)
+    run_backward(root, grad, retain_graph=False, create_graph=create_graph, accumulate=False,
+                 grad_all_nodes=False, strict=_ND, capture=capture)
+    return tuple(capture.grads)
+
+
+# ----- the course's graph helpers -------------------------------------------------------------
+def find_topo_sort(node_list) -> list:
+    """Nodes reachable from ``node_list`` in post-order DFS (inputs left to right), once each.
+
+    Iterative, so deep graphs do not hit Python's recursion limit; the order is exactly the
+    recursive one of the course.
+    """
+    visited: set = set()
+    topo_order: list = []
+    for node in node_list:
+        topo_sort_dfs(node, visited, topo_order)
+    return topo_order
+
+
+def topo_sort_dfs(node, visited, topo_order) -> None:
+    """Post-order DFS from ``node`` appending to ``topo_order``; ``visited`` holds nodes."""
+    if node in visited:
+        return
+    visited.add(node)
+    stack = [(node, iter(node.inputs))]
+    while stack:
+        current, children = stack[-1]
+        for child in children:
+            if child not in visited:
+                visited.add(child)
+                stack.append((child, iter(child.inputs)))
+                break
+        else:
+            stack.pop()
+            topo_order.append(current)
+
+
+def sum_node_list(node_list):
+    """Sum a list of values with ``+`` (left to right)."""
+    return reduce(add, node_list)

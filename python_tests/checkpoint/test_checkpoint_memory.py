@@ -9,8 +9,8 @@ import pytest
 
 import needle.memory as memory
 from needle import nn
-from needle.autograd.release import sweep
 from needle.autograd import Tensor
+from needle.autograd.release import sweep
 from needle.backend_ndarray import cpu_numpy
 from needle.checkpoint import checkpoint_sequential, release_unsaved
 
