@@ -17,6 +17,7 @@ import os
 
 import numpy as np
 
+from .. import random as _random
 from .._core.dtypes import canonical_dtype
 from .._core.errors import BackendUnavailable, DeviceError
 
@@ -62,13 +63,15 @@ class BackendDevice:
     def enabled(self) -> bool:
         return self.mod is not None
 
-    # Constructors. Random draws go through NumPy's global generator, exactly one draw of
-    # the full shape per call (NEEDLE_API §11: the course goldens depend on it).
+    # Constructors. Random draws go through needle.random (so its observers, which
+    # checkpoint(verify=True) relies on, see them): this device's stream, NumPy's global
+    # generator unless one was registered, exactly one draw of the full shape per call (the
+    # course's golden values depend on it).
     def randn(self, *shape, dtype="float32"):
-        return _nd().NDArray(np.random.randn(*shape), device=self, dtype=dtype)
+        return _nd().NDArray(_random.randn(*shape, device=self), device=self, dtype=dtype)
 
     def rand(self, *shape, dtype="float32"):
-        return _nd().NDArray(np.random.rand(*shape), device=self, dtype=dtype)
+        return _nd().NDArray(_random.rand(*shape, device=self), device=self, dtype=dtype)
 
     def one_hot(self, n, i, dtype="float32"):
         """Rows of the n×n identity picked by the indices ``i`` (shape ``i.shape + (n,)``)."""
