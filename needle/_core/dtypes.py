@@ -20,7 +20,6 @@ from .errors import DTypeError
 
 SUPPORTED_DTYPES = ("float32", "float64", "float16")
 DEFAULT_DTYPE = "float32"
-ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2}
 
 
 def canonical_dtype(dtype, op: str = "dtype") -> str:
@@ -51,11 +50,3 @@ def numpy_dtype(dtype: str) -> np.dtype:
     """The NumPy dtype with the same layout as the needle dtype name."""
     return np.dtype(dtype)
 
-
-def check_same_dtype(op: str, a: str, b: str) -> str:
-    """Return the common dtype, raising :class:`DTypeError` when they differ."""
-    if a != b:
-        raise DTypeError(
-            f"{op}: mixed dtypes, expected both operands {a}, got {a} and {b} "
-            f"(convert one with .astype)")
-    return a

@@ -62,12 +62,14 @@ def _run_script(script: str, args: list) -> int:
 
 def report(script: str, args: list, plot: str | None = None) -> int:
     """Run ``script`` with ``args`` under :func:`record`; print one table per used device."""
+    before = {}
     for alloc in _allocators_for(None):
         reset_peak(alloc.name)
+        before[alloc.name] = alloc.stats()["num_allocs"]
     with record() as timeline:
         code = _run_script(script, args)
     used = [a.stats() for a in _allocators_for(None)]
-    used = [s for s in used if s["num_allocs"]]
+    used = [s for s in used if s["num_allocs"] > before.get(s["device"], 0)]
     print(f"\nneedle memory report: {script}, {len(timeline)} allocator events")
     for stats in used:
         print(_table(stats))

@@ -114,11 +114,6 @@ def op_scope(name: str) -> Iterator[str]:
         set_current_op(prev)
 
 
-def is_recording() -> bool:
-    """True while any :func:`record` block is open."""
-    return bool(_RECORDERS)
-
-
 def emit(event: Event) -> None:
     """Deliver ``event`` to every open recorder that watches its device."""
     for timeline, devices in _RECORDERS:

@@ -65,10 +65,6 @@ class TracedGraph(Graph):
         return sum(t.nbytes for t in self.tensors if t.kind in kinds)
 
     @property
-    def input_bytes(self) -> int:
-        return self.bytes_of("input", "parameter")
-
-    @property
     def output_bytes(self) -> int:
         return self.bytes_of("output")
 

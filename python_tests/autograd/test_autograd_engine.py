@@ -333,3 +333,17 @@ def test_np_mode_engine_subprocess():
         env=env, capture_output=True, text=True, timeout=240, cwd=HERE)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout
+
+
+def test_gradient_as_tuple_is_callable_directly_as_the_course_does():
+    """The course's tests call ``out.op.gradient_as_tuple(ndl.Tensor(c), out)`` themselves."""
+    a = Tensor(np.arange(6.0).reshape(2, 3))
+    b = Tensor(np.ones((2, 3)) * 2)
+    out = a * b
+    grads = out.op.gradient_as_tuple(Tensor(np.ones((2, 3))), out)
+    assert isinstance(grads, tuple) and len(grads) == 2
+    np.testing.assert_array_equal(grads[0].numpy(), b.numpy())
+    np.testing.assert_array_equal(grads[1].numpy(), a.numpy())
+    single = -a
+    (g,) = single.op.gradient_as_tuple(Tensor(np.ones((2, 3))), single)
+    np.testing.assert_array_equal(g.numpy(), -np.ones((2, 3)))

@@ -90,7 +90,8 @@ def test_cli_report_runs_a_users_script_and_reports_its_categories(tmp_path, cap
     assert rc == 0
     assert "args ['--flag', '0']" in out  # the script saw its own arguments
     assert "device cpu_numpy" in out
-    rows = {line.split()[0]: float(line.split()[1]) for line in out.splitlines()
+    table = out[out.index("device cpu_numpy"):].split("\ndevice ")[0]
+    rows = {line.split()[0]: float(line.split()[1]) for line in table.splitlines()
             if line.strip() and line.split()[0] in mem.CATEGORIES}
     # weights (16*64 + 64 + 64*4 + 4 floats) and their gradients were allocated
     assert rows["weight"] > 0 and rows["gradient"] > 0 and rows["activation"] > 0
