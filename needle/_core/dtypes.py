@@ -1,6 +1,6 @@
 """dtype names, their NumPy equivalents and the promotion rule.
 
-needle names dtypes by string. The course contract (NEEDLE_API §2.3) coerces every dtype it
+needle names dtypes by string. As the course framework does, it coerces every dtype it
 does not store (bool, ints, ``None``) to ``"float32"``; ``"float64"`` and ``"float16"`` are
 kept when asked for explicitly.
 
