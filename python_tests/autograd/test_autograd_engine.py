@@ -176,6 +176,25 @@ def test_tensor_counter_does_not_leak():
     assert autograd.TENSOR_COUNTER == base
 
 
+def test_tensor_counter_is_the_live_count_and_lazy_mode_reaches_the_dispatch():
+    gc.collect()
+    base = autograd.TENSOR_COUNTER
+    made = [_t((2,)) for _ in range(3)]
+    assert autograd.TENSOR_COUNTER == base + 3
+    del made
+    gc.collect()
+    assert autograd.TENSOR_COUNTER == base
+    x = _t((2,))
+    autograd.LAZY_MODE = True
+    try:
+        y = x * 2
+        assert y.cached_data is None  # recorded, not computed
+    finally:
+        autograd.LAZY_MODE = False
+    np.testing.assert_allclose(y.numpy(), x.numpy() * 2)
+    assert (x * 2).cached_data is not None
+
+
 def test_no_grad_nested_and_enable_grad():
     x = _t((2,))
     with no_grad():
