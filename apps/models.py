@@ -22,8 +22,7 @@ import needle as ndl  # noqa: E402,F401
 import needle.data  # noqa: E402,F401 - ndl.data even before needle/__init__ imports it
 import needle.nn as nn  # noqa: E402
 import needle.optim  # noqa: E402,F401
-from needle import ops  # noqa: E402
-from needle._core.errors import NeedleError  # noqa: E402
+from needle import NeedleError, ops  # noqa: E402
 
 __all__ = ["ConvBN", "ResNet9", "LanguageModel"]
 

@@ -77,7 +77,7 @@ def _start_ranks(cfg: Config) -> tuple[int, int]:
 
 
 def main(argv=None) -> int:
-    from needle._core.errors import NeedleError
+    from needle import NeedleError
 
     try:
         cfg = parse_args(argv)

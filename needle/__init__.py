@@ -1,7 +1,8 @@
 """needle: a tensor/autograd framework, drop-in for the CMU DLSys course framework.
 
-Import order follows the course (NEEDLE_API §1): ops, autograd names, init, data, nn, optim,
-then the selected backend's names last so that ``ndl.cpu`` is that backend's.
+Import order follows the course: ops, autograd names, init, data, nn, optim, then the selected
+backend's names last so that ``ndl.cpu`` is that backend's. The error classes
+(``ndl.NeedleError`` and its subclasses) are exported too.
 
 Example:
     >>> import needle as ndl
@@ -10,6 +11,7 @@ Example:
     [[2.0, 4.0]]
 """
 # ruff: noqa: I001, F401, F403, E402  (the order below is the course's contract)
+from ._core.errors import *
 from . import backend_ndarray  # imported in both modes: ptb_dataset needs it
 from . import memory  # installs the caching allocators before anything allocates
 from . import ops

@@ -1,7 +1,8 @@
 """Devices of the course's ``np`` mode, where ``array_api`` is NumPy itself.
 
 In this mode every array is a plain ``numpy.ndarray`` on the single CPU device, so a device
-only knows how to create arrays. NumPy's global RNG is used (the course goldens rely on it).
+only knows how to create arrays. Random draws go through :mod:`needle.random`, whose host
+stream is NumPy's global RNG (the course's golden values rely on it).
 
 Example:
     >>> dev = cpu()
@@ -11,6 +12,8 @@ Example:
 from __future__ import annotations
 
 import numpy
+
+from . import random as _random
 
 __all__ = ["Device", "CPUDevice", "cpu", "cpu_numpy", "default_device", "all_devices"]
 
@@ -41,11 +44,12 @@ class CPUDevice(Device):
         return numpy.ones(shape, dtype=dtype)
 
     def randn(self, *shape):
-        # numpy's global RNG, float64: the course's goldens depend on these exact draws
-        return numpy.random.randn(*shape)
+        # through needle.random (its observers see the draw): NumPy's global RNG, float64,
+        # one draw of the full shape; the course's golden values depend on these exact draws
+        return _random.randn(*shape)
 
     def rand(self, *shape):
-        return numpy.random.rand(*shape)
+        return _random.rand(*shape)
 
     def one_hot(self, n, i, dtype="float32"):
         return numpy.eye(n, dtype=dtype)[i]

@@ -1,9 +1,10 @@
-"""needle.random (L5): the one place random numbers come from, per device, with saved states.
+"""needle.random (layer L0): the one place random numbers come from, per device, with saved states.
 
 Every random draw in needle goes through a *stream*. The host stream, used by every device that
 has not registered its own, **is NumPy's global generator**: ``np.random.seed(k)`` therefore
 still decides weight init, dropout masks and data shuffling exactly as the course expects
-(NEEDLE_API §11), and the draw functions here make exactly the NumPy call they name (one draw of
+(its golden values come from one global NumPy draw of the full shape per call), and the draw
+functions here make exactly the NumPy call they name (one draw of
 the full shape, C order), so swapping ``np.random.rand(*s)`` for ``ndl.random.rand(*s)`` changes
 no number anywhere.
 
@@ -28,12 +29,12 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from ._core.errors import DeviceError, RNGStateError
+from ._core.handles import Callbacks, RemovableHandle
 
 __all__ = ["seed", "get_state", "set_state", "fork_rng", "rand", "randn", "randint",
            "permutation", "register_stream", "unregister_stream", "stream_for",
@@ -75,9 +76,7 @@ class NumpyGlobalStream:
 
 _HOST_STREAM = NumpyGlobalStream()
 _STREAMS: dict[str, Any] = {}  # device name -> stream; devices absent here use the host stream
-_OBSERVERS: dict[int, Callable] = {}
-_OBSERVER_IDS = iter(range(1 << 62))
-_LOCK = threading.Lock()
+_OBSERVERS = Callbacks()
 
 
 def _device_name(device) -> str:
@@ -226,7 +225,7 @@ def fork_rng(devices=None, enabled: bool = True) -> Iterator[None]:
 def _notify(kind: str, device, value) -> None:
     if _OBSERVERS:
         name = _device_name(device)
-        for fn in list(_OBSERVERS.values()):
+        for fn in _OBSERVERS:
             fn(kind, name, value)
 
 
@@ -269,17 +268,7 @@ def permutation(n, device=None):
 
 
 # ----- observers ------------------------------------------------------------------------------
-class _ObserverHandle:
-    __slots__ = ("id",)
-
-    def __init__(self, key: int):
-        self.id = key
-
-    def remove(self) -> None:
-        _OBSERVERS.pop(self.id, None)
-
-
-def add_draw_observer(fn: Callable[[str, str, Any], None]) -> _ObserverHandle:
+def add_draw_observer(fn: Callable[[str, str, Any], None]) -> RemovableHandle:
     """Call ``fn(kind, device_name, value)`` after every draw made through this module.
 
     Returns a handle with ``remove()``. Observers must not draw themselves.
@@ -289,10 +278,7 @@ def add_draw_observer(fn: Callable[[str, str, Any], None]) -> _ObserverHandle:
         >>> _ = randn(2); h.remove(); seen
         ['randn']
     """
-    with _LOCK:
-        key = next(_OBSERVER_IDS)
-    _OBSERVERS[key] = fn
-    return _ObserverHandle(key)
+    return _OBSERVERS.add(fn)
 
 
 @contextlib.contextmanager

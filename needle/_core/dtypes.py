@@ -1,6 +1,6 @@
 """dtype names, their NumPy equivalents and the promotion rule.
 
-needle names dtypes by string. The course contract (NEEDLE_API §2.3) coerces every dtype it
+needle names dtypes by string. As the course framework does, it coerces every dtype it
 does not store (bool, ints, ``None``) to ``"float32"``; ``"float64"`` and ``"float16"`` are
 kept when asked for explicitly.
 
@@ -20,7 +20,6 @@ from .errors import DTypeError
 
 SUPPORTED_DTYPES = ("float32", "float64", "float16")
 DEFAULT_DTYPE = "float32"
-ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2}
 
 
 def canonical_dtype(dtype, op: str = "dtype") -> str:
@@ -51,11 +50,3 @@ def numpy_dtype(dtype: str) -> np.dtype:
     """The NumPy dtype with the same layout as the needle dtype name."""
     return np.dtype(dtype)
 
-
-def check_same_dtype(op: str, a: str, b: str) -> str:
-    """Return the common dtype, raising :class:`DTypeError` when they differ."""
-    if a != b:
-        raise DTypeError(
-            f"{op}: mixed dtypes, expected both operands {a}, got {a} and {b} "
-            f"(convert one with .astype)")
-    return a

@@ -3,12 +3,19 @@
 Messages follow one pattern: ``"<op>: <what is wrong>, expected <x>, got <y>"`` so the
 reader learns the operation, the expectation and the actual value in one line.
 
+Every class is also importable from the top level (``ndl.NeedleError``, ``ndl.ShapeError``...).
+
 Example:
-    >>> from needle._core.errors import ShapeError, NeedleError
-    >>> issubclass(ShapeError, NeedleError) and issubclass(ShapeError, ValueError)
+    >>> import needle as ndl
+    >>> issubclass(ndl.ShapeError, ndl.NeedleError) and issubclass(ndl.ShapeError, ValueError)
     True
 """
 from __future__ import annotations
+
+__all__ = ["NeedleError", "ShapeError", "DTypeError", "DeviceError", "AxisError",
+           "IndexOutOfRange", "BackendUnavailable", "GraphError", "ReleasedDataError",
+           "CommError", "CheckpointError", "RNGStateError", "MemoryArgumentError",
+           "MemoryPlanError"]
 
 
 class NeedleError(Exception):
@@ -68,16 +75,6 @@ class MemoryArgumentError(NeedleError, ValueError):
 
 class MemoryPlanError(NeedleError, RuntimeError):
     """A memory plan or trace that cannot be built or executed."""
-
-
-def expect(condition: bool, error: type[NeedleError], op: str, what: str, expected, got) -> None:
-    """Raise ``error`` with the standard message unless ``condition`` holds.
-
-    Example:
-        >>> expect(1 == 1, ShapeError, "add", "shapes differ", (2,), (2,))
-    """
-    if not condition:
-        raise error(f"{op}: {what}, expected {expected}, got {got}")
 
 
 class SerializationError(NeedleError, ValueError):

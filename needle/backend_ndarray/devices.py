@@ -17,8 +17,10 @@ import os
 
 import numpy as np
 
+from .. import random as _random
 from .._core.dtypes import canonical_dtype
 from .._core.errors import BackendUnavailable, DeviceError
+from .._core.handles import Callbacks, RemovableHandle
 
 _MODULE_FOR_DEVICE = {
     "cpu": "needle.backend_ndarray.ndarray_backend_cpu",
@@ -62,13 +64,15 @@ class BackendDevice:
     def enabled(self) -> bool:
         return self.mod is not None
 
-    # Constructors. Random draws go through NumPy's global generator, exactly one draw of
-    # the full shape per call (NEEDLE_API §11: the course goldens depend on it).
+    # Constructors. Random draws go through needle.random (so its observers, which
+    # checkpoint(verify=True) relies on, see them): this device's stream, NumPy's global
+    # generator unless one was registered, exactly one draw of the full shape per call (the
+    # course's golden values depend on it).
     def randn(self, *shape, dtype="float32"):
-        return _nd().NDArray(np.random.randn(*shape), device=self, dtype=dtype)
+        return _nd().NDArray(_random.randn(*shape, device=self), device=self, dtype=dtype)
 
     def rand(self, *shape, dtype="float32"):
-        return _nd().NDArray(np.random.rand(*shape), device=self, dtype=dtype)
+        return _nd().NDArray(_random.rand(*shape, device=self), device=self, dtype=dtype)
 
     def one_hot(self, n, i, dtype="float32"):
         """Rows of the n×n identity picked by the indices ``i`` (shape ``i.shape + (n,)``)."""
@@ -130,22 +134,26 @@ def _device(name: str) -> BackendDevice:
             mod = None
         dev = _DEVICES[name] = BackendDevice(name, mod)
         if mod is not None:
-            for hook in list(_DEVICE_HOOKS):
+            for hook in _DEVICE_HOOKS:
                 hook(dev)
     return dev
 
 
 # Called with each device the first time it is made and enabled: the seam through which the
 # memory layer (L2) installs its allocators without L1 importing it.
-_DEVICE_HOOKS: list = []
+_DEVICE_HOOKS = Callbacks()
 
 
-def add_device_hook(fn) -> None:
-    """Call ``fn(device)`` for every enabled device already made and every later one."""
-    _DEVICE_HOOKS.append(fn)
+def add_device_hook(fn) -> RemovableHandle:
+    """Call ``fn(device)`` for every enabled device already made and every later one.
+
+    Returns a handle whose ``remove()`` stops the calls for devices made later.
+    """
+    handle = _DEVICE_HOOKS.add(fn)
     for dev in list(_DEVICES.values()):
         if dev.mod is not None:
             fn(dev)
+    return handle
 
 
 def cpu() -> BackendDevice:

@@ -1,120 +1,94 @@
-"""``python -m needle.memory report``: one training step, estimate beside measurement.
+"""``python -m needle.memory report SCRIPT [ARGS...]``: run your script, report its memory.
+
+The script runs as ``__main__`` (``sys.argv`` = ``[SCRIPT, *ARGS]``) inside
+:func:`needle.memory.record`; afterwards every device with a needle allocator that was used
+gets a table: peak and current bytes per category (weight, gradient, optimizer, activation,
+workspace, other), allocations and reuses. ``--plot PNG`` writes the timeline.
 
 Example:
-    python -m needle.memory report --model mlp_resnet --batch-size 128 --optimizer adam \\
-        --device cpu_numpy --plot step.png
+    python -m needle.memory report --plot step.png my_training_step.py --epochs 1
 
-Models: ``mlp_resnet`` (the course's hw2 MLP-ResNet on MNIST-shaped input: 784 → hidden, blocks
-of Linear/BatchNorm/ReLU/Dropout/Linear/BatchNorm with a residual, → 10 classes) and ``mlp``
-(``--num-layers`` × Linear+ReLU of width ``--hidden-dim``). Inputs are random, seeded.
-
-This module is an application on top of the whole stack: it builds models, so it loads
-``needle.nn`` and ``needle.optim`` at run time (``importlib``) rather than importing them, which
-the layer contract forbids for the library code of ``needle.memory``.
+The estimate-beside-measurement report for the built-in models (ledger, rounding, residual)
+needs ``needle.nn`` and ``needle.optim``, which this layer does not import: it is
+``python apps/memory_report.py --model mlp_resnet ...``.
 """
 from __future__ import annotations
 
 import argparse
-import importlib
+import runpy
 import sys
 
-import numpy as np
+from .categories import CATEGORIES
+from .registry import _allocators_for, reset_peak
+from .timeline import plot_timeline, record
 
-from needle._core.errors import NeedleError
-
-from .report import training_step_report
-
-MODELS = ("mlp_resnet", "mlp")
-OPTIMIZERS = ("adam", "sgd", "sgd_momentum")
-
-
-def _mlp_resnet(nn, dim, hidden, blocks, classes, device, drop_prob=0.1):
-    def block():
-        inner = nn.Sequential(
-            nn.Linear(hidden, hidden // 2, device=device), nn.BatchNorm1d(hidden // 2,
-                                                                          device=device),
-            nn.ReLU(), nn.Dropout(drop_prob), nn.Linear(hidden // 2, hidden, device=device),
-            nn.BatchNorm1d(hidden, device=device))
-        return nn.Sequential(nn.Residual(inner), nn.ReLU())
-
-    return nn.Sequential(nn.Linear(dim, hidden, device=device), nn.ReLU(),
-                         *[block() for _ in range(blocks)],
-                         nn.Linear(hidden, classes, device=device))
-
-
-def _mlp(nn, dim, hidden, layers, classes, device):
-    mods, width = [], dim
-    for _ in range(layers):
-        mods += [nn.Linear(width, hidden, device=device), nn.ReLU()]
-        width = hidden
-    return nn.Sequential(*mods, nn.Linear(width, classes, device=device))
-
-
-def build(args):
-    """(model, loss, optimiser, x, y) for the parsed arguments."""
-    ndl = importlib.import_module("needle")
-    nn = importlib.import_module("needle.nn")
-    optim = importlib.import_module("needle.optim")
-    device = ndl.backend_ndarray.device_by_name(args.device)
-    np.random.seed(args.seed)
-    if args.model == "mlp_resnet":
-        model = _mlp_resnet(nn, args.input_dim, args.hidden_dim, args.num_blocks, 10, device)
-    else:
-        model = _mlp(nn, args.input_dim, args.hidden_dim, args.num_layers, 10, device)
-    if args.optimizer == "adam":
-        opt = optim.Adam(model.parameters(), lr=1e-3)
-    else:
-        momentum = 0.9 if args.optimizer == "sgd_momentum" else 0.0
-        opt = optim.SGD(model.parameters(), lr=0.01, momentum=momentum)
-    x = ndl.Tensor(np.random.rand(args.batch_size, args.input_dim), device=device,
-                   requires_grad=False)
-    y = ndl.Tensor(np.random.randint(0, 10, args.batch_size), device=device,
-                   requires_grad=False)
-    return model, nn.SoftmaxLoss(), opt, x, y
+MOVED = ("--model", "--optimizer", "--batch-size", "--num-blocks", "--num-layers")
 
 
 def parse(argv):
     parser = argparse.ArgumentParser(prog="python -m needle.memory",
                                      description="needle memory tools")
     sub = parser.add_subparsers(dest="command", required=True)
-    rep = sub.add_parser("report", help="one training step: estimate vs measured peaks")
-    rep.add_argument("--model", choices=MODELS, default="mlp_resnet")
-    rep.add_argument("--batch-size", type=int, default=128)
-    rep.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
-    rep.add_argument("--device", default="cpu_numpy")
+    rep = sub.add_parser("report", help="run a script and report its memory per category")
     rep.add_argument("--plot", default=None, help="write the timeline PNG here")
-    rep.add_argument("--input-dim", type=int, default=784)
-    rep.add_argument("--hidden-dim", type=int, default=100)
-    rep.add_argument("--num-blocks", type=int, default=3, help="mlp_resnet blocks")
-    rep.add_argument("--num-layers", type=int, default=4, help="mlp hidden layers")
-    rep.add_argument("--margin", type=float, default=0.25)
-    rep.add_argument("--seed", type=int, default=0)
+    rep.add_argument("script", help="a Python file, run as __main__")
+    rep.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     return parser.parse_args(argv)
 
 
-def main(argv=None) -> int:
-    args = parse(sys.argv[1:] if argv is None else argv)
+def _table(stats: dict) -> str:
+    mib = 2 ** 20
+    lines = [f"device {stats['device']}: peak {stats['peak_bytes'] / mib:.2f} MiB, "
+             f"now {stats['allocated_bytes'] / mib:.2f} MiB, {stats['num_allocs']} allocations "
+             f"({stats['num_reused']} reused)",
+             f"  {'category':<12} {'peak MiB':>10} {'now MiB':>10}"]
+    for name in CATEGORIES:
+        row = stats["by_category"][name]
+        lines.append(f"  {name:<12} {row['peak'] / mib:10.3f} {row['current'] / mib:10.3f}")
+    return "\n".join(lines)
+
+
+def _run_script(script: str, args: list) -> int:
+    saved = sys.argv
+    sys.argv = [script, *args]
     try:
-        model, loss_fn, opt, x, y = build(args)
-        report = training_step_report(model, loss_fn, opt, x, y, optimizer_name=args.optimizer,
-                                      device=x.device, margin=args.margin, plot=args.plot)
-    except NeedleError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    n = report.ledger.num_params
-    print(f"needle memory report: {args.model}, {n:,} parameters, batch {args.batch_size}, "
-          f"{args.optimizer}, device {x.device}, loss {report.loss:.4f}")
-    print(f"activations kept by the graph at the end of forward: {report.saved_bytes:,} B")
-    print()
-    print(report.ledger)
-    print()
-    print(report.comparison)
-    events = report.timeline
-    print(f"\ntimeline: {len(events)} events, {sum(e.new_segment for e in events)} new "
-          f"segments, measured peak {report.stats['peak_bytes']:,} B")
-    if args.plot:
-        print(f"timeline plot written to {args.plot}")
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        sys.argv = saved
     return 0
+
+
+def report(script: str, args: list, plot: str | None = None) -> int:
+    """Run ``script`` with ``args`` under :func:`record`; print one table per used device."""
+    before = {}
+    for alloc in _allocators_for(None):
+        reset_peak(alloc.name)
+        before[alloc.name] = alloc.stats()["num_allocs"]
+    with record() as timeline:
+        code = _run_script(script, args)
+    used = [a.stats() for a in _allocators_for(None)]
+    used = [s for s in used if s["num_allocs"] > before.get(s["device"], 0)]
+    print(f"\nneedle memory report: {script}, {len(timeline)} allocator events")
+    for stats in used:
+        print(_table(stats))
+    if plot:
+        plot_timeline(timeline, plot, title=script)
+        print(f"timeline plot written to {plot}")
+    return code
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in MOVED for a in argv) and not any(a.endswith(".py") for a in argv):
+        print("error: the report on built-in models moved to apps/memory_report.py, run\n"
+              "  python apps/memory_report.py " + " ".join(a for a in argv if a != "report")
+              + "\nor measure your own script: python -m needle.memory report SCRIPT [ARGS]",
+              file=sys.stderr)
+        return 2
+    args = parse(argv)
+    return report(args.script, args.args, args.plot)
 
 
 if __name__ == "__main__":

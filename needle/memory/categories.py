@@ -25,10 +25,11 @@ import threading
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
+from .._core.handles import Callbacks, RemovableHandle
 from ._errors import MemoryArgumentError
 
 __all__ = ["CATEGORIES", "category", "framework_category", "current_category", "resolve",
-           "check_category", "add_listener", "remove_listener", "thread_state"]
+           "check_category", "add_listener", "thread_state"]
 
 CATEGORIES = ("weight", "gradient", "optimizer", "activation", "workspace", "other")
 _CATEGORY_SET = frozenset(CATEGORIES)
@@ -58,7 +59,7 @@ def thread_state() -> _State:
     return _STATE
 # Listeners learn the resolved category whenever a scope opens or closes; the C++ allocator
 # keeps its own "current category" and is kept in sync this way.
-_LISTENERS: list[Callable[[str], None]] = []
+_LISTENERS = Callbacks()
 
 
 def check_category(name: str, op: str = "category") -> str:
@@ -106,7 +107,7 @@ def current_category() -> str:
 def _notify() -> None:
     if _LISTENERS:
         name = resolve(None)
-        for fn in list(_LISTENERS):
+        for fn in _LISTENERS:
             fn(name)
 
 
@@ -153,12 +154,9 @@ def framework_category(name: str):
     return _scope(_STATE.framework, name)
 
 
-def add_listener(fn: Callable[[str], None]) -> None:
-    """Call ``fn(resolved_name)`` each time a category scope opens or closes (any thread)."""
-    _LISTENERS.append(fn)
+def add_listener(fn: Callable[[str], None]) -> RemovableHandle:
+    """Call ``fn(resolved_name)`` each time a category scope opens or closes (any thread).
 
-
-def remove_listener(fn: Callable[[str], None]) -> None:
-    """Undo :func:`add_listener`; unknown listeners are ignored."""
-    if fn in _LISTENERS:
-        _LISTENERS.remove(fn)
+    Returns a handle whose ``remove()`` unregisters ``fn``.
+    """
+    return _LISTENERS.add(fn)

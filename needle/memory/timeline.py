@@ -24,8 +24,9 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
+from .._core.handles import Callbacks, RemovableHandle
 from .categories import CATEGORIES
-from .hooks import Observer, add_observer, remove_observer
+from .observers import Observer, add_observer
 
 __all__ = ["Event", "Timeline", "record", "emit", "set_current_op", "current_op", "op_scope",
            "timeline_series", "plot_timeline", "add_sink", "remove_sink"]
@@ -87,13 +88,15 @@ def set_current_op(name: str | None) -> str | None:
     return prev
 
 
-_OP_LISTENERS: list = []
+_OP_LISTENERS = Callbacks()
 
 
-def add_op_listener(fn) -> None:
-    """Also call ``fn(name)`` whenever this thread's op name changes (see set_current_op)."""
-    if fn not in _OP_LISTENERS:
-        _OP_LISTENERS.append(fn)
+def add_op_listener(fn) -> RemovableHandle:
+    """Also call ``fn(name)`` whenever this thread's op name changes (see set_current_op).
+
+    Returns a handle whose ``remove()`` unregisters ``fn``.
+    """
+    return _OP_LISTENERS.add(fn)
 
 
 def current_op() -> str | None:
@@ -109,11 +112,6 @@ def op_scope(name: str) -> Iterator[str]:
         yield name
     finally:
         set_current_op(prev)
-
-
-def is_recording() -> bool:
-    """True while any :func:`record` block is open."""
-    return bool(_RECORDERS)
 
 
 def emit(event: Event) -> None:
@@ -184,7 +182,7 @@ def record(device=None, allocators: Iterable | None = None) -> Iterator[Timeline
     try:
         yield timeline
     finally:
-        remove_observer(namer)
+        namer.remove()
         remove_sink(entry)
         for alloc in logging:
             timeline.extend(alloc.end_recording())

@@ -40,7 +40,7 @@ from needle._core.errors import BackendUnavailable
 
 from . import timeline as _timeline
 from .caching_allocator import CachingAllocator
-from .hooks import Observer, add_observer, remove_observer
+from .observers import Observer, add_observer
 from .planner import Graph, OpNode, TensorSpec
 from .registry import get_allocator
 
@@ -63,10 +63,6 @@ class TracedGraph(Graph):
     def bytes_of(self, *kinds: str) -> int:
         """Requested bytes of the tensors of the given kinds."""
         return sum(t.nbytes for t in self.tensors if t.kind in kinds)
-
-    @property
-    def input_bytes(self) -> int:
-        return self.bytes_of("input", "parameter")
 
     @property
     def output_bytes(self) -> int:
@@ -240,13 +236,13 @@ def trace(fn, *inputs, device=None) -> TracedGraph:
     gc_was_enabled = gc.isenabled()
     gc.disable()
     sink = _timeline.add_sink(tracer, frozenset([alloc.name]))
-    add_observer(tracer)
+    observing = add_observer(tracer)
     try:
         result = fn(*inputs)
         graph = tracer.build(fn, dev)  # before ``result`` dies: its buffers are outputs
         del result
     finally:
-        remove_observer(tracer)
+        observing.remove()
         _timeline.remove_sink(sink)
         if gc_was_enabled:
             gc.enable()

@@ -6,7 +6,10 @@ Example:
     >>> ndl.ops.relu(ndl.Tensor([-1.0, 2.0])).numpy().tolist()
     [0.0, 2.0]
 """
+import sys
+
 from ..autograd import Op, Tensor, TensorOp, TensorTuple, TensorTupleOp, Value  # noqa: F401
+from ..autograd.tensor import register_operator_ops
 from .ops_conv import *  # noqa: F401,F403
 from .ops_embedding import *  # noqa: F401,F403
 from .ops_logarithmic import *  # noqa: F401,F403
@@ -27,3 +30,7 @@ def _exported() -> list:
 
 
 __all__ = _exported()
+
+# Tensor's operators (a + b, a @ b, a.sum(), ...) dispatch to the ops of this package; the
+# autograd layer below cannot import it, so the ops layer registers itself here.
+register_operator_ops(sys.modules[__name__])

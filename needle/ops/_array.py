@@ -152,9 +152,6 @@ if ND:
                          slice(j, j + stride * (wo - 1) + 1, stride), slice(None))
                 part = cols[:, :, :, i, j, :].compact().reshape((n, ho, wo, c))
                 target[index] = target[index] + part
-
-    def is_array(x) -> bool:
-        return isinstance(x, NDArray)
 else:
     def broadcast_to(a, shape):
         return numpy.broadcast_to(a, tuple(shape))
@@ -237,9 +234,6 @@ else:
             for j in range(kw):
                 target[:, i:i + stride * (ho - 1) + 1:stride,
                        j:j + stride * (wo - 1) + 1:stride, :] += cols[:, :, :, i, j, :]
-
-    def is_array(x) -> bool:
-        return isinstance(x, numpy.ndarray)
 
 
 compact_strides = _NDArrayClass.compact_strides  # row-major strides (pure; both modes)

@@ -14,9 +14,9 @@ Example:
 """
 from __future__ import annotations
 
-from .._autograd.grad_mode import STATE
 from .._core.errors import ShapeError
-from ..autograd import TensorOp, _leaf
+from ..autograd import TensorOp
+from ..autograd.tensor import const as _leaf
 from . import _array as A
 from .ops_shape import Dilate, Flip, GetItem, Permute, Transpose
 
@@ -119,11 +119,6 @@ class Conv(TensorOp):
     def gradient(self, out_grad, node):
         x, w = node.saved_tensors
         s, p = self.stride, self.padding
-        if not STATE.grad_enabled:  # plain backward: the fast array form, no graph
-            need_x, need_w = (t.requires_grad for t in node.inputs)
-            gx, gw = _conv_gradient_arrays(out_grad.cached_data, x.cached_data, w.cached_data,
-                                           s, p, need_x, need_w)
-            return (_leaf(gx) if need_x else None, _leaf(gw) if need_w else None)
         _, h, wd, _ = x.shape
         kh, kw = w.shape[0], w.shape[1]
         g = Dilate((1, 2), s - 1)(out_grad) if s > 1 else out_grad
@@ -142,6 +137,15 @@ class Conv(TensorOp):
         g_t = Permute((1, 2, 0, 3))(g_trim)
         grad_w = _crop(Conv(1, p)(x_t, g_t), (kh, kw))
         return grad_x, Permute((1, 2, 0, 3))(grad_w)
+
+    def plain_gradient(self, out_grad, node):
+        # plain backward: the fast array form, no graph
+        x, w = node.saved_tensors
+        s, p = self.stride, self.padding
+        need_x, need_w = (t.requires_grad for t in node.inputs)
+        gx, gw = _conv_gradient_arrays(out_grad.cached_data, x.cached_data, w.cached_data,
+                                       s, p, need_x, need_w)
+        return (_leaf(gx) if need_x else None, _leaf(gw) if need_w else None)
 
 
 def _pad_hw(t, ph: int, pw: int):

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import numpy
 
-from .._autograd.grad_mode import STATE
 from .._core.errors import IndexOutOfRange, ShapeError
-from ..autograd import Tensor, TensorOp, _leaf
+from ..autograd import Tensor, TensorOp
+from ..autograd.tensor import const as _leaf
 from . import _array as A
 from .ops_mathematic import matmul
 from .ops_shape import reshape, transpose
@@ -53,17 +53,25 @@ class EmbeddingLookup(TensorOp):
         # ids are integers: their gradient is zero wherever it exists (given only when asked)
         grad_ids = (_leaf(A.zeros(ids.shape, ids.cached_data)) if ids_input.requires_grad
                     else None)
-        if not STATE.grad_enabled:
-            g = A.to_numpy(out_grad.cached_data).reshape(-1, dim)
-            total = numpy.zeros((num, dim), dtype=g.dtype)
-            numpy.add.at(total, rows.reshape(-1), g)
-            return _leaf(A.from_numpy_like(total, out_grad.cached_data)), grad_ids
         one_hot = numpy.zeros((rows.size, num), dtype=numpy.float32)
         one_hot[numpy.arange(rows.size), rows.reshape(-1)] = 1.0
         hot = Tensor(one_hot, device=out_grad.device, dtype=out_grad.dtype,
                      requires_grad=False)
         flat = reshape(out_grad, (rows.size, dim))
         return matmul(transpose(hot), flat), grad_ids
+
+    def plain_gradient(self, out_grad, node):
+        weight, ids_input = node.inputs
+        (ids,) = node.saved_tensors
+        num, dim = weight.shape
+        rows = _ids(ids.cached_data, num)
+        # ids are integers: their gradient is zero wherever it exists (given only when asked)
+        grad_ids = (_leaf(A.zeros(ids.shape, ids.cached_data)) if ids_input.requires_grad
+                    else None)
+        g = A.to_numpy(out_grad.cached_data).reshape(-1, dim)
+        total = numpy.zeros((num, dim), dtype=g.dtype)
+        numpy.add.at(total, rows.reshape(-1), g)
+        return _leaf(A.from_numpy_like(total, out_grad.cached_data)), grad_ids
 
 
 def embedding(weight, ids):

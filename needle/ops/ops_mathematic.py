@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import numpy
 
-from .._autograd.grad_mode import STATE
 from .._core.errors import DTypeError, ShapeError
-from ..autograd import TensorOp, Value, _leaf
+from ..autograd import TensorOp, Value
+from ..autograd.tensor import const as _leaf
 from . import _array as A
 from .ops_shape import (  # noqa: F401 - the course finds these in ops_mathematic
     BroadcastTo,
@@ -123,14 +123,16 @@ class EWiseMul(TensorOp):
 
     def gradient(self, out_grad, node):
         a, b = node.saved_tensors
-        if not STATE.grad_enabled:
-            g, x, y = out_grad.cached_data, a.cached_data, b.cached_data
-            if x.shape != y.shape:
-                x, y = _bcast("multiply", x, y)
-            need_a, need_b = (x.requires_grad for x in node.inputs)
-            return (_const(A.sum_to_shape(g * y, a.shape)) if need_a else None,
-                    _const(A.sum_to_shape(g * x, b.shape)) if need_b else None)
         return sum_to_shape(out_grad * b, a.shape), sum_to_shape(out_grad * a, b.shape)
+
+    def plain_gradient(self, out_grad, node):
+        a, b = node.saved_tensors
+        g, x, y = out_grad.cached_data, a.cached_data, b.cached_data
+        if x.shape != y.shape:
+            x, y = _bcast("multiply", x, y)
+        need_a, need_b = (x.requires_grad for x in node.inputs)
+        return (_const(A.sum_to_shape(g * y, a.shape)) if need_a else None,
+                _const(A.sum_to_shape(g * x, b.shape)) if need_b else None)
 
 
 def multiply(a, b):
@@ -147,9 +149,10 @@ class MulScalar(TensorOp):
         return a * self.scalar
 
     def gradient(self, out_grad, node):
-        if not STATE.grad_enabled:
-            return _const(out_grad.cached_data * self.scalar)
         return out_grad * self.scalar
+
+    def plain_gradient(self, out_grad, node):
+        return _const(out_grad.cached_data * self.scalar)
 
 
 def mul_scalar(a, scalar):
@@ -224,9 +227,10 @@ class DivScalar(TensorOp):
         return a / self.scalar
 
     def gradient(self, out_grad, node):
-        if not STATE.grad_enabled:
-            return _const(out_grad.cached_data / self.scalar)
         return out_grad / self.scalar
+
+    def plain_gradient(self, out_grad, node):
+        return _const(out_grad.cached_data / self.scalar)
 
 
 def divide_scalar(a, scalar):
@@ -240,9 +244,10 @@ class Negate(TensorOp):
         return -a
 
     def gradient(self, out_grad, node):
-        if not STATE.grad_enabled:
-            return _const(-out_grad.cached_data)
         return -out_grad
+
+    def plain_gradient(self, out_grad, node):
+        return _const(-out_grad.cached_data)
 
 
 def negate(a):
@@ -271,9 +276,11 @@ class Exp(TensorOp):
 
     def gradient(self, out_grad, node):
         (out,) = node.saved_tensors
-        if not STATE.grad_enabled:
-            return _const(out_grad.cached_data * out.cached_data)
         return out_grad * out
+
+    def plain_gradient(self, out_grad, node):
+        (out,) = node.saved_tensors
+        return _const(out_grad.cached_data * out.cached_data)
 
 
 def exp(a):
@@ -291,9 +298,13 @@ class ReLU(TensorOp):
         (out,) = node.saved_tensors
         # out >= 0, so sign(out) is exactly the mask a > 0 (one kernel)
         mask = A.sign(out.realize_cached_data())
-        if not STATE.grad_enabled:
-            return _const(out_grad.cached_data * mask)
         return out_grad * _const(mask)
+
+    def plain_gradient(self, out_grad, node):
+        (out,) = node.saved_tensors
+        # out >= 0, so sign(out) is exactly the mask a > 0 (one kernel)
+        mask = A.sign(out.realize_cached_data())
+        return _const(out_grad.cached_data * mask)
 
 
 def relu(a):
@@ -309,10 +320,12 @@ class Tanh(TensorOp):
 
     def gradient(self, out_grad, node):
         (out,) = node.saved_tensors
-        if not STATE.grad_enabled:
-            o = out.cached_data
-            return _const(out_grad.cached_data * (1 - o * o))
         return out_grad * (1 - out * out)
+
+    def plain_gradient(self, out_grad, node):
+        (out,) = node.saved_tensors
+        o = out.cached_data
+        return _const(out_grad.cached_data * (1 - o * o))
 
 
 def tanh(a):
@@ -344,10 +357,12 @@ class Sigmoid(TensorOp):
 
     def gradient(self, out_grad, node):
         (out,) = node.saved_tensors
-        if not STATE.grad_enabled:
-            o = out.cached_data
-            return _const(out_grad.cached_data * (o * (1 - o)))
         return out_grad * out * (1 - out)
+
+    def plain_gradient(self, out_grad, node):
+        (out,) = node.saved_tensors
+        o = out.cached_data
+        return _const(out_grad.cached_data * (o * (1 - o)))
 
 
 def sigmoid(a):
@@ -393,16 +408,18 @@ class MatMul(TensorOp):
 
     def gradient(self, out_grad, node):
         a, b = node.saved_tensors
-        if not STATE.grad_enabled:
-            g, x, y = out_grad.cached_data, a.cached_data, b.cached_data
-            need_a, need_b = (x.requires_grad for x in node.inputs)
-            return (_const(A.sum_to_shape(A.matmul(g, A.swap_last(y)), a.shape))
-                    if need_a else None,
-                    _const(A.sum_to_shape(A.matmul(A.swap_last(x), g), b.shape))
-                    if need_b else None)
         grad_a = _MATMUL(out_grad, transpose(b))
         grad_b = _MATMUL(transpose(a), out_grad)
         return sum_to_shape(grad_a, a.shape), sum_to_shape(grad_b, b.shape)
+
+    def plain_gradient(self, out_grad, node):
+        a, b = node.saved_tensors
+        g, x, y = out_grad.cached_data, a.cached_data, b.cached_data
+        need_a, need_b = (x.requires_grad for x in node.inputs)
+        return (_const(A.sum_to_shape(A.matmul(g, A.swap_last(y)), a.shape))
+                if need_a else None,
+                _const(A.sum_to_shape(A.matmul(A.swap_last(x), g), b.shape))
+                if need_b else None)
 
 
 def matmul(a, b):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import builtins
 
-from .._autograd.grad_mode import STATE
 from .._core.errors import IndexOutOfRange, ShapeError
 from ..autograd import Tensor, TensorOp
 from . import _array as A
@@ -44,10 +43,11 @@ class Reshape(TensorOp):
         return A.reshape(A.compact(a), self.shape)
 
     def gradient(self, out_grad, node):
-        if not STATE.grad_enabled:
-            data = A.reshape(A.compact(out_grad.cached_data), node.inputs[0].shape)
-            return Tensor.make_const(data)
         return Reshape(node.inputs[0].shape)(out_grad)
+
+    def plain_gradient(self, out_grad, node):
+        data = A.reshape(A.compact(out_grad.cached_data), node.inputs[0].shape)
+        return Tensor.make_const(data)
 
 
 def reshape(a, shape):
@@ -72,9 +72,10 @@ class BroadcastTo(TensorOp):
         return A.broadcast_to(a, self.shape)
 
     def gradient(self, out_grad, node):
-        if not STATE.grad_enabled:
-            return Tensor.make_const(A.sum_to_shape(out_grad.cached_data, node.inputs[0].shape))
         return sum_to_shape(out_grad, node.inputs[0].shape)
+
+    def plain_gradient(self, out_grad, node):
+        return Tensor.make_const(A.sum_to_shape(out_grad.cached_data, node.inputs[0].shape))
 
 
 def broadcast_to(a, shape):
@@ -161,10 +162,13 @@ class Summation(TensorOp):
     def gradient(self, out_grad, node):
         shape = node.inputs[0].shape
         axes = A.normalize_axes(self.axes, len(shape), "summation")
-        if not STATE.grad_enabled:
-            kept = A.reshape(A.compact(out_grad.cached_data), _kept_shape(shape, axes))
-            return Tensor.make_const(A.broadcast_to(kept, shape))
         return BroadcastTo(shape)(Reshape(_kept_shape(shape, axes))(out_grad))
+
+    def plain_gradient(self, out_grad, node):
+        shape = node.inputs[0].shape
+        axes = A.normalize_axes(self.axes, len(shape), "summation")
+        kept = A.reshape(A.compact(out_grad.cached_data), _kept_shape(shape, axes))
+        return Tensor.make_const(A.broadcast_to(kept, shape))
 
 
 def summation(a, axes=None):

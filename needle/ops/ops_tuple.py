@@ -9,7 +9,6 @@ Example:
 """
 from __future__ import annotations
 
-from .._autograd.grad_mode import STATE
 from .._core.errors import IndexOutOfRange, ShapeError
 from ..autograd import SparseTupleGrad, Tensor, TensorOp, TensorTuple, TensorTupleOp
 from . import _array as A
@@ -55,16 +54,14 @@ class TupleGetItem(TensorOp):
 
     def gradient(self, out_grad, node):
         parts = node.inputs[0].realize_cached_data()
-        if not STATE.grad_enabled:  # plain backward: only this entry is non-zero
-            return SparseTupleGrad.make({self.index: out_grad.cached_data}, parts)
         grads = [out_grad if i == self.index else Tensor.make_const(A.zeros(p.shape, p))
                  for i, p in enumerate(parts)]
         return make_tuple(*grads)
 
-
-def _zeros_array_like(array):
-    """A zero array with ``array``'s shape, dtype and device (fills sparse tuple gradients)."""
-    return A.zeros(array.shape, array)
+    def plain_gradient(self, out_grad, node):
+        # plain backward: only this entry is non-zero
+        parts = node.inputs[0].realize_cached_data()
+        return SparseTupleGrad.make({self.index: out_grad.cached_data}, parts)
 
 
 def tuple_get_item(value, index):

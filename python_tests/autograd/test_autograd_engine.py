@@ -176,6 +176,25 @@ def test_tensor_counter_does_not_leak():
     assert autograd.TENSOR_COUNTER == base
 
 
+def test_tensor_counter_is_the_live_count_and_lazy_mode_reaches_the_dispatch():
+    gc.collect()
+    base = autograd.TENSOR_COUNTER
+    made = [_t((2,)) for _ in range(3)]
+    assert autograd.TENSOR_COUNTER == base + 3
+    del made
+    gc.collect()
+    assert autograd.TENSOR_COUNTER == base
+    x = _t((2,))
+    autograd.LAZY_MODE = True
+    try:
+        y = x * 2
+        assert y.cached_data is None  # recorded, not computed
+    finally:
+        autograd.LAZY_MODE = False
+    np.testing.assert_allclose(y.numpy(), x.numpy() * 2)
+    assert (x * 2).cached_data is not None
+
+
 def test_no_grad_nested_and_enable_grad():
     x = _t((2,))
     with no_grad():
@@ -333,3 +352,17 @@ def test_np_mode_engine_subprocess():
         env=env, capture_output=True, text=True, timeout=240, cwd=HERE)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout
+
+
+def test_gradient_as_tuple_is_callable_directly_as_the_course_does():
+    """The course's tests call ``out.op.gradient_as_tuple(ndl.Tensor(c), out)`` themselves."""
+    a = Tensor(np.arange(6.0).reshape(2, 3))
+    b = Tensor(np.ones((2, 3)) * 2)
+    out = a * b
+    grads = out.op.gradient_as_tuple(Tensor(np.ones((2, 3))), out)
+    assert isinstance(grads, tuple) and len(grads) == 2
+    np.testing.assert_array_equal(grads[0].numpy(), b.numpy())
+    np.testing.assert_array_equal(grads[1].numpy(), a.numpy())
+    single = -a
+    (g,) = single.op.gradient_as_tuple(Tensor(np.ones((2, 3))), single)
+    np.testing.assert_array_equal(g.numpy(), -np.ones((2, 3)))

@@ -1,12 +1,12 @@
-"""Autograd releases recorded outputs that backward will not read (needle/_autograd/release.py)."""
+"""Autograd releases recorded outputs that backward will not read (needle/autograd/release.py)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 import needle as ndl
-from needle._autograd import release
 from needle._core.errors import GraphError
+from needle.autograd import release
 from needle.backend_selection import BACKEND
 
 pytestmark = pytest.mark.skipif(BACKEND != "nd",
@@ -67,9 +67,33 @@ def test_small_outputs_are_not_tracked(device):
     assert not c.inputs[0].inputs[0]._tracked
 
 
-def test_no_release_inside_saved_tensor_hooks(device):
+def _square_chain(x):
+    a = x * 2.0  # MulScalar: nothing saved of x; AddScalar below saves nothing of a
+    b = a + 1.0
+    m = b * b    # EWiseMul saves b (both inputs) through pack
+    del a
+    return m, b
+
+
+def test_inside_saved_tensor_hooks_what_pack_keeps_stays(device):
     x = ndl.Tensor(np.ones((1, BIG), np.float32), device=device, requires_grad=True)
     with ndl.autograd.saved_tensors_hooks(lambda t: t, lambda t: t):
-        c = ((x * 2.0) + 1.0) * 3.0
-        d = c + 1.0
-    assert not isinstance(_data(d.inputs[0].inputs[0]), release.Released)
+        m, b = _square_chain(x)
+        del b
+        d = m + 1.0  # a later op sweeps
+    b = m.inputs[0]
+    assert isinstance(_data(b.inputs[0]), release.Released)  # a: nobody saved it
+    assert not isinstance(_data(b), release.Released)         # b: pack kept it
+    d.sum().backward()
+    np.testing.assert_array_equal(x.grad.numpy(), np.full((1, BIG), 12.0, np.float32))
+
+
+def test_inside_saved_tensor_hooks_a_tensor_pack_replaced_is_released(device):
+    x = ndl.Tensor(np.ones((1, BIG), np.float32), device=device, requires_grad=True)
+    with ndl.autograd.saved_tensors_hooks(lambda t: t.detach(), lambda t: t):
+        m, b = _square_chain(x)
+        del b
+        d = m + 1.0
+    assert isinstance(_data(m.inputs[0]), release.Released)  # backward reads the copy
+    d.sum().backward()
+    np.testing.assert_array_equal(x.grad.numpy(), np.full((1, BIG), 12.0, np.float32))

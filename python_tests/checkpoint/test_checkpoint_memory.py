@@ -9,8 +9,8 @@ import pytest
 
 import needle.memory as memory
 from needle import nn
-from needle._autograd.release import sweep
 from needle.autograd import Tensor
+from needle.autograd.release import sweep
 from needle.backend_ndarray import cpu_numpy
 from needle.checkpoint import checkpoint_sequential, release_unsaved
 
@@ -58,7 +58,7 @@ def test_release_unsaved_is_bitwise_and_keeps_one_array_per_layer():
                 y = model(x)
         held = memory.stats(cpu_numpy())["by_category"]["activation"]["current"] - base
         # lean: the relu outputs only (saved by ReLU and by the next matmul). The plain graph
-        # releases unsaved outputs too (needle/_autograd/release.py), one op late: the last
+        # releases unsaved outputs too (needle/autograd/release.py), one op late: the last
         # bias-add output was still named by ReLU.forward when the last op was recorded.
         assert held == (6 if lean else 6 + 1) * UNIT
         if not lean:

@@ -139,7 +139,7 @@ def test_record_names_forward_ops_and_backward_steps():
     assert {"MatMul", "ReLU", "MatMul.gradient", "ReLU.gradient"} <= ops
     assert all(e.category == "gradient" for e in events
                if e.kind == "alloc" and e.op and e.op.endswith(".gradient"))
-    assert mem.hooks.active_observer() is None  # observation is off again
+    assert mem.observers.active_observer() is None  # observation is off again
     for p in model.parameters():
         p.grad = None
 

@@ -57,14 +57,17 @@ def test_categories_are_thread_local():
 
 def test_listeners_follow_the_resolved_category():
     calls = []
-    C.add_listener(calls.append)
+    handle = C.add_listener(calls.append)
     try:
         with C.framework_category("activation"):
             with C.category("workspace"):
                 pass
     finally:
-        C.remove_listener(calls.append)
+        handle.remove()
     assert calls == ["activation", "workspace", "activation", "other"]
+    with C.category("workspace"):
+        pass
+    assert len(calls) == 4  # removed: no more calls
 
 
 def test_record_events_with_ops_and_categories():

@@ -66,26 +66,45 @@ def test_compare_on_a_real_training_step(name):
     assert "allocator rounding" in w.explanation
 
 
-def test_cli_report_prints_the_table_and_writes_the_plot(tmp_path, capsys):
+SCRIPT = """
+import sys
+import numpy as np
+import needle as ndl
+from needle import nn
+d = ndl.cpu_numpy()
+np.random.seed(0)
+model = nn.Sequential(nn.Linear(16, 64, device=d), nn.ReLU(), nn.Linear(64, 4, device=d))
+loss = model(ndl.Tensor(np.ones((8, 16)), device=d, requires_grad=False)).sum()
+loss.backward()
+print("args", sys.argv[1:])
+sys.exit(int(sys.argv[-1]))
+"""
+
+
+def test_cli_report_runs_a_users_script_and_reports_its_categories(tmp_path, capsys):
+    script = tmp_path / "step.py"
+    script.write_text(SCRIPT)
     png = tmp_path / "step.png"
-    rc = cli.main(["report", "--model", "mlp_resnet", "--batch-size", "16", "--input-dim", "32",
-                   "--hidden-dim", "16", "--num-blocks", "1", "--plot", str(png)])
+    rc = cli.main(["report", "--plot", str(png), str(script), "--flag", "0"])
     out = capsys.readouterr().out
     assert rc == 0
-    for word in ("weight", "gradient", "optimizer", "activation", "estimate with margin"):
-        assert word in out
+    assert "args ['--flag', '0']" in out  # the script saw its own arguments
+    assert "device cpu_numpy" in out
+    table = out[out.index("device cpu_numpy"):].split("\ndevice ")[0]
+    rows = {line.split()[0]: float(line.split()[1]) for line in table.splitlines()
+            if line.strip() and line.split()[0] in mem.CATEGORIES}
+    # weights (16*64 + 64 + 64*4 + 4 floats) and their gradients were allocated
+    assert rows["weight"] > 0 and rows["gradient"] > 0 and rows["activation"] > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_cli_report_on_the_cpp_allocator(capsys):
-    """The C++ allocator reports the same table, with its own event log merged in."""
-    rc = cli.main(["report", "--model", "mlp", "--device", "cpu", "--batch-size", "4",
-                   "--input-dim", "8", "--hidden-dim", "8", "--num-layers", "1"])
-    out = capsys.readouterr().out
-    assert rc == 0
-    for word in ("weight", "gradient", "optimizer", "activation", "estimate with margin"):
-        assert word in out
-    assert "timeline: 0 events" not in out
+def test_cli_report_passes_the_scripts_exit_code_and_points_old_flags_to_apps(tmp_path,
+                                                                                capsys):
+    script = tmp_path / "step.py"
+    script.write_text(SCRIPT)
+    assert cli.main(["report", str(script), "3"]) == 3
+    assert cli.main(["report", "--model", "mlp"]) == 2
+    assert "apps/memory_report.py --model mlp" in capsys.readouterr().err
 
 
 def test_no_leak_after_1000_steps():  # ~2 s

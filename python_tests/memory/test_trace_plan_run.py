@@ -226,4 +226,4 @@ def test_trace_inside_record_feeds_both_observers():
         g = mem.trace(lambda a: (a * 2) + 1, x)
     assert [op.name for op in g.ops] == ["MulScalar", "AddScalar"]
     assert [e.op for e in events if e.kind == "alloc"] == ["MulScalar", "AddScalar"]
-    assert mem.hooks.active_observer() is None
+    assert mem.observers.active_observer() is None

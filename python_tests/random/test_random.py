@@ -161,5 +161,29 @@ def test_library_draws_go_through_needle_random():
         init.randn(2, 2)
     kinds = [kind for kind, _, _ in draws]
     assert kinds == ["rand", "rand", "rand", "permutation", "rand", "randint", "randn"]
-    # the Linear weight draw has the weight's full shape (one draw, NEEDLE_API §11)
+    # the Linear weight draw has the weight's full shape (one draw: the course goldens need it)
     assert draws[0][2].shape == (3, 2)
+
+
+def _devices():
+    from needle.backend_ndarray import cpu, cpu_numpy
+    from needle.backend_numpy import CPUDevice
+
+    devices = [cpu_numpy(), CPUDevice()]
+    return devices + ([cpu()] if cpu().enabled() else [])
+
+
+@pytest.mark.parametrize("kind", ["rand", "randn"])
+def test_device_draws_go_through_needle_random_and_stay_golden(kind):
+    """BackendDevice.rand/randn (nd mode) and the np-mode CPU device draw through needle.random:
+    the observers see them, and each is one global NumPy draw of the full shape."""
+    for device in _devices():
+        np.random.seed(5)
+        with nr.observe_draws() as draws:
+            got = getattr(device, kind)(2, 3)
+        np.random.seed(5)
+        want = getattr(np.random, kind)(2, 3)
+        assert [d[0] for d in draws] == [kind], device
+        assert draws[0][2].shape == (2, 3)
+        values = got.numpy() if hasattr(got, "numpy") else got
+        np.testing.assert_allclose(values, want, rtol=1e-6)  # nd devices store float32

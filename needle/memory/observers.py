@@ -1,8 +1,9 @@
 """Observer slots through which L2 watches the autograd layer (L3) without importing it.
 
 L3 modules register a setter at import (:func:`bind`); while at least one observer is active
-(:func:`add_observer`: :func:`needle.memory.record` names ops, :func:`needle.memory.trace`
-builds a graph), every setter receives it, else ``None``. L3 tests one module global per op,
+(:func:`add_observer`, which returns a handle whose ``remove()`` stops it:
+:func:`needle.memory.record` names ops, :func:`needle.memory.trace` builds a graph), every setter
+receives it, else ``None``. L3 tests one module global per op,
 so observation costs nothing when it is off.
 
 The protocol L3 calls on the observer it was given (all methods optional to implement, see
@@ -19,22 +20,20 @@ Example:
     >>> class Names(Observer):
     ...     def op_begin(self, op, inputs):
     ...         seen.append(type(op).__name__)
-    >>> obs = add_observer(Names())
+    >>> handle = add_observer(Names())
     >>> import needle as ndl
     >>> _ = ndl.Tensor([1.0]) * 2
-    >>> remove_observer(obs); seen
+    >>> handle.remove(); seen
     ['MulScalar']
 """
 from __future__ import annotations
 
-import threading
 from typing import Callable
 
-__all__ = ["Observer", "bind", "add_observer", "remove_observer", "active_observer"]
+from .._core.handles import Callbacks, RemovableHandle
 
-_SETTERS: list[Callable[[object], None]] = []
-_OBSERVERS: list["Observer"] = []
-_LOCK = threading.Lock()
+__all__ = ["Observer", "bind", "add_observer", "active_observer"]
+
 _CURRENT: "Observer | None" = None
 
 
@@ -90,38 +89,33 @@ class _Many(Observer):
 
 
 def _publish() -> None:
+    """Hand the active observer (one, several behind one slot, or None) to every setter."""
     global _CURRENT
-    if not _OBSERVERS:
+    active = list(_OBSERVERS)
+    if not active:
         _CURRENT = None
-    elif len(_OBSERVERS) == 1:
-        _CURRENT = _OBSERVERS[0]
+    elif len(active) == 1:
+        _CURRENT = active[0]
     else:
-        _CURRENT = _Many(_OBSERVERS)
+        _CURRENT = _Many(active)
     for setter in _SETTERS:
         setter(_CURRENT)
 
 
-def bind(setter: Callable[[object], None]) -> None:
+_SETTERS = Callbacks()
+_OBSERVERS = Callbacks(on_change=_publish)
+
+
+def bind(setter: Callable[[object], None]) -> RemovableHandle:
     """Register ``setter(observer_or_None)`` (called now and whenever the observers change)."""
-    with _LOCK:
-        _SETTERS.append(setter)
-        setter(_CURRENT)
+    handle = _SETTERS.add(setter)
+    setter(_CURRENT)
+    return handle
 
 
-def add_observer(observer: Observer) -> Observer:
-    """Start delivering L3 events to ``observer``; returns it."""
-    with _LOCK:
-        _OBSERVERS.append(observer)
-        _publish()
-    return observer
-
-
-def remove_observer(observer: Observer) -> None:
-    """Stop delivering events to ``observer`` (unknown observers are ignored)."""
-    with _LOCK:
-        if observer in _OBSERVERS:
-            _OBSERVERS.remove(observer)
-            _publish()
+def add_observer(observer: Observer) -> RemovableHandle:
+    """Start delivering L3 events to ``observer``; ``remove()`` on the handle stops it."""
+    return _OBSERVERS.add(observer)
 
 
 def active_observer() -> Observer | None:

@@ -1,38 +1,36 @@
-"""Hook handles and the saved-tensor hooks context manager.
+"""Saved-tensor hooks: what an op keeps for backward can be routed through user functions.
+
+Hook handles (``register_hook`` and friends) are the one handle type of needle,
+:class:`needle._core.handles.RemovableHandle`, re-exported here.
 
 Example:
-    >>> hooks = {}
-    >>> h = RemovableHandle(hooks); hooks[h.id] = print
-    >>> h.remove(); hooks
-    {}
+    >>> import needle as ndl
+    >>> x = ndl.Tensor([1.0, 2.0])
+    >>> h = x.register_hook(lambda g: g * 2)
+    >>> h.remove()
 """
 from __future__ import annotations
 
-import itertools
-
+from .._core.handles import RemovableHandle
 from .grad_mode import STATE
 
-_HOOK_IDS = itertools.count()
+__all__ = ["RemovableHandle", "saved_tensors_hooks", "pack_saved", "SAVED_SELF"]
+
+# Stands for "the saved tensor is the node's own output" in a packed list (a reference to the
+# node itself would make a cycle node -> _saved -> node).
+SAVED_SELF = object()
 
 
-class RemovableHandle:
-    """Returned by ``register_hook``-style calls; ``remove()`` unregisters the hook."""
-
-    __slots__ = ("_hooks", "id")
-
-    def __init__(self, hooks: dict):
-        self._hooks = hooks
-        self.id = next(_HOOK_IDS)
-
-    def remove(self) -> None:
-        """Unregister the hook; removing twice is harmless."""
-        self._hooks.pop(self.id, None)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.remove()
+def pack_saved(op, node, hooks) -> tuple:
+    """``(unpack, packed)``: ``pack`` applied to every tensor ``op`` saves of ``node``."""
+    pack, unpack = hooks
+    idx = op.save_inputs
+    inputs = node.inputs if idx is None else [node.inputs[i] for i in idx]
+    packed = [pack(x) for x in inputs]
+    if op.save_output:
+        out = pack(node)
+        packed.append(SAVED_SELF if out is node else out)
+    return (unpack, packed)
 
 
 class saved_tensors_hooks:  # noqa: N801 - context manager named like PyTorch's

@@ -10,9 +10,13 @@ alone and returns the proxies' gradients. Consequences:
 * the outer engine sums the partial gradients of a shared parameter in exactly the order it
   would without checkpointing, so gradients are bitwise equal, and a parameter's hooks fire once
   (when its gradient is final), however many regions read it;
-* the first forward records the region's graph only to find those edges; a
-  :class:`~needle._checkpoint.release.Tracker` drops its arrays as soon as they are unreachable,
-  so the forward keeps no more than a ``no_grad`` forward would.
+* the first forward records the region's graph only to find those edges: it runs under
+  saved-tensor hooks that keep nothing, so autograd's release (``needle/autograd/release.py``)
+  drops each array as soon as only the graph reaches it, and the forward keeps no more than a
+  ``no_grad`` forward would.
+
+The region talks to the engine only through its public sub-graph entry points
+(:func:`~needle.autograd.engine.graph_mark`, ``boundary_edges``, ``edge_gradients``).
 
 Example:
     >>> import numpy as np
@@ -31,14 +35,12 @@ import threading
 
 import numpy as np
 
-from .. import memory
+from .. import memory, ops
 from .. import random as ndl_random
-from .._autograd.engine import run_backward
-from .._autograd.grad_mode import STATE, enable_grad
 from .._core.errors import CheckpointError
 from ..autograd import Tensor, TensorOp, TensorTuple, TensorTupleOp, Value, saved_tensors_hooks
-from ..backend_selection import BACKEND
-from .release import Tracker
+from ..autograd.engine import boundary_edges, edge_gradients, graph_mark, recorded_after
+from ..autograd.grad_mode import STATE, enable_grad
 from .state import ModuleState, modules_of
 
 __all__ = ["checkpoint", "is_recomputing"]
@@ -72,11 +74,6 @@ def _recomputing():
         _LOCAL.recomputing -= 1
 
 
-def _mark() -> int:
-    """A creation number: every node made after this call has a larger ``_seq``."""
-    return Tensor.make_const(None)._seq
-
-
 def _fingerprint(data) -> tuple:
     array = data.numpy() if hasattr(data, "numpy") else data
     array = np.ascontiguousarray(np.asarray(array))
@@ -84,24 +81,15 @@ def _fingerprint(data) -> tuple:
                                                                    digest_size=16).hexdigest())
 
 
-def _external_edges(outputs, mark: int) -> list:
-    """Edges ``(consumer, input index, tensor)`` from the region to outside tensors that require
-    grad, ordered as the engine delivers their gradients (later consumers first)."""
-    edges, seen, stack = [], set(), [o for o in outputs if o._seq > mark]
-    while stack:
-        node = stack.pop()
-        if id(node) in seen or node.op is None or not node.requires_grad:
-            continue
-        seen.add(id(node))
-        for i, inp in enumerate(node.inputs):
-            if not inp.requires_grad:
-                continue
-            if inp._seq <= mark:
-                edges.append((node, i, inp))
-            else:
-                stack.append(inp)
-    edges.sort(key=lambda e: (-e[0]._seq, e[1]))
-    return edges
+def _save_nothing(tensor):
+    return None
+
+
+def _unpack_unavailable(packed):
+    raise CheckpointError(
+        "checkpoint: backward through the first forward of a checkpoint region, expected "
+        "gradients to flow through the region's checkpoint node, got a direct use of its "
+        "internal graph")
 
 
 class _RegionOp(TensorOp):
@@ -154,15 +142,16 @@ class _Region:
         return out
 
     def _run(self, keep_saved: bool):
-        """Run ``fn`` on fresh argument leaves, recording its graph under a :class:`Tracker`."""
+        """Run ``fn`` on fresh argument leaves, recording its graph (keeping what its ops save
+        only when ``keep_saved``: the first forward needs the graph's structure alone)."""
         leaves = self._fresh_args()
-        mark = _mark()
-        tracker = Tracker(mark, keep_saved=keep_saved)
+        mark = graph_mark()
         draws = ndl_random.observe_draws() if self.verify else contextlib.nullcontext([])
-        with enable_grad(), saved_tensors_hooks(tracker.pack, tracker.unpack), draws as seen:
+        saving = (contextlib.nullcontext() if keep_saved
+                  else saved_tensors_hooks(_save_nothing, _unpack_unavailable))
+        with enable_grad(), saving, draws as seen:
             result = self.fn(*leaves)
         outputs, structure = _flatten(result, self.name)
-        tracker.finish([o for o in outputs if isinstance(o, Value)])
         return leaves, mark, result, outputs, structure, seen
 
     def _slot_of(self, tensor, leaves) -> tuple:
@@ -182,7 +171,7 @@ class _Region:
         leaves, mark, result, outputs, structure, draws = self._run(keep_saved=False)
         if self.verify:
             self.record = _Record(outputs, draws)
-        edges = _external_edges([o for o in outputs if _is_tensor(o)], mark)
+        edges = boundary_edges([o for o in outputs if _is_tensor(o)], mark)
         self.slots = self._signature(edges, leaves)
         slot_tensors = [original_args[s[1]] if s[0] == "arg" else s[1] for s in self.slots]
         return _rebuild(self, outputs, structure, leaves, mark, original_args, slot_tensors)
@@ -197,14 +186,15 @@ class _Region:
                 leaves, mark, _, outputs, _, draws = self._run(keep_saved=True)
             if self.verify:
                 self.record.compare(self.name, outputs, draws)
-        edges = _external_edges([o for o in outputs if _is_tensor(o)], mark)
+        edges = boundary_edges([o for o in outputs if _is_tensor(o)], mark)
         signature = self._signature(edges, leaves)
         if not _same_slots(signature, self.slots):
             raise CheckpointError(
                 f"checkpoint: region {self.name!r} read different tensors when recomputed, "
                 f"expected {len(self.slots)} edges to {_describe_slots(self.slots)}, got "
                 f"{len(signature)} edges to {_describe_slots(signature)}")
-        roots = [o for o in outputs if _is_tensor(o) and o.requires_grad and o._seq > mark]
+        roots = [o for o in outputs
+                 if _is_tensor(o) and o.requires_grad and recorded_after(o, mark)]
         return _backprop(roots, out_grads, edges, create_graph)
 
 
@@ -232,12 +222,12 @@ def _rebuild(region, outputs, structure, leaves, mark, original_args, slot_tenso
     """The values ``checkpoint`` returns: outputs that carry gradient come out of the region's
     node; outputs that were inputs come back as the caller's own objects; the rest detached."""
     grad_positions = [i for i, o in enumerate(outputs)
-                      if _is_tensor(o) and o.requires_grad and o._seq > mark]
+                      if _is_tensor(o) and o.requires_grad and recorded_after(o, mark)]
     final = []
     for o in outputs:
         if not _is_tensor(o):
             final.append(o)
-        elif o._seq <= mark:
+        elif not recorded_after(o, mark):
             slot = region._slot_of(o, leaves)
             final.append(original_args[slot[1]] if slot[0] == "arg" else o)
         else:
@@ -262,27 +252,14 @@ def _region_node(region, outputs, positions, slot_tensors) -> list:
 
 def _backprop(roots, out_grads, edges, create_graph: bool) -> tuple:
     """Backpropagate through the recomputed segment only; return one gradient per edge."""
-    proxies = []
-    for consumer, index, ext in edges:
-        proxy = type(ext).make_const(ext.cached_data, requires_grad=True)
-        inputs = list(consumer.inputs)
-        inputs[index] = proxy
-        consumer.inputs = tuple(inputs)
-        proxies.append(proxy)
-    del edges
     if len(roots) == 1:
         root, grad = roots[0], out_grads[0]
     else:
-        from .. import ops
-
         with enable_grad():
             root = ops.make_tuple(*roots)
         grad = ops.make_tuple(*out_grads)
     del roots
-    run_backward(root, grad, retain_graph=False, create_graph=create_graph, accumulate=False,
-                 grad_all_nodes=False, strict=BACKEND == "nd")
-    del root, grad
-    grads = tuple(p.grad for p in proxies)
+    grads = edge_gradients(root, grad, edges, create_graph=create_graph)
     if any(g is None for g in grads):
         raise CheckpointError(
             "checkpoint: an edge of the recomputed region received no gradient, expected one "

@@ -5,8 +5,8 @@ A needle graph node *is* the Tensor the user got back, and each consumer keeps i
 alive until backward, where PyTorch keeps only what the ops save: a Linear+ReLU layer held
 three arrays (x@W, +b, relu) instead of one.
 
-Rule (nd mode, outside saved-tensor hooks): an output whose own op does not save it
-(``save_output``) and that no consumer saves (``save_inputs``) is *released* — its array
+Rule (nd mode): an output whose own op does not save it (``save_output``) and that no consumer
+saves (``save_inputs``) is *released* — its array
 replaced by a :class:`Released` stand-in that still answers ``shape``/``dtype``/``device``,
 the only things the engine reads of an unsaved input — as soon as no Python reference other
 than consumers' ``inputs`` reaches it. CPython's reference count makes that exact: the count
@@ -16,6 +16,14 @@ released; it is looked at again at each later op (at most
 ``_MAX_SWEEPS`` times, then left alone, as before this module) and once more when
 ``backward()`` starts.
 
+Under ``saved_tensors_hooks`` what an op keeps is what ``pack`` returned (held in the
+consumer's ``_saved``), so there the reference count alone decides: a tensor ``pack`` kept is
+referenced and stays; one it replaced (by a copy, or by nothing, as a checkpoint region's first
+forward does) is released like any unsaved output.
+
+This is needle's one release mechanism: checkpoint regions and
+:func:`release_unsaved` use it too.
+
 Example:
     >>> r = Released((2, 3), "float32", None, "EWiseAdd")
     >>> r.shape, r.size
@@ -23,13 +31,15 @@ Example:
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 from weakref import ref as _ref
 
 from .._core.errors import ReleasedDataError
+from .hooks import SAVED_SELF
 
-__all__ = ["Released", "track", "sweep"]
+__all__ = ["Released", "track", "sweep", "release_unsaved", "released_total"]
 
 _MAX_SWEEPS = 16
 # Outputs smaller than this are kept until backward as before: their memory is negligible and
@@ -87,6 +97,14 @@ for _name in ("add", "radd", "sub", "rsub", "mul", "rmul", "truediv", "rtruediv"
     setattr(Released, f"__{_name}__", _refuse(f"__{_name}__"))
 
 
+_TOTAL = [0]  # releases since import (read through released_total)
+
+
+def released_total() -> int:
+    """How many arrays autograd has released since ``import needle``."""
+    return _TOTAL[0]
+
+
 def release(node) -> None:
     """Replace ``node``'s array by a :class:`Released` stand-in."""
     data = node.cached_data
@@ -94,6 +112,7 @@ def release(node) -> None:
         return
     node.cached_data = Released(data.shape, data.dtype, getattr(data, "device", None),
                                 type(node.op).__name__)
+    _TOTAL[0] += 1
 
 
 # Candidates: [weakref to node, sweeps survived]. Weak, so the list keeps nothing alive; an
@@ -103,15 +122,17 @@ _CANDIDATES: list = []
 
 def track(node, op, inputs) -> None:
     """Count ``node``'s links to tracked inputs, note what ``op`` saves, then sweep."""
+    saved = node._saved  # set when saved_tensors_hooks were active: references decide then
     save = op.save_inputs
     i = 0
     for x in inputs:
         if x._tracked:
             x._links += 1
-            if save is None or i in save:
+            if saved is None and (save is None or i in save):
                 x._keep = True
         i += 1
-    if not op.save_output and not node._is_tuple:
+    keeps_self = op.save_output and (saved is None or saved[1][-1] is SAVED_SELF)
+    if not keeps_self and not node._is_tuple:
         handle = getattr(node.cached_data, "_handle", None)
         if handle is not None and handle.size >= RELEASE_MIN_ELEMENTS:
             node._tracked = True
@@ -153,3 +174,50 @@ class _Probe:
 
 
 _BASE = _calibrate()
+
+
+class _ReleaseCount:
+    """What :func:`release_unsaved` yields: ``released`` counts the arrays released since
+    the block opened."""
+
+    def __init__(self):
+        self._start = _TOTAL[0]
+        self._end = None
+
+    @property
+    def released(self) -> int:
+        end = _TOTAL[0] if self._end is None else self._end
+        return end - self._start
+
+
+@contextlib.contextmanager
+def release_unsaved():
+    """Inside the block, release unsaved outputs of every size, and all of them on exit.
+
+    Autograd already releases what backward will not read (this module), but skips outputs
+    under ``RELEASE_MIN_ELEMENTS`` elements to keep small models fast, and a tensor the forward
+    still named when the last op ran is looked at again only when backward starts. The block
+    lowers the threshold to zero and makes that last look on exit, so a graph recorded inside
+    holds about one array per layer right away. Yields a counter (``released``). Not
+    thread-safe: the threshold is process-wide.
+
+    Example:
+        >>> import numpy as np
+        >>> from needle import ops
+        >>> from needle.autograd import Tensor
+        >>> w = Tensor(np.ones((3, 3), dtype="float32"))
+        >>> with release_unsaved() as count:
+        ...     y = ops.relu(Tensor(np.ones((2, 3), dtype="float32")) @ w + 1).sum()
+        >>> y.backward(); count.released, w.grad.numpy()[0, 0].item()
+        (2, 2.0)
+    """
+    global RELEASE_MIN_ELEMENTS
+    previous = RELEASE_MIN_ELEMENTS
+    RELEASE_MIN_ELEMENTS = 0
+    count = _ReleaseCount()
+    try:
+        yield count
+    finally:
+        RELEASE_MIN_ELEMENTS = previous
+        sweep(final=True)
+        count._end = _TOTAL[0]

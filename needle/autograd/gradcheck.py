@@ -18,6 +18,7 @@ import numpy
 
 from .._core.errors import GraphError
 from .grad_mode import enable_grad, no_grad
+from .tensor import Tensor
 
 
 def _outputs(out) -> list:
@@ -52,8 +53,6 @@ def gradcheck(fn, *inputs, eps=1e-6, atol=1e-5, rtol=1e-3, directions=3, seed=0,
     Raises:
         GraphError: naming the input, the expected (numerical) and actual (backward) values.
     """
-    from ..autograd import Tensor
-
     rng = numpy.random.default_rng(seed)
     devices = [_device_of(x, Tensor) for x in inputs]
     bases = [_as_float64(x, Tensor) for x in inputs]

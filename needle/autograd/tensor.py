@@ -1,7 +1,11 @@
-"""The :class:`Tensor` class: a graph value holding one backend array.
+"""The user-facing graph classes: :class:`Tensor`, :class:`TensorTuple` and the ops that make
+them (:class:`TensorOp`, :class:`TensorTupleOp`).
 
-Lives apart from ``needle/autograd.py`` only to keep files short; import it from there (or
-``needle``). Operators dispatch to the op classes of :mod:`needle.ops`.
+Operators and methods (``a + b``, ``a @ b``, ``a.sum()``, ``a.reshape(...)``) dispatch to
+the op classes of :mod:`needle.ops`. ``needle.ops`` sits in the layer above autograd, so this
+module does not import it: the ops layer registers itself once at import through
+:func:`register_operator_ops` (``import needle`` always loads it). ``Tensor.backward`` builds
+the seed gradient and hands the walk to :mod:`needle.autograd.engine`.
 
 Example:
     >>> import needle as ndl
@@ -11,18 +15,61 @@ Example:
 """
 from __future__ import annotations
 
+import warnings
+
 import numpy
 
-from .._core.errors import DTypeError, ShapeError
-from ..autograd import Value, backward
-from ..autograd import _make_from_op as _make
+from .._core.errors import DTypeError, GraphError, ShapeError
 from ..backend_selection import BACKEND, NDArray, array_api, cpu, default_device
+from ..memory import categories as _mem_categories
+from . import engine
+from .value import Op, Value, leaf, make_from_op
+
+__all__ = ["Tensor", "TensorTuple", "TensorOp", "TensorTupleOp", "SparseTupleGrad",
+           "ImplicitGradWarning", "register_operator_ops", "const"]
 
 _ND = BACKEND == "nd"
 
 
-def _scalar_like(x) -> bool:
-    return not isinstance(x, Value)
+class _Unregistered:
+    """Stands in for the ops namespace until ``needle.ops`` registers it."""
+
+    def __getattr__(self, name):
+        raise GraphError(
+            f"Tensor operators: the ops layer is not loaded, expected needle.ops to have "
+            f"registered itself (import needle first), got a request for {name!r}")
+
+
+_ops = _Unregistered()
+
+
+def register_operator_ops(namespace) -> None:
+    """Give Tensor's operators and methods the op classes they dispatch to.
+
+    Called once by ``needle.ops`` at import with the ``needle.ops`` module itself; the names
+    read from it are the op classes and functions (``_ADD``, ``MatMul``, ``Summation``,
+    ``tuple_get_item``, ...).
+    """
+    global _ops
+    _ops = namespace
+
+
+class ImplicitGradWarning(UserWarning):
+    """``backward()`` of a non-scalar without ``out_grad`` (ones are used, as the course does)."""
+
+
+class TensorOp(Op):
+    """An op whose output is a single Tensor."""
+
+    def __call__(self, *args):
+        return make_from_op(Tensor, self, args)
+
+
+class TensorTupleOp(Op):
+    """An op whose output is a TensorTuple."""
+
+    def __call__(self, *args):
+        return make_from_op(TensorTuple, self, args)
 
 
 class Tensor(Value):
@@ -130,7 +177,15 @@ class Tensor(Value):
             >>> (w * w).sum().backward(); w.grad.numpy().tolist()
             [4.0, 6.0]
         """
-        backward(self, out_grad, retain_graph=retain_graph, create_graph=create_graph)
+        if not self.requires_grad and _ND:
+            raise GraphError(
+                f"backward: tensor does not require grad, expected a result of ops on tensors "
+                f"with requires_grad=True, got {engine.describe(self)}")
+        engine.prepare_backward()
+        # The seed and everything the backward pass allocates count as "gradient" memory.
+        with _mem_categories.framework_category("gradient"):
+            grad = _seed_gradient(self, out_grad)
+            engine.backward(self, grad, retain_graph=retain_graph, create_graph=create_graph)
 
     def __repr__(self) -> str:
         return "needle.Tensor(" + str(self.realize_cached_data()) + ")"
@@ -141,13 +196,13 @@ class Tensor(Value):
     # ----- operators --------------------------------------------------------------------
     def __add__(self, other):
         if isinstance(other, Tensor) or isinstance(other := _operand(self, other), Tensor):
-            return _make(Tensor, _ops._ADD, (self, other))
-        return _make(Tensor, _ops.AddScalar(other), (self,))
+            return make_from_op(Tensor, _ops._ADD, (self, other))
+        return make_from_op(Tensor, _ops.AddScalar(other), (self,))
 
     def __mul__(self, other):
         if isinstance(other, Tensor) or isinstance(other := _operand(self, other), Tensor):
-            return _make(Tensor, _ops._MUL, (self, other))
-        return _make(Tensor, _ops.MulScalar(other), (self,))
+            return make_from_op(Tensor, _ops._MUL, (self, other))
+        return make_from_op(Tensor, _ops.MulScalar(other), (self,))
 
     def __pow__(self, other):
         if isinstance(other, Tensor) or isinstance(other := _operand(self, other), Tensor):
@@ -176,14 +231,14 @@ class Tensor(Value):
         return _ops.MulScalar(other)(_ops.PowerScalar(-1)(self))
 
     def __matmul__(self, other):
-        return _make(Tensor, _ops._MATMUL, (self, other))
+        return make_from_op(Tensor, _ops._MATMUL, (self, other))
 
     def __rmatmul__(self, other):
         return _ops.MatMul()(Tensor(other, device=self.device, dtype=self.dtype,
                                     requires_grad=False), self)
 
     def __neg__(self):
-        return _make(Tensor, _ops._NEG, (self,))
+        return make_from_op(Tensor, _ops._NEG, (self,))
 
     __radd__ = __add__
     __rmul__ = __mul__
@@ -257,4 +312,118 @@ def _array_from(array, device, dtype):
     return array_api.array(array, dtype=dtype, device=device)
 
 
-_ops = None  # needle.ops, bound by needle/autograd.py once both modules exist
+
+def _seed_gradient(tensor, out_grad):
+    """The gradient ``backward`` starts from: ``out_grad`` checked, or ones."""
+    data = tensor.realize_cached_data()
+    if out_grad is None:
+        if _ND and data.size != 1:
+            warnings.warn(
+                f"backward: output of shape {tuple(data.shape)} is not a scalar and no "
+                f"out_grad was given; using ones (pass out_grad explicitly)",
+                ImplicitGradWarning, stacklevel=3)
+        return Tensor.make_const(tensor.device.ones(*data.shape, dtype=data.dtype))
+    if not isinstance(out_grad, Value):
+        out_grad = Tensor(out_grad, device=tensor.device, dtype=data.dtype,
+                          requires_grad=False)
+    have = out_grad.realize_cached_data()
+    if have.shape != data.shape:
+        raise ShapeError(
+            f"backward: out_grad shape differs from the output's, expected "
+            f"{tuple(data.shape)}, got {tuple(have.shape)}")
+    if _ND and have.dtype != data.dtype:
+        raise DTypeError(
+            f"backward: out_grad dtype differs from the output's, expected {data.dtype}, got "
+            f"{have.dtype}")
+    return out_grad
+
+
+def const(data) -> Tensor:
+    """A constant Tensor leaf around the backend array ``data`` (no graph, no copy): the fast
+    ``Tensor.make_const`` that op gradients wrap their arrays in."""
+    return leaf(Tensor, data)
+
+
+class TensorTuple(Value):
+    """A tuple of tensors produced by one op (``split``, ``make_tuple``)."""
+
+    _is_tuple = True
+
+    def __len__(self) -> int:
+        return len(self.realize_cached_data())
+
+    def __getitem__(self, index: int):
+        return _ops.tuple_get_item(self, index)
+
+    def __iter__(self):
+        # Explicit so unpacking (``i, f, g, o = split(x, 1)``) and ``list()`` work.
+        return iter(self.tuple())
+
+    def tuple(self) -> tuple:
+        return tuple(self[i] for i in range(len(self)))
+
+    def __repr__(self) -> str:
+        return "needle.TensorTuple" + str(self.tuple())
+
+    def __str__(self) -> str:
+        return self.__repr__()
+
+    def __add__(self, other):
+        if not isinstance(other, TensorTuple) or len(self) != len(other):
+            raise ShapeError(
+                f"TensorTuple.__add__: expected a TensorTuple of length {len(self)}, got "
+                f"{other!r}")
+        return _ops.make_tuple(*[self[i] + other[i] for i in range(len(self))])
+
+    def detach(self):
+        return TensorTuple.make_const(self.realize_cached_data())
+
+
+def _zeros_like(array):
+    if not _ND:
+        return numpy.zeros(array.shape, dtype=array.dtype)
+    return array.device.full(tuple(array.shape), 0.0, array.dtype)
+
+
+class SparseTupleGrad(TensorTuple):
+    """A gradient for a tuple in which only some entries are non-zero (plain backward only).
+
+    ``split(x)[i]`` used once per ``i`` would otherwise give each ``tuple_get_item`` a full
+    tuple of zeros and a sum of those: O(n²) arrays for an n-way split (an unrolled LSTM
+    over its time steps). Entries are merged by index when gradients are summed, and the
+    dense tuple (zeros where nothing arrived) is built once, when an op reads it.
+    """
+
+    @classmethod
+    def make(cls, entries: dict, like: tuple) -> SparseTupleGrad:
+        value = cls.make_const(None)
+        value._like, value._entries = like, entries
+        return value
+
+    def __len__(self) -> int:
+        return len(self._like)
+
+    _dense = None
+
+    @property
+    def cached_data(self):
+        # Materialised on first read, by whichever path reads it (ops read the field).
+        if self._dense is None and self.__dict__.get("_entries") is not None:
+            self._dense = tuple(self._entries[i] if i in self._entries else _zeros_like(like)
+                                for i, like in enumerate(self._like))
+        return self._dense
+
+    @cached_data.setter
+    def cached_data(self, value):
+        self._dense = value
+
+    def realize_cached_data(self):
+        return self.cached_data
+
+    def __add__(self, other):
+        if type(other) is SparseTupleGrad and len(other) == len(self):
+            merged = dict(self._entries)
+            for i, array in other._entries.items():
+                merged[i] = merged[i] + array if i in merged else array
+            return SparseTupleGrad.make(merged, self._like)
+        return TensorTuple.make_const(self.cached_data) + other

@@ -7,7 +7,8 @@
 * :func:`plan_checkpoints` — where to cut, from per-layer activation bytes: ``sqrt`` policy or
   the least recompute under a byte budget, each with the cost model's predicted peak.
 * :func:`is_recomputing` — for stateful code that must act once per step.
-* :func:`release_unsaved` — record a plain graph that keeps only what backward reads.
+* :func:`release_unsaved` — record a plain graph that keeps only what backward reads, at every
+  size (autograd's own release, ``needle/autograd/release.py``, with its size threshold off).
 
 See docs/checkpointing.md for the cost model, the guarantees and the caveats.
 
@@ -22,10 +23,10 @@ Example:
 """
 from __future__ import annotations
 
-from ._checkpoint.plan import CheckpointPlan, equal_segments, plan_checkpoints, predict_peak
-from ._checkpoint.region import checkpoint, is_recomputing
-from ._checkpoint.release import Released, release_unsaved
-from ._checkpoint.sequential import checkpoint_sequential
+from ..autograd.release import Released, release_unsaved
+from .plan import CheckpointPlan, equal_segments, plan_checkpoints, predict_peak
+from .region import checkpoint, is_recomputing
+from .sequential import checkpoint_sequential
 
 __all__ = ["checkpoint", "checkpoint_sequential", "plan_checkpoints", "CheckpointPlan",
            "predict_peak", "equal_segments", "is_recomputing", "Released", "release_unsaved"]

@@ -1,1 +1,0 @@
-"""Internals of :mod:`needle.checkpoint` (activation checkpointing); import from there."""
