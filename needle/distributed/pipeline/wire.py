@@ -119,6 +119,17 @@ def recv_array(pg: ProcessGroup, src: int, tag: int, direction: int,
                timeout: float | None = None) -> np.ndarray:
     """Receive the next message (``src``, ``tag``, ``direction``); raise :class:`PipelineAborted`
     when the sender aborted instead, CommError on timeout (naming both ranks and the tag)."""
+    try:
+        return _recv_array(pg, src, tag, direction, timeout)
+    except PipelineAborted:
+        raise
+    except CommError as exc:
+        raise CommError(f"pipeline: rank {pg.rank} receiving the {_DIRECTION[direction]} of "
+                        f"pipeline tag {tag} from {pg.describe(src)}: {exc}") from None
+
+
+def _recv_array(pg: ProcessGroup, src: int, tag: int, direction: int,
+                timeout: float | None) -> np.ndarray:
     meta = np.zeros(3 + MAX_NDIM, np.int64)
     p2p.recv(meta, src, pg, _p2p_tag(tag, direction, 0), timeout)
     kind, code, ndim = (int(x) for x in meta[:3])
