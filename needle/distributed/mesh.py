@@ -96,3 +96,49 @@ def init_device_mesh(shape: Sequence[int], names: Sequence[str] | None = None,
             if world.rank in ranks:
                 groups[name] = group
     return DeviceMesh(shape, names, coordinate, groups)
+
+
+def average_gradients(params: Sequence[Any], group: Any = None,
+                      num_examples: float | None = None) -> None:
+    """Replace each parameter's ``.grad`` by its average over the ranks of ``group`` (one
+    all-reduce of one flat buffer), for data parallelism that DDP's hooks cannot serve (a
+    pipeline step runs many backwards).
+
+    ``num_examples``: this rank's examples when ranks hold different numbers; the result is
+    then ``sum_r n_r g_r / sum_r n_r`` (each rank's loss being a mean over its examples).
+
+    Example:
+        >>> import numpy as np, needle.distributed as dist
+        >>> from needle.autograd import Tensor
+        >>> def job(rank):
+        ...     p = Tensor([1.0]); p.grad = Tensor([float(rank + 1)])
+        ...     average_gradients([p], num_examples=rank + 1)  # (1*1 + 2*2) / 3
+        ...     return round(float(p.grad.numpy()[0]), 4)
+        >>> dist.spawn_threads(job, 2)
+        [1.6667, 1.6667]
+    """
+    from needle.autograd import Tensor
+
+    from .collectives import all_reduce
+
+    pg = resolve(group, "average_gradients")
+    weight = 1.0 / pg.size
+    if num_examples is not None:
+        total = np.array([float(num_examples)])
+        all_reduce(total, group=pg)
+        if total[0] <= 0:
+            raise CommError(f"average_gradients: total examples must be positive, got "
+                            f"{total[0]}")
+        weight = float(num_examples) / total[0]
+    missing = [i for i, p in enumerate(params) if p.grad is None]
+    if missing:
+        raise CommError(f"average_gradients: parameters {missing} have no gradient, expected "
+                        "a backward before averaging")
+    flat = np.concatenate([p.grad.numpy().astype(np.float64).ravel() for p in params]) * weight
+    all_reduce(flat, group=pg)
+    start = 0
+    for p in params:
+        size = int(np.prod(p.shape))
+        p.grad = Tensor(flat[start:start + size].reshape(p.shape).astype(str(p.dtype)),
+                        device=p.device, requires_grad=False)
+        start += size

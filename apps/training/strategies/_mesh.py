@@ -167,21 +167,9 @@ class MeshStrategy(Strategy):
 
     def _average_gradients(self, n_local: int) -> None:
         """Data parallelism: g = sum_r n_r g_r / sum_r n_r over the dp group."""
-        import needle.distributed as dist
-        from needle.autograd import Tensor
+        from needle.distributed.mesh import average_gradients
 
-        group = self.mesh.get_group("dp")
-        total = np.array([float(n_local)])
-        dist.all_reduce(total, group=group)
-        params = self.optimizer.params
-        flat = np.concatenate([p.grad.numpy().ravel() * (n_local / total[0]) for p in params])
-        dist.all_reduce(flat, group=group)
-        start = 0
-        for p in params:
-            size = int(np.prod(p.shape))
-            p.grad = Tensor(flat[start:start + size].reshape(p.shape).astype(str(p.dtype)),
-                            device=p.device, requires_grad=False)
-            start += size
+        average_gradients(self.optimizer.params, self.mesh.get_group("dp"), n_local)
 
     def _sum_to_reporter(self, local) -> StepResult | None:
         import needle.distributed as dist

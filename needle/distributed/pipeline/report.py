@@ -4,9 +4,11 @@ With ``record=True`` each rank keeps, per step, every action's start and end (re
 barrier that opened the step) and the ``activation`` bytes of ``needle.memory`` after each
 compute action. :func:`gather_report` collects that on one rank and derives:
 
-* measured per-op costs: the median duration of F, B, W of each stage;
+* measured per-op costs: the mean duration of F, B, W of each stage (the mean, so that
+  predicted and measured compute time agree);
 * measured message time ``comm``: the median delay from a send to the end of the matching
-  receive, over receives that were already waiting when the message left;
+  receive, over receives that were already waiting when the message left; the mean time a
+  send occupies its rank (``send_time``) and the mean gap between actions (``overhead``);
 * measured activation bytes of one micro-batch on each stage: the median growth of the
   ``activation`` category over that stage's forwards;
 * the prediction: :func:`~.simulator.simulate` of the same plan with those numbers;
@@ -137,7 +139,7 @@ def _costs(plan: Any, steps: list[list[np.ndarray]]) -> dict[str, list[float]]:
         for s in range(plan.num_stages):
             durations = [e[5] - e[4] for step in steps for e in _kind(step[plan.rank_of(s)], kind)
                          if int(e[2]) == s]
-            values.append(float(np.median(durations)) if durations else 0.0)
+            values.append(float(np.mean(durations)) if durations else 0.0)
         out[kind] = values
     return out
 
@@ -176,6 +178,16 @@ def _comm(plan: Any, steps: list[list[np.ndarray]]) -> float:
     return float(np.median(lags)) if lags else 0.0
 
 
+def _overheads(steps: list[list[np.ndarray]]) -> tuple[float, float]:
+    """Mean time a send occupies its rank, and mean gap between consecutive actions."""
+    sends, gaps = [], []
+    for step in steps:
+        for rows in step:
+            sends += [e[5] - e[4] for e in rows if KINDS[int(e[1])].startswith("SEND")]
+            gaps += [max(0.0, b[4] - a[5]) for a, b in zip(rows[:-1], rows[1:], strict=True)]
+    return (float(np.mean(sends)) if sends else 0.0, float(np.mean(gaps)) if gaps else 0.0)
+
+
 def _measured(plan: Any, step: list[np.ndarray]) -> tuple[list[list[Event]], float, list[float]]:
     origin = min(rows[:, 4].min() for rows in step)
     timeline = [[Event(KINDS[int(e[1])], int(e[2]), int(e[3]), e[4] - origin, e[5] - origin)
@@ -190,9 +202,10 @@ def _build(plan: Any, per_rank: list[np.ndarray], memory_ok: bool) -> PipelineRe
     costs = _costs(plan, steps)
     act = _activation_per_mb(plan, steps)
     comm = _comm(plan, steps)
+    send_time, overhead = _overheads(steps)
     predicted = simulate(plan, forward=costs["F"], backward=costs["B"],
                          weight=costs["W"] if plan.split_backward else None, comm=comm,
-                         activation_bytes=act)
+                         activation_bytes=act, send_time=send_time, overhead=overhead)
     p = plan.num_ranks
     bubbles, spans, last = [], [], None
     for step in steps:
@@ -216,5 +229,6 @@ def _build(plan: Any, per_rank: list[np.ndarray], memory_ok: bool) -> PipelineRe
         predicted.bubble_fraction, float(np.mean(bubbles)), predicted.makespan,
         float(np.mean(spans)),
         {"predicted": predicted.peak_activation_bytes, "measured": peaks}, act,
-        {"forward": costs["F"], "backward": costs["B"], "weight": costs["W"], "comm": comm},
+        {"forward": costs["F"], "backward": costs["B"], "weight": costs["W"], "comm": comm,
+         "send_time": send_time, "overhead": overhead},
         predicted, measured, note)

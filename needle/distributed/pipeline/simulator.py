@@ -116,7 +116,8 @@ def simulate(schedule, stages: int | None = None, microbatches: int | None = Non
              forward: Number | Sequence[Number] = 1.0, backward: Number | Sequence[Number] = 2.0,
              weight: Number | Sequence[Number] | None = None, comm: Number = 0.0,
              activation_bytes: Number | Sequence[Number] = 1.0,
-             virtual_stages: int | None = None) -> Simulation:
+             virtual_stages: int | None = None, send_time: Number = 0.0,
+             overhead: Number = 0.0) -> Simulation:
     """Predict the timeline of ``schedule`` on ``stages`` ranks with ``microbatches``.
 
     Args:
@@ -129,6 +130,9 @@ def simulate(schedule, stages: int | None = None, microbatches: int | None = Non
         activation_bytes: bytes one micro-batch holds on a stage between F and B/W (number or
             one per stage); the default 1 makes ``peak_activation_bytes`` a count.
         virtual_stages: chunks per rank (interleaved).
+        send_time: time a send occupies its rank (copying the data out), not compute.
+        overhead: idle time before every action (the runtime's own bookkeeping); this and
+            ``send_time`` let a prediction fitted to a measured run account for everything.
 
     Returns:
         :class:`Simulation` with ``timeline`` (per rank), ``bubble_fraction``,
@@ -153,8 +157,11 @@ def simulate(schedule, stages: int | None = None, microbatches: int | None = Non
                          _mean(c["B"]), _mean(c["W"]) or 1.0, float(comm))
     costs = _costs(plan.name, plan.num_stages, forward, backward, weight)
     act = _per_stage("activation_bytes", activation_bytes, plan.num_stages)
-    if not math.isfinite(float(comm)) or comm < 0:
-        raise ScheduleError(f"simulate: comm must be a non-negative number, got {comm!r}")
+    for name, value in (("comm", comm), ("send_time", send_time), ("overhead", overhead)):
+        if not math.isfinite(float(value)) or value < 0:
+            raise ScheduleError(f"simulate: {name} must be a non-negative number, got "
+                                f"{value!r}")
+    costs["SEND"], costs["GAP"] = float(send_time), float(overhead)
     return _run(plan, costs, float(comm), act)
 
 
@@ -177,11 +184,11 @@ def _run(plan: Plan, costs: dict[str, list[float]], comm: float, act: list[float
                 key = _message_key(a)
                 if a.kind.startswith("RECV") and key not in sent:
                     break  # blocked until the sender gets there
-                start = clock[r]
+                start = clock[r] + costs["GAP"]
                 if a.kind.startswith("RECV"):
                     end = max(start, sent[key])
                 elif a.kind.startswith("SEND"):
-                    end = start
+                    end = start + costs["SEND"]
                     sent[key] = start + comm
                 else:
                     end = start + costs[a.kind][a.stage]
@@ -225,7 +232,9 @@ def _summarise(plan: Plan, timeline: list[list[Event]], costs: dict, comm: float
     # idle / total rather than 1 - busy / total: exact for integer costs (3/30 is 0.1, not
     # 0.0999..., which matters when asking where the bubble first drops below 10%)
     bubble = (p * makespan - sum(busy)) / (p * span)
-    used = {k: list(v) for k, v in costs.items()} | {"comm": comm, "activation_bytes": act}
+    used = {k: list(v) for k, v in costs.items() if k in COMPUTE}
+    used |= {"comm": comm, "send_time": costs["SEND"], "overhead": costs["GAP"],
+             "activation_bytes": act}
     return Simulation(plan, timeline, makespan, busy, bubble, [(makespan - b) / span for b in busy],
                       peak_count, peak_bytes, used)
 
