@@ -88,6 +88,27 @@ def test_float64_gradient_through_the_cut():
     assert dist.spawn_threads(job, 2)[0] == ([30.0], "float64")
 
 
+def test_devices_on_either_side_of_the_cut():
+    """Data goes through host memory: the sender's device and the receiver's may differ
+    (cuda() takes the same path: NDArray.numpy() out, array(..., device=) in)."""
+    import needle.backend_ndarray as nd
+
+    def job(rank):
+        if rank == 0:
+            x = Tensor(np.array([1.0, 2.0], np.float32), device=nd.cpu())
+            pipeline.send_forward(x * 2, dst=1).backward()
+            pipeline.wait_sends()
+            return str(x.grad.device), x.grad.numpy().tolist()
+        y = pipeline.recv_forward(src=0, device=nd.cpu_numpy())
+        (y * y).sum().backward()
+        pipeline.wait_sends()
+        return str(y.device), y.numpy().tolist()
+
+    (dev0, grad), (dev1, y) = dist.spawn_threads(job, 2)
+    assert (dev0, dev1) == (str(ndl.cpu()), str(ndl.cpu_numpy()))
+    assert y == [2.0, 4.0] and grad == [8.0, 16.0]
+
+
 def test_tags_keep_microbatches_apart():
     def job(rank):
         if rank == 0:
