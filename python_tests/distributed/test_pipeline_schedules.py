@@ -85,6 +85,15 @@ def test_communication_cost_is_on_the_critical_path():
     assert rank0 == [("F", 0, 1), ("SEND_F", 1, 1), ("RECV_B", 1, 5.0), ("B", 5.0, 7.0)]
 
 
+def test_send_time_and_overhead_occupy_the_rank():
+    sim = simulate("gpipe", 2, 1, forward=1, backward=2, send_time=0.2, overhead=0.1)
+    # by hand: rank 0 F 0.1-1.1, SEND_F 1.2-1.4 (arrives 1.2); rank 1 RECV 0.1-1.2,
+    # F 1.3-2.3, B 2.4-4.4, SEND_B 4.5-4.7 (arrives 4.5); rank 0 RECV_B 1.5-4.5, B 4.6-6.6
+    got = [(e.kind, round(e.start, 6), round(e.end, 6)) for e in sim.timeline[0]]
+    assert got == [("F", 0.1, 1.1), ("SEND_F", 1.2, 1.4), ("RECV_B", 1.5, 4.5), ("B", 4.6, 6.6)]
+    assert sim.makespan == pytest.approx(6.6)
+
+
 def test_per_stage_costs():
     sim = simulate("gpipe", 2, 2, forward=[1, 3], backward=[1, 3])
     # stage 1 is the bottleneck: its 4 actions of 3 each plus stage 0's first F and last B

@@ -182,6 +182,32 @@ def test_forward_only_matches_the_model():
     np.testing.assert_allclose(out[1], want, rtol=1e-5, atol=1e-6)
 
 
+class _IgnoresInput(nn.Module):
+    """Output depends on the input's shape only: backward never reaches the received input."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias = nn.Parameter(np.array([[0.5, -0.5, 1.0]], np.float32))
+
+    def forward(self, x):
+        return ndl.ops.broadcast_to(self.bias, (x.shape[0], 3))
+
+
+def test_a_stage_that_ignores_its_input_sends_a_zero_adjoint():
+    def job(rank):
+        first = checks.build_mlp((6, 4))
+        module = first if rank == 0 else _IgnoresInput()
+        sched = pipeline.Schedule1F1B(pipeline.PipelineStage(module, rank, 2), 2,
+                                      loss_fn=nn.SoftmaxLoss())
+        X, y = checks.data(4, widths=(6, 3))
+        sched.step(X if rank == 0 else None, y if rank == 1 else None)
+        return [p.grad.numpy() for p in module.parameters()]
+
+    grads = dist.spawn_threads(job, 2)
+    assert all(np.all(g == 0) for g in grads[0])  # nothing flows back through the cut
+    assert np.abs(grads[1][0]).sum() > 0
+
+
 # ---- failures ------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "zero-bubble"])
 def test_a_stage_that_raises_stops_the_pipeline(name):
@@ -292,7 +318,9 @@ def test_report_feeds_measured_costs_to_the_simulator():
     assert report.steps == 2 and report.schedule == "1f1b"
     again = pipeline.simulate(report.predicted.plan, forward=report.costs["forward"],
                               backward=report.costs["backward"], comm=report.costs["comm"],
-                              activation_bytes=report.activation_bytes_per_microbatch)
+                              activation_bytes=report.activation_bytes_per_microbatch,
+                              send_time=report.costs["send_time"],
+                              overhead=report.costs["overhead"])
     assert report.bubble_predicted == pytest.approx(again.bubble_fraction)
     assert 0.0 <= report.bubble_measured < 1.0 and report.makespan_measured > 0
     assert all(c > 0 for c in report.costs["forward"] + report.costs["backward"])

@@ -52,11 +52,12 @@ TAG_BASE = 1 << 24
 class _MicroBatch:
     """What one stage keeps about one micro-batch between its actions."""
 
-    __slots__ = ("x", "y", "token", "loss", "split", "in_link", "out_link")
+    __slots__ = ("x", "y", "token", "loss", "split", "in_link", "out_link", "in_like")
 
     def __init__(self) -> None:
         self.x = self.y = self.token = self.loss = self.split = None
         self.in_link = self.out_link = None
+        self.in_like: tuple | None = None  # (shape, dtype) of the received input
 
 
 class PipelineSchedule:
@@ -74,7 +75,6 @@ class PipelineSchedule:
     """
 
     name = ""
-    virtual_default = 1
 
     def __init__(self, stages: Any, n_microbatches: int, loss_fn: Any = None, *,
                  loss_reduction: str = "mean", record: bool = False,
@@ -226,8 +226,10 @@ class PipelineSchedule:
     def _do_RECV_F(self, a: Action, mb: _MicroBatch) -> None:  # noqa: N802 - action names
         stage = self.stages[a.stage]
         mb.in_link = self._link(a.stage - 1, a.microbatch, towards_next=False)
-        mb.x = recv_forward(0, link=mb.in_link, device=stage.device,
-                            requires_grad=stage.module.training)
+        # requires grad even for a module in eval mode (frozen BatchNorm still passes
+        # gradients); forward() runs under no_grad, where nothing is recorded anyway
+        mb.x = recv_forward(0, link=mb.in_link, device=stage.device)
+        mb.in_like = (tuple(mb.x.shape), str(mb.x.dtype))
 
     def _stage_input(self, a: Action, mb: _MicroBatch) -> Any:
         if a.stage != 0:
@@ -275,7 +277,8 @@ class PipelineSchedule:
         if not mb.in_link.sent_adjoint:
             # backward never reached the stage's input (the stage ignores it): its gradient
             # is zero, and the previous stage still waits for it
-            mb.in_link.send(np.zeros(mb.x.shape, dtype=str(mb.x.dtype)), wire.BACKWARD)
+            shape, dtype = mb.in_like
+            mb.in_link.send(np.zeros(shape, dtype=dtype), wire.BACKWARD)
         self._sent.add(("SEND_B", a.stage, a.microbatch))
 
     def _do_W(self, a: Action, mb: _MicroBatch) -> None:  # noqa: N802

@@ -6,8 +6,8 @@ Stage ``k`` of ``S`` lives on rank ``k % p`` of the pipeline group (``p`` ranks)
 Example:
     >>> balance([4, 1, 1, 4, 2], 2)
     [0, 3, 5]
-    >>> balance([1, 1, 1, 1], 3)
-    [0, 2, 3, 4]
+    >>> balance([1, 1, 1, 1], 3)  # ties: the earliest cuts
+    [0, 1, 2, 4]
 """
 from __future__ import annotations
 

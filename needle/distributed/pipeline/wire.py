@@ -15,6 +15,7 @@ Tags: a user tag ``t`` (``0 <= t < 2**25``) uses the p2p tags ``4t .. 4t + 3``: 
 """
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any
 
@@ -61,13 +62,15 @@ class Outbox:
 
 
 _OUTBOXES: "weakref.WeakKeyDictionary[ProcessGroup, Outbox]" = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()  # thread ranks share this module
 
 
 def outbox(group: Any) -> Outbox:
     pg = resolve(group, "pipeline")
-    box = _OUTBOXES.get(pg)
-    if box is None:
-        box = _OUTBOXES[pg] = Outbox()
+    with _LOCK:
+        box = _OUTBOXES.get(pg)
+        if box is None:
+            box = _OUTBOXES[pg] = Outbox()
     return box
 
 
