@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import needle.autograd  # noqa: E402,F401 - before needle.nn (import order)
 import needle as ndl  # noqa: E402
+import needle.autograd  # noqa: E402,F401 - before needle.nn (import order)
 import needle.distributed as dist  # noqa: E402
 from needle import nn  # noqa: E402
 from needle.distributed import pipeline  # noqa: E402
@@ -76,8 +76,9 @@ def table(rows: list[dict]) -> str:
              f"{'pred':>10}"]
     for r in rows:
         peaks = r["peak_activation_bytes"]
+        formula = (r["p"] - 1) / (r["m"] + r["p"] - 1)
         lines.append(
-            f"{r['p']:>2} {r['m']:>3} {r['schedule']:8} {(r['p'] - 1) / (r['m'] + r['p'] - 1):8.3f} "
+            f"{r['p']:>2} {r['m']:>3} {r['schedule']:8} {formula:8.3f} "
             f"{r['bubble_predicted']:8.3f} {r['bubble_measured']:8.3f} {r['bubble_error']:+7.3f} "
             f"{r['makespan_measured_s'] * 1e3:8.2f} {r['makespan_predicted_s'] * 1e3:8.2f} "
             f"{peaks['measured'][0]:17,.0f} {peaks['predicted'][0]:10,.0f}")

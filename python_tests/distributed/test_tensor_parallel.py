@@ -134,8 +134,8 @@ def test_gather_and_scatter_are_inverse():
 
 def test_indivisible_sizes_are_named():
     def job(rank):
-        with pytest.raises(ShapeError, match=r"out_features 5 must divide among 2 ranks, expected a "
-                                 r"multiple of 2, got 5"):
+        with pytest.raises(ShapeError, match=r"out_features 5 must divide among 2 ranks, "
+                                             r"expected a multiple of 2, got 5"):
             tp.ColumnParallelLinear(3, 5)
         with pytest.raises(ShapeError, match="num_heads must divide among 2 ranks"):
             tp.ParallelMultiHeadAttention(6, 3)

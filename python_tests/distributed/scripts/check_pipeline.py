@@ -31,7 +31,7 @@ elif mode == "memory":
     if rank == 0:
         gpipe = peaks["gpipe"].peak_activation_bytes["measured"]
         one = peaks["1f1b"].peak_activation_bytes["measured"]
-        for name, report in peaks.items():
+        for report in peaks.values():
             print(report.text().replace("\n", " | "))
         assert one[0] < gpipe[0], (one, gpipe)
         # the simulator fed the measured per-micro-batch bytes predicts the peaks it measures
