@@ -309,7 +309,7 @@ def test_input_grad_skips_the_weight_matmul():
 
 
 # ---- measured vs predicted -----------------------------------------------------------------
-def test_report_feeds_measured_costs_to_the_simulator():
+def test_report_feeds_measured_costs_to_the_simulator(tmp_path):
     def job(rank):
         _, _, sched = checks.run_schedule(rank, 2, "1f1b", 4, steps=3, record=True)
         return sched.report()
@@ -329,3 +329,6 @@ def test_report_feeds_measured_costs_to_the_simulator():
     for key in ("bubble_predicted", "bubble_measured", "peak_activation_bytes", "costs_s"):
         assert key in d
     assert "bubble" in report.text()
+    for which in ("measured", "predicted"):  # both timelines draw like a simulation
+        path = getattr(report, which).plot(str(tmp_path / f"{which}.png"))
+        assert (tmp_path / f"{which}.png").stat().st_size > 5000, path
