@@ -53,4 +53,13 @@ def __getattr__(name: str):
         from .ddp import DistributedDataParallel
 
         return DistributedDataParallel
+    # model parallelism (docs/pipeline.md, docs/tensor_parallel.md), also loaded on demand
+    if name in ("pipeline", "tensor_parallel", "mesh"):
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
+    if name in ("init_device_mesh", "DeviceMesh"):
+        from . import mesh
+
+        return getattr(mesh, name)
     raise AttributeError(f"module 'needle.distributed' has no attribute {name!r}")

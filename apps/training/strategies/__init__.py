@@ -7,11 +7,17 @@ from __future__ import annotations
 
 from .base import StepResult, Strategy
 from .ddp import DataParallel
+from .mesh3d import Mesh3D
+from .pipeline import Pipeline
 from .single import SingleProcess
+from .tp import TensorParallel
 
 STRATEGIES: dict[str, type[Strategy]] = {
     "single": SingleProcess,
     "ddp": DataParallel,
+    "pipeline": Pipeline,
+    "tp": TensorParallel,
+    "3d": Mesh3D,
 }
 
 __all__ = ["STRATEGIES", "Strategy", "StepResult"]

@@ -49,6 +49,21 @@ def state_digest(state) -> str:
     return digest.hexdigest()
 
 
+def gathered_state_digest(local_state, rank: int, root: int = 0) -> str | None:
+    """For a sharded state: every rank's :func:`state_digest`, gathered in rank order and
+    hashed together on ``root`` (collective; None on the other ranks)."""
+    import hashlib
+
+    import needle.distributed as dist
+
+    mine = np.frombuffer(bytes.fromhex(state_digest(local_state)), dtype=np.uint8).copy()
+    every = [np.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    if rank != root:
+        return None
+    return hashlib.sha256(b"".join(d.tobytes() for d in every)).hexdigest()
+
+
 class Strategy:
     """Single process: the model, its optimizer, plain forward/backward/step."""
 

@@ -1,0 +1,250 @@
+"""What the model-parallel strategies share: a dp x tp x pp mesh of ranks and one step.
+
+The model is built whole on every rank from ``--seed`` (so every rank agrees on it), cut
+into ``pp x v`` pipeline chunks (``needle.distributed.pipeline.split_sequential``), each
+chunk sharded over the tensor-parallel group (``tensor_parallel.parallelize_sequential``);
+data-parallel replicas average their gradients, weighted by their number of examples.
+With ``pp == 1`` a step is a plain forward/backward of the (sharded) model; otherwise the
+pipeline runtime runs the chosen schedule over ``--microbatches``.
+
+The reporting rank is world rank 0, the mesh's (0, 0, 0): sums over the step reach it with
+one all-reduce in which only the ranks of the last pipeline stage with tensor-parallel rank 0
+take part (every tensor-parallel rank computes the same loss).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .base import StepResult, Strategy, gathered_state_digest
+
+
+def _add_pipeline_arguments(group) -> None:
+    group.add_argument("--microbatches", type=int, default=4,
+                       help="micro-batches per step (pipeline, 3d)")
+    group.add_argument("--schedule", default="1f1b",
+                       help="gpipe, 1f1b, interleaved or zero-bubble (pipeline, 3d)")
+    group.add_argument("--virtual-stages", type=int, default=2,
+                       help="model chunks per rank with --schedule interleaved")
+    group.add_argument("--balance", default="params",
+                       help="how layers are cut into stages: params (parameter counts) or "
+                            "measure (time each layer on rank 0)")
+
+
+def _check_pipeline_arguments(cfg, pp: int) -> None:
+    from needle.distributed.pipeline import SCHEDULES
+
+    from ..config import UsageError
+
+    extra = cfg.extra
+    schedule = extra.get("schedule", "1f1b")
+    if schedule not in SCHEDULES:
+        raise UsageError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    m = extra.get("microbatches", 4)
+    if m < 1:
+        raise UsageError(f"--microbatches must be positive, got {m}")
+    if cfg.batch_size < m:
+        raise UsageError(f"--batch-size {cfg.batch_size} is smaller than --microbatches {m}")
+    if extra.get("balance", "params") not in ("params", "measure"):
+        raise UsageError(f"--balance must be params or measure, got {extra['balance']!r}")
+    v = extra.get("virtual_stages", 2)
+    if schedule == "interleaved" and (v < 1 or m % pp):
+        raise UsageError(f"--schedule interleaved needs --virtual-stages >= 1 and "
+                         f"--microbatches a multiple of the {pp} pipeline stages, got "
+                         f"--virtual-stages {v} --microbatches {m}")
+
+
+class MeshStrategy(Strategy):
+    """A strategy over a (dp, tp, pp) mesh; subclasses say which shape."""
+
+    distributed_min = 2
+
+    def mesh_shape(self) -> tuple[int, int, int]:
+        raise NotImplementedError
+
+    @property
+    def distributed(self) -> bool:
+        return True
+
+    # ---- setup ---------------------------------------------------------------------------
+    def setup(self, ctx) -> None:
+        import needle.distributed as dist
+        from needle import nn
+        from needle.distributed import pipeline, tensor_parallel
+
+        self.ctx = ctx
+        self.dp, self.tp, self.pp = self.mesh_shape()
+        self.mesh = dist.init_device_mesh((self.dp, self.tp, self.pp))
+        self.loss_fn = nn.SoftmaxLoss()
+        full = ctx.new_model()
+        self.full_shapes = [tuple(p.shape) for p in full.parameters()]
+        extra = self.cfg.extra
+        self.schedule_name = extra.get("schedule", "1f1b") if self.pp > 1 else None
+        v = extra.get("virtual_stages", 2) if self.schedule_name == "interleaved" else 1
+        chunks = self.pp * v
+        pieces = pipeline.split_sequential(full, chunks, self._layer_costs(full)) \
+            if chunks > 1 else [full]
+        offsets = np.cumsum([0] + [len(piece.parameters()) for piece in pieces])
+        s = self.mesh.local_rank("pp")
+        self.my_chunks = list(range(s, chunks, self.pp))
+        tp_group = self.mesh.get_group("tp")
+        self.modules = {k: tensor_parallel.parallelize_sequential(pieces[k], tp_group)
+                        if self.tp > 1 else pieces[k] for k in self.my_chunks}
+        self.param_offset = {k: int(offsets[k]) for k in self.my_chunks}
+        self.layers_per_stage = [len(piece.modules) for piece in pieces]
+        self.has_batchnorm = any(isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d))
+                                 for m in full._children())
+        params = [p for k in self.my_chunks for p in self.modules[k].parameters()]
+        self.optimizer = ctx.new_optimizer(params)
+        self.schedule = None
+        if self.pp > 1:
+            stages = [pipeline.PipelineStage(self.modules[k], k, chunks,
+                                             group=self.mesh.get_group("pp"), device=ctx.device)
+                      for k in self.my_chunks]
+            cls = pipeline.schedule_class(self.schedule_name)
+            self.schedule = cls(stages if v > 1 else stages[0], extra.get("microbatches", 4),
+                                loss_fn=self.loss_fn, record=True)
+        self._report = None
+
+    def _layer_costs(self, full):
+        """Per-layer costs for cutting the model, identical on every rank."""
+        from needle.distributed import broadcast, pipeline
+
+        layers = list(full.modules)
+        if self.cfg.extra.get("balance", "params") == "params":
+            return pipeline.parameter_costs(layers)
+        costs = np.zeros(len(layers), np.float64)
+        if self.rank == 0:
+            from needle.autograd import Tensor
+
+            sample = np.random.RandomState(0).rand(self.cfg.batch_size, self.ctx.in_features)
+            costs[:] = pipeline.measure_costs(
+                layers, Tensor(sample.astype(np.float32), device=self.ctx.device))
+        broadcast(costs, src=0)  # timings differ between ranks: use rank 0's everywhere
+        return costs.tolist()
+
+    # ---- roles ---------------------------------------------------------------------------
+    def data_shard(self) -> tuple[int, int]:
+        return self.dp, self.mesh.local_rank("dp")
+
+    @property
+    def _counts_loss(self) -> bool:
+        """Whether this rank's loss enters the step's sums (one rank per replica does)."""
+        last = self.pp == 1 or self.mesh.local_rank("pp") == self.pp - 1
+        return last and self.mesh.local_rank("tp") == 0
+
+    def _train(self, mode: bool) -> None:
+        for module in self.modules.values():
+            module.train(mode)
+
+    # ---- a step --------------------------------------------------------------------------
+    def train_step(self, X: np.ndarray, y: np.ndarray) -> StepResult | None:
+        self._train(True)
+        self.optimizer.reset_grad()
+        loss, logits = self._forward_backward(X, y)
+        if self.dp > 1:
+            self._average_gradients(len(y))
+        self.optimizer.step()
+        local = (0.0, 0, 0)
+        if self._counts_loss:
+            correct = int((logits.argmax(axis=1) == y.astype(np.int64)).sum())
+            local = (loss * len(y), correct, len(y))
+        return self._sum_to_reporter(local)
+
+    def _forward_backward(self, X, y):
+        from needle.autograd import Tensor
+
+        if self.schedule is not None:
+            loss = self.schedule.step(X, y)
+            logits = np.concatenate([o.numpy() for o in self.schedule.outputs]) \
+                if self.schedule.outputs else None
+            return loss, logits
+        device = self.ctx.device
+        model = self.modules[0]
+        out = model(Tensor(X, device=device, requires_grad=False))
+        loss = self.loss_fn(out, Tensor(y, device=device, requires_grad=False))
+        loss.backward()
+        return float(loss.numpy()), out.numpy()
+
+    def _average_gradients(self, n_local: int) -> None:
+        """Data parallelism: g = sum_r n_r g_r / sum_r n_r over the dp group."""
+        from needle.distributed.mesh import average_gradients
+
+        average_gradients(self.optimizer.params, self.mesh.get_group("dp"), n_local)
+
+    def _sum_to_reporter(self, local) -> StepResult | None:
+        import needle.distributed as dist
+
+        totals = np.array(local, dtype=np.float64)
+        dist.all_reduce(totals)
+        if self.rank != 0:
+            return None
+        return StepResult(float(totals[0]), int(round(totals[1])), int(round(totals[2])))
+
+    # ---- evaluation and outputs ----------------------------------------------------------
+    def evaluate(self, X: np.ndarray, y: np.ndarray):
+        import needle.distributed as dist
+        from needle.autograd import Tensor, no_grad
+
+        self._train(False)
+        if self.schedule is not None:
+            logits = self.schedule.forward(X)
+        else:
+            with no_grad():
+                logits = self.modules[0](Tensor(X, device=self.ctx.device,
+                                                requires_grad=False)).numpy()
+        sums = np.zeros(2)
+        if self._counts_loss and self.mesh.local_rank("dp") == 0:
+            with no_grad():
+                loss = self.loss_fn(Tensor(logits, device=self.ctx.device),
+                                    Tensor(y, device=self.ctx.device, requires_grad=False))
+            sums[:] = (float(loss.numpy()), float((logits.argmax(axis=1) == y).mean()))
+        dist.all_reduce(sums)
+        return (float(sums[0]), float(sums[1])) if self.rank == 0 else None
+
+    def full_parameters(self) -> list[np.ndarray] | None:
+        """Every parameter of the whole model on rank 0 (collective: tp gathers, then one
+        all-reduce of a flat vector that one rank per stage fills)."""
+        import needle.distributed as dist
+        from needle.distributed import tensor_parallel
+
+        sizes = [int(np.prod(s)) for s in self.full_shapes]
+        starts = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+        flat = np.zeros(int(starts[-1]), np.float64)
+        for k in self.my_chunks:
+            arrays = tensor_parallel.gather_full_parameters(self.modules[k]) if self.tp > 1 \
+                else [p.numpy() for p in self.modules[k].parameters()]
+            if self.mesh.local_rank("dp") or self.mesh.local_rank("tp"):
+                continue  # gathered (collective), but one copy per stage is enough
+            for i, arr in enumerate(arrays, start=self.param_offset[k]):
+                flat[starts[i]:starts[i + 1]] = np.asarray(arr, np.float64).ravel()
+        dist.all_reduce(flat)
+        if self.schedule is not None and self.mesh.local_rank("dp") == 0 \
+                and self.mesh.local_rank("tp") == 0:
+            self._report = self.schedule.report(root=0)
+        if self.rank != 0:
+            return None
+        return [flat[starts[i]:starts[i + 1]].reshape(s).astype(np.float32)
+                for i, s in enumerate(self.full_shapes)]
+
+    def summary_blocks(self) -> dict:
+        blocks = {"mesh": {"dp": self.dp, "tp": self.tp, "pp": self.pp,
+                           "layers_per_stage": self.layers_per_stage}}
+        if self._report is not None:
+            block = self._report.as_dict()
+            block["batchnorm_per_microbatch"] = self.has_batchnorm
+            blocks["pipeline"] = block
+        return blocks
+
+    # ---- checkpoints ---------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """This rank's chunks (its tensor-parallel shards) and its optimizer's state."""
+        return {"modules": {str(k): self.modules[k].state_dict() for k in self.my_chunks},
+                "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for k in self.my_chunks:
+            self.modules[k].load_state_dict(state["modules"][str(k)])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def state_sha256(self) -> str | None:
+        return gathered_state_digest(self.state_dict(), self.rank)
