@@ -14,6 +14,7 @@ import math
 import numpy as np
 
 from .._core.errors import AxisError, DeviceError, DTypeError, ShapeError
+from .ndarray_limits import check_dim_sizes
 
 
 def is_scalar(x) -> bool:
@@ -76,4 +77,6 @@ def resolve_reshape(shape: tuple, new_shape) -> tuple:
     if math.prod(new_shape) != size:
         raise ShapeError(f"reshape: size differs, expected {size} elements ({shape}), "
                          f"got {math.prod(new_shape)} ({new_shape})")
+    if not size:  # only an empty shape can hide a dimension past the limit
+        check_dim_sizes("reshape", new_shape)
     return new_shape
