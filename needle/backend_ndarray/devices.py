@@ -19,6 +19,7 @@ import numpy as np
 
 from .._core.dtypes import canonical_dtype
 from .._core.errors import BackendAttributeError, BackendUnavailable, DeviceError
+from .ndarray_limits import check_alloc, check_dims
 
 _MODULE_FOR_DEVICE = {
     "cpu": "needle.backend_ndarray.ndarray_backend_cpu",
@@ -68,14 +69,17 @@ class BackendDevice:
     # Constructors. Random draws go through NumPy's global generator, exactly one draw of
     # the full shape per call (NEEDLE_API §11: the course goldens depend on it).
     def randn(self, *shape, dtype="float32"):
-        return _nd().NDArray(np.random.randn(*shape), device=self, dtype=dtype)
+        return _nd().NDArray(np.random.randn(*_draw_shape("randn", shape)), device=self,
+                             dtype=dtype)
 
     def rand(self, *shape, dtype="float32"):
-        return _nd().NDArray(np.random.rand(*shape), device=self, dtype=dtype)
+        return _nd().NDArray(np.random.rand(*_draw_shape("rand", shape)), device=self,
+                             dtype=dtype)
 
     def one_hot(self, n, i, dtype="float32"):
         """Rows of the n×n identity picked by the indices ``i`` (shape ``i.shape + (n,)``)."""
         idx = np.asarray(i, dtype=np.int64)
+        check_alloc("one_hot", check_dims("one_hot", (idx.size, n)), 4, "float32")
         # Scatter the ones directly: np.eye(n)[i] would build n*n floats (800 MB at n=10k).
         rows = np.zeros((idx.size, n), dtype=np.float32)
         rows[np.arange(idx.size), idx.reshape(-1)] = 1.0
@@ -95,11 +99,18 @@ class BackendDevice:
         return self._filled("ones", _shape_args(shape), 1.0, dtype)
 
     def _filled(self, op: str, shape, fill_value, dtype):
-        check_enabled(self, op)
+        # (a disabled device fails at self.Array with BackendUnavailable)
         arr = _nd().empty_checked(op, shape, self, canonical_dtype(dtype, op))
         if fill_value is not None:
             arr.fill(fill_value)
         return arr
+
+
+def _draw_shape(op: str, shape) -> tuple:
+    # NumPy draws float64 first: refuse what cannot be drawn before asking it to.
+    shape = check_dims(op, shape)
+    check_alloc(op, shape, 8, "float64")
+    return shape
 
 
 def _shape_args(shape) -> tuple:

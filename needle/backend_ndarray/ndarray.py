@@ -17,19 +17,13 @@ from __future__ import annotations
 
 import builtins
 import math
+import operator
 from functools import lru_cache
 
 import numpy as np
 
 from .._core.dtypes import canonical_dtype, numpy_dtype
-from .._core.errors import (
-    AxisError,
-    DTypeError,
-    IndexOutOfRange,
-    NeedleError,
-    ShapeError,
-    SizeLimitError,
-)
+from .._core.errors import AxisError, DTypeError, ShapeError
 from .devices import (
     BackendDevice,
     all_devices,
@@ -42,6 +36,7 @@ from .devices import (
 )
 from .ndarray_checks import (
     check_pair,
+    index_view,
     is_scalar,
     normalize_axes,
     resolve_reshape,
@@ -51,9 +46,9 @@ from .ndarray_limits import (
     FAST_ALLOC_ELEMENTS,
     check_alloc,
     check_dims,
-    check_strides,
-    check_view,
     check_view_size,
+    checked_view,
+    host_copy,
     out_of_memory,
 )
 from .ndarray_tiled import matmul_tiled, tiled_ok
@@ -135,16 +130,16 @@ class NDArray:
             SizeLimitError: a buffer or view beyond the limits of docs/limits.md.
             IndexOutOfRange: ``strides``/``offset`` reaching outside the buffer.
         """
-        shape = check_dims("make", shape)
         device = device if device is not None else default_device()
-        if handle is None and strides is None and offset == 0:
-            return _alloc(shape, device, dtype, "make")
-        if handle is None:
-            handle = _alloc(shape, device, dtype, "make")._handle
-        strides = (_compact_strides(shape) if strides is None
-                   else check_strides("make", strides, len(shape)))
-        check_view("make", shape, strides, offset, handle.size)
-        return _view(shape, strides, int(offset), device, handle)
+        if handle is None or strides is None:
+            shape = check_dims("make", shape)
+            if handle is None and strides is None and offset == 0:
+                return _alloc(shape, device, dtype, "make")
+            if handle is None:
+                handle = _alloc(shape, device, dtype, "make")._handle
+            strides = _compact_strides(shape) if strides is None else strides
+        shape, strides = checked_view("make", shape, strides, offset, handle.size)
+        return _view(shape, strides, operator.index(offset), device, handle)
 
     # ---- properties -------------------------------------------------------------------
     @property
@@ -189,20 +184,7 @@ class NDArray:
     # ---- conversion and layout ----------------------------------------------------------
     def numpy(self) -> np.ndarray:
         """A NumPy copy of the (possibly strided) array."""
-        if math.prod(self._shape) > FAST_ALLOC_ELEMENTS:
-            check_alloc("numpy", self._shape, self._handle.itemsize, self.dtype)
-        try:
-            return self._device.to_numpy(self._handle, self._shape, self._strides,
-                                         self._offset)
-        except MemoryError as exc:
-            raise out_of_memory("numpy", self._shape, self.dtype, "the host", exc) from exc
-        except ValueError as exc:
-            if isinstance(exc, NeedleError):
-                raise
-            # NumPy refuses shapes whose non-zero dims multiply past 2**63 bytes, even empty
-            # ones such as (0, 2**61) that needle can hold as a view.
-            raise SizeLimitError(f"numpy: NumPy cannot hold shape {self._shape} of "
-                                 f"{self.dtype}, got {exc}") from exc
+        return host_copy(self._device, self._handle, self._shape, self._strides, self._offset)
 
     def fill(self, value) -> None:
         """Set every element of this (possibly strided) view to ``value``."""
@@ -257,9 +239,8 @@ class NDArray:
             SizeLimitError: more than 2**62 elements.
             IndexOutOfRange: an element of the view would lie outside the buffer.
         """
-        shape = check_dims("as_strided", shape)
-        strides = check_strides("as_strided", strides, len(shape))
-        check_view("as_strided", shape, strides, self._offset, self._handle.size)
+        shape, strides = checked_view("as_strided", shape, strides, self._offset,
+                                      self._handle.size)
         return _view(shape, strides, self._offset, self._device, self._handle)
 
     def reshape(self, new_shape) -> "NDArray":
@@ -313,34 +294,9 @@ class NDArray:
         return slice(start, stop, step)
 
     def _index_view(self, idxs, op: str) -> "NDArray":
-        if not isinstance(idxs, tuple):
-            idxs = (idxs,)
-        if len(idxs) > self.ndim:
-            raise IndexOutOfRange(f"{op}: too many indices, expected at most {self.ndim}, "
-                                  f"got {len(idxs)}")
-        idxs = idxs + (slice(None),) * (self.ndim - len(idxs))
-        shape, strides, offset = [], [], self._offset
-        for dim, idx in enumerate(idxs):
-            n = self._shape[dim]
-            if isinstance(idx, slice):
-                if idx.step == 0:
-                    raise IndexOutOfRange(f"{op}: slice step must be nonzero, got 0 "
-                                          f"on axis {dim}")
-                start, stop, step = idx.indices(n)
-                length = len(range(start, stop, step))
-            elif isinstance(idx, (int, np.integer)):
-                if not -n <= idx < n:
-                    raise IndexOutOfRange(f"{op}: index out of range on axis {dim}, "
-                                          f"expected [{-n}, {n}), got {idx}")
-                start, step, length = int(idx) % n, 1, 1
-            else:
-                raise IndexOutOfRange(f"{op}: unsupported index, expected int or slice, "
-                                      f"got {type(idx).__name__}")
-            offset += start * self._strides[dim] if length else 0
-            shape.append(length)
-            strides.append(self._strides[dim] * step)
         # A slice of a valid view stays inside the same buffer: no bounds check needed.
-        return _view(tuple(shape), tuple(strides), offset, self._device, self._handle)
+        shape, strides, offset = index_view(self._shape, self._strides, self._offset, idxs, op)
+        return _view(shape, strides, offset, self._device, self._handle)
 
     def __getitem__(self, idxs) -> "NDArray":
         """A view; an int index keeps its dimension with size 1 (course semantics)."""

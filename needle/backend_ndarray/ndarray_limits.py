@@ -26,10 +26,17 @@ from __future__ import annotations
 
 import math
 import operator
+from functools import lru_cache
 
 import numpy as np
 
-from .._core.errors import IndexOutOfRange, OutOfMemoryError, ShapeError, SizeLimitError
+from .._core.errors import (
+    IndexOutOfRange,
+    NeedleError,
+    OutOfMemoryError,
+    ShapeError,
+    SizeLimitError,
+)
 
 MAX_BUFFER_BYTES = 2**62
 MAX_VIEW_ELEMENTS = 2**62
@@ -37,6 +44,7 @@ INT64_MAX = 2**63 - 1
 # No dtype is wider than 8 bytes, so below this many elements no buffer can pass
 # MAX_BUFFER_BYTES: the per-op allocation path compares once and skips the exact check.
 FAST_ALLOC_ELEMENTS = MAX_BUFFER_BYTES // 8
+_index = operator.index
 
 
 def check_dims(op: str, shape) -> tuple:
@@ -46,36 +54,46 @@ def check_dims(op: str, shape) -> tuple:
         ShapeError: a dimension that is not an integer or is negative.
         SizeLimitError: a dimension past 2**62 (kernels take dims as int64).
     """
-    if not isinstance(shape, (tuple, list)):
-        try:
-            return check_dims(op, (operator.index(shape),))
-        except TypeError:
-            shape = tuple(shape)
+    # map/min/max run in C: this is on the path of every view and constructor.
     try:
-        dims = tuple(operator.index(d) for d in shape)
+        dims = tuple(map(_index, shape))
     except TypeError:
-        raise ShapeError(f"{op}: dimensions must be integers, expected a tuple of ints, "
-                         f"got {tuple(shape)!r}") from None
-    if any(d < 0 for d in dims):
-        raise ShapeError(f"{op}: negative dimension, expected dims >= 0, got {dims}")
-    check_dim_sizes(op, dims)
+        dims = _odd_dims(op, shape)
+    if dims and (min(dims) < 0 or max(dims) > MAX_VIEW_ELEMENTS):
+        if min(dims) < 0:
+            raise ShapeError(f"{op}: negative dimension, expected dims >= 0, got {dims}")
+        check_dim_sizes(op, dims)
     return dims
+
+
+def _odd_dims(op: str, shape) -> tuple:
+    """A lone int as a 1-D shape, or the error for non-integer dimensions."""
+    try:
+        return (operator.index(shape),)
+    except TypeError:
+        pass
+    try:
+        got = tuple(shape)
+    except TypeError:
+        got = shape
+    raise ShapeError(f"{op}: dimensions must be integers, expected a tuple of ints, "
+                     f"got {got!r}") from None
 
 
 def check_dim_sizes(op: str, dims: tuple) -> None:
     """:class:`SizeLimitError` for a dimension past 2**62, even in an empty shape."""
-    if any(d > MAX_VIEW_ELEMENTS for d in dims):
+    if dims and max(dims) > MAX_VIEW_ELEMENTS:
         raise SizeLimitError(f"{op}: dimension too large, expected every dim <= "
                              f"{MAX_VIEW_ELEMENTS} (2**62), got {dims}")
 
 
 def check_strides(op: str, strides, ndim: int) -> tuple:
-    """``strides`` as Python ints, one per dimension, each fitting in int64."""
+    """``strides`` as Python ints, one per dimension (their range: :func:`check_view`)."""
     try:
-        strides = tuple(operator.index(s) for s in strides)
+        strides = tuple(map(_index, strides))
     except TypeError:
         raise ShapeError(f"{op}: strides must be integers, expected a tuple of ints, "
-                         f"got {tuple(strides)!r}") from None
+                         f"got {strides!r}") from None
     if len(strides) != ndim:
         raise ShapeError(f"{op}: expected one stride per dimension ({ndim}), "
                          f"got {len(strides)}: {strides}")
@@ -109,11 +127,10 @@ def view_span(shape: tuple, strides: tuple, offset: int) -> tuple:
     """Lowest and highest element offset a non-empty view touches (exact Python ints)."""
     lo = hi = offset
     for n, s in zip(shape, strides, strict=True):
-        reach = (n - 1) * s
-        if reach < 0:
-            lo += reach
-        else:
-            hi += reach
+        if s > 0:
+            hi += (n - 1) * s
+        elif s < 0:
+            lo += (n - 1) * s
     return lo, hi
 
 
@@ -129,7 +146,8 @@ def check_view(op: str, shape: tuple, strides: tuple, offset: int, buffer_size: 
     """
     count = check_view_size(op, shape)
     offset = operator.index(offset)
-    if any(not -INT64_MAX <= s <= INT64_MAX for s in strides) or not 0 <= offset <= INT64_MAX:
+    if not 0 <= offset <= INT64_MAX or (
+            strides and (min(strides) < -INT64_MAX or max(strides) > INT64_MAX)):
         raise IndexOutOfRange(
             f"{op}: stride or offset out of range, expected strides in [-(2**63-1), 2**63-1] "
             f"and 0 <= offset <= 2**63-1, got strides {strides}, offset {offset}")
@@ -141,6 +159,58 @@ def check_view(op: str, shape: tuple, strides: tuple, offset: int, buffer_size: 
                 f"[0, {buffer_size}), got [{lo}, {hi}] for shape {shape}, strides {strides}, "
                 f"offset {offset}")
     return count
+
+
+def checked_view(op: str, shape, strides, offset, buffer_size: int) -> tuple:
+    """``(shape, strides)`` as int tuples, after the checks of :func:`check_dims`,
+    :func:`check_strides` and :func:`check_view`.
+
+    Views recur (the same transpose every step, the same im2col window every layer), so the
+    verdict is cached: a repeated view costs a dict look-up. Only plain ints reach the cache
+    (a float equal to an int would share its entry): the sum of a tuple is an ``int`` only
+    when every element is one (a single float, NumPy integer or other type changes its type
+    or raises), which costs far less than converting each element.
+    """
+    try:
+        if type(sum(shape)) is int and type(sum(strides)) is int and type(offset) is int:
+            fitted = _fitted_view(tuple(shape), tuple(strides), offset, buffer_size)
+            if fitted is not None:
+                return fitted
+    except TypeError:
+        pass
+    shape = check_dims(op, shape)
+    strides = check_strides(op, strides, len(shape))
+    check_view(op, shape, strides, _index(offset), buffer_size)
+    return shape, strides
+
+
+@lru_cache(maxsize=4096)
+def _fitted_view(shape: tuple, strides: tuple, offset: int, buffer_size: int):
+    """The int tuples of a valid view (bools become ints), None for an invalid one."""
+    try:
+        shape = check_dims("", shape)
+        strides = check_strides("", strides, len(shape))
+        check_view("", shape, strides, offset, buffer_size)
+    except NeedleError:
+        return None
+    return shape, strides
+
+
+def host_copy(device, handle, shape: tuple, strides: tuple, offset: int) -> np.ndarray:
+    """``device.to_numpy`` of a valid view, with its failures as needle errors."""
+    if math.prod(shape) > FAST_ALLOC_ELEMENTS:
+        check_alloc("numpy", shape, handle.itemsize, handle.dtype)
+    try:
+        return device.to_numpy(handle, shape, strides, offset)
+    except MemoryError as exc:
+        raise out_of_memory("numpy", shape, handle.dtype, "the host", exc) from exc
+    except ValueError as exc:
+        if isinstance(exc, NeedleError):
+            raise
+        # NumPy refuses shapes whose non-zero dims multiply past 2**63 bytes, even empty ones
+        # such as (0, 2**61) that needle holds as a view.
+        raise SizeLimitError(f"numpy: NumPy cannot hold shape {shape} of {handle.dtype}, "
+                             f"got {exc}") from exc
 
 
 def out_of_memory(op: str, shape: tuple, dtype, device, exc: BaseException) -> OutOfMemoryError:
