@@ -1,12 +1,12 @@
 """Hypothesis properties over huge shapes, strides and offsets, run in a child process.
 
-Usage: ``python overflow_worker.py DEVICE [--examples N] [PROPERTY ...]`` with DEVICE one of
-``cpu``, ``cpu_numpy``, ``cuda_emulated`` (the CUDA backend's kernels compiled for the host by
-_cuda_emulator.py). test_overflow_safety.py starts it once per device, so that a segfault or an
-abort fails a test instead of ending the test run. Before each example the worker writes
-``CASE <property> <arguments>`` to stderr, so a crash names the case that caused it; at the end
-it prints one ``RESULT <json>`` line: per property, how its examples ended and, if it failed,
-the falsifying example and traceback.
+Usage: ``python overflow_worker.py [--examples N] DEVICE [PROPERTY ...]`` with DEVICE one of
+``cpu``, ``cpu_numpy``, ``cuda`` (a real GPU), ``cuda_emulated`` (the CUDA backend's kernels
+compiled for the host by _cuda_emulator.py). test_overflow_safety.py starts it once per
+device, so that a segfault or an abort fails a test instead of ending the test run. Before each
+example the worker writes ``CASE <property> <arguments>`` to stderr, so a crash names the case
+that caused it; at the end it prints one ``RESULT <json>`` line: per property, how its examples
+ended and, if it failed, the falsifying example and traceback.
 
 Every property compares needle with the independent model of overflow_model.py. The NDArray
 properties go through the public API, which checks first; the ``backend_*`` properties call the

@@ -75,6 +75,9 @@ def _device_param(name: str):
     if name == "cuda_emulated":
         marks = [pytest.mark.slow,
                  pytest.mark.skipif(not compiler_available(), reason="g++ not found")]
+    elif name == "cuda":
+        marks = [pytest.mark.cuda,
+                 pytest.mark.skipif(not nd.cuda().enabled(), reason="cuda() not available")]
     elif name == "cpu" and not nd.cpu().enabled():
         # As in conftest: a missing compiled backend fails unless the run says it builds
         # without one.
@@ -85,7 +88,7 @@ def _device_param(name: str):
 
 @pytest.mark.parametrize("prop", sorted(PROPERTIES))
 @pytest.mark.parametrize("device", [_device_param(n) for n in ("cpu", "cpu_numpy",
-                                                                "cuda_emulated")])
+                                                                "cuda_emulated", "cuda")])
 def test_property_holds_without_crashing(device, prop):
     report = _report(device)
     assert "error" not in report, report.get("error")
