@@ -4,6 +4,7 @@ Usage::
 
     python bench/bench_ndarray.py            # full table (about two minutes on 2 cores)
     python bench/bench_ndarray.py --quick    # fewer repeats and sizes
+    python bench/bench_ndarray.py --dispatch-only   # only the per-op table (NDArray level)
 
 What is timed, and how:
 
@@ -17,6 +18,9 @@ What is timed, and how:
   call and would steal the core from the other library (PERF_NOTES).
 * Reported: per side, the fastest of the phases' median times (``--stat median``: the median
   of all calls), so that other processes on a shared machine disturb the ratio less.
+* The ``dispatch`` table times whole NDArray operations on small (8 x 8) arrays against the
+  same NumPy expression: per-op overhead (argument and size checks, allocation, the call into
+  the kernel), where the size and bounds checks of docs/limits.md would show.
 * This process drops ``OPENBLAS_CORETYPE`` and ``OPENBLAS_L2_SIZE`` from its environment
   before NumPy loads, so OpenBLAS picks its kernel from the CPU it actually runs on.
 """
@@ -184,6 +188,42 @@ def bench_compact(threads, phases: int) -> list[tuple]:
     return rows
 
 
+def bench_dispatch(phases: int) -> list[tuple]:
+    """Microseconds per NDArray op on 8 x 8 float32 arrays, against NumPy's equivalent."""
+    import needle.backend_ndarray as nd
+    dev = nd.cpu()
+    cpu.set_num_threads(1)
+    rng = np.random.default_rng(3)
+    x, y = (rng.standard_normal((8, 8), dtype=np.float32) for _ in range(2))
+    a, b = nd.NDArray(x, device=dev), nd.NDArray(y, device=dev)
+    at = a.permute((1, 0))
+    cases = {
+        "a + b": (lambda: x + y, lambda: a + b),
+        "a * 2.0": (lambda: x * 2.0, lambda: a * 2.0),
+        "exp(a)": (lambda: np.exp(x), lambda: a.exp()),
+        "a.sum(axis=1)": (lambda: x.sum(axis=1), lambda: a.sum(axis=1)),
+        "a @ b": (lambda: x @ y, lambda: a @ b),
+        "a[1:5, ::2]": (lambda: x[1:5, ::2], lambda: a[1:5, ::2]),
+        "a.T (permute)": (lambda: x.T, lambda: at.permute((1, 0))),
+        "reshape (64,)": (lambda: x.reshape(64), lambda: a.reshape((64,))),
+        "broadcast_to (4,8,8)": (lambda: np.broadcast_to(x, (4, 8, 8)),
+                                 lambda: a.broadcast_to((4, 8, 8))),
+        "as_strided (8,8),(1,8)": (
+            lambda: np.lib.stride_tricks.as_strided(x, (8, 8), (4, 32)),
+            lambda: a.as_strided((8, 8), (1, 8))),
+        "compact of a.T": (lambda: np.ascontiguousarray(x.T), lambda: at.compact()),
+        "empty (8,8)": (lambda: np.empty((8, 8), np.float32), lambda: nd.empty((8, 8),
+                                                                               device=dev)),
+        "numpy()": (lambda: x.copy(), lambda: a.numpy()),
+    }
+    rows = []
+    for name, (np_fn, nd_fn) in cases.items():
+        t = compare(np_fn, nd_fn, phases, 2000)
+        rows.append((f"dispatch {name}", 1, t["numpy"] * 1e6, t["needle"] * 1e6,
+                     t["numpy"] / t["needle"], "us/op"))
+    return rows
+
+
 def print_table(rows) -> None:
     print("| kernel | threads | NumPy | needle | unit | needle/NumPy | vs NumPy out= |")
     print("|---|---|---|---|---|---|---|")
@@ -201,6 +241,9 @@ def main() -> None:
     parser.add_argument("--skip-matmul", action="store_true")
     parser.add_argument("--skip-elementwise", action="store_true")
     parser.add_argument("--skip-compact", action="store_true")
+    parser.add_argument("--skip-dispatch", action="store_true")
+    parser.add_argument("--dispatch-only", action="store_true",
+                        help="only the per-op table (NDArray level, small arrays)")
     parser.add_argument("--stat", choices=["best", "median"], default="best",
                         help="best phase median (default) or median of all calls")
     args = parser.parse_args()
@@ -214,6 +257,8 @@ def main() -> None:
         print(f"# {info['user_api']}: {info['internal_api']} {info.get('version')} "
               f"kernel={info.get('architecture')} threads={info['num_threads']}")
     rows = []
+    if args.dispatch_only:
+        args.skip_matmul = args.skip_elementwise = args.skip_compact = True
     if not args.skip_matmul:
         sizes = [256, 1024] if args.quick else [256, 512, 1024, 2048]
         rows += bench_matmul(sizes, args.threads, phases)
@@ -221,6 +266,8 @@ def main() -> None:
         rows += bench_elementwise([10**6, 10**7], args.threads, phases)
     if not args.skip_compact:
         rows += bench_compact(args.threads, phases)
+    if not args.skip_dispatch:
+        rows += bench_dispatch(phases)
     print_table(rows)
 
 

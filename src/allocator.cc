@@ -7,6 +7,8 @@
 #include <map>
 #include <mutex>
 #include <new>
+#include <stdexcept>
+#include <string>
 #include <unordered_map>
 
 #if defined(__linux__)
@@ -240,6 +242,12 @@ class CachingAllocator {
 thread_local int CachingAllocator::t_op = -1;
 
 Block* CachingAllocator::allocate_locked(std::size_t requested, Category cat) {
+  // Rounding a request near SIZE_MAX up to a block or segment size would wrap to a tiny one.
+  if (requested > kMaxRequest) {
+    throw std::length_error("allocate: request too large, expected at most " +
+                            std::to_string(kMaxRequest) + " bytes, got " +
+                            std::to_string(requested));
+  }
   const std::size_t size = requested <= kBlockRound
                                ? kBlockRound
                                : (requested + kBlockRound - 1) / kBlockRound * kBlockRound;

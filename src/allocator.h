@@ -33,6 +33,9 @@ constexpr std::size_t kSmallLimit = std::size_t(1) << 20;
 constexpr std::size_t kSmallSegment = std::size_t(2) << 20;
 constexpr std::size_t kLargeRound = std::size_t(2) << 20;
 constexpr std::size_t kMinLargeSplit = std::size_t(1) << 20;
+// Largest request: rounding it up to a block, a segment and the mapping's alignment slack
+// cannot wrap. Array asks for at most 2**62 bytes (common.h kMaxBufferBytes).
+constexpr std::size_t kMaxRequest = std::size_t(1) << 62;
 
 // The memory categories of docs/memory.md, in the order of needle.memory.categories.CATEGORIES.
 enum class Category : std::uint8_t { weight, gradient, optimizer, activation, workspace, other };
@@ -49,7 +52,8 @@ struct Block;  // opaque handle to a live block
 namespace mem {
 
 // A live block of at least `requested` bytes charged to `cat`; throws std::bad_alloc when the
-// system has no memory left even after the cache was emptied.
+// system has no memory left even after the cache was emptied, std::length_error when
+// `requested` exceeds kMaxRequest.
 Block* allocate(std::size_t requested, Category cat);
 // Returns `b` to the cache (exactly once; the handle may be handed out again afterwards).
 void release(Block* b) noexcept;

@@ -15,11 +15,24 @@ class Array {
  public:
   Array(std::int64_t size, DType dtype, Category cat) : dtype_(dtype) {
     if (size < 0) {
-      throw std::invalid_argument("Array: size must be >= 0, got " + std::to_string(size));
+      throw ShapeArgError("Array: size must be >= 0, got " + std::to_string(size));
     }
     size_ = std::size_t(size);
-    // Blocks are at least 512 bytes, so aligned tile loads never run off a tiny buffer.
-    block_ = mem::allocate(size_ * itemsize(dtype), cat);
+    // Checked before multiplying: size * itemsize must not wrap into a small block.
+    if (size_ > kMaxBufferBytes / itemsize(dtype)) {
+      throw SizeLimitError("Array: buffer too large, expected at most " +
+                           std::to_string(kMaxBufferBytes) + " bytes (2**62), got " +
+                           std::to_string(size_) + " elements of " + dtype_name(dtype) + " (" +
+                           std::to_string(itemsize(dtype)) + " bytes each)");
+    }
+    const std::size_t nbytes = size_ * itemsize(dtype);
+    try {
+      // Blocks are at least 512 bytes, so aligned tile loads never run off a tiny buffer.
+      block_ = mem::allocate(nbytes, cat);
+    } catch (const std::bad_alloc&) {
+      throw OutOfMemory("Array: out of memory, expected a buffer of " + std::to_string(nbytes) +
+                        " bytes, got a refusal from the system");
+    }
     ptr_ = mem::data(block_);
   }
   ~Array() { mem::release(block_); }

@@ -15,6 +15,37 @@ namespace needle {
 
 enum class DType : int { f32 = 0, f64 = 1, f16 = 2 };
 
+// ---- limits and the errors of the entry points' checks --------------------------------------
+
+// The largest buffer (bytes) and the largest view (elements): below these every element
+// offset, count and byte count the kernels compute is exact in int64_t / size_t arithmetic.
+// needle/backend_ndarray/ndarray_limits.py checks the same limits first (docs/limits.md).
+constexpr std::size_t kMaxBufferBytes = std::size_t(1) << 62;
+constexpr std::int64_t kMaxViewElements = std::int64_t(1) << 62;
+
+// Thrown by the checks of the module's entry points; the module translates each one into the
+// needle._core.errors class named in its comment, so that no bad call reaches a kernel.
+struct SizeLimitError : std::length_error {  // SizeLimitError (a ShapeError, ValueError)
+  using std::length_error::length_error;
+};
+struct BoundsError : std::out_of_range {  // IndexOutOfRange (an IndexError)
+  using std::out_of_range::out_of_range;
+};
+struct ShapeArgError : std::invalid_argument {  // ShapeError (a ValueError)
+  using std::invalid_argument::invalid_argument;
+};
+struct OutOfMemory : std::runtime_error {  // OutOfMemoryError (a MemoryError)
+  using std::runtime_error::runtime_error;
+};
+
+// a * b and a + b that report overflow of int64 instead of wrapping.
+static inline bool mul_overflows(std::int64_t a, std::int64_t b, std::int64_t* out) {
+  return __builtin_mul_overflow(a, b, out);
+}
+static inline bool add_overflows(std::int64_t a, std::int64_t b, std::int64_t* out) {
+  return __builtin_add_overflow(a, b, out);
+}
+
 // The helpers below are `static inline`: kernels_avx2.cc compiles them with AVX2 enabled, and
 // with plain `inline` the linker could keep that copy for the baseline code as well.
 

@@ -53,10 +53,20 @@ void same_dtype(const char* op, const Array& a, const Array& out) {
 
 void big_enough(const char* op, const char* what, const Array& a, std::size_t need) {
   if (a.size() < need) {
-    throw std::invalid_argument(std::string(op) + ": " + what + " too small, expected at least " +
-                                std::to_string(need) + " elements, got " +
-                                std::to_string(a.size()));
+    throw ShapeArgError(std::string(op) + ": " + what + " too small, expected at least " +
+                        std::to_string(need) + " elements, got " + std::to_string(a.size()));
   }
+}
+
+// rows * cols elements of an operand, checked: a wrapped product would pass big_enough.
+std::size_t elements(const char* op, const char* what, std::int64_t rows, std::int64_t cols) {
+  std::int64_t n = 0;
+  if (mul_overflows(rows, cols, &n) || n > kMaxViewElements) {
+    throw SizeLimitError(std::string(op) + ": " + what + " too large, expected at most " +
+                         std::to_string(kMaxViewElements) + " elements (2**62), got " +
+                         std::to_string(rows) + " x " + std::to_string(cols));
+  }
+  return std::size_t(n);
 }
 
 View make_view(Dims shape, Dims strides, std::int64_t offset) {
@@ -77,6 +87,11 @@ std::uint64_t scalar_bits(DType t, double val) {
 py::array to_numpy(const Array& a, Dims shape, Dims strides, std::int64_t offset) {
   const View v = make_view(std::move(shape), std::move(strides), offset);
   const std::size_t n = check_view("to_numpy", v, a.size());
+  if (n > kMaxBufferBytes / itemsize(a.dtype())) {
+    throw SizeLimitError("to_numpy: result too large, expected at most " +
+                         std::to_string(kMaxBufferBytes) + " bytes (2**62), got " +
+                         std::to_string(n) + " elements of " + dtype_name(a.dtype()));
+  }
   py::array result(py::dtype(dtype_name(a.dtype())), v.shape);
   if (n) {
     void* dst = result.mutable_data();
@@ -145,8 +160,8 @@ void scalar_setitem(std::int64_t size, double val, Array& out, Dims shape, Dims 
   const View v = make_view(std::move(shape), std::move(strides), offset);
   const std::size_t n = check_view("scalar_setitem", v, out.size());
   if (size < 0 || std::size_t(size) != n) {
-    throw std::invalid_argument("scalar_setitem: size differs from the view, expected " +
-                                std::to_string(n) + ", got " + std::to_string(size));
+    throw ShapeArgError("scalar_setitem: size differs from the view, expected " +
+                        std::to_string(n) + ", got " + std::to_string(size));
   }
   if (!n) return;
   const std::uint64_t bits = scalar_bits(out.dtype(), val);
@@ -188,13 +203,13 @@ void check_matmul(const char* op, const Array& a, const Array& b, const Array& o
   same_dtype(op, a, out);
   same_dtype(op, b, out);
   if (m < 0 || n < 0 || p < 0) {
-    throw std::invalid_argument(std::string(op) + ": dimensions must be >= 0, got m=" +
-                                std::to_string(m) + ", n=" + std::to_string(n) +
-                                ", p=" + std::to_string(p));
+    throw ShapeArgError(std::string(op) + ": dimensions must be >= 0, got m=" +
+                        std::to_string(m) + ", n=" + std::to_string(n) + ", p=" +
+                        std::to_string(p));
   }
-  big_enough(op, "a", a, std::size_t(m) * std::size_t(n));
-  big_enough(op, "b", b, std::size_t(n) * std::size_t(p));
-  big_enough(op, "out", out, std::size_t(m) * std::size_t(p));
+  big_enough(op, "a", a, elements(op, "a", m, n));
+  big_enough(op, "b", b, elements(op, "b", n, p));
+  big_enough(op, "out", out, elements(op, "out", m, p));
   if (out.data() == a.data() || out.data() == b.data()) {
     throw std::invalid_argument(std::string(op) + ": out must not share memory with an input");
   }
@@ -208,16 +223,26 @@ void matmul(const Array& a, const Array& b, Array& out, std::int64_t m, std::int
 }
 
 // Element span a strided rows x cols view reaches (offset + last index + 1); strides >= 0.
+// Each step is overflow-checked: a wrapped span would let the view read past its buffer.
 std::size_t strided_extent(const char* op, const char* what, std::int64_t rows,
                            std::int64_t cols, std::int64_t offset, std::int64_t rs,
                            std::int64_t cs) {
   if (offset < 0 || rs < 0 || cs < 0) {
-    throw std::invalid_argument(std::string(op) + ": " + what + " offset and strides must be >= 0"
-                                ", got offset " + std::to_string(offset) + ", strides (" +
-                                std::to_string(rs) + ", " + std::to_string(cs) + ")");
+    throw ShapeArgError(std::string(op) + ": " + what + " offset and strides must be >= 0, " +
+                        "got offset " + std::to_string(offset) + ", strides (" +
+                        std::to_string(rs) + ", " + std::to_string(cs) + ")");
   }
   if (rows == 0 || cols == 0) return 0;
-  return std::size_t(offset + (rows - 1) * rs + (cols - 1) * cs + 1);
+  std::int64_t row_reach = 0, col_reach = 0, span = 0;
+  if (mul_overflows(rows - 1, rs, &row_reach) || mul_overflows(cols - 1, cs, &col_reach) ||
+      add_overflows(offset, row_reach, &span) || add_overflows(span, col_reach, &span) ||
+      add_overflows(span, 1, &span)) {
+    throw BoundsError(std::string(op) + ": " + what + " reaches outside its buffer, got " +
+                      std::to_string(rows) + " x " + std::to_string(cols) + " with offset " +
+                      std::to_string(offset) + ", strides (" + std::to_string(rs) + ", " +
+                      std::to_string(cs) + "): the span overflows int64");
+  }
+  return std::size_t(span);
 }
 
 void matmul_strided(const Array& a, const Array& b, Array& out, std::int64_t m, std::int64_t n,
@@ -227,14 +252,16 @@ void matmul_strided(const Array& a, const Array& b, Array& out, std::int64_t m, 
   same_dtype(op, a, out);
   same_dtype(op, b, out);
   if (m < 0 || n < 0 || p < 0) {
-    throw std::invalid_argument(std::string(op) + ": dimensions must be >= 0");
+    throw ShapeArgError(std::string(op) + ": dimensions must be >= 0, got m=" +
+                        std::to_string(m) + ", n=" + std::to_string(n) + ", p=" +
+                        std::to_string(p));
   }
   if (out.dtype() == DType::f16) {
     throw std::invalid_argument(std::string(op) + ": expected float32 or float64, got float16");
   }
   big_enough(op, "a", a, strided_extent(op, "a", m, n, a_offset, ars, acs));
   big_enough(op, "b", b, strided_extent(op, "b", n, p, b_offset, brs, bcs));
-  big_enough(op, "out", out, std::size_t(m) * std::size_t(p));
+  big_enough(op, "out", out, elements(op, "out", m, p));
   if (out.data() == a.data() || out.data() == b.data()) {
     throw std::invalid_argument(std::string(op) + ": out must not share memory with an input");
   }
@@ -261,12 +288,41 @@ void matmul_tiled_entry(const Array& a, const Array& b, Array& out, std::int64_t
 void reduce(RedOp op, const char* name, const Array& a, Array& out, std::int64_t reduce_size) {
   same_dtype(name, a, out);
   if (reduce_size < 0) {
-    throw std::invalid_argument(std::string(name) + ": reduce_size must be >= 0, got " +
-                                std::to_string(reduce_size));
+    throw ShapeArgError(std::string(name) + ": reduce_size must be >= 0, got " +
+                        std::to_string(reduce_size));
   }
-  big_enough(name, "a", a, out.size() * std::size_t(reduce_size));
+  big_enough(name, "a", a, elements(name, "a", std::int64_t(out.size()), reduce_size));
   py::gil_scoped_release release;
   g_kernels->reduce(op, out.dtype(), a.data(), out.data(), out.size(), std::size_t(reduce_size));
+}
+
+// The class `name` of needle._core.errors, or `fallback` when needle is not importable (the
+// module used on its own); resolved once, kept for the life of the process.
+PyObject* needle_error(const char* name, PyObject* fallback) {
+  try {
+    return py::object(py::module_::import("needle._core.errors").attr(name)).release().ptr();
+  } catch (py::error_already_set&) {
+    return fallback;
+  }
+}
+
+// Maps the checks' C++ exceptions (common.h) onto needle's error classes.
+void translate_check_errors(std::exception_ptr p) {
+  static PyObject* const size_limit = needle_error("SizeLimitError", PyExc_ValueError);
+  static PyObject* const bounds = needle_error("IndexOutOfRange", PyExc_IndexError);
+  static PyObject* const shape = needle_error("ShapeError", PyExc_ValueError);
+  static PyObject* const memory = needle_error("OutOfMemoryError", PyExc_MemoryError);
+  try {
+    if (p) std::rethrow_exception(p);
+  } catch (const SizeLimitError& e) {
+    PyErr_SetString(size_limit, e.what());
+  } catch (const BoundsError& e) {
+    PyErr_SetString(bounds, e.what());
+  } catch (const ShapeArgError& e) {
+    PyErr_SetString(shape, e.what());
+  } catch (const OutOfMemory& e) {
+    PyErr_SetString(memory, e.what());
+  }
 }
 
 }  // namespace
@@ -278,6 +334,8 @@ PYBIND11_MODULE(ndarray_backend_cpu, m) {
   m.doc() = "needle C++ CPU backend (see docs/backend_protocol.md)";
   m.attr("__device_name__") = "cpu";
   m.attr("__tile_size__") = kTile;
+
+  py::register_exception_translator(&nd::translate_check_errors);
 
   const char* isa = std::getenv("NEEDLE_CPU_ISA");
   g_kernels = &select_isa(isa && *isa ? isa : "auto");

@@ -199,29 +199,57 @@ bool has_repeats(const View& v) {
 }  // namespace
 
 std::size_t check_view(const char* op, const View& v, std::size_t buffer_size) {
+  const auto describe = [&] {
+    return " for shape " + dims_str(v.shape) + ", strides " + dims_str(v.strides) +
+           ", offset " + std::to_string(v.offset);
+  };
   if (v.shape.size() != v.strides.size()) {
-    throw std::invalid_argument(std::string(op) + ": shape and strides differ in length, got " +
-                                dims_str(v.shape) + " and " + dims_str(v.strides));
+    throw ShapeArgError(std::string(op) + ": shape and strides differ in length, got " +
+                        dims_str(v.shape) + " and " + dims_str(v.strides));
   }
-  std::size_t count = 1;
-  std::int64_t lo = v.offset, hi = v.offset;
-  for (std::size_t d = 0; d < v.shape.size(); ++d) {
-    if (v.shape[d] < 0) {
-      throw std::invalid_argument(std::string(op) + ": negative dimension in shape " +
-                                  dims_str(v.shape));
+  bool empty = false;
+  for (const std::int64_t n : v.shape) {
+    if (n < 0) {
+      throw ShapeArgError(std::string(op) + ": negative dimension in shape " +
+                          dims_str(v.shape));
     }
-    count *= std::size_t(v.shape[d]);
-    const std::int64_t reach = (v.shape[d] - 1) * v.strides[d];
-    (reach < 0 ? lo : hi) += reach;
+    if (n > kMaxViewElements) {
+      throw SizeLimitError(std::string(op) + ": dimension too large, expected every dim <= " +
+                           std::to_string(kMaxViewElements) + " (2**62)" + describe());
+    }
+    empty = empty || n == 0;
   }
-  if (count > 0 && (lo < 0 || hi >= std::int64_t(buffer_size))) {
-    throw std::out_of_range(std::string(op) + ": view reaches outside its buffer, expected " +
-                            "element offsets in [0, " + std::to_string(buffer_size) + "), got [" +
-                            std::to_string(lo) + ", " + std::to_string(hi) + "] for shape " +
-                            dims_str(v.shape) + ", strides " + dims_str(v.strides) +
-                            ", offset " + std::to_string(v.offset));
+  if (v.offset < 0) {
+    throw BoundsError(std::string(op) + ": offset must be >= 0, got " +
+                      std::to_string(v.offset));
   }
-  return count;
+  if (empty) return 0;  // no element is read or written, whatever the strides
+  // Every product and sum is checked: a wrapped count or extent would let a view that reaches
+  // far outside the buffer pass as a small one.
+  std::int64_t count = 1, lo = v.offset, hi = v.offset;
+  bool count_overflow = false, reach_overflow = false;
+  for (std::size_t d = 0; d < v.shape.size(); ++d) {
+    count_overflow = count_overflow || mul_overflows(count, v.shape[d], &count);
+    std::int64_t reach = 0;
+    if (mul_overflows(v.shape[d] - 1, v.strides[d], &reach) ||
+        add_overflows(reach < 0 ? lo : hi, reach, reach < 0 ? &lo : &hi)) {
+      reach_overflow = true;
+    }
+  }
+  if (count_overflow || count > kMaxViewElements) {
+    throw SizeLimitError(std::string(op) + ": view too large, expected at most " +
+                         std::to_string(kMaxViewElements) + " elements (2**62), got more" +
+                         describe());
+  }
+  if (reach_overflow || lo < 0 || hi >= std::int64_t(buffer_size)) {
+    throw BoundsError(std::string(op) + ": view reaches outside its buffer, expected " +
+                      "element offsets in [0, " + std::to_string(buffer_size) + "), got " +
+                      (reach_overflow ? std::string("an offset beyond int64")
+                                      : "[" + std::to_string(lo) + ", " + std::to_string(hi) +
+                                            "]") +
+                      describe());
+  }
+  return std::size_t(count);
 }
 
 #define NEEDLE_BY_SIZE(bytes, CALL)                    \

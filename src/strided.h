@@ -19,8 +19,10 @@ struct View {
   std::int64_t offset;
 };
 
-// Throws std::invalid_argument / std::out_of_range when the view does not fit `buffer_size`
-// elements or does not hold `expected` elements; returns its element count.
+// The element count of view `v` of a `buffer_size`-element buffer. Throws ShapeArgError for a
+// malformed view, SizeLimitError past 2**62 elements and BoundsError when any element (or the
+// arithmetic that finds it) would fall outside the buffer (common.h); an empty view is valid
+// with any strides.
 std::size_t check_view(const char* op, const View& v, std::size_t buffer_size);
 
 // out[0..n) = the elements of view `v` of `src`, in row-major order.

@@ -42,8 +42,25 @@ class IndexOutOfRange(NeedleError, IndexError):
     """An index or slice that falls outside the array."""
 
 
+class SizeLimitError(ShapeError):
+    """An array, view or byte count beyond what needle can address (see docs/limits.md).
+
+    Raised before anything is allocated or read; the message names the op, the shape and the
+    limit.
+    """
+
+
+class OutOfMemoryError(NeedleError, MemoryError):
+    """A buffer within the limits that the device could not provide."""
+
+
 class BackendUnavailable(NeedleError, RuntimeError):
     """A backend (compiled CPU module, CuPy/GPU) that is not installed or not usable."""
+
+
+class BackendAttributeError(BackendUnavailable, AttributeError):
+    """An attribute of a disabled device: also an ``AttributeError``, so ``getattr(dev, name,
+    default)`` and ``hasattr`` probes (pytest's parametrize ids) see "absent"."""
 
 
 class GraphError(NeedleError, RuntimeError):
@@ -55,6 +72,10 @@ class ReleasedDataError(GraphError, AttributeError):
 
     Also an ``AttributeError`` so that ``getattr(array, name, default)`` probes see "absent".
     """
+
+
+class DataError(NeedleError, ValueError):
+    """A data file whose content is not what its format allows (refused, never executed)."""
 
 
 class CommError(NeedleError, RuntimeError):

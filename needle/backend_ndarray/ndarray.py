@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import builtins
 import math
+import operator
 from functools import lru_cache
 
 import numpy as np
 
 from .._core.dtypes import canonical_dtype, numpy_dtype
-from .._core.errors import AxisError, DTypeError, IndexOutOfRange, ShapeError
+from .._core.errors import AxisError, DTypeError, ShapeError
 from .devices import (
     BackendDevice,
     all_devices,
@@ -35,10 +36,20 @@ from .devices import (
 )
 from .ndarray_checks import (
     check_pair,
+    index_view,
     is_scalar,
     normalize_axes,
     resolve_reshape,
     scalar_value,
+)
+from .ndarray_limits import (
+    FAST_ALLOC_ELEMENTS,
+    check_alloc,
+    check_dims,
+    check_view_size,
+    checked_view,
+    host_copy,
+    out_of_memory,
 )
 from .ndarray_tiled import matmul_tiled, tiled_ok
 
@@ -93,7 +104,7 @@ class NDArray:
         dtype = canonical_dtype(dtype, "NDArray")
         # np.asarray, not ascontiguousarray: the latter turns a 0-d array into shape (1,).
         src = np.asarray(other, dtype=numpy_dtype(dtype), order="C")
-        array = NDArray.make(src.shape, device=device, dtype=dtype)
+        array = _alloc(src.shape, device, dtype, "NDArray")
         device.from_numpy(src, array._handle)
         self._init(array)
 
@@ -112,19 +123,23 @@ class NDArray:
 
     @staticmethod
     def make(shape, strides=None, device=None, handle=None, offset=0, dtype="float32"):
-        """A new NDArray; allocates (uninitialised) memory when ``handle`` is None."""
-        shape = tuple(shape)
+        """A new NDArray; allocates (uninitialised) memory when ``handle`` is None.
+
+        Raises:
+            ShapeError: a negative or non-integer dimension or stride.
+            SizeLimitError: a buffer or view beyond the limits of docs/limits.md.
+            IndexOutOfRange: ``strides``/``offset`` reaching outside the buffer.
+        """
         device = device if device is not None else default_device()
-        if handle is None and strides is None and offset == 0:
-            return _alloc(shape, device, dtype)
-        array = _new_ndarray(NDArray)
-        array._shape = shape
-        array._strides = _compact_strides(shape) if strides is None else tuple(strides)
-        array._offset = offset
-        array._device = device
-        array._handle = device.Array(math.prod(shape), dtype) if handle is None else handle
-        array._compact = None  # unknown until is_compact() looks
-        return array
+        if handle is None or strides is None:
+            shape = check_dims("make", shape)
+            if handle is None and strides is None and offset == 0:
+                return _alloc(shape, device, dtype, "make")
+            if handle is None:
+                handle = _alloc(shape, device, dtype, "make")._handle
+            strides = _compact_strides(shape) if strides is None else strides
+        shape, strides = checked_view("make", shape, strides, offset, handle.size)
+        return _view(shape, strides, operator.index(offset), device, handle)
 
     # ---- properties -------------------------------------------------------------------
     @property
@@ -169,7 +184,7 @@ class NDArray:
     # ---- conversion and layout ----------------------------------------------------------
     def numpy(self) -> np.ndarray:
         """A NumPy copy of the (possibly strided) array."""
-        return self._device.to_numpy(self._handle, self._shape, self._strides, self._offset)
+        return host_copy(self._device, self._handle, self._shape, self._strides, self._offset)
 
     def fill(self, value) -> None:
         """Set every element of this (possibly strided) view to ``value``."""
@@ -191,7 +206,7 @@ class NDArray:
         if dtype == self.dtype:
             return self
         src = self.compact()
-        out = NDArray.make(self._shape, device=self._device, dtype=dtype)
+        out = _alloc(self._shape, self._device, dtype, "astype")
         self._device.ewise_cast(src._handle, out._handle)
         return out
 
@@ -209,21 +224,24 @@ class NDArray:
             return self
         return self._copy()
 
-    def _copy(self) -> "NDArray":
-        out = _alloc(self._shape, self._device, self._handle.dtype)
+    def _copy(self, op: str = "compact") -> "NDArray":
+        out = _alloc(self._shape, self._device, self._handle.dtype, op)
         if out.size:
             self._device.compact(self._handle, out._handle, self._shape, self._strides,
                                  self._offset)
         return out
 
     def as_strided(self, shape, strides) -> "NDArray":
-        """A view with the given shape and strides (elements) on the same buffer."""
-        shape, strides = tuple(shape), tuple(strides)
-        if len(shape) != len(strides):
-            raise ShapeError(f"as_strided: expected len(shape) == len(strides), "
-                             f"got {shape} and {strides}")
-        return NDArray.make(shape, strides=strides, device=self._device, handle=self._handle,
-                            offset=self._offset)
+        """A view with the given shape and strides (elements) on the same buffer.
+
+        Raises:
+            ShapeError: ``shape`` and ``strides`` differ in length, or a negative dimension.
+            SizeLimitError: more than 2**62 elements.
+            IndexOutOfRange: an element of the view would lie outside the buffer.
+        """
+        shape, strides = checked_view("as_strided", shape, strides, self._offset,
+                                      self._handle.size)
+        return _view(shape, strides, self._offset, self._device, self._handle)
 
     def reshape(self, new_shape) -> "NDArray":
         """A view with ``new_shape`` (one dim may be -1); non-compact arrays are copied first."""
@@ -231,8 +249,8 @@ class NDArray:
         if new_shape == self._shape:
             return self
         base = self.compact()
-        return NDArray.make(new_shape, device=self._device, handle=base._handle,
-                            offset=base._offset)
+        return _view(new_shape, _compact_strides(new_shape), base._offset, self._device,
+                     base._handle)
 
     def permute(self, new_axes) -> "NDArray":
         """A view with axes reordered (``new_axes`` is a permutation of ``range(ndim)``)."""
@@ -241,12 +259,18 @@ class NDArray:
         if sorted(axes) != list(range(self.ndim)):
             raise AxisError(f"permute: expected a permutation of {tuple(range(self.ndim))}, "
                             f"got {tuple(new_axes)}")
-        return self.as_strided(tuple(self._shape[a] for a in axes),
-                               tuple(self._strides[a] for a in axes))
+        return _view(tuple(self._shape[a] for a in axes),
+                     tuple(self._strides[a] for a in axes), self._offset, self._device,
+                     self._handle)
 
     def broadcast_to(self, new_shape) -> "NDArray":
-        """A view broadcast to ``new_shape`` (NumPy rules; stride 0 on broadcast dims)."""
-        new_shape = tuple(int(d) for d in new_shape)
+        """A view broadcast to ``new_shape`` (NumPy rules; stride 0 on broadcast dims).
+
+        Raises:
+            ShapeError: shapes that do not broadcast, or a negative dimension.
+            SizeLimitError: a view of more than 2**62 elements.
+        """
+        new_shape = check_dims("broadcast_to", new_shape)
         lead = len(new_shape) - self.ndim
         if lead < 0:
             raise ShapeError(f"broadcast_to: cannot drop dimensions, expected at least "
@@ -260,7 +284,8 @@ class NDArray:
             else:
                 raise ShapeError(f"broadcast_to: incompatible shapes, expected dims equal or 1, "
                                  f"got {self._shape} -> {new_shape}")
-        return self.as_strided(new_shape, strides)
+        check_view_size("broadcast_to", new_shape)
+        return _view(new_shape, tuple(strides), self._offset, self._device, self._handle)
 
     # ---- indexing ---------------------------------------------------------------------
     def process_slice(self, sl, dim: int) -> slice:
@@ -269,34 +294,9 @@ class NDArray:
         return slice(start, stop, step)
 
     def _index_view(self, idxs, op: str) -> "NDArray":
-        if not isinstance(idxs, tuple):
-            idxs = (idxs,)
-        if len(idxs) > self.ndim:
-            raise IndexOutOfRange(f"{op}: too many indices, expected at most {self.ndim}, "
-                                  f"got {len(idxs)}")
-        idxs = idxs + (slice(None),) * (self.ndim - len(idxs))
-        shape, strides, offset = [], [], self._offset
-        for dim, idx in enumerate(idxs):
-            n = self._shape[dim]
-            if isinstance(idx, slice):
-                if idx.step == 0:
-                    raise IndexOutOfRange(f"{op}: slice step must be nonzero, got 0 "
-                                          f"on axis {dim}")
-                start, stop, step = idx.indices(n)
-                length = len(range(start, stop, step))
-            elif isinstance(idx, (int, np.integer)):
-                if not -n <= idx < n:
-                    raise IndexOutOfRange(f"{op}: index out of range on axis {dim}, "
-                                          f"expected [{-n}, {n}), got {idx}")
-                start, step, length = int(idx) % n, 1, 1
-            else:
-                raise IndexOutOfRange(f"{op}: unsupported index, expected int or slice, "
-                                      f"got {type(idx).__name__}")
-            offset += start * self._strides[dim] if length else 0
-            shape.append(length)
-            strides.append(self._strides[dim] * step)
-        return NDArray.make(tuple(shape), strides=tuple(strides), device=self._device,
-                            handle=self._handle, offset=offset)
+        # A slice of a valid view stays inside the same buffer: no bounds check needed.
+        shape, strides, offset = index_view(self._shape, self._strides, self._offset, idxs, op)
+        return _view(shape, strides, offset, self._device, self._handle)
 
     def __getitem__(self, idxs) -> "NDArray":
         """A view; an int index keeps its dimension with size 1 (course semantics)."""
@@ -322,15 +322,15 @@ class NDArray:
 
     # ---- elementwise ------------------------------------------------------------------
     def _ewise(self, other, ewise, scalar, op: str) -> "NDArray":
-        a = self if self._compact else self.compact()
-        out = _alloc(self._shape, self._device, self._handle.dtype)
+        a = self if self._compact or self.is_compact() else self._copy(op)
+        out = _alloc(self._shape, self._device, self._handle.dtype, op)
         if isinstance(other, NDArray):
             if other._device is not self._device or other._handle.dtype != out._handle.dtype:
                 check_pair(op, self, other)
             if other._shape != self._shape:
                 raise ShapeError(f"{op}: shapes differ, expected {self._shape}, "
                                  f"got {other._shape} (broadcast explicitly)")
-            b = other if other._compact else other.compact()
+            b = other if other._compact or other.is_compact() else other._copy(op)
             ewise(a._handle, b._handle, out._handle)
         else:
             scalar(a._handle, scalar_value(other, op), out._handle)
@@ -448,7 +448,9 @@ class NDArray:
         if USE_TILED_MATMUL and tiled_ok(self._device, m, n, p):
             return matmul_tiled(self, other, m, n, p)
         dtype = self._handle.dtype
-        out = _alloc((m, p), self._device, dtype)
+        out = _alloc((m, p), self._device, dtype, "matmul")
+        if not m or not p:
+            return out  # nothing to compute: operands are neither read nor compacted
         strided = getattr(self._device.mod, "matmul_strided", None)
         (ars, acs), (brs, bcs) = self._strides, other._strides
         if (strided is not None and dtype != "float16" and ars >= 0 and acs >= 0 and brs >= 0
@@ -467,13 +469,15 @@ class NDArray:
     def _reduce(self, axis, keepdims: bool, kernel, op: str) -> "NDArray":
         axes = normalize_axes(axis, self.ndim, op)
         keep = [a for a in range(self.ndim) if a not in axes]
-        view = self.permute(tuple(keep) + axes).compact()
+        view = self.permute(tuple(keep) + axes)
+        if not view.is_compact():
+            view = view._copy(op)
         reduce_size = math.prod(self._shape[a] for a in axes)
         if keepdims:
             out_shape = tuple(1 if a in axes else n for a, n in enumerate(self._shape))
         else:
             out_shape = tuple(self._shape[a] for a in keep)
-        out = NDArray.make(out_shape, device=self._device, dtype=self.dtype)
+        out = _alloc(out_shape, self._device, self._handle.dtype, op)
         if out.size == 0:
             return out
         if reduce_size == 0:
@@ -503,9 +507,7 @@ class NDArray:
             if self._shape[a]:
                 offset += (self._shape[a] - 1) * self._strides[a]
             strides[a] = -self._strides[a]
-        view = NDArray.make(self._shape, strides=tuple(strides), device=self._device,
-                            handle=self._handle, offset=offset)
-        return view._copy()
+        return _view(self._shape, tuple(strides), offset, self._device, self._handle)._copy()
 
     def pad(self, axes) -> "NDArray":
         """Zero padding, one ``(before, after)`` pair per dimension, like ``np.pad``."""
@@ -514,7 +516,7 @@ class NDArray:
             raise ShapeError(f"pad: expected {self.ndim} non-negative (before, after) pairs, "
                              f"got {axes}")
         shape = tuple(n + lo + hi for n, (lo, hi) in zip(self._shape, axes, strict=True))
-        out = NDArray.make(shape, device=self._device, dtype=self.dtype)
+        out = _alloc(shape, self._device, self._handle.dtype, "pad")
         out.fill(0.0)
         out[tuple(slice(lo, lo + n) for n, (lo, _) in zip(self._shape, axes, strict=True))] = self
         return out
@@ -523,16 +525,49 @@ class NDArray:
 _new_ndarray = object.__new__
 
 
-def _alloc(shape: tuple, device: BackendDevice, dtype: str) -> NDArray:
-    """A fresh compact array (the hot path of every kernel's output): no validation."""
+def _alloc(shape: tuple, device: BackendDevice, dtype: str, op: str = "alloc") -> NDArray:
+    """A fresh compact array (the hot path of every kernel's output).
+
+    ``shape`` must be a tuple of non-negative ints. Only the size limit is checked, and only
+    exactly when the element count is large enough to matter (one comparison otherwise).
+    """
+    size = math.prod(shape)
+    if size > FAST_ALLOC_ELEMENTS:
+        check_alloc(op, shape, _itemsize(dtype), dtype)
+    try:
+        handle = device.Array(size, dtype)
+    except MemoryError as exc:
+        raise out_of_memory(op, shape, dtype, device, exc) from exc
     array = _new_ndarray(NDArray)
     array._shape = shape
     array._strides = _compact_strides(shape)
     array._offset = 0
     array._device = device
-    array._handle = device.Array(math.prod(shape), dtype)
+    array._handle = handle
     array._compact = True
     return array
+
+
+def _view(shape: tuple, strides: tuple, offset: int, device: BackendDevice, handle) -> NDArray:
+    """A view on ``handle``; the caller guarantees it lies inside the buffer."""
+    array = _new_ndarray(NDArray)
+    array._shape = shape
+    array._strides = strides
+    array._offset = offset
+    array._device = device
+    array._handle = handle
+    array._compact = None  # unknown until is_compact() looks
+    return array
+
+
+def _itemsize(dtype) -> int:
+    return np.dtype(dtype).itemsize
+
+
+def empty_checked(op: str, shape, device: BackendDevice, dtype: str) -> NDArray:
+    """An uninitialised compact array of a user-given ``shape`` (validated; ``op`` names
+    the caller in errors)."""
+    return _alloc(check_dims(op, shape), device, dtype, op)
 
 
 from .ndarray_functions import *  # noqa: E402,F401,F403 - the module functions of §3.1

@@ -21,9 +21,10 @@ import math
 
 import numpy as np
 
-from .._core.errors import DTypeError
+from .._core.errors import DTypeError, ShapeError
 from ._cuda import launch as L
 from ._cuda import runtime
+from .ndarray_limits import check_view
 
 # Availability (read by the device lookup), the allocator seam and a device-wide sync.
 available = runtime.available
@@ -50,9 +51,10 @@ class Array:
         if dtype not in L.SUFFIX:
             raise DTypeError(f"cuda Array: unsupported dtype, expected one of "
                              f"{tuple(L.SUFFIX)}, got {dtype!r}")
+        self._itemsize = np.dtype(dtype).itemsize
+        L.check_buffer_bytes("cuda Array", size, self._itemsize)
         self._size = int(size)
         self._dtype = dtype
-        self._itemsize = np.dtype(dtype).itemsize
         # A zero-size array still owns a real (one-element) buffer so ptr() is a valid address.
         self._owner = runtime.allocate(max(self._size, 1) * self._itemsize)
         self._ptr = int(self._owner.ptr)
@@ -87,8 +89,8 @@ def _cupy_view(a: Array, count: int, offset: int = 0):
 # ---- transfers, fill and strided copies ----------------------------------------------------
 def to_numpy(a: Array, shape, strides, offset) -> np.ndarray:
     """A NumPy copy of the strided view; non-contiguous views are compacted on the GPU first."""
-    shape = tuple(int(n) for n in shape)
-    count = math.prod(shape)
+    shape, strides = tuple(int(n) for n in shape), tuple(int(s) for s in strides)
+    count = check_view("to_numpy", shape, strides, int(offset), a.size)
     if count == 0:
         return np.zeros(shape, dtype=a.dtype)
     mstrides = L.merge_dims(shape, strides)[1]
@@ -109,9 +111,12 @@ def from_numpy(np_array, out: Array) -> None:
 
 
 _FILL = L.KernelSpec(_ST, "fill", ("a", "scalar", "i64"))
-_COMPACT = L.KernelSpec(_ST, "compact", ("a", "a", "view"), grid="indexed")
-_EWISE_SETITEM = L.KernelSpec(_ST, "ewise_setitem", ("a", "a", "view"), grid="indexed")
-_SCALAR_SETITEM = L.KernelSpec(_ST, "scalar_setitem", ("scalar", "a", "view"), grid="indexed")
+# view_of: the launcher checks that the view lies inside that buffer (see launch.prepare).
+_COMPACT = L.KernelSpec(_ST, "compact", ("a", "a", "view"), grid="indexed", view_of=0)
+_EWISE_SETITEM = L.KernelSpec(_ST, "ewise_setitem", ("a", "a", "view"), grid="indexed",
+                              view_of=1)
+_SCALAR_SETITEM = L.KernelSpec(_ST, "scalar_setitem", ("scalar", "a", "view"),
+                               grid="indexed", view_of=1)
 
 
 def fill(out: Array, val) -> None:
@@ -120,19 +125,19 @@ def fill(out: Array, val) -> None:
 
 
 def compact(a: Array, out: Array, shape, strides, offset) -> None:
-    count = math.prod(shape)
+    count = math.prod(int(n) for n in shape)
     if count:
         runtime.launch(_COMPACT, out.dtype, count, a, out, (shape, strides, offset))
 
 
 def ewise_setitem(a: Array, out: Array, shape, strides, offset) -> None:
-    count = math.prod(shape)
+    count = math.prod(int(n) for n in shape)
     if count:
         runtime.launch(_EWISE_SETITEM, out.dtype, count, a, out, (shape, strides, offset))
 
 
 def scalar_setitem(size, val, out: Array, shape, strides, offset) -> None:
-    if size:
+    if size or math.prod(int(n) for n in shape):
         runtime.launch(_SCALAR_SETITEM, out.dtype, int(size), val, out,
                        (shape, strides, offset))
 
@@ -210,6 +215,9 @@ def _reduce(op: str):
         rows, dtype = out.size, out.dtype
         if rows == 0:
             return
+        if reduce_size < 0:
+            raise ShapeError(f"reduce_{op}: reduce_size must be >= 0, got {reduce_size}")
+        L.check_extent(f"reduce_{op}", "a", a, rows * reduce_size)
         plan = L.plan_reduce(rows, reduce_size, runtime.num_sms(runtime.device_id()))
         if plan.kind == "small":
             runtime.launch(small, dtype, rows, a, out, rows, reduce_size)
@@ -249,6 +257,7 @@ def get_matmul_impl() -> str:
 
 def matmul(a: Array, b: Array, out: Array, m: int, n: int, p: int) -> None:
     """``out (m×p) = a (m×n) @ b (n×p)``, compact row-major; overwrites ``out``."""
+    _check_matmul("matmul", a, b, out, m, n, p)
     if m == 0 or p == 0:
         return
     if n == 0:
@@ -257,6 +266,14 @@ def matmul(a: Array, b: Array, out: Array, m: int, n: int, p: int) -> None:
         _matmul_cublas(a, b, out, m, n, p)
     else:
         runtime.launch(_MATMUL, out.dtype, (m, p), a, b, out, m, n, p)
+
+
+def _check_matmul(op: str, a: Array, b: Array, out: Array, m: int, n: int, p: int) -> None:
+    if min(m, n, p) < 0:
+        raise ShapeError(f"{op}: dimensions must be >= 0, got m={m}, n={n}, p={p}")
+    L.check_extent(op, "a", a, m * n)
+    L.check_extent(op, "b", b, n * p)
+    L.check_extent(op, "out", out, m * p)
 
 
 def _matmul_cublas(a: Array, b: Array, out: Array, m: int, n: int, p: int) -> None:
@@ -272,6 +289,7 @@ def _matmul_cublas(a: Array, b: Array, out: Array, m: int, n: int, p: int) -> No
 
 def matmul_tiled(a: Array, b: Array, out: Array, m: int, n: int, p: int) -> None:
     """The course's tiled layout with tile ``__tile_size__`` (see cuda_kernels/matmul.cu)."""
+    _check_matmul("matmul_tiled", a, b, out, m, n, p)
     if m and p:
         runtime.launch(_MATMUL_TILED, out.dtype, m * p, a, b, out, m, n, p, __tile_size__)
 

@@ -10,7 +10,12 @@ Example:
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
+
+from .._core.errors import ShapeError
+from .ndarray_limits import check_alloc, check_view
 
 __device_name__ = "numpy"
 __tile_size__ = 1
@@ -33,6 +38,9 @@ class Array:
 
     def __init__(self, size: int, dtype: str = "float32"):
         size = int(size)
+        if size < 0:
+            raise ShapeError(f"Array: size must be >= 0, got {size}")
+        check_alloc("numpy Array", (size,), np.dtype(dtype).itemsize, dtype)
         nbytes = max(size, 1) * np.dtype(dtype).itemsize
         self._block = None
         if _ALLOCATOR is not None:
@@ -71,16 +79,20 @@ class Array:
         return self.array.ctypes.data
 
 
-def _view(a: Array, shape, strides, offset) -> np.ndarray:
+def _view(a: Array, shape, strides, offset, op: str) -> np.ndarray:
+    # np.lib.stride_tricks.as_strided reads wherever it is told: refuse views outside `a`.
+    shape, strides = tuple(int(n) for n in shape), tuple(int(s) for s in strides)
+    check_view(op, shape, strides, int(offset), a.array.size)
+    if not math.prod(shape):
+        return np.empty(shape, dtype=a.array.dtype)
     item = a.array.itemsize
     return np.lib.stride_tricks.as_strided(
-        a.array[offset:], tuple(shape), tuple(s * item for s in strides))
+        a.array[offset:], shape, tuple(s * item for s in strides))
 
 
 def to_numpy(a: Array, shape, strides, offset) -> np.ndarray:
-    if a.array.size == 0 or 0 in tuple(shape):
-        return np.zeros(tuple(shape), dtype=a.array.dtype)
-    return _view(a, shape, strides, offset).copy()
+    view = _view(a, shape, strides, offset, "to_numpy")
+    return view.copy() if view.size else np.zeros(view.shape, dtype=a.array.dtype)
 
 
 def from_numpy(a, out: Array) -> None:
@@ -91,19 +103,30 @@ def fill(out: Array, val) -> None:
     out.array.fill(val)
 
 
+def _need(arr: Array, count: int, op: str, what: str) -> None:
+    if arr.size < count:
+        raise ShapeError(f"{op}: {what} too small, expected at least {count} elements, "
+                         f"got {arr.size}")
+
+
 def compact(a: Array, out: Array, shape, strides, offset) -> None:
-    if out.size:
-        out.array[:] = _view(a, shape, strides, offset).reshape(-1)
+    view = _view(a, shape, strides, offset, "compact")
+    _need(out, view.size, "compact", "out")
+    out.array[:view.size] = view.reshape(-1)
 
 
 def ewise_setitem(a: Array, out: Array, shape, strides, offset) -> None:
-    if a.size:
-        _view(out, shape, strides, offset)[...] = a.array[: int(np.prod(shape))].reshape(shape)
+    view = _view(out, shape, strides, offset, "ewise_setitem")
+    _need(a, view.size, "ewise_setitem", "a")
+    view[...] = a.array[:view.size].reshape(view.shape)
 
 
 def scalar_setitem(size, val, out: Array, shape, strides, offset) -> None:
-    if size:
-        _view(out, shape, strides, offset)[...] = val
+    view = _view(out, shape, strides, offset, "scalar_setitem")
+    if int(size) != view.size:
+        raise ShapeError(f"scalar_setitem: size differs from the view, expected {view.size}, "
+                         f"got {size}")
+    view[...] = val
 
 
 def _cast(val, out: Array):
@@ -172,18 +195,36 @@ def ewise_cast(a: Array, out: Array) -> None:
     out.array[:] = a.array.astype(out.array.dtype)
 
 
+def _need_matmul(op: str, a: Array, b: Array, out: Array, m: int, n: int, p: int) -> None:
+    if min(m, n, p) < 0:
+        raise ShapeError(f"{op}: dimensions must be >= 0, got m={m}, n={n}, p={p}")
+    _need(out, m * p, op, "out")  # (NumPy would broadcast one value into an empty out)
+
+
 def matmul(a: Array, b: Array, out: Array, m: int, n: int, p: int) -> None:
-    out.array[:] = (a.array[: m * n].reshape(m, n) @ b.array[: n * p].reshape(n, p)).reshape(-1)
+    _need_matmul("matmul", a, b, out, m, n, p)
+    _need(a, m * n, "matmul", "a")
+    _need(b, n * p, "matmul", "b")
+    out.array[: m * p] = (a.array[: m * n].reshape(m, n)
+                          @ b.array[: n * p].reshape(n, p)).reshape(-1)
 
 
 def matmul_strided(a: Array, b: Array, out: Array, m: int, n: int, p: int,
                    a_offset: int, ars: int, acs: int, b_offset: int, brs: int, bcs: int) -> None:
+    if min(ars, acs, brs, bcs) < 0:
+        raise ShapeError(f"matmul_strided: strides must be >= 0, got a ({ars}, {acs}), "
+                         f"b ({brs}, {bcs})")
+    _need_matmul("matmul_strided", a, b, out, m, n, p)
     if m and p:
-        out.array[:] = (_view(a, (m, n), (ars, acs), a_offset)
-                        @ _view(b, (n, p), (brs, bcs), b_offset)).reshape(-1)
+        left = _view(a, (m, n), (ars, acs), a_offset, "matmul_strided")
+        right = _view(b, (n, p), (brs, bcs), b_offset, "matmul_strided")
+        out.array[: m * p] = (left @ right).reshape(-1)
 
 
 def _blocks(a: Array, out: Array, reduce_size: int) -> np.ndarray:
+    if reduce_size < 0:
+        raise ShapeError(f"reduce: reduce_size must be >= 0, got {reduce_size}")
+    _need(a, out.size * reduce_size, "reduce", "a")
     # reshape(out.size, k), not (-1, k): the latter cannot infer -1 when k == 0
     return a.array[: out.size * reduce_size].reshape(out.size, reduce_size)
 

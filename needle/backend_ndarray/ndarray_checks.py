@@ -13,7 +13,8 @@ import math
 
 import numpy as np
 
-from .._core.errors import AxisError, DeviceError, DTypeError, ShapeError
+from .._core.errors import AxisError, DeviceError, DTypeError, IndexOutOfRange, ShapeError
+from .ndarray_limits import check_dim_sizes
 
 
 def is_scalar(x) -> bool:
@@ -59,6 +60,40 @@ def check_pair(op: str, a, b) -> None:
                          f"(convert one with .astype)")
 
 
+def index_view(shape: tuple, strides: tuple, offset: int, idxs, op: str) -> tuple:
+    """``(shape, strides, offset)`` of the view that ints and slices ``idxs`` pick.
+
+    An int index keeps its dimension with size 1 (course semantics).
+    """
+    ndim = len(shape)
+    if not isinstance(idxs, tuple):
+        idxs = (idxs,)
+    if len(idxs) > ndim:
+        raise IndexOutOfRange(f"{op}: too many indices, expected at most {ndim}, "
+                              f"got {len(idxs)}")
+    idxs = idxs + (slice(None),) * (ndim - len(idxs))
+    out_shape, out_strides = [], []
+    for dim, idx in enumerate(idxs):
+        n = shape[dim]
+        if isinstance(idx, slice):
+            if idx.step == 0:
+                raise IndexOutOfRange(f"{op}: slice step must be nonzero, got 0 on axis {dim}")
+            start, stop, step = idx.indices(n)
+            length = len(range(start, stop, step))
+        elif isinstance(idx, (int, np.integer)):
+            if not -n <= idx < n:
+                raise IndexOutOfRange(f"{op}: index out of range on axis {dim}, "
+                                      f"expected [{-n}, {n}), got {idx}")
+            start, step, length = int(idx) % n, 1, 1
+        else:
+            raise IndexOutOfRange(f"{op}: unsupported index, expected int or slice, "
+                                  f"got {type(idx).__name__}")
+        offset += start * strides[dim] if length else 0
+        out_shape.append(length)
+        out_strides.append(strides[dim] * step)
+    return tuple(out_shape), tuple(out_strides), offset
+
+
 def resolve_reshape(shape: tuple, new_shape) -> tuple:
     if isinstance(new_shape, (int, np.integer)):
         new_shape = (new_shape,)
@@ -76,4 +111,6 @@ def resolve_reshape(shape: tuple, new_shape) -> tuple:
     if math.prod(new_shape) != size:
         raise ShapeError(f"reshape: size differs, expected {size} elements ({shape}), "
                          f"got {math.prod(new_shape)} ({new_shape})")
+    if not size:  # only an empty shape can hide a dimension past the limit
+        check_dim_sizes("reshape", new_shape)
     return new_shape

@@ -89,7 +89,7 @@ def _write_cifar(folder, names, rng):
     truth = {}
     for name in names:
         data = rng.integers(0, 256, size=(7, 3072), dtype=np.uint8)
-        labels = list(rng.integers(0, 10, size=7))
+        labels = [int(v) for v in rng.integers(0, 10, size=7)]  # Python ints, as the real files
         with open(folder / name, "wb") as f:
             pickle.dump({b"data": data, b"labels": labels}, f)
         truth[name] = (data, labels)

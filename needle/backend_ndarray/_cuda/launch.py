@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..._core.errors import DTypeError, ShapeError
+from ..._core.errors import DTypeError, ShapeError, SizeLimitError
+from ..ndarray_limits import MAX_BUFFER_BYTES, check_view
 
 THREADS_PER_BLOCK = 256
 MAX_DIMS = 8
@@ -52,13 +53,16 @@ class KernelSpec:
     Parameter kinds: ``"a"`` array of the kernel dtype, ``"acc"`` array of its compute dtype,
     ``"src"`` array of any dtype (the name gains the source suffix: casts), ``"scalar"``
     (cast to the kernel dtype), ``"i64"`` (int64), ``"view"`` (a ``(shape, strides, offset)``
-    triple packed as a StridedView).
+    triple packed as a StridedView). ``view_of`` is the position of the array the view
+    addresses: :func:`prepare` checks that the view lies inside it and that the other arrays
+    hold the view's element count.
     """
 
     source: str
     base: str
     params: tuple
     grid: str = "elementwise"
+    view_of: int | None = None
 
 
 def kernel_name(base: str, dtype: str, src_dtype: str | None = None) -> str:
@@ -186,6 +190,8 @@ def prepare(spec: KernelSpec, dtype: str, work, args, src_dtype: str | None = No
     """
     if len(args) != len(spec.params):
         raise TypeError(f"{spec.base}: expected {len(spec.params)} arguments, got {len(args)}")
+    if spec.view_of is not None:
+        _check_view_args(spec, args, work)
     name = kernel_name(spec.base, dtype, src_dtype)
     kernel_args = []
     for kind, arg in zip(spec.params, args, strict=True):
@@ -201,6 +207,45 @@ def prepare(spec: KernelSpec, dtype: str, work, args, src_dtype: str | None = No
             raise ValueError(f"{spec.base}: unknown parameter kind {kind!r}")
     grid, block = launch_config(spec.grid, work, dtype)
     return name, grid, block, tuple(kernel_args)
+
+
+def check_buffer_bytes(op: str, size: int, itemsize: int) -> int:
+    """``size`` elements of ``itemsize`` bytes as a byte count within the buffer limit.
+
+    Raises:
+        ShapeError: a negative size. SizeLimitError: more than 2**62 bytes.
+    """
+    size = int(size)
+    if size < 0:
+        raise ShapeError(f"{op}: size must be >= 0, got {size}")
+    if size * itemsize > MAX_BUFFER_BYTES:
+        raise SizeLimitError(f"{op}: buffer too large, expected at most {MAX_BUFFER_BYTES} "
+                             f"bytes (2**62), got {size} elements = {size * itemsize} bytes")
+    return size * itemsize
+
+
+def check_extent(op: str, what: str, arg, need: int) -> None:
+    """Raise :class:`ShapeError` unless buffer ``arg`` holds at least ``need`` elements."""
+    if arg.size < need:
+        raise ShapeError(f"{op}: {what} too small, expected at least {need} elements, "
+                         f"got {arg.size}")
+
+
+def _check_view_args(spec: KernelSpec, args, work) -> None:
+    # The view must address only elements of its own buffer, the compact side must hold as
+    # many elements as the view, and the launch must cover exactly those elements.
+    shape, strides, offset = args[spec.params.index("view")]
+    shape, strides = tuple(int(n) for n in shape), tuple(int(s) for s in strides)
+    if len(shape) != len(strides) or any(n < 0 for n in shape):
+        raise ShapeError(f"{spec.base}: bad view, expected equal-length shape and strides "
+                         f"with dims >= 0, got {shape} and {strides}")
+    count = check_view(spec.base, shape, strides, int(offset), args[spec.view_of].size)
+    if count != work:
+        raise ShapeError(f"{spec.base}: launch size differs from the view, expected {count}, "
+                         f"got {work}")
+    for i, kind in enumerate(spec.params):
+        if kind == "a" and i != spec.view_of:
+            check_extent(spec.base, "compact buffer", args[i], count)
 
 
 def _pointer_arg(spec: KernelSpec, kind: str, arg, dtype: str, work) -> np.uint64:

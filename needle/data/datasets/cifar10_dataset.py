@@ -8,25 +8,17 @@ Example (needs the files, hence skipped by doctest):
 from __future__ import annotations
 
 import os
-import pickle
 
 import numpy as np
 
 from ..._core.errors import NeedleError
 from ..data_basic import Dataset
+from .safe_pickle import load_cifar_batch
 
 __all__ = ["CIFAR10Dataset"]
 
 _TRAIN_FILES = [f"data_batch_{k}" for k in range(1, 6)]
 _TEST_FILES = ["test_batch"]
-
-
-def _load_batch(path: str) -> tuple[np.ndarray, np.ndarray]:
-    with open(path, "rb") as f:
-        batch = pickle.load(f, encoding="bytes")
-    data = np.asarray(batch[b"data"], dtype=np.uint8)
-    labels = np.asarray(batch[b"labels"], dtype=np.uint8)
-    return data, labels
 
 
 class CIFAR10Dataset(Dataset):
@@ -40,6 +32,7 @@ class CIFAR10Dataset(Dataset):
 
     Raises:
         NeedleError: when a pickle is missing.
+        DataError: when a file is not a plain CIFAR-10 batch (it is never executed).
     """
 
     def __init__(self, base_folder: str, train: bool, p: float = 0.5, transforms=None):
@@ -51,7 +44,8 @@ class CIFAR10Dataset(Dataset):
             raise NeedleError(
                 f"CIFAR10Dataset: missing pickle files in {base_folder!r}, expected {names}, "
                 f"got none for {missing}")
-        parts = [_load_batch(os.path.join(base_folder, n)) for n in names]
+        # Never pickle.load: a crafted batch would run code (safe_pickle.py).
+        parts = [load_cifar_batch(os.path.join(base_folder, n)) for n in names]
         data = np.concatenate([d for d, _ in parts])
         self.X = data.reshape(-1, 3, 32, 32).astype(np.float32) / np.float32(255.0)
         self.y = np.concatenate([lab for _, lab in parts])
