@@ -14,13 +14,15 @@ from ._ddp_checks import (
     check_no_sync_accumulation,
     check_overlap_order,
     check_unequal_batches,
+    check_unused_across_steps,
     make_model,
 )
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 @pytest.mark.parametrize("check", [check_equal_batches, check_unequal_batches,
-                                   check_no_sync_accumulation, check_overlap_order])
+                                   check_no_sync_accumulation, check_overlap_order,
+                                   check_unused_across_steps])
 def test_ddp_gradients_equal_single_process_union(check, world: int) -> None:
     dist.spawn_threads(check, world, world)
 
