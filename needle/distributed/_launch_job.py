@@ -125,30 +125,31 @@ class Job:
         for rank in self.ranks:
             if rank in self.outcomes:
                 continue
-            outcome = self._records(rank)
-            if outcome is None:
-                ended = self._ended(rank)
-                if ended is not None:
-                    # Records are written before the process ends: read them once more.
-                    outcome = self._records(rank) or Outcome(
-                        rank, "vanished", ended or 1, time.time(),
-                        f"its supervisor ended with {ended}" if ended else
-                        "its supervisor was killed")
+            outcome = self._records(rank) or self._silent_end(rank)
             if outcome is not None:
                 self.outcomes[rank] = outcome
 
-    def _ended(self, rank: int) -> int | None:
-        """None while the rank's supervisor runs; its exit status (0 if unknown) after."""
+    def _silent_end(self, rank: int) -> Outcome | None:
+        """The outcome of a rank whose process ended without records, else None."""
         proc = self.by_rank.get(rank)
-        if proc is not None:
-            return proc.poll()
         pid = self.pid_of(rank)
-        if pid is not None:
-            return None if alive(pid) else 0
-        mpiexec = self.procs[0] if self.procs else None
-        if mpiexec is not None and mpiexec.poll() is not None:
-            return mpiexec.returncode or 0  # never started, and mpiexec is over
-        return None
+        if proc is not None:
+            code = proc.poll()
+            if code is None:
+                return None
+            detail = f"its supervisor ended with {code}"
+        elif pid is not None:
+            if alive(pid):
+                return None
+            code, detail = 1, "its supervisor was killed"
+        else:
+            mpiexec = self.procs[0] if self.procs else None
+            if mpiexec is None or mpiexec.poll() is None:
+                return None
+            return Outcome(rank, "unstarted", mpiexec.returncode or 1, time.time(),
+                           f"mpiexec exited with code {mpiexec.returncode}")
+        # Records are written before the process ends: read them once more.
+        return self._records(rank) or Outcome(rank, "vanished", code or 1, time.time(), detail)
 
     def processes_done(self) -> bool:
         return all(p.poll() is not None for p in self.procs)

@@ -31,12 +31,13 @@ from dataclasses import dataclass
 
 from ._errors import PEER_REASONS
 
-OWN = ("exception", "exit", "signal", "vanished")  # failures of the rank itself
+OWN = ("exception", "exit", "signal", "vanished", "unstarted")  # failures of the rank itself
 
 
 @dataclass
 class Outcome:
-    """How one rank ended. ``kind``: ok | exit | exception | signal | vanished | peer | stopped.
+    """How one rank ended. ``kind``: ok | exit | exception | signal | vanished | unstarted |
+    peer | stopped.
     ``code``: the exit status to propagate; ``at``: wall time of the end (or of its notice)."""
 
     rank: int
@@ -97,6 +98,8 @@ def describe(o: Outcome) -> str:
     if o.kind == "vanished":
         return ("ended without reporting an exit status (os._exit(), a crash, or its process "
                 f"was killed; {o.detail})")
+    if o.kind == "unstarted":
+        return f"never started ({o.detail})"
     if o.kind == "peer":
         phrase = PEER_REASONS.get(o.reason or "", "failed")
         return f"failed because peer rank {o.peer} {phrase}: {o.detail}"
@@ -122,7 +125,7 @@ def verdict(outcomes: dict[int, Outcome]) -> tuple[int, list[str]]:
     for o in sorted(outcomes.values(), key=lambda o: o.rank):
         if o is first or o.kind == "ok":
             continue
-        if o.kind == "vanished" and o.at >= first.at and first.kind != "vanished":
+        if o.kind == "vanished" and o.at >= first.at:
             lines.append(f"launch: rank {o.rank} ended without reporting after rank "
                          f"{first.rank} failed (mpiexec stops the other ranks)")
         elif o.kind == "peer" or o.kind == "stopped":

@@ -251,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
                      "with --nnodes/--node-rank")
     if opts.secret_file:
         os.environ[SECRET_ENV] = Path(opts.secret_file).read_text().strip()
+    if opts.backend == "tcp" and opts.nnodes > 1 and not os.environ.get(SECRET_ENV):
+        parser.error(f"--nnodes > 1 needs the job secret, expected {SECRET_ENV} (the same on "
+                     "every node) or --secret-file, got neither")
     try:
         nodes = Nodes(opts.nproc, opts.nnodes, opts.node_rank, opts.master_addr,
                       opts.master_port, opts.local_addr, opts.hostfile)

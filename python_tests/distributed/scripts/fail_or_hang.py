@@ -4,9 +4,11 @@
     raise  rank 1 raises ValueError while rank 0 waits for it in an all_reduce
     absent the last rank never calls the all_reduce the others wait in (timeout 5 s)
     hang   every rank sleeps (the job timeout or a signal must stop them)
+    stubborn  like hang, but rank 1 ignores SIGINT and SIGTERM (only SIGKILL stops it)
 """
 from __future__ import annotations
 
+import signal
 import sys
 import time
 
@@ -17,6 +19,9 @@ import needle.distributed as dist
 mode = sys.argv[1]
 dist.init_process_group(timeout=120)
 rank, world = dist.get_rank(), dist.get_world_size()
+if mode == "stubborn" and rank == 1:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 print(f"started rank {rank}", flush=True)
 if mode == "fail" and rank == 1:
     sys.exit(3)
