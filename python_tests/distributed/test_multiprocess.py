@@ -1,6 +1,7 @@
 """Real processes through the launcher (mpi via mpiexec, tcp via pyzmq), always with timeouts."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -98,6 +99,26 @@ def test_timeout_names_the_rank_that_never_arrived(backend: str) -> None:
     assert "launch: rank 2 was stopped by the launcher" in out.stderr
     assert "rank 1 timed out after 5 s waiting for rank 0" in out.stderr  # ring neighbour...
     assert "rank 2 never arrived" in out.stderr  # ... and the culprit
+
+
+@pytest.mark.parametrize("backend", ["mpi", "tcp"])
+def test_distributed_sampler_shards_the_data_across_ranks(backend: str) -> None:
+    """Under the launcher the sampler finds its rank and world size by itself; the ranks'
+    shards of each epoch are disjoint apart from the one padding index, cover all 13
+    examples, and differ between epochs."""
+    out = launch(2, backend, "sampler_shards.py")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    shards = {}
+    for line in out.stdout.splitlines():
+        if "SHARDS " in line:
+            report = json.loads(line.split("SHARDS ", 1)[1])
+            shards[report["rank"]] = report
+    assert sorted(shards) == [0, 1] and shards[0]["world"] == 2
+    for epoch in range(2):
+        a, b = shards[0]["epochs"][epoch], shards[1]["epochs"][epoch]
+        assert len(a) == len(b) == 7 and sorted(set(a) | set(b)) == list(range(13))
+        assert len(set(a) & set(b)) <= 1  # 13 examples padded to 14: one index twice
+    assert shards[0]["epochs"][0] != shards[0]["epochs"][1]
 
 
 def test_launcher_timeout_stops_hung_job() -> None:
