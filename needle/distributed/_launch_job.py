@@ -93,8 +93,9 @@ class Job:
               rank_env: dict[int, dict]) -> None:
         kw = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         supervisor = [sys.executable, "-u", SUPERVISOR, *cmd_tail]
-        if mpiexec is not None:
-            self._add(subprocess.Popen([*mpiexec, *supervisor], env=env, **kw), "")
+        if mpiexec is not None:  # through --exec: mpiexec is terminated if we die
+            cmd = [sys.executable, SUPERVISOR, "--exec", *mpiexec, *supervisor]
+            self._add(subprocess.Popen(cmd, env=env, **kw), "")
             return
         for rank in self.ranks:
             proc = subprocess.Popen(supervisor, env={**env, **rank_env[rank]}, **kw)

@@ -9,9 +9,11 @@ writes, to ``$NEEDLE_LAUNCH_STATUS_DIR``, ``rank<k>.pid`` when it starts and ``r
 (exit code, or the signal that killed the child, and the time) the moment the child ends.
 
 It also gives every rank the torchrun-style environment (RANK, LOCAL_RANK, WORLD_SIZE,
-LOCAL_WORLD_SIZE) under either backend, forwards the signals it receives to the child, and
-makes the kernel kill the child if the supervisor itself is killed (PR_SET_PDEATHSIG), so a
-SIGKILL from mpiexec or the launcher never leaves an orphaned rank behind.
+LOCAL_WORLD_SIZE) under either backend and forwards the signals it receives to the child. No
+rank outlives its job: the kernel kills the child if the supervisor is killed, and terminates
+the supervisor (which then stops the child, SIGKILL after a grace) if the supervisor's parent,
+the launcher or mpiexec's proxy, dies (PR_SET_PDEATHSIG). ``--exec`` starts mpiexec the same
+way, so even a SIGKILL of the launcher leaves nothing running.
 
 It imports nothing heavy: it must start fast and must not touch MPI (the child does; it
 inherits the PMI connection that mpiexec opened for this process).
@@ -29,6 +31,7 @@ import time
 STATUS_DIR_ENV = "NEEDLE_LAUNCH_STATUS_DIR"
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 _PR_SET_PDEATHSIG = 1
+_ORPHAN_GRACE = 5.0  # seconds an orphaned rank gets between SIGTERM and SIGKILL
 
 
 def rank_environment(env: dict) -> dict[str, str]:
@@ -70,27 +73,57 @@ def write_record(status_dir: str | None, name: str, record: dict) -> None:
         pass
 
 
-def _die_with_parent() -> None:
-    """In the child between fork and exec: be killed when the supervisor dies."""
+def die_with_parent(sig: int) -> bool:
+    """Ask the kernel to send ``sig`` when our parent dies (Linux; kept across exec). False
+    when the parent is already gone."""
+    parent = os.getppid()
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        libc.prctl(_PR_SET_PDEATHSIG, sig)
     except (OSError, AttributeError):  # not Linux: the launcher's process-group kill remains
         pass
+    return os.getppid() == parent and parent != 1
+
+
+def _wait(child: subprocess.Popen, parent: int) -> int:
+    """Wait for the child; once our own parent is gone (launcher or mpiexec killed), give the
+    child the grace a stopping launcher would give, then SIGKILL it."""
+    orphaned = None
+    while True:
+        try:
+            return child.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            if os.getppid() == parent:
+                continue
+            orphaned = orphaned or time.monotonic()
+            if time.monotonic() - orphaned > _ORPHAN_GRACE:
+                child.kill()
+
+
+def exec_with_parent_death(argv: list[str]) -> None:
+    """``_run_rank.py --exec prog args``: become ``prog``, terminated with our parent (the
+    launcher starts mpiexec this way, so that mpiexec never outlives it)."""
+    if die_with_parent(signal.SIGTERM):
+        os.execv(argv[0], argv)
+    sys.exit(1)
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["--exec"]:
+        exec_with_parent_death(sys.argv[2:])
+    parent = os.getppid()
+    if not die_with_parent(signal.SIGTERM):  # forwarded to the child, like any SIGTERM
+        return 1
     env = dict(os.environ)
     env.update(rank_environment(env))
     rank = int(env["RANK"])
     status_dir = env.get(STATUS_DIR_ENV)
     write_record(status_dir, f"rank{rank}.pid", {"pid": os.getpid(), "time": time.time()})
     cmd = [sys.executable, "-u", "-m", "needle.distributed._rank_main", *sys.argv[1:]]
-    parent = os.getpid()
+    me = os.getpid()
 
-    def setup() -> None:
-        _die_with_parent()
-        if os.getppid() != parent:  # the supervisor died before prctl took effect
+    def setup() -> None:  # in the child, between fork and exec: die with the supervisor
+        if not die_with_parent(signal.SIGKILL) or os.getppid() != me:
             os._exit(1)
 
     # pass_fds: the PMI socket that mpiexec opened for this rank (PMI_FD) must reach the child.
@@ -98,7 +131,7 @@ def main() -> int:
     child = subprocess.Popen(cmd, env=env, preexec_fn=setup, pass_fds=fds)
     for sig in _FORWARDED:
         signal.signal(sig, lambda s, _f: child.send_signal(s))
-    code = child.wait()
+    code = _wait(child, parent)
     ended = time.time()
     record = {"code": code, "time": ended} if code >= 0 else \
         {"signal": -code, "code": 128 - code, "time": ended}

@@ -59,12 +59,6 @@ def local_address(master_ip: str) -> str:
         probe.close()
 
 
-def event_names(mask: int) -> list[str]:
-    zmq = _zmq()
-    return [name for name in ("HANDSHAKE_SUCCEEDED", "DISCONNECTED", *_HANDSHAKE_FAILURES)
-            if mask & getattr(zmq, "EVENT_" + name)]
-
-
 def monitored_events() -> int:
     zmq = _zmq()
     mask = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED

@@ -88,6 +88,7 @@ class ZmqSendRequest(Request):
 
 class TcpTransport(MailboxTransportMixin):
     backend = "tcp"
+    DISCONNECT_GRACE = 1.0  # seconds between a closed connection and "the peer is gone"
 
     def __init__(self, rank: int, size: int, master_addr: str, master_port: int, timeout: float,
                  security: Security | None = None):
@@ -101,6 +102,7 @@ class TcpTransport(MailboxTransportMixin):
         self.push: dict[int, Any] = {}
         self._monitors: dict[Any, int] = {}
         self._connected: set[int] = set()
+        self._suspects: dict[int, float] = {}  # peer -> when its connection closed
         self._closing = False
         self._thread: threading.Thread | None = None
         self.zap = None
@@ -161,6 +163,7 @@ class TcpTransport(MailboxTransportMixin):
                 for monitor, peer in self._monitors.items():
                     if monitor in events:
                         self._on_event(monitor, peer)
+                self._judge_suspects()
             except zmq.ContextTerminated:
                 return
             except Exception as exc:  # noqa: BLE001 - the receiver must outlive any bad input
@@ -210,8 +213,17 @@ class TcpTransport(MailboxTransportMixin):
                 f"rank {peer} refused this rank's connection ({handshake_failure(event)}): "
                 "its job secret differs, or the address belongs to another job"), "refused")
         elif event == zmq.EVENT_DISCONNECTED and peer in self._connected and not self._closing:
-            self.mailbox.mark_gone(peer, f"rank {peer} is gone: its connection closed without "
-                                         "a goodbye (killed or crashed)")
+            # The connection *to* the peer closed; what the peer sent before dying travels on
+            # its own connection to us and may still be on its way: judge a moment later.
+            self._suspects.setdefault(peer, time.monotonic())
+
+    def _judge_suspects(self) -> None:
+        now = time.monotonic()
+        for peer, since in list(self._suspects.items()):
+            if now - since > self.DISCONNECT_GRACE:
+                del self._suspects[peer]
+                self.mailbox.mark_gone(peer, f"rank {peer} is gone: its connection closed "
+                                             "without a goodbye (killed or crashed)")
 
     # ----- sending ----------------------------------------------------------------------
     def raise_if_gone(self, peer: int) -> None:

@@ -101,6 +101,24 @@ def test_signal_stops_every_process_of_the_job(tmp_path: Path, backend: str, sig
     assert not list(tmp_path.glob("needle-launch-*"))
 
 
+@pytest.mark.parametrize("mode", ["hang", "stubborn"])
+@pytest.mark.parametrize("backend", ["mpi", "tcp"])
+def test_killed_launcher_leaves_no_process_behind(tmp_path: Path, backend: str,
+                                                  mode: str) -> None:
+    """Even SIGKILL of the launcher (no handler can run) ends the job: supervisors and
+    mpiexec are terminated by the kernel when their parent dies, and stop their ranks."""
+    env = _env(tmp_path)
+    proc, out = _start_launcher(env, "-n", "2", "--backend", backend,
+                                str(SCRIPTS / "fail_or_hang.py"), mode)
+    out.wait_for("[rank 0] started rank 0", "[rank 1] started rank 1")
+    proc.kill()
+    proc.communicate(timeout=30)
+    end = time.monotonic() + 30  # SIGTERM, then SIGKILL after the 5 s grace
+    while (left := _processes_with(env["NEEDLE_TEST_JOB_TOKEN"])) and time.monotonic() < end:
+        time.sleep(0.2)
+    assert not left, left
+
+
 def test_relaunching_script_is_stopped_whole_by_a_signal(tmp_path: Path) -> None:
     """A training script that relaunches itself (``--nproc``) owns its ranks the same way."""
     script = tmp_path / "relaunching.py"
