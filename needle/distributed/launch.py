@@ -146,26 +146,28 @@ def _watch(job: Job, signals: _Signals, deadline: float | None) -> str:
 
 
 def _finish(job: Job, state: str, signals: _Signals, timeout: float | None) -> int:
+    """Stop what still runs, then print the verdict (after the ranks' last output)."""
+    running = job.running()
     if state == "interrupted":
         sig = signals.received[0]
-        running = job.running()
         job.stop(sig, STOP_GRACE)
-        print(f"launch: interrupted by {signal.Signals(sig).name}; stopped ranks {running}",
-              file=sys.stderr)
-        return 128 + sig
-    if state == "timeout":
-        running = job.running()
+        code = 128 + sig
+        lines = [f"launch: interrupted by {signal.Signals(sig).name}; stopped ranks {running}"]
+    elif state == "timeout":
         job.stop(signal.SIGTERM, STOP_GRACE)
-        print(f"launch: timed out after {timeout:g} s; ranks {running} were still running and "
-              "have been stopped", file=sys.stderr)
-        return 124
-    if state == "failed":
-        job.stop(signal.SIGTERM, STOP_GRACE)
-    code, lines = verdict(job.outcomes)
-    if not code and job.backend == "mpi" and job.procs and job.procs[0].returncode:
-        code = job.procs[0].returncode
-        lines = [f"launch: mpiexec exited with code {code} although every rank reported "
-                 "success"]
+        code = 124
+        lines = [f"launch: timed out after {timeout:g} s; ranks {running} were still running "
+                 "and have been stopped"]
+    else:
+        if state == "failed":
+            job.stop(signal.SIGTERM, STOP_GRACE)
+        code, lines = verdict(job.outcomes)
+        mpiexec_code = job.procs[0].returncode if job.backend == "mpi" and job.procs else 0
+        if not code and mpiexec_code:
+            code = mpiexec_code
+            lines = [f"launch: mpiexec exited with code {code} although every rank reported "
+                     "success"]
+    job.join_pumps()
     for line in lines:
         print(line, file=sys.stderr)
     return code
