@@ -1,4 +1,4 @@
-"""Layer L5 data pipeline: datasets, the DataLoader and image transforms (NEEDLE_API §9).
+"""Layer L5 data pipeline: datasets, the DataLoader, samplers and image transforms.
 
 Example:
     >>> import numpy as np
@@ -9,3 +9,4 @@ Example:
 from .data_basic import *  # noqa: F401,F403
 from .data_transforms import *  # noqa: F401,F403
 from .datasets import *  # noqa: F401,F403
+from .samplers import *  # noqa: F401,F403

@@ -1,9 +1,11 @@
-"""Dataset and DataLoader (NEEDLE_API §9).
+"""Dataset and DataLoader, as the course's framework defines them.
 
 The DataLoader draws exactly one ``np.random.permutation(len(dataset))`` per pass, when the
-pass starts (``iter()``), and nothing else: the course's goldens depend on that. Its
-``state_dict()`` records the current pass's order and position so that a run can stop
-mid-epoch and resume with the very same remaining batches.
+pass starts (``iter()``), and nothing else: the course's goldens depend on that. With a
+``sampler`` (e.g. :class:`~needle.data.DistributedSampler`) the pass visits the sampler's
+indices instead and draws nothing from ``np.random``. Its ``state_dict()`` records the current
+pass's order and position so that a run can stop mid-epoch and resume with the very same
+remaining batches.
 
 Example:
     >>> import numpy as np
@@ -61,32 +63,48 @@ class DataLoader:
             fetched item by item and stacked).
         batch_size: examples per batch; the last batch may be shorter unless ``drop_last``.
         shuffle: draw a new random order (one ``np.random.permutation``) at each pass.
+        sampler: instead of ``shuffle``, an iterable of dataset indices with ``len()``, read
+            anew at each pass (e.g. a DistributedSampler: call its ``set_epoch`` per epoch).
         drop_last: skip a final short batch.
         device, dtype: where the batch Tensors are created (default: the default device and
             the course's dtype coercion).
 
     Raises:
-        NeedleError: for a batch size below 1.
+        NeedleError: for a batch size below 1, or ``shuffle=True`` together with a sampler.
     """
 
     def __init__(self, dataset: Dataset, batch_size: int = 1, shuffle: bool = False, *,
-                 drop_last: bool = False, device=None, dtype=None):
+                 sampler=None, drop_last: bool = False, device=None, dtype=None):
         if int(batch_size) < 1:
             raise NeedleError(
                 f"DataLoader: batch_size must be positive, expected >= 1, got {batch_size}")
+        if sampler is not None and shuffle:
+            raise NeedleError("DataLoader: shuffle and sampler exclude each other, expected "
+                              "shuffle=False with a sampler (the sampler decides the order), "
+                              "got shuffle=True")
         self.dataset = dataset
         self.batch_size = int(batch_size)
         self.shuffle = shuffle
+        self.sampler = sampler
         self.drop_last = drop_last
         self.device = device
         self.dtype = dtype
-        self.ordering: list[np.ndarray] = _split_batches(np.arange(len(dataset)), self.batch_size)
+        self.ordering: list[np.ndarray] = _split_batches(self._pass_order(), self.batch_size)
         self._batch_index = 0
         self._started = False
         self._resume_pending = False
 
+    def _num_indices(self) -> int:
+        return len(self.sampler) if self.sampler is not None else len(self.dataset)
+
+    def _pass_order(self) -> np.ndarray:
+        """Index order of a new pass (the one permutation is drawn by ``__iter__`` itself)."""
+        if self.sampler is not None:
+            return np.asarray(list(self.sampler), dtype=np.int64)
+        return np.arange(len(self.dataset))
+
     def __len__(self) -> int:
-        n = len(self.dataset)
+        n = self._num_indices()
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
     def __iter__(self) -> Iterator[tuple]:
@@ -94,8 +112,10 @@ class DataLoader:
             # Continue the pass recorded by load_state_dict: no new permutation is drawn.
             self._resume_pending = False
             return self
-        n = len(self.dataset)
-        order = _random.permutation(n) if self.shuffle else np.arange(n)
+        if self.shuffle:
+            order = _random.permutation(len(self.dataset))
+        else:
+            order = self._pass_order()
         self.ordering = _split_batches(order, self.batch_size)
         self._batch_index = 0
         self._started = True
@@ -145,10 +165,10 @@ class DataLoader:
             ShapeError: when the saved order does not cover this dataset.
         """
         order = np.asarray(state["order"], dtype=np.int64)
-        if order.shape != (len(self.dataset),):
+        if order.shape != (self._num_indices(),):
             raise ShapeError(
-                f"DataLoader.load_state_dict: order must cover the dataset, expected "
-                f"shape ({len(self.dataset)},), got {order.shape}")
+                f"DataLoader.load_state_dict: order must cover the dataset (or the sampler), "
+                f"expected shape ({self._num_indices()},), got {order.shape}")
         self.batch_size = int(state.get("batch_size", self.batch_size))
         self.ordering = _split_batches(order, self.batch_size)
         self._batch_index = int(state["batch_index"])

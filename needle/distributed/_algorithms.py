@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import CommError
+from ._blame import CALL_CHECK, blame_left_behind, blame_on_timeout
+from ._errors import CommError, PeerError, rewrap
 
 REDUCE = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum}
 _TAG_SIGNATURE, _TAG_RING, _TAG_TREE, _TAG_LINEAR, _TAG_BARRIER = 1, 2, 3, 4, 5
@@ -22,10 +23,12 @@ _SIGNATURE_BYTES = 192
 
 
 class Op:
-    """What one collective call needs: its channel, name (for errors), deadline, group."""
+    """What one collective call needs: its channel, name (for errors), timeout, group."""
 
-    def __init__(self, group: Any, name: str, deadline: float):
-        self.group, self.name, self.deadline = group, name, deadline
+    def __init__(self, group: Any, name: str, timeout: float | None = None):
+        self.group, self.name = group, name
+        self.timeout = group.timeout if timeout is None else float(timeout)
+        self.deadline = group.deadline(self.timeout)
         self.channel = group.coll
         self.rank, self.size = self.channel.rank, self.channel.size
         self.pending: list = []
@@ -35,16 +38,23 @@ class Op:
             done = req.wait(self.deadline)
         except CommError as exc:
             self.cancel_all()
-            raise CommError(
-                f"{self.name}: rank {self.rank} failed {what} with "
-                f"{self.group.describe(peer)}: {exc}"
-            ) from None
+            message = f"{self.name}: rank {self.rank} failed {what} with " \
+                      f"{self.group.describe(peer)}: {exc}"
+            culprit = blame_left_behind(self, peer) if isinstance(exc, PeerError) else None
+            if culprit is None:
+                raise rewrap(exc, message) from None
+            raise PeerError(f"{message}; it had timed out waiting for "
+                            f"{self.group.describe(culprit)}, which never arrived",
+                            self.channel.global_rank(culprit), "timeout") from None
         if not done:
             self.cancel_all()
-            raise CommError(
-                f"{self.name}: rank {self.rank} timed out after {self.group.timeout:g} s "
-                f"waiting for {self.group.describe(peer)} ({what})"
-            )
+            message = (f"{self.name}: rank {self.rank} timed out after {self.timeout:g} s "
+                       f"waiting for {self.group.describe(peer)} ({what})")
+            culprit = blame_on_timeout(self, peer, certain=what == CALL_CHECK)
+            if culprit != peer:
+                message += (f", which was itself waiting: {self.group.describe(culprit)} never "
+                            "arrived")
+            raise PeerError(message, self.channel.global_rank(culprit), "timeout")
 
     def isend(self, buf: np.ndarray, dst: int, tag: int) -> Any:
         req = self.channel.isend(buf, dst, tag)
@@ -72,8 +82,8 @@ def check_signature(op: Op, signature: str) -> None:
     left, right = (op.rank - 1) % op.size, (op.rank + 1) % op.size
     recv = op.irecv(theirs, left, _TAG_SIGNATURE)
     send = op.isend(mine, right, _TAG_SIGNATURE)
-    op.wait(recv, left, "the call check")
-    op.wait(send, right, "the call check")
+    op.wait(recv, left, CALL_CHECK)
+    op.wait(send, right, "the call check (send)")
     if theirs.tobytes() != mine.tobytes():
         other = theirs.tobytes().decode(errors="replace").strip()
         raise CommError(

@@ -1,25 +1,50 @@
 """Error classes used by needle.distributed.
 
-The real classes live in ``needle._core.errors``; the fallback below only exists so that this
-package can be imported while that module is being written.
+``CommError`` (from needle's one error hierarchy) is what every failed or timed-out
+communication raises. ``PeerError`` is the CommError whose cause is another rank: it left, died,
+never arrived, or sent what it must not. It carries that rank, so that the launcher can tell the
+rank that failed first from the ranks that failed only because of it.
 """
 from __future__ import annotations
 
-try:
-    from needle._core.errors import CommError, DTypeError, NeedleError, ShapeError
-except ImportError:  # pragma: no cover - transitional fallback
+from needle._core.errors import CommError, DTypeError, GraphError, NeedleError, ShapeError
 
-    class NeedleError(Exception):
-        """Base class of needle's errors (fallback)."""
-
-    class CommError(NeedleError):
-        """A communication operation failed or timed out (fallback)."""
-
-    class ShapeError(NeedleError, ValueError):
-        """Wrong shape (fallback)."""
-
-    class DTypeError(NeedleError, TypeError):
-        """Wrong dtype (fallback)."""
+# Why a peer is blamed; the launcher prints these phrases after "peer rank k".
+PEER_REASONS = {
+    "gone": "is gone",
+    "timeout": "never arrived",
+    "refused": "could not be authenticated",
+    "flood": "sent too many messages nobody received",
+}
 
 
-__all__ = ["CommError", "DTypeError", "NeedleError", "ShapeError"]
+class PeerError(CommError):
+    """A CommError caused by another rank.
+
+    Attributes:
+        peer: the global rank at fault.
+        reason: one of ``PEER_REASONS``.
+
+    Example:
+        >>> e = PeerError("recv: rank 1 left the process group", peer=1, reason="gone")
+        >>> isinstance(e, CommError), e.peer, e.reason
+        (True, 1, 'gone')
+    """
+
+    def __init__(self, message: str, peer: int, reason: str):
+        super().__init__(message)
+        self.peer, self.reason = int(peer), reason
+
+    def __reduce__(self):  # keep the attributes through pickling (thread results, tests)
+        return (type(self), (str(self), self.peer, self.reason))
+
+
+def rewrap(exc: CommError, message: str) -> CommError:
+    """A CommError with a longer ``message`` and the same class and blame as ``exc``."""
+    if isinstance(exc, PeerError):
+        return PeerError(message, exc.peer, exc.reason)
+    return CommError(message)
+
+
+__all__ = ["CommError", "DTypeError", "GraphError", "NeedleError", "PEER_REASONS", "PeerError",
+           "ShapeError", "rewrap"]

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import CommError
+from ._errors import CommError, PeerError
 from ._transport import Channel, Request, poll_until
 
 
@@ -19,30 +19,38 @@ def _mpi() -> Any:
 
 
 class MpiRequest(Request):
-    def __init__(self, req: Any, nbytes: int, is_recv: bool):
+    def __init__(self, req: Any, nbytes: int, is_recv: bool, peer: int):
         self.req = req
         self.nbytes = nbytes
         self.is_recv = is_recv
+        self.peer = peer  # global rank, for blame
         self.status = _mpi().Status() if is_recv else None
         self.done = False
         self.error: str | None = None
+        self.failed_peer = False
 
     def test(self) -> bool:
         if not self.done:
             self._progress()
         if self.error:
+            if self.failed_peer:
+                raise PeerError(self.error, self.peer, "gone")
             raise CommError(self.error)
         return self.done
 
     def _progress(self) -> None:
+        MPI = _mpi()
         try:
             flag = self.req.Test(self.status)
-        except _mpi().Exception as exc:
+        except MPI.Exception as exc:
             self.done = True
-            self.error = (
-                f"message size mismatch, expected {self.nbytes} bytes, got a larger message "
-                f"({exc.Get_error_string().splitlines()[0]})"
-            )
+            text = exc.Get_error_string().splitlines()[0]
+            if exc.Get_error_class() == MPI.ERR_TRUNCATE:
+                self.error = (f"message size mismatch, expected {self.nbytes} bytes, got a "
+                              f"larger message ({text})")
+            else:  # the library failed the transfer: a dead or unreachable peer
+                self.failed_peer = True
+                self.error = f"MPI failed the transfer with rank {self.peer} ({text})"
             return
         if flag and self.is_recv:
             got = self.status.Get_count(_mpi().BYTE)
@@ -75,10 +83,12 @@ class MpiChannel(Channel):
         return self.ranks[group_rank]
 
     def isend(self, buf: np.ndarray, dst: int, tag: int) -> Request:
-        return MpiRequest(self.comm.Isend(_bytes(buf), dst, tag), buf.nbytes, False)
+        return MpiRequest(self.comm.Isend(_bytes(buf), dst, tag), buf.nbytes, False,
+                          self.ranks[dst])
 
     def irecv(self, buf: np.ndarray, src: int, tag: int) -> Request:
-        return MpiRequest(self.comm.Irecv(_bytes(buf), src, tag), buf.nbytes, True)
+        return MpiRequest(self.comm.Irecv(_bytes(buf), src, tag), buf.nbytes, True,
+                          self.ranks[src])
 
     def native(self) -> "MpiNative":
         return MpiNative(self)

@@ -1,31 +1,48 @@
 """TCP transport over ZeroMQ: one PULL socket per rank receives, one PUSH socket per peer sends.
 
-Rendezvous: rank 0 binds a ROUTER at MASTER_ADDR:MASTER_PORT; every rank reports the address of
-its PULL socket there and gets back the table of all addresses. A receiver thread moves arriving
-frames into the rank's mailbox (no copy when no receive is waiting). A rank that shuts down
-sends a goodbye so that peers waiting for it fail at once instead of at their timeout.
+Start-up: the rendezvous (``_tcp_rendezvous``) hands every rank the table of receive addresses.
+With ``NEEDLE_DIST_AUTH=curve`` (the default) every connection is authenticated and encrypted
+with keys derived from the job secret (``_tcp_security``), so only ranks of this job can deliver
+a frame, and each frame's claimed sender must be the rank its connection authenticated as.
+
+A receiver thread moves arriving frames into the rank's mailbox (no copy when no receive is
+waiting). It never dies on bad input: a frame that is malformed, of another job, or from a rank
+other than its connection's is dropped and counted in ``stats``. Peers that go away are noticed
+at once: a rank that shuts down sends a goodbye, and a connection that closes without one (the
+peer was killed or crashed) or fails authentication marks that peer gone, so that receives from
+it and sends to it raise a PeerError naming it instead of waiting for the timeout.
 """
 from __future__ import annotations
 
-import json
-import socket
+import hashlib
 import struct
 import threading
 import time
+from collections import Counter
 from typing import Any
 
 import numpy as np
 
-from ._errors import CommError
+from ._errors import PeerError
+from ._tcp_rendezvous import (
+    Rendezvous,
+    handshake_failure,
+    local_address,
+    monitored_events,
+    resolve_ip,
+)
+from ._tcp_security import Security
 from ._transport import (
     DoneRequest,
+    FailedRequest,
     Mailbox,
     MailboxChannel,
     MailboxTransportMixin,
     Request,
+    unexpected_limit_bytes,
 )
 
-_FRAME = struct.Struct("<Biiq")  # kind, channel id, source rank, tag
+_FRAME = struct.Struct("<QBiiq")  # job hash, kind, channel id, source rank, tag
 _DATA, _BYE = 0, 1
 
 
@@ -35,129 +52,184 @@ def _zmq() -> Any:
     return zmq
 
 
-def _local_address(master_addr: str) -> str:
-    """The IP of the interface that reaches the master (loopback stays loopback)."""
-    if master_addr in ("localhost", "127.0.0.1", "::1"):
-        return "127.0.0.1"
-    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        probe.connect((master_addr, 9))
-        return probe.getsockname()[0]
-    finally:
-        probe.close()
+def job_hash(job_id: str) -> int:
+    """The job identity as carried in every frame header (64 bits)."""
+    return int.from_bytes(hashlib.blake2b(job_id.encode(), digest_size=8).digest(), "little")
+
+
+def pack_header(job_id: str, kind: int, channel_id: int, src: int, tag: int) -> bytes:
+    return _FRAME.pack(job_hash(job_id), kind, channel_id, src, tag)
 
 
 class ZmqSendRequest(Request):
-    def __init__(self, tracker: Any, keepalive: Any):
+    """A zero-copy send: done when ZeroMQ has released the buffer. If the peer is gone and the
+    buffer is still held a moment later, the message will never leave: fail instead of waiting
+    for the timeout. (The moment covers a send that did complete just before the peer left,
+    whose release libzmq reports a little later.)"""
+
+    GONE_GRACE = 0.5
+
+    def __init__(self, tracker: Any, keepalive: Any, transport: "TcpTransport", dst: int):
         self.tracker = tracker
         self.keepalive = keepalive  # the buffer must outlive the zero-copy send
+        self.transport, self.dst = transport, dst
+        self._gone_seen: float | None = None
 
     def test(self) -> bool:
-        return self.tracker.done
+        if self.tracker.done:
+            return True
+        if self.transport.mailbox.gone(self.dst) is not None:
+            now = time.monotonic()
+            self._gone_seen = self._gone_seen or now
+            if now - self._gone_seen > self.GONE_GRACE:
+                self.transport.raise_if_gone(self.dst)
+        return False
 
 
 class TcpTransport(MailboxTransportMixin):
     backend = "tcp"
+    DISCONNECT_GRACE = 1.0  # seconds between a closed connection and "the peer is gone"
 
-    def __init__(self, rank: int, size: int, master_addr: str, master_port: int, timeout: float):
+    def __init__(self, rank: int, size: int, master_addr: str, master_port: int, timeout: float,
+                 security: Security | None = None):
         zmq = _zmq()
         self.rank, self.size = rank, size
+        self.security = security or Security.from_env(size)
+        self._job = job_hash(self.security.job_id)
         self.ctx = zmq.Context()
-        self.mailbox = Mailbox()
-        self.pull = self.ctx.socket(zmq.PULL)
-        self.pull.setsockopt(zmq.RCVHWM, 0)
-        host = _local_address(master_addr)
-        port = self.pull.bind_to_random_port(f"tcp://{host}")
-        table = self._rendezvous(f"tcp://{host}:{port}", master_addr, master_port, timeout)
+        self.mailbox = Mailbox(unexpected_limit_bytes())
+        self.drops: Counter = Counter()
         self.push: dict[int, Any] = {}
-        self.locks = {r: threading.Lock() for r in range(size)}
-        for peer, address in enumerate(table):
-            if peer != rank:
-                sock = self.ctx.socket(zmq.PUSH)
-                sock.setsockopt(zmq.SNDHWM, 0)
-                sock.setsockopt(zmq.LINGER, int(min(timeout, 10.0) * 1000))
-                sock.connect(address)
-                self.push[peer] = sock
+        self._monitors: dict[Any, int] = {}
+        self._connected: set[int] = set()
+        self._suspects: dict[int, float] = {}  # peer -> when its connection closed
         self._closing = False
+        self._thread: threading.Thread | None = None
+        self.zap = None
+        try:
+            self.zap = self.security.start_handler(self.ctx)
+            master_ip = resolve_ip(master_addr, "MASTER_ADDR")
+            self.pull = self.ctx.socket(zmq.PULL)
+            self.pull.setsockopt(zmq.RCVHWM, 0)
+            self.pull.linger = 0
+            self.security.make_server(self.pull, rank)
+            self.pull.bind_to_random_port(f"tcp://{local_address(master_ip)}")
+            self.address = self.pull.getsockopt(zmq.LAST_ENDPOINT).decode()
+            self.rendezvous = Rendezvous(self.ctx, self.security, rank, size, master_ip,
+                                         int(master_port), timeout)
+            self._connect(self.rendezvous.run(self.address), timeout)
+        except BaseException:
+            self._teardown()
+            raise
+        self.locks = {r: threading.Lock() for r in range(size)}
         self._thread = threading.Thread(target=self._serve, name=f"needle-tcp-rx-{rank}")
         self._thread.daemon = True
         self._thread.start()
 
-    def _rendezvous(self, mine: str, master_addr: str, port: int, timeout: float) -> list[str]:
+    def _connect(self, table: list[str], timeout: float) -> None:
         zmq = _zmq()
-        deadline = time.monotonic() + timeout
-        router = None
-        if self.rank == 0:
-            router = self.ctx.socket(zmq.ROUTER)
-            bind_host = "127.0.0.1" if _local_address(master_addr) == "127.0.0.1" else "*"
-            try:
-                router.bind(f"tcp://{bind_host}:{port}")
-            except zmq.ZMQError as exc:
-                router.close(0)
-                raise CommError(
-                    f"init_process_group: rank 0 cannot listen on MASTER_PORT {port} ({exc})"
-                ) from None
-        dealer = self.ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.connect(f"tcp://{master_addr}:{port}")
-        dealer.send_json({"rank": self.rank, "size": self.size, "address": mine})
-        try:
-            if router is not None:
-                self._serve_rendezvous(router, deadline)
-            if not dealer.poll(max(deadline - time.monotonic(), 0.0) * 1000):
-                raise CommError(
-                    f"init_process_group: rank {self.rank} timed out after {timeout} s waiting "
-                    f"for the rendezvous at {master_addr}:{port} (is rank 0 running?)"
-                )
-            reply = dealer.recv_json()
-        finally:
-            dealer.close(0)
-            if router is not None:
-                router.close(int(1000 * min(timeout, 5.0)))
-        if "error" in reply:
-            raise CommError(f"init_process_group: {reply['error']}")
-        return reply["table"]
+        for peer, address in enumerate(table):
+            if peer == self.rank:
+                continue
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.LINGER, int(min(timeout, 10.0) * 1000))
+            self.security.make_client(sock, self.rank, peer)
+            self._monitors[sock.get_monitor_socket(monitored_events())] = peer
+            sock.connect(address)
+            self.push[peer] = sock
 
-    def _serve_rendezvous(self, router: Any, deadline: float) -> None:
-        seen: dict[int, tuple[bytes, str]] = {}
-        error = None
-        while len(seen) < self.size:
-            if not router.poll(max(deadline - time.monotonic(), 0.0) * 1000):
-                missing = sorted(set(range(self.size)) - set(seen))
-                raise CommError(
-                    f"init_process_group: rank 0 timed out waiting for ranks {missing} "
-                    "to join the rendezvous"
-                )
-            ident, raw = router.recv_multipart()
-            hello = json.loads(raw)
-            if hello["size"] != self.size or hello["rank"] in seen:
-                error = (
-                    f"rendezvous mismatch, expected WORLD_SIZE={self.size} and unique ranks, "
-                    f"got rank {hello['rank']} with WORLD_SIZE={hello['size']}"
-                )
-            seen[hello["rank"]] = (ident, hello["address"])
-            if len(seen) == self.size or error:
-                break
-        table = [seen[r][1] for r in sorted(seen)] if not error else []
-        reply = {"error": error} if error else {"table": table}
-        for ident, _ in seen.values():
-            router.send_multipart([ident, json.dumps(reply).encode()])
-        if error:
-            raise CommError(f"init_process_group: {error}")
+    @property
+    def stats(self) -> dict:
+        """Counters for what the receiver refused or held: dropped frames (and why), refused
+        connections (failed authentication), peak bytes of messages waiting for a receive."""
+        return {"dropped_frames": sum(self.drops.values()), "drop_reasons": dict(self.drops),
+                "refused_connections": self.zap.rejected if self.zap else 0,
+                "refused_hellos": self.rendezvous.strangers if self.rank == 0 else 0,
+                "peak_unexpected_bytes": self.mailbox.peak_held_bytes}
 
+    # ----- receiving --------------------------------------------------------------------
     def _serve(self) -> None:
         zmq = _zmq()
         poller = zmq.Poller()
         poller.register(self.pull, zmq.POLLIN)
+        for monitor in self._monitors:
+            poller.register(monitor, zmq.POLLIN)
         while not self._closing:
-            if not poller.poll(50):
+            try:
+                events = dict(poller.poll(50))
+                if self.pull in events:
+                    self._drain()  # goodbyes first, then the closed connections they explain
+                for monitor, peer in self._monitors.items():
+                    if monitor in events:
+                        self._on_event(monitor, peer)
+                self._judge_suspects()
+            except zmq.ContextTerminated:
+                return
+            except Exception as exc:  # noqa: BLE001 - the receiver must outlive any bad input
+                self.drops[f"receiver error: {type(exc).__name__}: {exc}"[:200]] += 1
+
+    def _drain(self) -> None:
+        zmq = _zmq()
+        while True:
+            try:
+                frames = self.pull.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            reason = self._reject(frames)
+            if reason:
+                self.drops[reason] += 1
                 continue
-            frames = self.pull.recv_multipart(copy=False)
-            kind, channel_id, src, tag = _FRAME.unpack(frames[0].bytes)
+            _, kind, channel_id, src, tag = _FRAME.unpack(frames[0].bytes)
             if kind == _BYE:
                 self.mailbox.mark_gone(src, f"rank {src} left the process group (exited)")
             else:
                 self.mailbox.deliver((channel_id, src, tag), frames[1].buffer)
+
+    def _reject(self, frames: list) -> str | None:
+        """Why a received message must be dropped, or None when it is well formed and ours."""
+        if len(frames[0]) != _FRAME.size or len(frames) > 2:
+            return f"malformed frame ({len(frames)} parts, header of {len(frames[0])} bytes)"
+        job, kind, channel_id, src, tag = _FRAME.unpack(frames[0].bytes)
+        if job != self._job:
+            return "frame of another job"
+        if kind not in (_DATA, _BYE) or len(frames) != (2 if kind == _DATA else 1):
+            return f"malformed frame (kind {kind} with {len(frames)} parts)"
+        if not 0 <= src < self.size or src == self.rank or channel_id < 0 or tag < 0:
+            return f"malformed frame (source {src}, channel {channel_id}, tag {tag})"
+        if self.security.enabled and frames[0].get("User-Id") != str(src):
+            return "frame whose claimed source is not its connection's rank"
+        return None
+
+    def _on_event(self, monitor: Any, peer: int) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        event = recv_monitor_message(monitor)["event"]
+        zmq = _zmq()
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._connected.add(peer)
+        elif handshake_failure(event):
+            self.mailbox.mark_gone(peer, (
+                f"rank {peer} refused this rank's connection ({handshake_failure(event)}): "
+                "its job secret differs, or the address belongs to another job"), "refused")
+        elif event == zmq.EVENT_DISCONNECTED and peer in self._connected and not self._closing:
+            # The connection *to* the peer closed; what the peer sent before dying travels on
+            # its own connection to us and may still be on its way: judge a moment later.
+            self._suspects.setdefault(peer, time.monotonic())
+
+    def _judge_suspects(self) -> None:
+        now = time.monotonic()
+        for peer, since in list(self._suspects.items()):
+            if now - since > self.DISCONNECT_GRACE:
+                del self._suspects[peer]
+                self.mailbox.mark_gone(peer, f"rank {peer} is gone: its connection closed "
+                                             "without a goodbye (killed or crashed)")
+
+    # ----- sending ----------------------------------------------------------------------
+    def raise_if_gone(self, peer: int) -> None:
+        gone = self.mailbox.gone(peer)
+        if gone is not None:
+            raise PeerError(gone.reason, peer, gone.kind)
 
     def channel(self, channel_id: int, ranks: list[int]) -> MailboxChannel:
         return MailboxChannel(self, channel_id, ranks)
@@ -166,24 +238,40 @@ class TcpTransport(MailboxTransportMixin):
         if dst == self.rank:
             self.mailbox.deliver_into(key, buf)
             return DoneRequest()
-        head = _FRAME.pack(_DATA, key[0], key[1], key[2])
+        gone = self.mailbox.gone(dst)
+        if gone is not None:
+            return FailedRequest(PeerError(gone.reason, dst, gone.kind))
+        head = _FRAME.pack(self._job, _DATA, key[0], key[1], key[2])
         body = buf.reshape(-1).view(np.uint8)
         with self.locks[dst]:
             tracker = self.push[dst].send_multipart([head, body], copy=False, track=True)
-        return ZmqSendRequest(tracker, body)
+        return ZmqSendRequest(tracker, body, self, dst)
 
     def native_for(self, channel: MailboxChannel) -> None:
         return None
 
+    # ----- shutdown ---------------------------------------------------------------------
     def close(self) -> None:
-        bye = _FRAME.pack(_BYE, 0, self.rank, 0)
+        bye = _FRAME.pack(self._job, _BYE, 0, self.rank, 0)
         for peer, sock in self.push.items():
-            with self.locks[peer]:
-                sock.send(bye)
+            if self.mailbox.gone(peer) is None:
+                with self.locks[peer]:
+                    sock.send(bye)
         self._closing = True
-        self._thread.join(timeout=5.0)
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+        self._teardown()
+
+    def _teardown(self) -> None:
+        self._closing = True
+        for monitor in self._monitors:
+            monitor.close(0)
         for sock in self.push.values():
+            sock.disable_monitor()
             # Short linger: flush to live peers, but do not wait long for dead ones.
             sock.close(linger=1000)
-        self.pull.close(0)
+        if getattr(self, "pull", None) is not None:
+            self.pull.close(0)
+        if self.zap is not None:
+            self.zap.close()
         self.ctx.term()

@@ -9,6 +9,7 @@ rank numbers, isolated from every other channel's messages.
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import defaultdict, deque
@@ -16,7 +17,22 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ._errors import CommError
+from ._errors import CommError, PeerError
+
+# Bytes of messages from one sender that may wait for a receive before the sender is cut off.
+UNEXPECTED_LIMIT_ENV = "NEEDLE_DIST_MAX_UNEXPECTED_MB"
+DEFAULT_UNEXPECTED_MB = 1024.0
+
+
+def unexpected_limit_bytes() -> int:
+    """The per-sender bound on unexpected-message memory (env NEEDLE_DIST_MAX_UNEXPECTED_MB)."""
+    raw = os.environ.get(UNEXPECTED_LIMIT_ENV, str(DEFAULT_UNEXPECTED_MB))
+    try:
+        mib = float(raw)
+    except ValueError:
+        raise CommError(f"init_process_group: bad {UNEXPECTED_LIMIT_ENV}, expected a number of "
+                        f"MiB, got {raw!r}") from None
+    return int(mib * 2**20)
 
 
 class Request:
@@ -82,11 +98,12 @@ class MailboxRecv(Request):
         self.box, self.buf, self.key = box, buf, key
         self.done = False
         self.error: str | None = None
+        self.gone: _Gone | None = None
 
     def fill(self, payload: Any) -> None:
         """Called under the mailbox lock with a matching message (bytes-like or a marker)."""
         if isinstance(payload, _Gone):
-            self.error = payload.reason
+            self.error, self.gone = payload.reason, payload
         else:
             data = np.frombuffer(payload, dtype=np.uint8)
             if data.nbytes != self.buf.nbytes:
@@ -100,6 +117,8 @@ class MailboxRecv(Request):
 
     def test(self) -> bool:
         if self.done and self.error:
+            if self.gone is not None:
+                raise PeerError(self.error, self.gone.src, self.gone.kind)
             raise CommError(self.error)
         return self.done
 
@@ -121,31 +140,51 @@ class DoneRequest(Request):
         return True
 
 
+class FailedRequest(Request):
+    """A send to a peer that is known to be gone: fails at once instead of at the timeout."""
+
+    def __init__(self, error: CommError):
+        self.error = error
+
+    def test(self) -> bool:
+        raise self.error
+
+
 class _Gone:
-    def __init__(self, reason: str):
-        self.reason = reason
+    """Why receives from ``src`` fail: ``kind`` is a PeerError reason ("gone", "flood", ...)."""
+
+    def __init__(self, src: int, reason: str, kind: str):
+        self.src, self.reason, self.kind = src, reason, kind
 
 
 class Mailbox:
     """Incoming messages of one rank: unexpected messages and posted receives, per key.
 
     A key is (channel id, source global rank, tag). Messages and receives are matched in order.
+    Unexpected messages (no receive posted yet) are kept, up to ``limit_bytes`` per sender: a
+    sender beyond that is cut off (its kept messages are freed, every receive from it fails
+    with a PeerError naming it), so a runaway or hostile sender cannot exhaust memory.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, limit_bytes: int | None = None) -> None:
         self.cond = threading.Condition()
+        self.limit_bytes = limit_bytes
         self._unexpected: dict[tuple, deque] = defaultdict(deque)
         self._posted: dict[tuple, deque] = defaultdict(deque)
-        self._gone: dict[int, str] = {}
+        self._gone: dict[int, _Gone] = {}
+        self._held: dict[int, int] = defaultdict(int)  # unexpected bytes kept, per sender
+        self.peak_held_bytes = 0
 
     def post(self, buf: np.ndarray, key: tuple) -> MailboxRecv:
         req = MailboxRecv(self, buf, key)
         with self.cond:
             queue = self._unexpected.get(key)
             if queue:
-                req.fill(queue.popleft())
+                payload = queue.popleft()
+                self._held[key[1]] -= len(memoryview(payload).cast("B"))
+                req.fill(payload)
             elif key[1] in self._gone:
-                req.fill(_Gone(self._gone[key[1]]))
+                req.fill(self._gone[key[1]])
             else:
                 self._posted[key].append(req)
         return req
@@ -159,7 +198,7 @@ class Mailbox:
                 posted.popleft().fill(payload)
                 self.cond.notify_all()
             else:
-                self._unexpected[key].append(payload)
+                self._keep(key, payload)
 
     def deliver_into(self, key: tuple, buf: np.ndarray) -> None:
         """Like deliver, but copies ``buf`` when no receive is waiting (the sender may reuse it)."""
@@ -169,17 +208,48 @@ class Mailbox:
                 posted.popleft().fill(buf.reshape(-1).view(np.uint8))
                 self.cond.notify_all()
             else:
-                self._unexpected[key].append(buf.tobytes())
+                self._keep(key, buf.tobytes())
 
-    def mark_gone(self, src: int, reason: str) -> None:
-        """Fail receives from ``src`` that are waiting now or posted later (a rank left)."""
+    def _keep(self, key: tuple, payload: Any) -> None:
+        src = key[1]
+        if src in self._gone:
+            return  # a sender that was cut off (or left) delivers nothing more
+        nbytes = len(memoryview(payload).cast("B"))
+        held = self._held[src] + nbytes
+        if self.limit_bytes is not None and held > self.limit_bytes:
+            self._cut_off(src, held)
+            return
+        self._held[src] = held
+        self.peak_held_bytes = max(self.peak_held_bytes, sum(self._held.values()))
+        self._unexpected[key].append(payload)
+
+    def _cut_off(self, src: int, held: int) -> None:
+        for key in [k for k in self._unexpected if k[1] == src]:
+            del self._unexpected[key]
+        self._held[src] = 0
+        reason = (f"rank {src} sent {held} bytes of messages that no receive was waiting for, "
+                  f"more than the limit of {self.limit_bytes} bytes per sender "
+                  f"({UNEXPECTED_LIMIT_ENV}); its messages were dropped")
+        self._fail_from(src, _Gone(src, reason, "flood"))
+
+    def mark_gone(self, src: int, reason: str, kind: str = "gone") -> None:
+        """Fail receives from ``src`` that are waiting now or posted later (a rank left). The
+        first reason stays: a goodbye followed by the closed connection reads "left"."""
         with self.cond:
-            self._gone[src] = reason
-            for key, posted in self._posted.items():
-                if key[1] == src:
-                    while posted:
-                        posted.popleft().fill(_Gone(reason))
-            self.cond.notify_all()
+            if src not in self._gone:
+                self._fail_from(src, _Gone(src, reason, kind))
+
+    def _fail_from(self, src: int, gone: _Gone) -> None:
+        self._gone[src] = gone
+        for key, posted in self._posted.items():
+            if key[1] == src:
+                while posted:
+                    posted.popleft().fill(gone)
+        self.cond.notify_all()
+
+    def gone(self, src: int) -> _Gone | None:
+        with self.cond:
+            return self._gone.get(src)
 
     def cancel(self, req: MailboxRecv) -> None:
         with self.cond:

@@ -51,7 +51,7 @@ def _sig(where: str, arr: np.ndarray, **extra: Any) -> str:
 def _launch(pg: ProcessGroup, where: str, body: Callable[[alg.Op], None], signature: str,
             timeout: float | None, async_op: bool) -> Work | None:
     def run() -> None:
-        op = alg.Op(pg, where, pg.deadline(timeout))
+        op = alg.Op(pg, where, timeout)
         alg.check_signature(op, signature)
         body(op)
 

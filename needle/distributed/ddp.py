@@ -24,14 +24,9 @@ from typing import Any, Iterator
 import numpy as np
 
 from ._buffers import borrow
-from ._errors import CommError
+from ._errors import CommError, GraphError
 from ._group import resolve
 from .collectives import all_gather, all_reduce, broadcast
-
-try:
-    from needle._core.errors import GraphError
-except ImportError:  # pragma: no cover - transitional
-    GraphError = CommError
 
 
 class _Bucket:
@@ -184,8 +179,11 @@ class DistributedDataParallel:
         if i in self._fired:
             raise GraphError(
                 f"DistributedDataParallel: the gradient hook of {self._describe(i)} fired twice "
-                "in one synchronized step, expected once (reused graph or two backward passes "
-                "without no_sync()/finish_gradient_sync() in between)"
+                "in one synchronized step, expected once per step: after each backward call "
+                "ddp.finish_gradient_sync() before optimizer.step(), or step the optimizer "
+                "returned by ddp.wrap_optimizer(optimizer), which does it; to accumulate "
+                "gradients over several backward passes, run all but the last inside "
+                "`with ddp.no_sync():`"
             )
         self._fired.add(i)
         self._step.setdefault("first_hook", now)

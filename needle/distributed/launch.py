@@ -1,24 +1,39 @@
-"""Start N ranks of a script: ``python -m needle.distributed.launch -n 4 [--backend mpi|tcp]
+"""Start the ranks of a script: ``python -m needle.distributed.launch -n 4 [--backend mpi|tcp]
 [--timeout S] script.py args``.
 
 mpi runs ``mpiexec`` (the one installed next to this Python by the ``mpich`` wheel, else the
-one on PATH); tcp starts N Python processes with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
-Output lines are prefixed ``[rank k]``. When a rank fails, the others are stopped and the
-launcher exits with that rank's code, naming it; ``--timeout`` bounds the whole job (exit 124).
+one on PATH), with ``--hostfile FILE`` handed to it for many machines; tcp starts the ranks as
+Python processes, torchrun-style: ``--nnodes N --node-rank R --master-addr A --master-port P``
+starts this node's ``-n`` ranks of an N-node job. Every rank sees RANK, LOCAL_RANK, WORLD_SIZE
+and LOCAL_WORLD_SIZE. Output lines are prefixed ``[rank k]``.
+
+The launcher owns its ranks. When one fails it names the rank that failed first and how (exit
+code, signal, or exception with that rank's traceback), says which ranks failed only because of
+it, stops the rest and exits with the first failure's code. On SIGINT or SIGTERM it stops every
+process of the job (SIGKILL after a bounded wait), removes its temporary files and exits with
+130 or 143. ``--timeout`` bounds the whole job (exit 124).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+
+from ._launch_job import Job
+from ._launch_report import verdict
+from ._run_rank import STATUS_DIR_ENV
+from ._tcp_security import JOB_ENV, SECRET_ENV
+
+FAILURE_GRACE = 3.0  # seconds to let the other ranks report after the first failure
+STOP_GRACE = 5.0     # seconds between the first signal and SIGKILL when stopping
 
 
 def find_mpiexec() -> str:
@@ -39,83 +54,127 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _pump(stream, prefix: str) -> None:
-    for line in iter(stream.readline, b""):
-        sys.stdout.write(prefix + line.decode(errors="replace"))
-        sys.stdout.flush()
+class Nodes:
+    """Where this launcher's ranks sit in the job (tcp: torchrun-style; mpi: one mpiexec)."""
+
+    def __init__(self, nproc: int, nnodes: int = 1, node_rank: int = 0,
+                 master_addr: str | None = None, master_port: int | None = None,
+                 local_addr: str | None = None, hostfile: str | None = None):
+        if nproc < 1 or nnodes < 1 or not 0 <= node_rank < nnodes:
+            raise ValueError(f"launch: bad layout, expected -n >= 1, --nnodes >= 1 and 0 <= "
+                             f"--node-rank < --nnodes, got -n {nproc}, --nnodes {nnodes}, "
+                             f"--node-rank {node_rank}")
+        if nnodes > 1 and master_port is None:
+            raise ValueError("launch: --nnodes > 1 needs --master-port (the same on every "
+                             "node), got none")
+        self.nproc, self.nnodes, self.node_rank = nproc, nnodes, node_rank
+        self.master_addr, self.master_port = master_addr, master_port
+        self.local_addr, self.hostfile = local_addr, hostfile
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc * self.nnodes
+
+    def ranks(self) -> list[int]:
+        return [self.node_rank * self.nproc + i for i in range(self.nproc)]
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM each rank's process group, then SIGKILL what is still alive after 3 s."""
-    for sig, grace in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 0.0)):
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, sig)
-                except ProcessLookupError:
-                    pass
-        end = time.monotonic() + grace
-        while time.monotonic() < end and any(p.poll() is None for p in procs):
-            time.sleep(0.05)
-
-
-def _rank_command(script: str, args: list[str]) -> list[str]:
-    return [sys.executable, "-u", "-m", "needle.distributed._run_rank", script, *args]
-
-
-def _start(nproc: int, backend: str, script: str, args: list[str], status_dir: str,
-           ) -> tuple[list[subprocess.Popen], list[threading.Thread]]:
-    env = dict(os.environ, NEEDLE_LAUNCH_STATUS_DIR=status_dir, PYTHONUNBUFFERED="1")
+def _job_env(backend: str, nodes: Nodes, status_dir: str) -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    for stale in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                  "NEEDLE_LAUNCH_RANK"):
+        env.pop(stale, None)  # set below (tcp) or by each rank's supervisor (mpi)
+    env[STATUS_DIR_ENV] = status_dir
     # Ranks import needle from where the launcher did, installed or not.
     here = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
-    kw = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    procs, pumps = [], []
+    env["NEEDLE_DIST_BACKEND"] = backend
     if backend == "mpi":
-        env.update(NEEDLE_DIST_BACKEND="mpi", NEEDLE_LAUNCH_PREFIX="1")
-        cmd = [find_mpiexec(), "-n", str(nproc), *_rank_command(script, args)]
-        procs.append(subprocess.Popen(cmd, env=env, **kw))
-        pumps.append(threading.Thread(target=_pump, args=(procs[0].stdout, ""), daemon=True))
+        env["NEEDLE_LAUNCH_PREFIX"] = "1"
+        return env
+    if not env.get(SECRET_ENV):
+        if nodes.nnodes > 1:
+            raise ValueError(f"launch: --nnodes > 1 needs the job secret, expected "
+                             f"{SECRET_ENV} (the same on every node) or --secret-file, got "
+                             "neither")
+        env[SECRET_ENV] = secrets.token_hex(32)
+        env[JOB_ENV] = secrets.token_hex(8)  # a fresh job: never mistaken for another
+    env.update(WORLD_SIZE=str(nodes.world_size), LOCAL_WORLD_SIZE=str(nodes.nproc),
+               GROUP_RANK=str(nodes.node_rank),
+               MASTER_ADDR=nodes.master_addr or env.get("MASTER_ADDR", "127.0.0.1"),
+               MASTER_PORT=str(nodes.master_port or free_port()))
+    if nodes.local_addr:
+        env["NEEDLE_DIST_LOCAL_ADDR"] = nodes.local_addr
+    return env
+
+
+class _Signals:
+    """SIGINT/SIGTERM received while the job runs (main thread only; elsewhere none)."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "_Signals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, lambda s, _f: self.received.append(s))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _watch(job: Job, signals: _Signals, deadline: float | None) -> str:
+    """Wait until the job is done, failed (plus a grace to hear from the others), timed out
+    or interrupted; return which."""
+    failed_at = None
+    while True:
+        job.poll()
+        if signals.received:
+            return "interrupted"
+        if job.done():
+            return "done"
+        if job.failed():
+            failed_at = failed_at or time.monotonic()
+            if not job.running() or time.monotonic() - failed_at > FAILURE_GRACE:
+                return "failed"
+        if deadline is not None and time.monotonic() > deadline:
+            return "timeout"
+        time.sleep(0.05)
+
+
+def _finish(job: Job, state: str, signals: _Signals, timeout: float | None) -> int:
+    """Stop what still runs, then print the verdict (after the ranks' last output)."""
+    running = job.running()
+    if state == "interrupted":
+        sig = signals.received[0]
+        job.stop(sig, STOP_GRACE)
+        code = 128 + sig
+        lines = [f"launch: interrupted by {signal.Signals(sig).name}; stopped ranks {running}"]
+    elif state == "timeout":
+        job.stop(signal.SIGTERM, STOP_GRACE)
+        code = 124
+        lines = [f"launch: timed out after {timeout:g} s; ranks {running} were still running "
+                 "and have been stopped"]
     else:
-        env.update(NEEDLE_DIST_BACKEND="tcp", WORLD_SIZE=str(nproc),
-                   MASTER_ADDR=env.get("MASTER_ADDR", "127.0.0.1"), MASTER_PORT=str(free_port()))
-        for rank in range(nproc):
-            rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
-            procs.append(subprocess.Popen(_rank_command(script, args), env=rank_env, **kw))
-            pumps.append(threading.Thread(target=_pump, args=(procs[-1].stdout, f"[rank {rank}] "),
-                                          daemon=True))
-    for t in pumps:
-        t.start()
-    return procs, pumps
-
-
-def _failed_rank(status_dir: str) -> tuple[int, int] | None:
-    for name in sorted(os.listdir(status_dir)):
-        code = int(Path(status_dir, name).read_text() or 1)
-        if code != 0:
-            return int(name[4:]), code
-    return None
-
-
-def _final_code(codes: list[int], status_dir: str, nproc: int, backend: str) -> int:
-    """Exit code once every process ended; a rank that never reported (killed, os._exit,
-    crashed) under mpiexec counts as a failure even when mpiexec itself exits with 0."""
-    reported = {int(n[4:]) for n in os.listdir(status_dir)}
-    # tcp ranks are our own children with real exit codes; under mpiexec only the status files
-    # tell whether each rank finished.
-    silent = [r for r in range(nproc) if r not in reported] if backend == "mpi" else []
-    code = max((abs(c) for c in codes), default=0)
-    if silent:
-        print(f"launch: ranks {silent} ended without reporting an exit status (killed or "
-              f"crashed; {backend} exit code {code})", file=sys.stderr)
-        return code or 1
-    if code:
-        print(f"launch: {backend} job exited with code {code}", file=sys.stderr)
+        if state == "failed":
+            job.stop(signal.SIGTERM, STOP_GRACE)
+        code, lines = verdict(job.outcomes)
+        mpiexec_code = job.procs[0].returncode if job.backend == "mpi" and job.procs else 0
+        if not code and mpiexec_code:
+            code = mpiexec_code
+            lines = [f"launch: mpiexec exited with code {code} although every rank reported "
+                     "success"]
+    job.join_pumps()
+    for line in lines:
+        print(line, file=sys.stderr)
     return code
 
 
 def run(nproc: int, script: str, args: list[str] | None = None, backend: str = "mpi",
-        timeout: float | None = None) -> int:
+        timeout: float | None = None, nodes: Nodes | None = None) -> int:
     """Run ``script`` on ``nproc`` ranks and return the job's exit code (0 when all succeed).
 
     Example (not run here: it starts processes):
@@ -123,33 +182,26 @@ def run(nproc: int, script: str, args: list[str] | None = None, backend: str = "
     """
     if backend not in ("mpi", "tcp"):
         raise ValueError(f"launch: unknown backend, expected 'mpi' or 'tcp', got {backend!r}")
+    nodes = nodes or Nodes(nproc)
     status_dir = tempfile.mkdtemp(prefix="needle-launch-")
-    procs, pumps = _start(nproc, backend, script, list(args or []), status_dir)
-    deadline = None if timeout is None else time.monotonic() + timeout
+    job = Job(backend, nodes.ranks(), status_dir)
     try:
-        while True:
-            failed = _failed_rank(status_dir)
-            codes = [p.poll() for p in procs]
-            if failed is None and backend == "tcp":
-                failed = next(((r, c) for r, c in enumerate(codes) if c not in (None, 0)), None)
-            if failed is not None:
-                print(f"launch: rank {failed[0]} failed with exit code {failed[1]}; "
-                      "stopping the other ranks", file=sys.stderr)
-                _stop(procs)
-                return failed[1] or 1
-            if all(c is not None for c in codes):
-                return _final_code(codes, status_dir, nproc, backend)
-            if deadline is not None and time.monotonic() > deadline:
-                _stop(procs)
-                done = {int(n[4:]) for n in os.listdir(status_dir)}
-                running = [r for r in range(nproc) if r not in done]
-                print(f"launch: timed out after {timeout:g} s; ranks {running} were still "
-                      "running and have been stopped", file=sys.stderr)
-                return 124
-            time.sleep(0.05)
+        with _Signals() as signals:
+            env = _job_env(backend, nodes, status_dir)
+            mpiexec = None
+            if backend == "mpi":
+                mpiexec = [find_mpiexec(), *(["-f", nodes.hostfile] if nodes.hostfile else []),
+                           "-n", str(nproc)]
+            rank_env = {r: {"RANK": str(r), "LOCAL_RANK": str(i)}
+                        for i, r in enumerate(nodes.ranks())}
+            job.start([script, *(args or [])], env, mpiexec, rank_env)
+            deadline = None if timeout is None else time.monotonic() + timeout
+            state = _watch(job, signals, deadline)
+            return _finish(job, state, signals, timeout)
     finally:
-        for t in pumps:
-            t.join(timeout=2.0)
+        if not job.processes_done():  # an error in the launcher itself: leave nothing behind
+            job.stop(signal.SIGKILL, 0.0)
+        job.join_pumps()
         shutil.rmtree(status_dir, ignore_errors=True)
 
 
@@ -167,18 +219,49 @@ def relaunch(nproc: int, backend: str | None = None, timeout: float | None = Non
     sys.exit(run(nproc, sys.argv[0], sys.argv[1:], backend, timeout))
 
 
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m needle.distributed.launch",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("-n", "--nproc", "--nproc-per-node", type=int, required=True,
+                   help="ranks to start (on this node, with --nnodes)")
+    p.add_argument("--backend", choices=["mpi", "tcp"], default="mpi")
+    p.add_argument("--timeout", type=float, default=None, help="seconds for the whole job")
+    p.add_argument("--hostfile", default=None,
+                   help="mpi: hosts for mpiexec (Hydra format: one 'host[:slots]' a line)")
+    p.add_argument("--nnodes", type=int, default=1, help="tcp: machines in the job")
+    p.add_argument("--node-rank", type=int, default=0, help="tcp: this machine's index")
+    p.add_argument("--master-addr", default=None, help="tcp: address of node 0 (rank 0)")
+    p.add_argument("--master-port", type=int, default=None, help="tcp: rendezvous port")
+    p.add_argument("--local-addr", default=None,
+                   help="tcp: address this node's ranks listen on (default: the interface "
+                        "that reaches --master-addr)")
+    p.add_argument("--secret-file", default=None,
+                   help=f"tcp: file holding the job secret (else ${SECRET_ENV}, else a fresh "
+                        "one for a one-node job)")
+    p.add_argument("script")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m needle.distributed.launch",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("-n", "--nproc", type=int, required=True, help="number of ranks")
-    parser.add_argument("--backend", choices=["mpi", "tcp"], default="mpi")
-    parser.add_argument("--timeout", type=float, default=None, help="seconds for the whole job")
-    parser.add_argument("script")
-    parser.add_argument("args", nargs=argparse.REMAINDER)
+    parser = _parser()
     opts = parser.parse_args(argv)
-    if opts.nproc < 1:
-        parser.error(f"-n must be at least 1, got {opts.nproc}")
-    return run(opts.nproc, opts.script, opts.args, opts.backend, opts.timeout)
+    if opts.backend == "mpi" and opts.nnodes > 1:
+        parser.error("--nnodes is for --backend tcp; with mpi give --hostfile and the total -n")
+    if opts.backend == "tcp" and opts.hostfile:
+        parser.error("--hostfile is for --backend mpi; with tcp start one launcher per node "
+                     "with --nnodes/--node-rank")
+    if opts.secret_file:
+        os.environ[SECRET_ENV] = Path(opts.secret_file).read_text().strip()
+    if opts.backend == "tcp" and opts.nnodes > 1 and not os.environ.get(SECRET_ENV):
+        parser.error(f"--nnodes > 1 needs the job secret, expected {SECRET_ENV} (the same on "
+                     "every node) or --secret-file, got neither")
+    try:
+        nodes = Nodes(opts.nproc, opts.nnodes, opts.node_rank, opts.master_addr,
+                      opts.master_port, opts.local_addr, opts.hostfile)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return run(opts.nproc, opts.script, opts.args, opts.backend, opts.timeout, nodes)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from ._buffers import HEADER_BYTES, borrow, dtype_name, pack_header, unpack_header
-from ._errors import CommError
+from ._errors import CommError, PeerError, rewrap
 from ._group import ProcessGroup, resolve
 from ._work import PolledWork, Work
 
@@ -34,15 +34,13 @@ def _waiter(pg: ProcessGroup, op: str, peer: int, tag: int, timeout: float | Non
         try:
             done = req.wait(deadline)
         except CommError as exc:
-            raise CommError(
-                f"{op}: rank {pg.rank} failed {what} with {pg.describe(peer)} (tag {tag}): {exc}"
-            ) from None
+            raise rewrap(exc, f"{op}: rank {pg.rank} failed {what} with {pg.describe(peer)} "
+                              f"(tag {tag}): {exc}") from None
         if not done:
             req.cancel()
-            raise CommError(
-                f"{op}: rank {pg.rank} timed out after {span:g} s waiting for "
-                f"{pg.describe(peer)} (tag {tag}, {what})"
-            )
+            raise PeerError(f"{op}: rank {pg.rank} timed out after {span:g} s waiting for "
+                            f"{pg.describe(peer)} (tag {tag}, {what})",
+                            pg.p2p.global_rank(peer), "timeout")
 
     return wait
 

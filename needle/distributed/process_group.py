@@ -9,6 +9,7 @@ from typing import Any, Callable
 from . import _group
 from ._errors import CommError
 from ._group import DEFAULT_TIMEOUT, NonMemberGroup, ProcessGroup, current_state
+from ._run_rank import rank_environment
 
 BACKENDS = ("mpi", "tcp", "thread")
 
@@ -59,6 +60,14 @@ def _transport(backend: str, rank: int | None, world_size: int | None, timeout: 
     return ThreadTransport(rank, world)
 
 
+def _export_rank_environment(transport: Any) -> None:
+    """RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE for code that reads them (samplers,
+    logging), also under a plain ``mpiexec`` that sets only its own PMI_* variables."""
+    found = rank_environment(dict(os.environ))
+    found.update(RANK=str(transport.rank), WORLD_SIZE=str(transport.size))  # the facts
+    os.environ.update(found)
+
+
 def init_process_group(backend: str | None = None, timeout: float = DEFAULT_TIMEOUT,
                        rank: int | None = None, world_size: int | None = None,
                        world: Any = None) -> ProcessGroup:
@@ -66,8 +75,11 @@ def init_process_group(backend: str | None = None, timeout: float = DEFAULT_TIME
 
     Args:
         backend: "mpi" (start with mpiexec or the launcher), "tcp" (reads RANK, WORLD_SIZE,
-            MASTER_ADDR, MASTER_PORT), "thread" (ranks are threads; see spawn_threads).
-            None picks mpi under mpiexec and tcp when RANK/MASTER_PORT are set.
+            MASTER_ADDR, MASTER_PORT and the job secret NEEDLE_DIST_SECRET, which the
+            launcher sets; see docs/distributed.md), "thread" (ranks are threads; see
+            spawn_threads). None picks mpi under mpiexec and tcp when RANK/MASTER_PORT are set.
+            Under mpi and tcp, RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE are set in
+            ``os.environ`` when missing.
         timeout: seconds any blocking call of this group may wait before raising CommError.
 
     Example:
@@ -83,6 +95,8 @@ def init_process_group(backend: str | None = None, timeout: float = DEFAULT_TIME
         raise CommError("init_process_group: already initialized, expected one call per "
                         "process (call destroy_process_group first)")
     transport = _transport(backend, rank, world_size, timeout, world)
+    if backend != "thread":
+        _export_rank_environment(transport)
     ranks = list(range(transport.size))
     group = ProcessGroup(transport, transport.channels(2, ranks), timeout)
     _group.set_state(_group._State(transport, group), thread_local=backend == "thread")

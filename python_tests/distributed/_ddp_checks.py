@@ -92,8 +92,46 @@ def check_overlap_order(rank: int, world: int) -> None:
     assert step["buckets"][0]["launched"] < step["last_hook"]
 
 
+class Branchy(nn.Module):
+    """``sum(a(x))`` plus ``sum(b(x))`` only when asked: b is used in one step, not the next."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(IN, 2)
+        self.b = nn.Linear(IN, 2)
+
+    def forward(self, x: Tensor, use_b: bool) -> Tensor:
+        out = self.a(x).sum()
+        return out + self.b(x).sum() if use_b else out
+
+
+def check_unused_across_steps(rank: int, world: int) -> None:
+    """With find_unused_parameters, a parameter used in step 1 and skipped in step 2 gets a
+    zero gradient in step 2, not step 1's value left in its bucket slot."""
+    ddp = dist.DistributedDataParallel(Branchy(), find_unused_parameters=True)
+    xs = [batch(40 + 10 * step + rank, 3) for step in range(2)]
+    for step, use_b in enumerate((True, False)):
+        for p in ddp.params:
+            p.grad = None
+        ddp(Tensor(xs[step]), use_b).backward()
+        ddp.finish_gradient_sync()
+        # d sum(x W + 1 c) / dW = column sums of x for each output; mean over ranks.
+        col = np.mean([batch(40 + 10 * step + r, 3).sum(0) for r in range(world)], axis=0)
+        want_w, want_c = np.repeat(col.reshape(-1, 1), 2, axis=1), np.full((1, 2), 3.0)
+        module = ddp.module
+        np.testing.assert_allclose(module.a.weight.grad.numpy(), want_w, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(module.a.bias.grad.numpy(), want_c, rtol=1e-6)
+        if use_b:
+            np.testing.assert_allclose(module.b.weight.grad.numpy(), want_w, rtol=1e-5,
+                                       atol=1e-6)
+        else:
+            assert not module.b.weight.grad.numpy().any(), module.b.weight.grad.numpy()
+            assert not module.b.bias.grad.numpy().any(), module.b.bias.grad.numpy()
+
+
 def run_all(rank: int, world: int) -> None:
     check_equal_batches(rank, world)
     check_unequal_batches(rank, world)
     check_no_sync_accumulation(rank, world)
     check_overlap_order(rank, world)
+    check_unused_across_steps(rank, world)

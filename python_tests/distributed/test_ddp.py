@@ -14,13 +14,15 @@ from ._ddp_checks import (
     check_no_sync_accumulation,
     check_overlap_order,
     check_unequal_batches,
+    check_unused_across_steps,
     make_model,
 )
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 @pytest.mark.parametrize("check", [check_equal_batches, check_unequal_batches,
-                                   check_no_sync_accumulation, check_overlap_order])
+                                   check_no_sync_accumulation, check_overlap_order,
+                                   check_unused_across_steps])
 def test_ddp_gradients_equal_single_process_union(check, world: int) -> None:
     dist.spawn_threads(check, world, world)
 
@@ -75,13 +77,22 @@ def test_unused_parameter_is_named() -> None:
     dist.spawn_threads(job, 1)
 
 
-def test_hook_firing_twice_is_named() -> None:
+def test_forgotten_sync_says_what_to_call() -> None:
+    """A plain optimizer (not wrap_optimizer) never syncs: step 2's backward says what to do."""
+    from needle import optim
+
     def job(rank: int) -> None:
         ddp = make_model()
+        opt = optim.SGD(ddp.parameters(), lr=0.1)
         x = Tensor(np.ones((2, 5), np.float32))
         ddp(x).sum().backward()
-        with pytest.raises(GraphError, match="fired twice"):
+        opt.step()
+        opt.reset_grad()
+        with pytest.raises(GraphError, match="fired twice") as info:
             ddp(x).sum().backward()
+        for advice in ("ddp.finish_gradient_sync()", "ddp.wrap_optimizer(optimizer)",
+                       "ddp.no_sync()"):
+            assert advice in str(info.value), str(info.value)
 
     dist.spawn_threads(job, 1)
 

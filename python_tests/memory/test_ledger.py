@@ -39,6 +39,21 @@ def test_optimizer_state_sharding_over_four_workers():
     assert estimate(num_params=1_000_000, zero_stage=3, dp=4).model_state_bytes == 4_000_000
 
 
+def test_zero_stage_2_keeps_weights_whole_and_shards_gradients_by_category():
+    # Weights and gradients differ in bytes here, so a ledger that swapped their categories
+    # (or their rows) is caught: 4 B x 1000 weights whole, 4 B x 1000 / 4 gradients.
+    led = estimate(num_params=1000, precision="fp32", optimizer="sgd", zero_stage=2, dp=4,
+                   margin=0)
+    assert [(r.term, r.bytes, r.category) for r in led.rows] == [
+        ("working weights", 4000, "weight"), ("gradients", 1000, "gradient"),
+        ("master weights", 0, "optimizer"), ("optimizer moments", 0, "optimizer"),
+        ("activations", 0, "activation"), ("margin", 0, None)]
+    cats = led.by_category()
+    assert (cats["weight"], cats["gradient"], cats["optimizer"], cats["activation"]) == \
+        (4000, 1000, 0, 0)
+    assert sum(cats.values()) == led.total_bytes == 5000
+
+
 def test_seventy_billion_parameters():
     assert estimate(num_params=70_000_000_000).model_state_bytes == 1_120_000_000_000  # 1.12 TB
     led = estimate(num_params=70_000_000_000, zero_stage=3, dp=64)

@@ -1,0 +1,226 @@
+"""The processes of one launched job: start them, watch how each rank ends, stop them all.
+
+tcp: one supervisor (``_run_rank``) per rank, each our child in its own session, its output
+prefixed here. mpi: one ``mpiexec`` (own session); Hydra puts every rank in a session of its
+own, so stopping the job signals every process group of the job's process tree, not only
+mpiexec's, and finishes with SIGKILL after a bounded wait.
+"""
+from __future__ import annotations
+
+import codecs
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from ._launch_report import Outcome, outcome_from_records, read_record
+from ._rank_main import prefix_lines
+
+SUPERVISOR = str(Path(__file__).with_name("_run_rank.py"))
+
+
+def _pump(stream, prefix: str) -> None:
+    """Copy a rank's output to ours, each line (or carriage-return piece) prefixed."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    pending = ""
+    fd = stream.fileno()
+    while True:
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            break
+        out, pending = prefix_lines(pending + decoder.decode(chunk), prefix)
+        if out:
+            sys.stdout.write(out)
+            sys.stdout.flush()
+    if pending:
+        sys.stdout.write(prefix + pending + "\n")
+        sys.stdout.flush()
+
+
+def descendants(roots: list[int]) -> list[int]:
+    """Every live process below ``roots`` (Linux /proc; empty elsewhere)."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return []
+    for entry in entries:
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], list(roots)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie counts as ended)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+class Job:
+    """The running job on this node: ``ranks`` are the global ranks started here."""
+
+    def __init__(self, backend: str, ranks: list[int], status_dir: str):
+        self.backend, self.ranks, self.status_dir = backend, ranks, status_dir
+        self.procs: list[subprocess.Popen] = []
+        self.by_rank: dict[int, subprocess.Popen] = {}  # tcp: rank -> its supervisor
+        self.pumps: list[threading.Thread] = []
+        self.outcomes: dict[int, Outcome] = {}
+        self._pids: dict[int, int] = {}
+
+    # ----- starting ---------------------------------------------------------------------
+    def start(self, cmd_tail: list[str], env: dict, mpiexec: list[str] | None,
+              rank_env: dict[int, dict]) -> None:
+        kw = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        supervisor = [sys.executable, "-u", SUPERVISOR, *cmd_tail]
+        if mpiexec is not None:  # through --exec: mpiexec is terminated if we die
+            cmd = [sys.executable, SUPERVISOR, "--exec", *mpiexec, *supervisor]
+            self._add(subprocess.Popen(cmd, env=env, **kw), "")
+            return
+        for rank in self.ranks:
+            proc = subprocess.Popen(supervisor, env={**env, **rank_env[rank]}, **kw)
+            self.by_rank[rank] = proc
+            self._add(proc, f"[rank {rank}] ")
+
+    def _add(self, proc: subprocess.Popen, prefix: str) -> None:
+        self.procs.append(proc)
+        pump = threading.Thread(target=_pump, args=(proc.stdout, prefix), daemon=True)
+        pump.start()
+        self.pumps.append(pump)
+
+    # ----- watching ---------------------------------------------------------------------
+    def pid_of(self, rank: int) -> int | None:
+        if rank not in self._pids:
+            record = read_record(self.status_dir, f"rank{rank}.pid")
+            if record is None:
+                return None
+            self._pids[rank] = int(record["pid"])
+        return self._pids[rank]
+
+    def _records(self, rank: int) -> Outcome | None:
+        return outcome_from_records(rank, read_record(self.status_dir, f"rank{rank}.json"),
+                                    read_record(self.status_dir, f"rank{rank}.exit"))
+
+    def poll(self) -> None:
+        """Record the outcome of every rank that ended since the last call."""
+        for rank in self.ranks:
+            if rank in self.outcomes:
+                continue
+            outcome = self._records(rank) or self._silent_end(rank)
+            if outcome is not None:
+                self.outcomes[rank] = outcome
+
+    def _silent_end(self, rank: int) -> Outcome | None:
+        """The outcome of a rank whose process ended without records, else None."""
+        proc = self.by_rank.get(rank)
+        pid = self.pid_of(rank)
+        if proc is not None:
+            code = proc.poll()
+            if code is None:
+                return None
+            detail = f"its supervisor ended with {code}"
+        elif pid is not None:
+            if alive(pid):
+                return None
+            code, detail = 1, "its supervisor was killed"
+        else:
+            mpiexec = self.procs[0] if self.procs else None
+            if mpiexec is None or mpiexec.poll() is None:
+                return None
+            return Outcome(rank, "unstarted", mpiexec.returncode or 1, time.time(),
+                           f"mpiexec exited with code {mpiexec.returncode}")
+        # Records are written before the process ends: read them once more.
+        return self._records(rank) or Outcome(rank, "vanished", code or 1, time.time(), detail)
+
+    def processes_done(self) -> bool:
+        return all(p.poll() is not None for p in self.procs)
+
+    def failed(self) -> bool:
+        return any(o.kind not in ("ok", "stopped") for o in self.outcomes.values())
+
+    def done(self) -> bool:
+        return self.processes_done() and len(self.outcomes) == len(self.ranks)
+
+    def running(self) -> list[int]:
+        return [r for r in self.ranks if r not in self.outcomes]
+
+    # ----- stopping ---------------------------------------------------------------------
+    def _tree(self) -> list[int]:
+        roots = [p.pid for p in self.procs if p.poll() is None]
+        roots += [pid for r in self.ranks if (pid := self.pid_of(r)) and alive(pid)]
+        return sorted(set(roots + descendants(roots)))
+
+    @staticmethod
+    def _signal_all(pids: list[int], sig: int) -> None:
+        own_group = os.getpgrp()
+        groups = set()
+        for pid in pids:
+            try:
+                groups.add(os.getpgid(pid))
+            except ProcessLookupError:
+                continue
+        for group in groups - {own_group}:
+            try:
+                os.killpg(group, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def _wait_gone(self, pids: list[int], seconds: float) -> bool:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            for p in self.procs:
+                p.poll()  # reap our children so that they stop counting as alive
+            if not any(alive(pid) for pid in pids):
+                return True
+            time.sleep(0.05)
+        return False
+
+    def stop(self, sig: int = signal.SIGTERM, grace: float = 5.0, why: str = "") -> None:
+        """Signal every process of the job (``sig``, then SIGKILL after ``grace`` seconds);
+        ranks still running are recorded as stopped."""
+        self.poll()
+        still = self.running()
+        pids = self._tree()
+        self._signal_all(pids, sig)
+        if not self._wait_gone(pids, grace):
+            pids = sorted(set(pids) | set(self._tree()))
+            self._signal_all(pids, signal.SIGKILL)
+            self._wait_gone(pids, 10.0)
+        for p in self.procs:
+            try:
+                p.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                pass
+        name = signal.Signals(sig).name
+        for rank in still:
+            self.outcomes[rank] = Outcome(rank, "stopped", 128 + sig, time.time(),
+                                          why or f"was stopped by the launcher ({name})")
+
+    def join_pumps(self) -> None:
+        for t in self.pumps:
+            t.join(timeout=2.0)

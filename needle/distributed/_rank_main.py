@@ -1,0 +1,106 @@
+"""Runs one rank's script for the launcher: prefixes its output, records how the script ended.
+
+``python -m needle.distributed._rank_main script.py args`` (started by the ``_run_rank``
+supervisor). Before interpreter shutdown (so before the process group says goodbye to its
+peers) it writes ``$NEEDLE_LAUNCH_STATUS_DIR/rank<k>.json``: the exit code, and for an
+exception its type, message, traceback and, when a peer caused it (a ``PeerError``), that peer.
+The launcher reads it to tell the rank that failed first from those that failed because of it.
+"""
+from __future__ import annotations
+
+import io
+import os
+import runpy
+import sys
+import time
+import traceback
+
+from ._run_rank import STATUS_DIR_ENV, write_record
+
+
+class _Prefixed(io.TextIOBase):
+    """Writes whole lines, each prefixed, in one write: output of ranks never mixes mid-line.
+
+    A carriage return ends a line too (it is passed on), so a progress bar redraws in place.
+    """
+
+    def __init__(self, raw: io.TextIOBase, prefix: str):
+        self.raw, self.prefix, self.pending = raw, prefix, ""
+
+    def write(self, text: str) -> int:
+        out, self.pending = prefix_lines(self.pending + text, self.prefix)
+        if out:
+            self.raw.write(out)
+            self.raw.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        if self.pending:
+            self.raw.write(f"{self.prefix}{self.pending}\n")
+            self.pending = ""
+        self.raw.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+
+def prefix_lines(text: str, prefix: str) -> tuple[str, str]:
+    """Split ``text`` after each newline or carriage return, prefix every complete piece;
+    return (what to write now, the incomplete rest).
+
+    Example:
+        >>> prefix_lines("a\\nb\\rc", "> ")
+        ('> a\\n> b\\r', 'c')
+    """
+    out, start = [], 0
+    for i, ch in enumerate(text):
+        if ch in "\n\r":
+            out.append(prefix + text[start:i + 1])
+            start = i + 1
+    return "".join(out), text[start:]
+
+
+def _exit_code(exc: SystemExit) -> int:
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
+def _exception_record(exc: BaseException) -> dict:
+    record = {"kind": "exception", "code": 1, "error": f"{type(exc).__name__}: {exc}",
+              "traceback": traceback.format_exc()[-6000:]}
+    peer = getattr(exc, "peer", None)
+    if peer is not None and getattr(exc, "reason", None):
+        record.update(peer=int(peer), reason=exc.reason)
+    return record
+
+
+def main() -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    os.environ["NEEDLE_LAUNCH_RANK"] = str(rank)
+    if os.environ.get("NEEDLE_LAUNCH_PREFIX") == "1":
+        sys.stdout = _Prefixed(sys.stdout, f"[rank {rank}] ")
+        sys.stderr = _Prefixed(sys.stderr, f"[rank {rank}] ")
+    script = sys.argv[1]
+    sys.argv = sys.argv[1:]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    record: dict = {"kind": "exit", "code": 0}
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        record["code"] = _exit_code(exc)
+    except BaseException as exc:  # noqa: BLE001 - report any failure of the user's script
+        traceback.print_exc()
+        record = _exception_record(exc)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    record.update(rank=rank, time=time.time())
+    write_record(os.environ.get(STATUS_DIR_ENV), f"rank{rank}.json", record)
+    sys.exit(record["code"])
+
+
+if __name__ == "__main__":
+    main()
