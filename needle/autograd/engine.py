@@ -19,6 +19,7 @@ references is released as soon as its last backward use is over.
 from __future__ import annotations
 
 import heapq
+import threading
 from functools import reduce
 from operator import add
 
@@ -99,11 +100,19 @@ def _run_tensor_hooks(node, grad):
     return grad
 
 
+# Accumulation into a leaf's ``.grad`` is a read-add-assign: two threads running backward
+# into one leaf would lose contributions. Each leaf maps to one of these locks (by identity;
+# leaves sharing a lock only wait for each other), so the read-add-assign is atomic per leaf.
+_ACCUMULATE_LOCKS = tuple(threading.Lock() for _ in range(64))
+
+
 def _finish_leaf(leaf, grad, accumulate: bool) -> None:
     if leaf._hooks:
         grad = _run_tensor_hooks(leaf, grad)
-    if accumulate and leaf.grad is not None:
-        leaf.grad = leaf.grad + grad
+    if accumulate:
+        with _ACCUMULATE_LOCKS[(id(leaf) >> 4) & 63]:
+            old = leaf.grad
+            leaf.grad = grad if old is None else old + grad
     else:
         leaf.grad = grad
     if leaf._post_hooks:
