@@ -24,6 +24,7 @@ from functools import reduce
 from operator import add
 
 from .._core.errors import DeviceError, DTypeError, GraphError, ShapeError
+from .._core.versions import LAST as _LAST_CHANGE
 from ..backend_ndarray import NDArray as _NDArray
 from ..backend_selection import BACKEND
 from ..memory import categories as _mem_categories
@@ -31,6 +32,7 @@ from ..memory import observers as _mem_observers
 from . import release
 from .grad_mode import STATE
 from .value import _SEQ, describe
+from .versions import check_saved
 
 __all__ = ["backward", "compute_gradient_of_variables", "run_backward", "find_topo_sort",
            "topo_sort_dfs", "sum_node_list", "check_gradients", "describe", "graph_mark",
@@ -220,6 +222,9 @@ def _propagate(root, grad, retain_graph, create_graph, accumulate, grad_all_node
             grad = _run_tensor_hooks(node, grad)
         if grad_all_nodes or node._retains_grad:
             node.grad = grad
+        if _LAST_CHANGE[0] > node._seq:
+            # some data changed since this node was recorded: was it data the op saved?
+            check_saved(node)
         if create_graph:
             grads = node.op.gradient(grad, node)
         else:

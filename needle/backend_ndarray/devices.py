@@ -88,7 +88,7 @@ class BackendDevice:
 
     def full(self, shape, fill_value, dtype="float32"):
         arr = self.empty(shape, dtype)
-        arr.fill(fill_value)
+        arr._fill(fill_value)  # a fresh array: no version bump (needle._core.versions)
         return arr
 
     def zeros(self, *shape, dtype="float32"):
