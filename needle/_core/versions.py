@@ -37,7 +37,8 @@ import itertools
 import weakref
 from functools import partial
 
-__all__ = ["CLOCK", "LAST", "KEEP", "WriteLog", "note_write", "buffer_log", "buffer_version"]
+__all__ = ["CLOCK", "LAST", "KEEP", "BUFFER_LOGS", "WriteLog", "note_write", "buffer_log",
+           "buffer_version"]
 
 CLOCK = itertools.count(1)  # next(CLOCK): graph creation numbers and change stamps
 LAST = [0]  # stamp of the latest change of any kind (0: none yet)
@@ -86,35 +87,37 @@ class WriteLog:
         return self.count - after, exact
 
 
-# Logs of written buffers by id(handle). A handle that cannot be weakly referenced keeps its
-# log after it dies; its id may then be reused by a new buffer that inherits the count. The
-# stamps stay right: the old writes precede every node that can have saved the new buffer.
-_BUFFERS: dict[int, WriteLog] = {}
+# Logs of written buffers by id(handle); autograd's check reads it directly (it runs per saved
+# tensor), everything else goes through buffer_log. A handle that cannot be weakly referenced
+# keeps its log after it dies; its id may then be reused by a new buffer that inherits the
+# count. The stamps stay right: the old writes precede every node that can have saved the new
+# buffer.
+BUFFER_LOGS: dict[int, WriteLog] = {}
 
 
 def _forget(key: int, ref) -> None:
-    log = _BUFFERS.get(key)
+    log = BUFFER_LOGS.get(key)
     if log is not None and log.ref is ref:
-        del _BUFFERS[key]
+        del BUFFER_LOGS[key]
 
 
 def note_write(handle) -> None:
     """Record an in-place write into the buffer ``handle`` (bumps its version)."""
     key = id(handle)
-    log = _BUFFERS.get(key)
+    log = BUFFER_LOGS.get(key)
     if log is None or (log.ref is not None and log.ref() is not handle):
         log = WriteLog()
         try:
             log.ref = weakref.ref(handle, partial(_forget, key))
         except TypeError:
             log.ref = None
-        _BUFFERS[key] = log
+        BUFFER_LOGS[key] = log
     log.record()
 
 
 def buffer_log(handle) -> WriteLog | None:
     """The :class:`WriteLog` of ``handle``, or None when it was never written in place."""
-    log = _BUFFERS.get(id(handle))
+    log = BUFFER_LOGS.get(id(handle))
     if log is None or (log.ref is not None and log.ref() is not handle):
         return None
     return log

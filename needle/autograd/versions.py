@@ -32,7 +32,7 @@ Example:
 from __future__ import annotations
 
 from .._core.errors import GraphError
-from .._core.versions import LAST, WriteLog, buffer_log
+from .._core.versions import BUFFER_LOGS, LAST, WriteLog, buffer_log
 from ..backend_ndarray import NDArray as _NDArray
 from .hooks import SAVED_SELF
 from .value import Value, describe
@@ -58,20 +58,6 @@ def data_version(tensor) -> int:
     return 0 if log is None else log.count
 
 
-def _saved(node) -> list:
-    """``(label, tensor)`` for every Tensor the node's backward will read."""
-    saved = node._saved
-    if saved is None:
-        op, inputs = node.op, node.inputs
-        idx = range(len(inputs)) if op.save_inputs is None else op.save_inputs
-        items = [(f"input {i}", inputs[i]) for i in idx]
-        if op.save_output:
-            items.append(("its output", node))
-        return items
-    return [(f"tensor {k}", node if p is SAVED_SELF else p)
-            for k, p in enumerate(saved[1]) if p is SAVED_SELF or isinstance(p, Value)]
-
-
 def _handles(data) -> tuple:
     if isinstance(data, _NDArray):
         return (data._handle,)
@@ -80,10 +66,39 @@ def _handles(data) -> tuple:
     return ()  # NumPy arrays (np mode), released stand-ins: nothing to look at
 
 
+def _changed(tensor, seq: int) -> bool:
+    """True when ``tensor``'s data was replaced or its buffer written after clock ``seq``.
+
+    The common case (a Tensor over one NDArray) is inlined: this runs for every saved tensor
+    of every node whose check cannot be skipped.
+    """
+    log = tensor._data_log
+    if log is not None and log.stamps[-1] > seq:
+        return True
+    data = tensor.cached_data
+    if type(data) is _NDArray:
+        log = BUFFER_LOGS.get(id(data._handle))
+        return log is not None and log.stamps[-1] > seq
+    return any(buffer_log(h) is not None and buffer_log(h).changed_after(seq)
+               for h in _handles(data))
+
+
 def check_saved(node) -> None:
     """Raise ``GraphError`` when data that ``node``'s op saved changed after it was recorded."""
-    for label, tensor in _saved(node):
-        _check(node, label, tensor)
+    seq = node._seq
+    saved = node._saved
+    if saved is None:
+        op, inputs = node.op, node.inputs
+        for i in range(len(inputs)) if op.save_inputs is None else op.save_inputs:
+            if _changed(inputs[i], seq):
+                _check(node, f"input {i}", inputs[i])
+        if op.save_output and _changed(node, seq):
+            _check(node, "its output", node)
+        return
+    for k, packed in enumerate(saved[1]):
+        tensor = node if packed is SAVED_SELF else packed
+        if isinstance(tensor, Value) and _changed(tensor, seq):
+            _check(node, f"tensor {k}", tensor)
 
 
 def check_kept(node, kept, op_name: str | None = None) -> None:
@@ -100,6 +115,7 @@ def check_kept(node, kept, op_name: str | None = None) -> None:
 
 
 def _check(node, label, item, op_name=None) -> None:
+    """Raise, explaining the change, when ``item`` changed after ``node`` was recorded."""
     seq = node._seq
     data = item
     if isinstance(item, Value):
