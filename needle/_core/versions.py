@@ -111,7 +111,9 @@ def note_write(handle) -> None:
             log.ref = weakref.ref(handle, partial(_forget, key))
         except TypeError:
             log.ref = None
+        log.record()  # before publishing it: a reader never sees a log without stamps
         BUFFER_LOGS[key] = log
+        return
     log.record()
 
 

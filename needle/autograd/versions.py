@@ -48,7 +48,10 @@ def note_replaced(tensor) -> None:
     """
     log = tensor._data_log
     if log is None:
-        log = tensor._data_log = WriteLog()
+        log = WriteLog()
+        log.record()  # before publishing it: a reader never sees a log without stamps
+        tensor._data_log = log
+        return
     log.record()
 
 

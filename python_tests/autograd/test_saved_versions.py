@@ -241,3 +241,45 @@ def test_checkpoint_region_refuses_an_optimizer_step_on_module_weights(device):
     opt.step()
     with pytest.raises(GraphError, match="checkpoint region"):
         loss.backward()
+
+
+def test_write_logs_go_away_with_their_buffer(device):
+    import gc
+
+    before = len(versions.BUFFER_LOGS)
+    arrays = [NDArray(np.zeros(3, dtype="float32"), device=device) for _ in range(5)]
+    for a in arrays:
+        a[0:1] = 1.0
+    assert len(versions.BUFFER_LOGS) == before + 5
+    del arrays, a
+    gc.collect()
+    assert len(versions.BUFFER_LOGS) == before
+
+
+def test_version_when_saved_is_an_upper_bound_beyond_the_kept_stamps(device):
+    x = _t([1.0, 2.0], device)
+    y = ops.exp(x)
+    out = y.realize_cached_data()
+    writes = versions.KEEP + 4
+    for _ in range(writes):
+        out[1] = 0.0
+    # saved at version 0; only the last KEEP stamps are kept, so the message gives a bound
+    with pytest.raises(GraphError, match=f"expected version {writes - versions.KEEP} or less "
+                                         f".*got version {writes}"):
+        y.sum().backward()
+
+
+def test_cuda_buffers_are_versioned_and_logs_go_away(emulated_cuda):
+    """cuda() handles are weakly referenceable, so their write logs follow the buffer."""
+    import gc
+
+    dev = emulated_cuda
+    x = _t([1.0, 2.0], dev)
+    y = ops.exp(x)
+    y.realize_cached_data()[0:1] = 0.0
+    with pytest.raises(GraphError, match="Exp saved its output"):
+        y.sum().backward()
+    before = len(versions.BUFFER_LOGS)
+    del x, y
+    gc.collect()
+    assert len(versions.BUFFER_LOGS) == before - 1
