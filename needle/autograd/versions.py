@@ -107,13 +107,14 @@ def check_saved(node) -> None:
 def check_kept(node, kept, op_name: str | None = None) -> None:
     """:func:`check_saved` for data an op keeps outside ``saved_tensors``.
 
-    ``kept``: ``(label, item)`` pairs, each item a Tensor (its replacements and its buffer
-    are checked) or a backend array (its buffer). A checkpoint region keeps its arguments'
-    arrays and reads captured tensors again when it recomputes: it checks them here before.
-    ``op_name`` replaces the op's class name in the message.
+    ``kept()`` returns ``(label, item)`` pairs, each item a Tensor (its replacements and its
+    buffer are checked) or a backend array (its buffer); it is called only when something
+    changed after ``node`` was recorded. A checkpoint region keeps its arguments' arrays and
+    reads captured tensors again when it recomputes: it checks them here first. ``op_name``
+    replaces the op's class name in the message.
     """
     if LAST[0] > node._seq:
-        for label, item in kept:
+        for label, item in kept():
             _check(node, label, item, op_name)
 
 

@@ -107,7 +107,7 @@ class _RegionOp(TensorOp):
         return out
 
     def gradient(self, out_grad, node):
-        check_kept(node, self.region.kept(), f"checkpoint region {self.region.name!r}")
+        check_kept(node, self.region.kept, f"checkpoint region {self.region.name!r}")
         return self.region.backward([out_grad])
 
 
@@ -115,7 +115,7 @@ class _RegionTupleOp(TensorTupleOp, _RegionOp):  # TensorTupleOp first: its __ca
     """The checkpoint node of a region with several tensor outputs."""
 
     def gradient(self, out_grad, node):
-        check_kept(node, self.region.kept(), f"checkpoint region {self.region.name!r}")
+        check_kept(node, self.region.kept, f"checkpoint region {self.region.name!r}")
         return self.region.backward([out_grad[i] for i in range(len(node.cached_data))])
 
 

@@ -283,3 +283,16 @@ def test_cuda_buffers_are_versioned_and_logs_go_away(emulated_cuda):
     del x, y
     gc.collect()
     assert len(versions.BUFFER_LOGS) == before - 1
+
+
+def test_data_version_counts_replacements(device):
+    from needle.autograd.versions import data_version
+
+    layer = nn.Linear(2, 2, device=device)
+    w = layer.weight
+    assert data_version(w) == 0
+    layer(_t([[1.0, 2.0]], device)).sum().backward()
+    optim.SGD(layer.parameters(), lr=0.1).step()
+    assert data_version(w) == 1
+    w.data = _t(np.zeros((2, 2)), device)
+    assert data_version(w) == 2
