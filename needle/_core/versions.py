@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from collections import deque
 from functools import partial
 
 __all__ = ["CLOCK", "LAST", "KEEP", "BUFFER_LOGS", "WriteLog", "note_write", "buffer_log",
@@ -59,17 +60,14 @@ class WriteLog:
 
     def __init__(self):
         self.count = 0
-        self.stamps: list[int] = []
+        self.stamps: deque[int] = deque(maxlen=KEEP)  # the oldest drop out
         self.ref = None  # weak reference to the buffer handle (buffer logs only)
 
     def record(self) -> int:
         """Count one change now; returns its stamp."""
         stamp = next(CLOCK)
         self.count += 1
-        stamps = self.stamps
-        stamps.append(stamp)
-        if len(stamps) > KEEP:
-            del stamps[0]
+        self.stamps.append(stamp)
         if stamp > LAST[0]:
             LAST[0] = stamp
         return stamp
@@ -105,7 +103,7 @@ def note_write(handle) -> None:
     """Record an in-place write into the buffer ``handle`` (bumps its version)."""
     key = id(handle)
     log = BUFFER_LOGS.get(key)
-    if log is None or (log.ref is not None and log.ref() is not handle):
+    if log is None:  # (a log under this id is this handle's: a dead handle's log is gone)
         log = WriteLog()
         try:
             log.ref = weakref.ref(handle, partial(_forget, key))
@@ -119,10 +117,7 @@ def note_write(handle) -> None:
 
 def buffer_log(handle) -> WriteLog | None:
     """The :class:`WriteLog` of ``handle``, or None when it was never written in place."""
-    log = BUFFER_LOGS.get(id(handle))
-    if log is None or (log.ref is not None and log.ref() is not handle):
-        return None
-    return log
+    return BUFFER_LOGS.get(id(handle))
 
 
 def buffer_version(handle) -> int:
