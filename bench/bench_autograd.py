@@ -3,7 +3,12 @@
 The chain cycles add, mul, tanh, matmul, relu; timings are per op (chain time / 50), median
 of alternating repeats (needle, torch, needle, torch, ...). Forward is timed with graph
 recording on; forward+backward adds ``sum().backward()``. Tiny tensors: this measures Python
-and dispatch overhead, which decides the speed of small models (PERF_NOTES).
+and dispatch overhead, which decides the speed of small models.
+
+The column ``needle chk`` runs the same chain with one in-place write into an unrelated array
+between forward and backward: backward then checks the saved tensors of every node (the
+version check's slow path, autograd/versions.py); plain ``needle`` shows the common case,
+where no write happened and the check is one integer comparison per node.
 
 Run:  python bench/bench_autograd.py [--repeats 30] [--device cpu|cpu_numpy]
 """
@@ -25,14 +30,15 @@ from needle.autograd import Tensor  # noqa: E402
 N_OPS = 50
 
 
-def needle_chain(device):
+def needle_chain(device, write_between=False):
     rng = np.random.default_rng(0)
     x = Tensor(rng.standard_normal((10, 10)), device=device, dtype="float32")
     w = Tensor(rng.standard_normal((10, 10)) * 0.3, device=device, dtype="float32")
     c = Tensor(rng.standard_normal((10, 10)) * 0.1, device=device, dtype="float32",
                requires_grad=False)
-
-    return _chain(x, w, c, ops.tanh, ops.relu)
+    other = Tensor(np.zeros(4), device=device, dtype="float32").realize_cached_data()
+    between = (lambda: other.fill(0.0)) if write_between else None
+    return _chain(x, w, c, ops.tanh, ops.relu, between)
 
 
 def torch_chain():
@@ -48,7 +54,7 @@ def torch_chain():
     return _chain(x, w, c, torch.tanh, torch.relu)
 
 
-def _chain(x, w, c, tanh, relu):
+def _chain(x, w, c, tanh, relu, between=None):
     """The same 50-op chain for either framework: (forward, forward + backward) closures."""
 
     def forward():
@@ -68,7 +74,10 @@ def _chain(x, w, c, tanh, relu):
         return h
 
     def step():
-        forward().sum().backward()
+        loss = forward().sum()
+        if between is not None:
+            between()
+        loss.backward()
         x.grad = None
         w.grad = None
 
@@ -93,7 +102,7 @@ def main(argv=None) -> None:
     device = device_by_name(args.device)
     if not device.enabled():
         raise SystemExit(f"device {args.device}() not available")
-    runs = {"needle": needle_chain(device)}
+    runs = {"needle": needle_chain(device), "needle chk": needle_chain(device, True)}
     try:
         runs["torch"] = torch_chain()
     except ImportError:
@@ -110,14 +119,17 @@ def main(argv=None) -> None:
     print(f"50-op chain (add, mul, tanh, matmul, relu) on 10x10 float32, device "
           f"{args.device}(); µs per op over {args.repeats} alternating repeats "
           f"(median, and best = least disturbed by other load)")
-    header = "".join(f"{name + ' med':>13s}{name + ' best':>13s}" for name in runs)
-    print(f"{'':9s}{header}" + ("   ratio med / best" if "torch" in runs else ""))
+    header = "".join(f"{name + ' med':>16s}{name + ' best':>16s}" for name in runs)
+    print(f"{'':9s}{header}   chk/needle med / best"
+          + ("   needle/torch med / best" if "torch" in runs else ""))
     for kind in ("fwd", "fwd+bwd"):
         med = {name: statistics.median(results[name][kind]) for name in runs}
         best = {name: min(results[name][kind]) for name in runs}
-        line = f"{kind:9s}" + "".join(f"{med[n]:13.2f}{best[n]:13.2f}" for n in runs)
+        line = f"{kind:9s}" + "".join(f"{med[n]:16.2f}{best[n]:16.2f}" for n in runs)
+        line += (f"   {med['needle chk'] / med['needle']:9.3f}x / "
+                 f"{best['needle chk'] / best['needle']:.3f}x")
         if "torch" in runs:
-            line += (f"   {med['needle'] / med['torch']:.2f}x / "
+            line += (f"   {med['needle'] / med['torch']:12.2f}x / "
                      f"{best['needle'] / best['torch']:.2f}x")
         print(line)
 

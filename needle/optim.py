@@ -22,6 +22,7 @@ import numpy as np
 
 from ._core.errors import NeedleError, ShapeError
 from .autograd import Tensor
+from .autograd.versions import note_replaced
 from .memory import attribute as _attribute
 from .memory import framework_category as _framework_category
 
@@ -53,6 +54,7 @@ def _assign(p: Tensor, array) -> None:
     # gradient (np mode lets float64 data reach float32 weights) must not widen the weight.
     dtype = p.cached_data.dtype
     p.cached_data = array if array.dtype == dtype else array.astype(dtype)
+    note_replaced(p)  # a graph recorded before this step must not use the new weights
 
 
 def _to_numpy(array) -> np.ndarray:

@@ -19,10 +19,12 @@ references is released as soon as its last backward use is over.
 from __future__ import annotations
 
 import heapq
+import threading
 from functools import reduce
 from operator import add
 
 from .._core.errors import DeviceError, DTypeError, GraphError, ShapeError
+from .._core.versions import LAST as _LAST_CHANGE
 from ..backend_ndarray import NDArray as _NDArray
 from ..backend_selection import BACKEND
 from ..memory import categories as _mem_categories
@@ -30,6 +32,7 @@ from ..memory import observers as _mem_observers
 from . import release
 from .grad_mode import STATE
 from .value import _SEQ, describe
+from .versions import check_saved
 
 __all__ = ["backward", "compute_gradient_of_variables", "run_backward", "find_topo_sort",
            "topo_sort_dfs", "sum_node_list", "check_gradients", "describe", "graph_mark",
@@ -99,11 +102,19 @@ def _run_tensor_hooks(node, grad):
     return grad
 
 
+# Accumulation into a leaf's ``.grad`` is a read-add-assign: two threads running backward
+# into one leaf would lose contributions. Each leaf maps to one of these locks (by identity;
+# leaves sharing a lock only wait for each other), so the read-add-assign is atomic per leaf.
+_ACCUMULATE_LOCKS = tuple(threading.Lock() for _ in range(64))
+
+
 def _finish_leaf(leaf, grad, accumulate: bool) -> None:
     if leaf._hooks:
         grad = _run_tensor_hooks(leaf, grad)
-    if accumulate and leaf.grad is not None:
-        leaf.grad = leaf.grad + grad
+    if accumulate:
+        with _ACCUMULATE_LOCKS[(id(leaf) >> 4) & 63]:
+            old = leaf.grad
+            leaf.grad = grad if old is None else old + grad
     else:
         leaf.grad = grad
     if leaf._post_hooks:
@@ -211,6 +222,9 @@ def _propagate(root, grad, retain_graph, create_graph, accumulate, grad_all_node
             grad = _run_tensor_hooks(node, grad)
         if grad_all_nodes or node._retains_grad:
             node.grad = grad
+        if _LAST_CHANGE[0] > node._seq:
+            # some data changed since this node was recorded: was it data the op saved?
+            check_saved(node)
         if create_graph:
             grads = node.op.gradient(grad, node)
         else:

@@ -6,6 +6,11 @@ with more than ``elementwise_limit`` elements along ``directions`` random unit d
 ``v`` (``(L(x+εv) − L(x−εv)) / 2ε`` against ``<dL/dx, v>``), which keeps the cost at a few
 forward passes however large the input.
 
+A check fails (``GraphError``) on any difference beyond the tolerance and on any value that is
+not finite: an output of ``fn`` at the input, a backward gradient, or a central difference
+(the function is NaN or Inf a step away). Comparisons are written so that NaN fails them
+(``not diff <= tol``): with ``diff > tol`` a NaN anywhere would pass every check.
+
 Example:
     >>> import needle as ndl
     >>> from needle.autograd import gradcheck
@@ -51,7 +56,8 @@ def gradcheck(fn, *inputs, eps=1e-6, atol=1e-5, rtol=1e-3, directions=3, seed=0,
         True when every check passes.
 
     Raises:
-        GraphError: naming the input, the expected (numerical) and actual (backward) values.
+        GraphError: naming the input, the expected (numerical) and actual (backward) values;
+            also when an output, a gradient or a central difference is NaN or Inf.
     """
     rng = numpy.random.default_rng(seed)
     devices = [_device_of(x, Tensor) for x in inputs]
@@ -64,6 +70,8 @@ def gradcheck(fn, *inputs, eps=1e-6, atol=1e-5, rtol=1e-3, directions=3, seed=0,
     leaves = make(bases, True)
     with enable_grad():
         outs = _outputs(fn(*leaves))
+    for k, o in enumerate(outs):
+        _require_finite(f"output {k} of fn at the input", o.numpy())
     weights = [rng.standard_normal(o.shape) for o in outs]
 
     def loss(arrays) -> float:
@@ -80,8 +88,20 @@ def gradcheck(fn, *inputs, eps=1e-6, atol=1e-5, rtol=1e-3, directions=3, seed=0,
         total.backward()
     for i, leaf in enumerate(leaves):
         grad = numpy.zeros_like(bases[i]) if leaf.grad is None else leaf.grad.numpy()
+        _require_finite(f"backward gradient of input {i}", grad)
         _check_input(i, grad, bases, loss, eps, atol, rtol, directions, rng, elementwise_limit)
     return True
+
+
+def _require_finite(what: str, values) -> None:
+    values = numpy.asarray(values)
+    finite = numpy.isfinite(values)
+    if not finite.all():
+        nans, infs = int(numpy.isnan(values).sum()), int(numpy.isinf(values).sum())
+        raise GraphError(
+            f"gradcheck: {what} is not finite, expected finite values, got {nans} NaN and "
+            f"{infs} Inf of {values.size} elements (first at index "
+            f"{numpy.unravel_index(int(numpy.argmin(finite)), values.shape)})")
 
 
 def _check_input(i, grad, bases, loss, eps, atol, rtol, directions, rng, limit) -> None:
@@ -101,9 +121,15 @@ def _check_input(i, grad, bases, loss, eps, atol, rtol, directions, rng, limit) 
         minus = loss(arrays)
         numeric = (plus - minus) / (2 * eps)
         analytic = float((grad * v).sum())
-        if abs(numeric - analytic) > atol + rtol * abs(numeric):
-            where = (f"element {numpy.unravel_index(int(numpy.argmax(v)), base.shape)}"
-                     if base.size <= limit else "a random direction")
+        where = (f"element {numpy.unravel_index(int(numpy.argmax(v)), base.shape)}"
+                 if base.size <= limit else "a random direction")
+        if not numpy.isfinite(numeric):
+            raise GraphError(
+                f"gradcheck: central difference of input {i} (shape {base.shape}) along "
+                f"{where} is not finite, expected fn finite within eps={eps} of the input, "
+                f"got L(x+eps·v)={plus:.8g}, L(x-eps·v)={minus:.8g}")
+        # ``not <=``: a NaN fails the comparison instead of passing it
+        if not abs(numeric - analytic) <= atol + rtol * abs(numeric):
             raise GraphError(
                 f"gradcheck: gradient of input {i} (shape {base.shape}) wrong along {where}, "
                 f"expected {numeric:.8g} (central difference), got {analytic:.8g} (backward)")

@@ -24,6 +24,7 @@ from ..backend_selection import BACKEND, NDArray, array_api, cpu, default_device
 from ..memory import categories as _mem_categories
 from . import engine
 from .value import Op, Value, leaf, make_from_op
+from .versions import note_replaced
 
 __all__ = ["Tensor", "TensorTuple", "TensorOp", "TensorTupleOp", "SparseTupleGrad",
            "ImplicitGradWarning", "register_operator_ops", "const"]
@@ -131,6 +132,7 @@ class Tensor(Value):
             raise DTypeError(
                 f"Tensor.data: dtype differs, expected {self.dtype}, got {value.dtype}")
         self.cached_data = value.realize_cached_data()
+        note_replaced(self)  # a graph that saved this tensor must not use the new data
 
     @property
     def shape(self) -> tuple:

@@ -14,10 +14,9 @@ Example:
 """
 from __future__ import annotations
 
-import itertools
-
 from .._core.errors import GraphError
 from .._core.handles import RemovableHandle
+from .._core.versions import CLOCK
 from ..backend_selection import BACKEND
 from ..memory import categories as _mem_categories
 from ..memory import observers as _mem_observers
@@ -29,7 +28,10 @@ __all__ = ["Op", "Value", "describe", "make_from_op", "leaf", "live_count"]
 
 LAZY_MODE = False  # the course's switch: record without computing (realize_cached_data later)
 TENSOR_COUNTER = 0  # live Values: +1 when made, -1 in __del__ (the course's leak check)
-_SEQ = itertools.count()  # creation order; the engine runs later-created nodes first
+# Creation order; the engine runs later-created nodes first. The same clock stamps in-place
+# writes and data replacements (needle._core.versions): "changed after this node was
+# recorded" is ``stamp > node._seq``.
+_SEQ = CLOCK
 _ND = BACKEND == "nd"
 # needle.memory (L2) attribution: while a recorded op computes, allocations default to the
 # "activation" category (one thread-local field, written twice per recorded op).
@@ -187,6 +189,7 @@ class Value:
     _tracked = False  # may be released once only the graph holds it (release.py)
     _links = 0  # consumers recorded with this node as an input, counted while tracked
     _keep = False  # some op saves this node's data for backward
+    _data_log = None  # replacements of this tensor's data (autograd/versions.py)
 
     def realize_cached_data(self):
         """The backend array of this value (computed once from the inputs)."""

@@ -106,7 +106,7 @@ class BackendDevice:
         # (a disabled device fails at self.Array with BackendUnavailable)
         arr = _nd().empty_checked(op, shape, self, canonical_dtype(dtype, op))
         if fill_value is not None:
-            arr.fill(fill_value)
+            arr._fill(fill_value)  # a fresh array: no version bump (needle._core.versions)
         return arr
 
 

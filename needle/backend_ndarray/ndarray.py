@@ -24,6 +24,7 @@ import numpy as np
 
 from .._core.dtypes import canonical_dtype, numpy_dtype
 from .._core.errors import AxisError, DTypeError, ShapeError
+from .._core.versions import note_write as _note_write
 from .devices import (
     BackendDevice,
     all_devices,
@@ -187,7 +188,15 @@ class NDArray:
         return host_copy(self._device, self._handle, self._shape, self._strides, self._offset)
 
     def fill(self, value) -> None:
-        """Set every element of this (possibly strided) view to ``value``."""
+        """Set every element of this (possibly strided) view to ``value``.
+
+        An in-place write: bumps the version of the buffer (see ``needle._core.versions``).
+        """
+        self._fill(value)
+        _note_write(self._handle)
+
+    def _fill(self, value) -> None:
+        # fill without a version bump, for arrays only their creator can see yet
         if self.is_compact():
             self._device.fill(self._handle, float(value))
         else:
@@ -303,7 +312,15 @@ class NDArray:
         return self._index_view(idxs, "getitem")
 
     def __setitem__(self, idxs, other) -> None:
-        """Write ``other`` (an NDArray with as many elements, or a scalar) into the view."""
+        """Write ``other`` (an NDArray with as many elements, or a scalar) into the view.
+
+        An in-place write: bumps the version of the buffer (see ``needle._core.versions``).
+        """
+        self._setitem(idxs, other)
+        _note_write(self._handle)
+
+    def _setitem(self, idxs, other) -> None:
+        # __setitem__ without a version bump, for arrays only their creator can see yet
         view = self._index_view(idxs, "setitem")
         if isinstance(other, NDArray):
             if other.size != view.size:
@@ -484,7 +501,7 @@ class NDArray:
             if op != "sum":
                 raise ShapeError(f"{op}: zero-size reduction has no identity, expected a "
                                  f"non-empty axis, got shape {self._shape} axis {axis}")
-            out.fill(0.0)
+            out._fill(0.0)
             return out
         kernel(view._handle, out._handle, reduce_size)
         return out
@@ -517,8 +534,9 @@ class NDArray:
                              f"got {axes}")
         shape = tuple(n + lo + hi for n, (lo, hi) in zip(self._shape, axes, strict=True))
         out = _alloc(shape, self._device, self._handle.dtype, "pad")
-        out.fill(0.0)
-        out[tuple(slice(lo, lo + n) for n, (lo, _) in zip(self._shape, axes, strict=True))] = self
+        out._fill(0.0)
+        region = tuple(slice(lo, lo + n) for n, (lo, _) in zip(self._shape, axes, strict=True))
+        out._setitem(region, self)
         return out
 
 

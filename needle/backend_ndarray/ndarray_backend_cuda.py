@@ -44,7 +44,8 @@ _EW, _ST, _RD, _MM = "elementwise.cu", "strided.cu", "reduce.cu", "matmul.cu"
 class Array:
     """A flat device buffer of ``size`` elements of ``dtype`` from the backend's allocator."""
 
-    __slots__ = ("_owner", "_ptr", "_size", "_dtype", "_itemsize")
+    # __weakref__: in-place write logs (needle._core.versions) go away with their buffer
+    __slots__ = ("_owner", "_ptr", "_size", "_dtype", "_itemsize", "__weakref__")
 
     def __init__(self, size: int, dtype: str = "float32"):
         dtype = np.dtype(dtype).name

@@ -126,7 +126,7 @@ def stack(arrays, axis: int = 0):
     index = [slice(None)] * ndim
     for i, arr in enumerate(arrays):
         index[axis] = slice(i, i + 1)
-        out[tuple(index)] = arr
+        out._setitem(tuple(index), arr)  # a fresh array: no version bump
     return out
 
 
@@ -147,7 +147,7 @@ def concatenate(arrays, axis: int = 0):
     index, start = [slice(None)] * first.ndim, 0
     for arr in arrays:
         index[axis] = slice(start, start + arr.shape[axis])
-        out[tuple(index)] = arr
+        out._setitem(tuple(index), arr)  # a fresh array: no version bump
         start += arr.shape[axis]
     return out
 

@@ -41,6 +41,7 @@ from .._core.errors import CheckpointError
 from ..autograd import Tensor, TensorOp, TensorTuple, TensorTupleOp, Value, saved_tensors_hooks
 from ..autograd.engine import boundary_edges, edge_gradients, graph_mark, recorded_after
 from ..autograd.grad_mode import STATE, enable_grad
+from ..autograd.versions import check_kept
 from .state import ModuleState, modules_of
 
 __all__ = ["checkpoint", "is_recomputing"]
@@ -106,6 +107,7 @@ class _RegionOp(TensorOp):
         return out
 
     def gradient(self, out_grad, node):
+        check_kept(node, self.region.kept, f"checkpoint region {self.region.name!r}")
         return self.region.backward([out_grad])
 
 
@@ -113,6 +115,7 @@ class _RegionTupleOp(TensorTupleOp, _RegionOp):  # TensorTupleOp first: its __ca
     """The checkpoint node of a region with several tensor outputs."""
 
     def gradient(self, out_grad, node):
+        check_kept(node, self.region.kept, f"checkpoint region {self.region.name!r}")
         return self.region.backward([out_grad[i] for i in range(len(node.cached_data))])
 
 
@@ -129,6 +132,17 @@ class _Region:
         self.rng_state = None
         self.slots: list = []  # ("arg", j) or ("captured", tensor), one per edge
         self.record = None
+
+    def kept(self) -> list:
+        """What the recomputation will read: the arguments' arrays, the captured tensors and
+        the module arrays of the snapshot (autograd's version check looks at them first)."""
+        out = [(f"argument {j}", a[0]) for j, (a, is_tensor) in
+               enumerate(zip(self.args, self.is_tensor, strict=True)) if is_tensor]
+        captured = [s[1] for s in self.slots if s[0] == "captured"]
+        out += [(f"captured tensor {k}", t) for k, t in enumerate(captured)]
+        out += [(f"module attribute {key!r}", data)
+                for key, data in self.modules.snapshot_arrays()]
+        return out
 
     # -- shared by forward and recomputation ------------------------------------------------
     def _fresh_args(self) -> list:

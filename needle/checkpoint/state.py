@@ -95,6 +95,14 @@ class ModuleState:
             snap.append((m, entries))
         return snap
 
+    def snapshot_arrays(self) -> list:
+        """``(attribute name, array)`` of every Tensor attribute in the first forward's
+        snapshot: the arrays a recomputation reads."""
+        if not self.before:
+            return []
+        return [(key, data) for _, entries in self.before for key, _, data in entries
+                if data is not None]
+
     @staticmethod
     def _restore(snap: list) -> None:
         from ..autograd import Tensor

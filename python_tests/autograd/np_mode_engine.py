@@ -61,3 +61,47 @@ def test_hooks_work_in_np_mode():
     x.register_hook(lambda g: calls.append(g.numpy()))
     (x * 3).sum().backward()
     np.testing.assert_allclose(calls[0], [3.0, 3.0])
+
+
+def test_data_assignment_after_forward_raises_in_np_mode():
+    import pytest
+
+    from needle._core.errors import GraphError
+
+    x, w = Tensor(np.array([[1.0, 1.0]])), Tensor(np.array([[2.0], [3.0]]))
+    y = (x @ w).sum()
+    w.data = Tensor(np.array([[100.0], [100.0]]))
+    with pytest.raises(GraphError, match="MatMul saved input 1.*expected data version 0"):
+        y.backward()
+
+
+def test_optimizer_step_between_forward_and_backward_raises_in_np_mode():
+    import pytest
+
+    from needle import nn, optim
+    from needle._core.errors import GraphError
+
+    layer = nn.Linear(3, 2)
+    x = Tensor(np.ones((4, 3), dtype="float32"))
+    opt = optim.SGD(layer.parameters(), lr=0.1)
+    layer(x).sum().backward()
+    loss = layer(x).sum()
+    opt.step()
+    with pytest.raises(GraphError, match="replaced"):
+        loss.backward()
+
+
+def test_course_hw1_gradient_check_pattern_in_np_mode():
+    """hw1 perturbs ``cached_data`` (a NumPy array) in place, then runs fresh forwards."""
+    x = Tensor(np.array([[0.5, -1.0], [2.0, 0.25]]))
+    eps = 1e-5
+    numeric = np.zeros((2, 2))
+    for j in range(4):
+        x.realize_cached_data().flat[j] += eps
+        f1 = float(ops.exp(x).sum().numpy())
+        x.realize_cached_data().flat[j] -= 2 * eps
+        f2 = float(ops.exp(x).sum().numpy())
+        x.realize_cached_data().flat[j] += eps
+        numeric.flat[j] = (f1 - f2) / (2 * eps)
+    ops.exp(x).sum().backward()
+    np.testing.assert_allclose(x.grad.numpy(), numeric, rtol=1e-6)
