@@ -15,8 +15,8 @@ optimizer moments   4 each  4 each   (adam/adamw: 2, sgd_momentum: 1, sgd: 0)
 Sharding (ZeRO over ``dp`` data-parallel workers): stage 1 divides master weights and moments
 by ``dp``, stage 2 also gradients, stage 3 also working weights. Tensor and pipeline
 parallelism divide every model-state term by ``tp * pp``. Each term is measured in its own
-allocator category: ``weight``, ``gradient``, ``master`` and ``optimizer`` (the moments). Activations =
-``prod(batch_shape) * width * ceil(num_layers / pp) * activation_arrays_per_layer *
+allocator category: ``weight``, ``gradient``, ``master`` and ``optimizer`` (the moments).
+Activations = ``prod(batch_shape) * width * ceil(num_layers / pp) * activation_arrays_per_layer *
 bytes_per_activation`` (kept whole on each of the ``tp`` workers, a conservative choice);
 ``margin`` is a fraction of state + activations. Shares that do not divide evenly round up
 (the largest shard is what must fit), unless ``rank`` names one worker: then the sharded
@@ -139,7 +139,7 @@ def shard_elements(sizes, dp: int, rank: int) -> int:
 
     Example:
         >>> [shard_elements([10, 3], 4, r) for r in range(4)]
-        [2, 3, 3, 5]
+        [2, 4, 3, 4]
     """
     return sum((rank + 1) * n // dp - rank * n // dp for n in sizes)
 

@@ -6,7 +6,6 @@ import threading
 import numpy as np
 import pytest
 
-import needle as ndl
 from needle import amp, nn, ops
 from needle._core.errors import NeedleError
 from needle.autograd import Tensor
