@@ -398,20 +398,22 @@ class ZeroDataParallel:
         """Payload bytes this rank's ZeRO collectives have sent so far (measured)."""
         return int(self.comm.bytes_sent["ring"])
 
-    def predicted_traffic(self) -> dict[str, int]:
+    def predicted_traffic(self, micro_batches: int = 1) -> dict[str, int]:
         """Bytes this rank sends in one training step, from the layouts (ring: every segment
         but one per collective): gradient reduce-scatter, weight all-gathers (after the step
-        in stages 1-2; before each module's forward and backward in stage 3), their total,
-        and a ring all-reduce of the same gradients (what DDP sends) for comparison."""
+        in stages 1-2; before each module's forward and backward in stage 3, so once per
+        micro-batch when accumulating), their total, and a ring all-reduce of the same
+        gradients (what DDP sends) for comparison."""
         rs = sum(b.layout.sent_elements(self.rank, "reduce_scatter") * b.members[0].itemsize
                  for b in self.buckets)
         if self.units is None:
             ag = sum(b.layout.sent_elements(self.rank, "all_gather") * b.members[0].itemsize
                      for b in self.buckets)
         else:
-            ag = 2 * sum(lay.sent_elements(self.rank, "all_gather") * g[0].itemsize
-                         for u in self.units.units for g, lay in zip(u.groups, u.layouts,
-                                                                     strict=True))
+            per_gather = sum(lay.sent_elements(self.rank, "all_gather") * g[0].itemsize
+                             for u in self.units.units
+                             for g, lay in zip(u.groups, u.layouts, strict=True))
+            ag = 2 * int(micro_batches) * per_gather
         ddp = sum(b.layout.sent_elements(self.rank, k) * b.members[0].itemsize
                   for b in self.buckets for k in ("reduce_scatter", "all_gather"))
         return {"reduce_scatter": rs, "all_gather": ag, "total": rs + ag, "ddp_all_reduce": ddp}
