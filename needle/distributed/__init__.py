@@ -56,6 +56,10 @@ def __getattr__(name: str):
         from .ddp import DistributedDataParallel
 
         return DistributedDataParallel
+    if name == "check_equivalence":
+        from .equivalence import check_equivalence
+
+        return check_equivalence
     if name in ("ZeroDataParallel", "zero"):
         import importlib
 

@@ -27,6 +27,11 @@ def build_model(device=None, dtype="float32", seed=0):
                              nn.Linear(13, CLASSES, device=device, dtype=dtype))
 
 
+def float64_mlp():
+    return nn.Sequential(nn.Linear(5, 7, dtype="float64"), nn.ReLU(),
+                         nn.Linear(7, 3, dtype="float64"))
+
+
 def data(step: int, rank: int, world: int, dtype="float32"):
     rng = np.random.default_rng(100 + step)
     x = rng.standard_normal((BATCH, IN))

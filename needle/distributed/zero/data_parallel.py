@@ -350,6 +350,18 @@ class ZeroDataParallel:
             return self.units.gather_all_host()
         return [e.param.numpy() for e in self.entries]
 
+    def full_gradients(self) -> list[np.ndarray]:
+        """Every parameter's reduced gradient as a host array, assembled from every rank's
+        pieces (collective; after :meth:`finish_gradient_sync`, before the step)."""
+        out = []
+        for e in self.entries:
+            flat = np.zeros(e.size, dtype=e.dtype)
+            if e.shard is not None and e.shard.grad is not None:
+                flat[e.lo:e.hi] = host(e.shard.grad.realize_cached_data())
+            all_gather_v(flat, e.bounds, self.comm)
+            out.append(flat.reshape(e.shape))
+        return out
+
     @contextmanager
     def gathered(self) -> Iterator[None]:
         """Stage 3: the whole weights in place for the block (collective; others: no-op)."""

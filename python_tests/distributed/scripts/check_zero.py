@@ -27,6 +27,12 @@ from needle.distributed.zero import accounting  # noqa: E402
 def check_equal(rank: int, world: int) -> None:
     for stage in (1, 2, 3):
         _zero_checks.check_matches_ddp(rank, world, stage)
+    X = np.random.default_rng(1).standard_normal((23, 5))
+    y = np.arange(23) % 3
+    for strategy in ("ddp", "zero"):  # inside the process group: every rank calls it
+        report = dist.check_equivalence(_zero_checks.float64_mlp, nn.SoftmaxLoss(), X, y,
+                                        accumulate=3, strategy=strategy, verbose=rank == 0)
+        assert report.world_size == world and report.total == 23
     print(f"ZERO EQUAL OK rank {rank} of {world} on {dist.get_backend()}")
 
 
