@@ -104,7 +104,7 @@ def _measure(kind, stage, precision, args, device) -> dict:
     want = accounting.predicted(model, inner, stage, world, rank)
     if kind == "zero":
         predicted_traffic = wrapper.predicted_traffic()["total"]
-        wrapper.remove_hooks()
+        wrapper.close()
     else:
         n = sum(int(np.prod(p.shape)) * np.dtype(str(p.dtype)).itemsize
                 for p in model.parameters())

@@ -171,3 +171,20 @@ def test_master_weights_are_their_own_memory_category():
     opt.step()
     now = {c: r["current_requested"] - base[c] for c, r in mem.stats(dev)["by_category"].items()}
     assert now["master"] == 4000 and now["optimizer"] == 8000 and now["weight"] == 2000
+
+
+@pytest.mark.slow
+def test_a_mixed_precision_step_on_cuda_tensors_matches_the_host(emulated_cuda):
+    """autocast + GradScaler + float32 masters on cuda() parameters (CUDA emulator)."""
+    results = []
+    for device in (ndl.cpu_numpy(), emulated_cuda):
+        model = _model(device, seed=4)
+        opt = optim.Adam(model.parameters(), lr=1e-2)
+        scaler = amp.GradScaler(init_scale=2.0 ** 8)
+        for step in range(2):
+            assert _step(model, opt, scaler, *_batch(device, step))
+        assert all(str(m.dtype) == "float32" and m.device == device
+                   for m in opt.master.values())
+        results.append([p.numpy() for p in model.parameters()])
+    for a, b in zip(*results, strict=True):
+        np.testing.assert_allclose(a.astype(np.float32), b.astype(np.float32), atol=2e-3)

@@ -57,7 +57,8 @@ class ZeroDataParallel:
         stage: 1, 2 or 3.
         bucket_cap_mb: gradient bucket size in MiB (full-gradient bytes).
         group: the process group (default: the world); ZeRO's own traffic runs on a private
-            group over the same ranks, so it is measured on its own (``traffic``).
+            group over the same ranks, so it is measured on its own (``bytes_sent``); call
+            :meth:`close` when done with this wrapper to stop that group's thread.
         prefetch: stage 3: start gathering the next module's weights while one computes.
         find_unused_parameters: treat parameters that got no gradient as zero gradients.
 
@@ -431,8 +432,15 @@ class ZeroDataParallel:
         return {"reduce_scatter": rs, "all_gather": ag, "total": rs + ag, "ddp_all_reduce": ddp}
 
     def remove_hooks(self) -> None:
+        """Detach from the module: gradient hooks, stage-3 forward wrappers."""
         for handle in self._handles:
             handle.remove()
         if self.units is not None:
             self.units.detach()
+
+    def close(self) -> None:
+        """:meth:`remove_hooks` and close ZeRO's private process group (the module keeps
+        whatever data its parameters hold now; gather first in stage 3 if it must be whole)."""
+        self.remove_hooks()
+        self.comm.destroy()
 

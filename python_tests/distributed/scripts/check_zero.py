@@ -53,7 +53,7 @@ def one_step(stage: int, precision: str, device) -> dict:
     del loss, out
     assert scaler.step(zero.optimizer)
     row = accounting.report(zero, device)
-    zero.remove_hooks()
+    zero.close()
     return row
 
 
