@@ -5,8 +5,20 @@ Example:
         --device cpu_numpy --plot step.png
 
 Models: ``mlp_resnet`` (the course's hw2 MLP-ResNet on MNIST-shaped input: 784 → hidden, blocks
-of Linear/BatchNorm/ReLU/Dropout/Linear/BatchNorm with a residual, → 10 classes) and ``mlp``
-(``--num-layers`` × Linear+ReLU of width ``--hidden-dim``). Inputs are random, seeded.
+of Linear/BatchNorm/ReLU/Dropout/Linear/BatchNorm with a residual, → 10 classes), ``mlp``
+(``--num-layers`` × Linear+ReLU of width ``--hidden-dim``) and ``linear`` (one bias-free
+``Linear(--input-dim, --hidden-dim)``). Inputs are random, seeded.
+
+Model state per rank (weights, gradients, master weights, optimizer moments) under data
+parallelism, ZeRO, mixed precision and gradient accumulation, predicted beside measured::
+
+    python apps/memory_report.py --model linear --input-dim 1000 --hidden-dim 1000 \\
+        --strategy zero --zero-stage 2 --nproc 4 --precision fp16-mixed --device cpu
+
+(1,000,000 parameters: 5,500,000 bytes per rank.) ``--strategy ddp|zero`` start ``--nproc``
+ranks through needle's launcher; ``--strategy single`` with ``--precision``/``--accumulate``
+reports one process. The same command runs under the memory profiler of your own scripts,
+``python -m needle.memory report apps/memory_report.py --strategy zero ...``.
 
 To measure your own script instead: ``python -m needle.memory report your_script.py``.
 """
@@ -24,7 +36,8 @@ import needle as ndl  # noqa: E402
 from needle import nn, optim  # noqa: E402
 from needle.memory.report import training_step_report  # noqa: E402
 
-MODELS = ("mlp_resnet", "mlp")
+MODELS = ("mlp_resnet", "mlp", "linear")
+STRATEGIES = ("single", "ddp", "zero")
 OPTIMIZERS = ("adam", "sgd", "sgd_momentum")
 
 
@@ -56,6 +69,9 @@ def build(args):
     np.random.seed(args.seed)
     if args.model == "mlp_resnet":
         model = _mlp_resnet(args.input_dim, args.hidden_dim, args.num_blocks, 10, device)
+    elif args.model == "linear":
+        model = nn.Sequential(nn.Linear(args.input_dim, args.hidden_dim, bias=False,
+                                        device=device))
     else:
         model = _mlp(args.input_dim, args.hidden_dim, args.num_layers, 10, device)
     if args.optimizer == "adam":
@@ -85,11 +101,63 @@ def parse(argv):
     parser.add_argument("--num-layers", type=int, default=4, help="mlp hidden layers")
     parser.add_argument("--margin", type=float, default=0.25)
     parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args(argv)
+    state = parser.add_argument_group("model state per rank (data parallel, ZeRO, mixed "
+                                      "precision, accumulation)")
+    state.add_argument("--strategy", choices=STRATEGIES, default=None,
+                       help="report the model state per rank for this strategy")
+    state.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=2)
+    state.add_argument("--nproc", type=int, default=1, help="ranks (ddp, zero)")
+    state.add_argument("--precision", choices=("fp32", "fp16-mixed"), default="fp32")
+    state.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
+    state.add_argument("--steps", type=int, default=1, help="training steps before measuring")
+    args = parser.parse_args(argv)
+    if args.strategy is None and (args.precision != "fp32" or args.accumulate > 1
+                                  or args.nproc > 1):
+        args.strategy = "single" if args.nproc == 1 else "ddp"
+    if args.strategy == "single" and args.nproc != 1:
+        parser.error(f"--strategy single runs one process, got --nproc {args.nproc}")
+    if args.accumulate < 1 or args.steps < 1 or args.nproc < 1:
+        parser.error("--accumulate, --steps and --nproc must be positive")
+    return args
+
+
+def state_report(args) -> int:
+    """The model-state table per rank (rank 0 prints it)."""
+    if str(Path(__file__).resolve().parent) not in sys.path:  # run by path (runpy, launcher)
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import memory_state
+
+    if args.strategy in ("ddp", "zero"):
+        import needle.distributed as dist
+        from needle.distributed.launch import relaunch
+
+        relaunch(args.nproc)  # returns only inside a rank
+        dist.init_process_group(timeout=300)
+    device = ndl.backend_ndarray.device_by_name(args.device)
+    row = memory_state.rank_row(args, build, device)
+    rows = memory_state.gather_rows(row)
+    if row["rank"] == 0:
+        what = (f"zero stage {args.zero_stage}" if args.strategy == "zero" else args.strategy)
+        print(f"needle memory report: {args.model}, {row['parameters']:,} parameters, {what} "
+              f"on {len(rows)} rank(s), {args.precision}, {args.optimizer}, batch "
+              f"{args.batch_size} in {args.accumulate} micro-batch(es), after {args.steps} "
+              f"step(s), device {device}")
+        print("model state right after the step: predicted = needle.memory.estimate, "
+              "measured = bytes held per category (needle.memory), allocated = 512-byte "
+              "blocks")
+        print(memory_state.table(rows))
+    mismatch = any(r["measured"] != r["predicted"] for r in rows)
+    return 1 if mismatch else 0
 
 
 def main(argv=None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
+    if args.strategy is not None:
+        try:
+            return state_report(args)
+        except ndl.NeedleError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     try:
         model, loss_fn, opt, x, y = build(args)
         report = training_step_report(model, loss_fn, opt, x, y, optimizer_name=args.optimizer,

@@ -23,6 +23,7 @@ from .init import ones, zeros, zeros_like, ones_like
 from . import data
 from . import nn
 from . import optim
+from . import amp
 from . import random
 from .checkpoint import checkpoint, checkpoint_sequential, plan_checkpoints
 from .serialization import save, load

@@ -1,8 +1,18 @@
-"""Optimisers (NEEDLE_API §8): SGD with momentum, Adam, global gradient-norm clipping.
+"""Optimisers: SGD with momentum, Adam, global gradient-norm clipping.
 
 Updates run on the parameters' raw arrays (never on the graph, never on ``p.grad`` in place)
 and keep each parameter's dtype: the scalars involved are Python floats, which NumPy and
 NDArray treat as weak.
+
+Mixed precision. For a ``float16`` parameter the optimizer keeps a ``float32`` *master* copy
+(made at its first step, measured as ``master`` memory): the update runs on the master in
+float32 (gradient cast up, moments in float32) and the parameter receives the master rounded
+to float16. The master is rebuilt from the parameter only when the parameter's data was
+replaced by someone else (``p.data = ...``, ``Module.load_state_dict``); code that moves a
+parameter to other storage holding the same values says so with :meth:`Optimizer.rebind`.
+While ``grad_scale`` is set (``amp.GradScaler.step`` sets it), gradients are divided by it
+as they are read, in the update's precision, so scaled float16 gradients are unscaled in
+float32 without ever being rewritten.
 
 Example:
     >>> import numpy as np
@@ -33,23 +43,19 @@ def _array(t: Tensor):
     return t.realize_cached_data()
 
 
-def _grad(p: Tensor, theta):
-    # Updates run in the parameter's dtype: a gradient of another dtype is cast first.
+def _grad(p: Tensor, theta, grad_scale):
+    # Updates run in the dtype of theta (the parameter's, or its float32 master's): a gradient
+    # of another dtype is cast first, then unscaled there.
     g = p.grad.realize_cached_data()
-    return g if g.dtype == theta.dtype else g.astype(theta.dtype)
+    g = g if g.dtype == theta.dtype else g.astype(theta.dtype)
+    return g if grad_scale is None else g * (1.0 / float(grad_scale))
 
 
-def _decayed_grads(params, wd: float):
-    """(parameter, its array, grad + wd·θ) for every parameter that has a gradient."""
-    for p in params:
-        if p.grad is None:
-            continue
-        theta = _array(p)
-        g = _grad(p, theta)
-        yield p, theta, (g + theta * wd if wd else g)
+def _is_half(array) -> bool:
+    return str(array.dtype) == "float16"
 
 
-def _assign(p: Tensor, array) -> None:
+def _set_data(p: Tensor, array) -> None:
     # Same effect as ``p.data = Tensor(array)`` without building a throwaway Tensor. A wider
     # gradient (np mode lets float64 data reach float32 weights) must not widen the weight.
     dtype = p.cached_data.dtype
@@ -62,7 +68,9 @@ def _to_numpy(array) -> np.ndarray:
 
 
 def _from_numpy(value, like: Tensor):
-    return Tensor(np.asarray(value), device=like.device, dtype=like.dtype,
+    # state of a float16 parameter (moments, momentum) lives in float32, beside its master
+    dtype = "float32" if str(like.dtype) == "float16" else like.dtype
+    return Tensor(np.asarray(value), device=like.device, dtype=dtype,
                   requires_grad=False).realize_cached_data()
 
 
@@ -94,6 +102,8 @@ class Optimizer:
 
     _slots: tuple[str, ...] = ()
     _hyper: tuple[str, ...] = ()
+    # Divide gradients by this while stepping (set by amp.GradScaler.step), or None.
+    grad_scale: float | None = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -104,6 +114,59 @@ class Optimizer:
         self.params = list(params)
         for name in self._slots:
             setattr(self, name, {})
+        self.master: dict = {}  # float16 parameter -> its float32 master array
+        self._installed: dict = {}  # float16 parameter -> the array this optimizer gave it
+
+    # ----- the arrays an update reads and writes ---------------------------------------------
+    def _theta(self, p: Tensor):
+        """The array the update runs on: the parameter's, or its float32 master."""
+        data = _array(p)
+        if not _is_half(data):
+            return data
+        master = self.master.get(p)
+        if master is None or self._installed.get(p) is not data:
+            master = data.astype("float32")  # first step, or the data was replaced
+            _attribute(master, "master")
+            self.master[p] = master
+            self._installed[p] = data
+        return master
+
+    def _decayed_grads(self, wd: float):
+        """(parameter, θ, grad + wd·θ) for every parameter that has a gradient; θ is the
+        parameter's array or its float32 master."""
+        scale = self.grad_scale
+        for p in self.params:
+            if p.grad is None:
+                continue
+            theta = self._theta(p)
+            g = _grad(p, theta, scale)
+            yield p, theta, (g + theta * wd if wd else g)
+
+    def _assign(self, p: Tensor, array) -> None:
+        """Install the updated θ: into the master (and its float16 rounding into ``p``)."""
+        if p in self.master:
+            _attribute(array, "master")
+            self.master[p] = array
+            p.cached_data = array.astype(p.cached_data.dtype)
+            self._installed[p] = p.cached_data
+        else:
+            _set_data(p, array)
+
+    def rebind(self, p: Tensor, data) -> None:
+        """Point parameter ``p`` at ``data``, an array holding the same values as its current
+        data (another buffer, a view): its master copy stays valid.
+
+        Example:
+            >>> import numpy as np, needle as ndl
+            >>> from needle import optim
+            >>> p = ndl.Tensor(np.ones(2, "float16")); opt = optim.SGD([p], lr=1.0)
+            >>> p.grad = ndl.Tensor(np.ones(2, "float16")); opt.step()
+            >>> opt.rebind(p, p.realize_cached_data().compact()); p.numpy().tolist()
+            [0.0, 0.0]
+        """
+        p.cached_data = data
+        if p in self.master:
+            self._installed[p] = data
 
     def step(self) -> None:
         raise NotImplementedError
@@ -119,10 +182,11 @@ class Optimizer:
         return clip_grad_norm(self.params, max_norm)
 
     def state_dict(self) -> dict:
-        """Hyper-parameters and per-parameter state (NumPy copies) by parameter index."""
+        """Hyper-parameters and per-parameter state (NumPy copies) by parameter index; float16
+        parameters' float32 master copies under ``state["master"]``."""
         index = {id(p): i for i, p in enumerate(self.params)}
         state = {name: {index[id(p)]: _to_numpy(v) for p, v in getattr(self, name).items()
-                        if id(p) in index} for name in self._slots}
+                        if id(p) in index} for name in (*self._slots, "master")}
         return {"type": type(self).__name__, "hyper": {h: getattr(self, h) for h in self._hyper},
                 "state": state, "extra": self._extra_state()}
 
@@ -149,7 +213,23 @@ class Optimizer:
                         f"{tuple(np.shape(value))}")
                 slot[p] = _from_numpy(value, p)
             setattr(self, name, slot)
+        self._load_master(state["state"].get("master", {}))
         self._load_extra_state(state.get("extra", {}))
+
+    def _load_master(self, saved: dict) -> None:
+        self.master, self._installed = {}, {}
+        for i, value in saved.items():
+            p = self.params[int(i)]
+            if tuple(np.shape(value)) != tuple(p.shape):
+                raise ShapeError(
+                    f"{type(self).__name__}.load_state_dict: master weights of parameter {i} "
+                    f"have the wrong shape, expected {tuple(p.shape)}, got "
+                    f"{tuple(np.shape(value))}")
+            master = Tensor(np.asarray(value, dtype=np.float32), device=p.device,
+                            dtype="float32", requires_grad=False).realize_cached_data()
+            _attribute(master, "master")
+            self.master[p] = master
+            self._installed[p] = _array(p)
 
     def _extra_state(self) -> dict:
         return {}
@@ -176,14 +256,14 @@ class SGD(Optimizer):
 
     def step(self) -> None:
         lr, mom, wd = float(self.lr), float(self.momentum), float(self.weight_decay)
-        for p, theta, g in _decayed_grads(self.params, wd):
+        for p, theta, g in self._decayed_grads(wd):
             if mom:
                 u = self.u.get(p)
                 u = g * (1 - mom) if u is None else u * mom + g * (1 - mom)
                 self.u[p] = u
             else:
                 u = g
-            _assign(p, theta - u * lr)
+            self._assign(p, theta - u * lr)
 
 
 class Adam(Optimizer):
@@ -210,14 +290,14 @@ class Adam(Optimizer):
         b1, b2, wd = float(self.beta1), float(self.beta2), float(self.weight_decay)
         c1, c2 = 1 - b1 ** self.t, 1 - b2 ** self.t
         lr, eps = float(self.lr), float(self.eps)
-        for p, theta, g in _decayed_grads(self.params, wd):
+        for p, theta, g in self._decayed_grads(wd):
             m, v = self.m.get(p), self.v.get(p)
             m = g * (1 - b1) if m is None else m * b1 + g * (1 - b1)
             v = (g * g) * (1 - b2) if v is None else v * b2 + (g * g) * (1 - b2)
             self.m[p], self.v[p] = m, v
             m_hat = m / c1
             v_hat = v / c2
-            _assign(p, theta - (m_hat * lr) / (v_hat ** 0.5 + eps))
+            self._assign(p, theta - (m_hat * lr) / (v_hat ** 0.5 + eps))
 
     def _extra_state(self) -> dict:
         return {"t": self.t}

@@ -22,8 +22,8 @@ namespace needle {
 
 namespace {
 
-const char* const kCategoryNames[kNumCategories] = {"weight",     "gradient",  "optimizer",
-                                                    "activation", "workspace", "other"};
+const char* const kCategoryNames[kNumCategories] = {
+    "weight", "gradient", "optimizer", "master", "activation", "workspace", "other"};
 
 enum Pool { kSmall = 0, kLarge = 1 };
 

@@ -38,8 +38,11 @@ constexpr std::size_t kMinLargeSplit = std::size_t(1) << 20;
 constexpr std::size_t kMaxRequest = std::size_t(1) << 62;
 
 // The memory categories of docs/memory.md, in the order of needle.memory.categories.CATEGORIES.
-enum class Category : std::uint8_t { weight, gradient, optimizer, activation, workspace, other };
-constexpr int kNumCategories = 6;
+// `master` holds an optimizer's float32 master copies of float16 parameters.
+enum class Category : std::uint8_t {
+  weight, gradient, optimizer, master, activation, workspace, other
+};
+constexpr int kNumCategories = 7;
 
 const char* category_name(Category c) noexcept;
 // Sets *out and returns true when `name` is a category name.

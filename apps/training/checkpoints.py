@@ -15,8 +15,8 @@ from .config import UsageError
 
 # Options that may differ between a run and its resumption (they do not change the math).
 _FREE = {"out", "progress", "resume", "checkpoint_dir", "save_every", "keep_checkpoints",
-         "max_steps", "epochs", "die_at_step", "kill_worker", "slow_worker", "rng_ledger",
-         "verify_resume"}
+         "max_steps", "epochs", "die_at_step", "die_after_micro_batches", "kill_worker",
+         "slow_worker", "rng_ledger", "verify_resume"}
 
 
 @dataclass
@@ -36,6 +36,13 @@ def fingerprint(cfg) -> dict:
     return {k: v for k, v in asdict(cfg).items() if k not in _FREE}
 
 
+def _without_layout(config: dict) -> dict:
+    """A fingerprint without the options a resharding strategy may change on resume."""
+    out = {k: v for k, v in config.items() if k != "nproc"}
+    out["extra"] = {k: v for k, v in (config.get("extra") or {}).items() if k != "zero_stage"}
+    return out
+
+
 class RunCheckpoints:
     """Saves and restores one rank's part of the job's checkpoints."""
 
@@ -44,10 +51,10 @@ class RunCheckpoints:
         self.ledger = ledger
         self.directory = cfg.checkpoint_dir or cfg.resume or os.path.join(cfg.out, "checkpoints")
 
-    def _state(self, cursor: Cursor | None = None):
+    def _state(self, cursor: Cursor | None = None, without_strategy: bool = False):
         from needle.train_state import TrainState
 
-        parts = {"strategy": self.strategy}
+        parts = {} if without_strategy else {"strategy": self.strategy}
         if self.ledger is not None:
             parts["ledger"] = self.ledger
         return TrainState(extra={"cursor": asdict(cursor)} if cursor else None, **parts)
@@ -74,27 +81,45 @@ class RunCheckpoints:
                                        "strategy": self.strategy.name})
 
     def restore(self) -> Cursor | None:
-        """Load the newest complete checkpoint of ``--resume`` (None without ``--resume``)."""
+        """Load the newest complete checkpoint of ``--resume`` (None without ``--resume``).
+
+        A strategy that can reshard (zero) reads every rank's shard of the saved run and
+        rebuilds its own pieces from them, so the run may have another number of ranks;
+        this rank's random streams, buffers and cursor come from the saved rank it continues
+        (``rank % saved ranks``). Others read their own shard only.
+        """
         if not self.cfg.resume:
             return None
-        from needle.train_state import read_checkpoint
+        from needle.train_state import read_all_shards, read_checkpoint
 
         try:
-            manifest, shard = read_checkpoint(self.cfg.resume, self.rank)
+            if self.strategy.can_reshard:
+                manifest, shards = read_all_shards(self.cfg.resume)
+                shard = shards[self.rank % len(shards)]
+            else:
+                manifest, shard = read_checkpoint(self.cfg.resume, self.rank)
         except Exception as exc:  # SerializationError and friends: a usage problem here
             raise UsageError(f"--resume {self.cfg.resume}: {exc}") from None
         self._check_compatible(manifest)
-        state = self._state()
+        if self.strategy.can_reshard:
+            self.strategy.load_sharded_state([s["strategy"] for s in shards],
+                                             shard["strategy"])
+            state = self._state(without_strategy=True)
+        else:
+            state = self._state()
         state.load_state_dict(shard)
         return Cursor(**state.extra["cursor"])
 
     def _check_compatible(self, manifest: dict) -> None:
-        if manifest["world_size"] != self.world_size:
+        reshard = self.strategy.can_reshard
+        if manifest["world_size"] != self.world_size and not reshard:
             raise UsageError(
                 f"--resume: the checkpoint was saved by {manifest['world_size']} ranks, "
                 f"expected {self.world_size} (this strategy cannot reshard)")
         saved = manifest.get("meta", {}).get("config", {})
         now = fingerprint(self.cfg)
+        if reshard:  # pieces are saved the same way by every stage and number of ranks
+            saved, now = _without_layout(saved), _without_layout(now)
         differ = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
         if differ:
             detail = ", ".join(f"--{k.replace('_', '-')} {saved.get(k)!r} -> {now.get(k)!r}"

@@ -14,6 +14,7 @@ MODELS = ("mlp_resnet", "mlp", "cnn")
 DATASETS = ("digits", "mnist")
 OPTIMIZERS = ("adam", "sgd")
 DEVICES = ("cpu", "cpu_numpy", "cuda")
+PRECISIONS = ("fp32", "fp16-mixed")
 # Each optimizer's own learning rate: Adam's 0.003 left SGD below chance (0.08 after 2 epochs).
 DEFAULT_LR = {"adam": 0.003, "sgd": 0.1}
 
@@ -42,9 +43,12 @@ class Config:
     progress: bool = True
     nproc: int = 1
     strategy: str | None = None  # None: "single" for one process, "ddp" for more
+    precision: str = "fp32"
+    accumulate: int = 1
     slow_worker: str | None = None  # "RANK:MS"
     kill_worker: str | None = None  # "RANK@STEP"
     die_at_step: int | None = None
+    die_after_micro_batches: int | None = None
     save_every: int | None = None
     checkpoint_dir: str | None = None  # None: --resume's folder, else OUT/checkpoints
     keep_checkpoints: int = 3
@@ -91,6 +95,12 @@ def build_parser(strategies: dict) -> argparse.ArgumentParser:
                    help="ranks started through needle.distributed.launch")
     p.add_argument("--strategy", default=None,
                    help=f"one of {tuple(strategies)} (default: single for --nproc 1, else ddp)")
+    p.add_argument("--precision", default=d.precision,
+                   help=f"one of {PRECISIONS}: fp16-mixed = float16 parameters, autocast, "
+                        "loss scaling, float32 master weights (single, ddp, zero)")
+    p.add_argument("--accumulate", type=int, default=d.accumulate, metavar="G",
+                   help="micro-batches per optimizer step, gradients accumulated with "
+                        "weights n_i / n (single, ddp, zero)")
     faults = p.add_argument_group("fault injection (really sleeps, really SIGKILLs)")
     faults.add_argument("--slow-worker", default=None, metavar="RANK:MS",
                         help="rank RANK sleeps MS milliseconds before every step")
@@ -98,6 +108,9 @@ def build_parser(strategies: dict) -> argparse.ArgumentParser:
                         help="rank RANK SIGKILLs itself when it reaches step STEP")
     faults.add_argument("--die-at-step", type=int, default=None, metavar="N",
                         help="every rank of the job SIGKILLs itself at step N")
+    faults.add_argument("--die-after-micro-batches", type=int, default=None, metavar="M",
+                        help="with --die-at-step N and --accumulate G > M: die after M "
+                             "micro-batches of step N, in the middle of its accumulation")
     ckpt = p.add_argument_group("checkpoints and exact resume")
     ckpt.add_argument("--save-every", type=int, default=None, metavar="K",
                       help="write a checkpoint every K optimizer steps")
@@ -144,6 +157,19 @@ def validate(cfg: Config, strategies: dict) -> None:
     _choice("--strategy", cfg.strategy, tuple(strategies))
     if cfg.device is not None:
         _choice("--device", cfg.device, DEVICES)
+    _choice("--precision", cfg.precision, PRECISIONS)
+    if cfg.accumulate < 1:
+        raise UsageError(f"--accumulate must be positive, got {cfg.accumulate}")
+    if (cfg.precision != "fp32" or cfg.accumulate > 1) and not strategies[
+            cfg.strategy].mixed_precision_and_accumulation:
+        raise UsageError(f"--precision and --accumulate apply to the single, ddp and zero "
+                         f"strategies, got --strategy {cfg.strategy}")
+    if cfg.die_after_micro_batches is not None and (
+            cfg.die_at_step is None and cfg.verify_resume is None
+            or not 0 < cfg.die_after_micro_batches < cfg.accumulate):
+        raise UsageError(f"--die-after-micro-batches M needs --die-at-step (or "
+                         f"--verify-resume) and 0 < M < --accumulate {cfg.accumulate}, got "
+                         f"M={cfg.die_after_micro_batches}")
     for name in ("epochs", "batch_size", "hidden", "nproc"):
         if getattr(cfg, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got "

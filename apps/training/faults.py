@@ -3,7 +3,9 @@
 ``--slow-worker RANK:MS`` makes rank RANK sleep MS milliseconds before every step (a
 straggler); ``--kill-worker RANK@STEP`` makes rank RANK SIGKILL itself when step STEP is about
 to start; ``--die-at-step N`` makes every rank SIGKILL itself when step N is about to start
-(after N − 1 completed steps, and after any checkpoint written at step N − 1).
+(after N − 1 completed steps, and after any checkpoint written at step N − 1); with
+``--die-after-micro-batches M`` it dies instead after M micro-batches of step N, in the middle
+of its gradient accumulation.
 """
 from __future__ import annotations
 
@@ -23,15 +25,22 @@ class Faults:
     kill_rank: int | None = None
     kill_step: int | None = None
     die_step: int | None = None
+    die_micro: int | None = None  # die after this many micro-batches of die_step instead
 
     def before_step(self, rank: int, step: int) -> None:
         """Apply the faults that concern ``rank`` before step ``step`` (1-based) runs."""
-        if self.die_step is not None and step == self.die_step:
+        if self.die_step is not None and step == self.die_step and self.die_micro is None:
             _sigkill_self(f"--die-at-step {step}")
         if self.kill_rank == rank and step == self.kill_step:
             _sigkill_self(f"--kill-worker {rank}@{step}")
         if self.slow_rank == rank and self.slow_ms > 0:
             time.sleep(self.slow_ms / 1000.0)
+
+
+    def after_micro_batch(self, step: int, done: int) -> None:
+        """``--die-after-micro-batches M``: die in step ``step`` once ``done`` == M."""
+        if self.die_step == step and self.die_micro == done:
+            _sigkill_self(f"--die-at-step {step} --die-after-micro-batches {done}")
 
 
 def _sigkill_self(reason: str) -> None:
@@ -73,4 +82,5 @@ def parse_faults(cfg, world_size: int) -> Faults:
     for flag, rank in (("--slow-worker", slow_rank), ("--kill-worker", kill_rank)):
         if rank is not None and not 0 <= rank < world_size:
             raise UsageError(f"{flag}: RANK must be in [0, {world_size}), got {rank}")
-    return Faults(slow_rank, slow_ms, kill_rank, kill_step, cfg.die_at_step)
+    return Faults(slow_rank, slow_ms, kill_rank, kill_step, cfg.die_at_step,
+                  getattr(cfg, "die_after_micro_batches", None))

@@ -95,6 +95,8 @@ def run(cfg, strategy, rank: int = 0, world_size: int = 1) -> dict | None:
                             f"epoch {cursor.epoch}/{cfg.epochs}")
         while cursor.batch_index < len(batches) and cursor.steps < max_steps:
             faults.before_step(rank, cursor.steps + 1)
+            step = cursor.steps + 1
+            strategy.on_micro_batch = lambda done, step=step: faults.after_micro_batch(step, done)
             share = replica_share(batches[cursor.batch_index], replicas, index)
             result = strategy.train_step(X[share], y[share])
             cursor.steps += 1
@@ -116,6 +118,7 @@ def run(cfg, strategy, rank: int = 0, world_size: int = 1) -> dict | None:
     wall = time.perf_counter() - started
     params = strategy.full_parameters()
     state_digest = strategy.state_sha256()
+    strategy.collect_reports()
     if ledger is not None:
         ledger.stop()
         ledger.flush(ledger_path(cfg.rng_ledger, rank, world_size))

@@ -4,7 +4,9 @@ Three runs of the same command (same strategy, ranks, seed, precision, ...):
 
 1. *continuous*: ``--max-steps S`` straight through;
 2. *killed*: ``--save-every K`` and ``--die-at-step K+1``: it writes its checkpoint at step K,
-   then every rank SIGKILLs itself (a real kill: nothing is flushed on the way out);
+   then every rank SIGKILLs itself (a real kill: nothing is flushed on the way out); with
+   ``--accumulate G > 1`` the kill lands in the middle of step K+1's accumulation, after its
+   first micro-batch's backward (``--die-after-micro-batches 1``);
 3. *resumed*: ``--resume`` from that checkpoint in a fresh process, on to step S.
 
 The certificate compares the continuous run with killed + resumed: every parameter's bytes
@@ -21,7 +23,8 @@ import subprocess
 import sys
 
 _DROP_WITH_VALUE = {"--verify-resume", "--out", "--resume", "--save-every", "--checkpoint-dir",
-                    "--die-at-step", "--rng-ledger", "--keep-checkpoints"}
+                    "--die-at-step", "--die-after-micro-batches", "--rng-ledger",
+                    "--keep-checkpoints"}
 
 
 def _base_argv(argv: list[str]) -> list[str]:
@@ -82,6 +85,17 @@ def compare(continuous: dict, resumed: dict, ledgers_a: dict, ledgers_b: dict) -
     return cert
 
 
+def _remove_stale(*folders: str) -> None:
+    """Outputs of an earlier certificate in the same folders (ledgers, checkpoints)."""
+    import glob
+    import shutil
+
+    for folder in folders:
+        for path in glob.glob(os.path.join(folder, "rng_ledger*.jsonl*")):
+            os.unlink(path)
+        shutil.rmtree(os.path.join(folder, "checkpoints"), ignore_errors=True)
+
+
 def verify_resume(cfg, argv: list[str], script: str) -> int:
     """Run the three runs for ``cfg`` (parsed from ``argv``) and write the certificate."""
     out = os.path.abspath(cfg.out)
@@ -93,13 +107,16 @@ def verify_resume(cfg, argv: list[str], script: str) -> int:
     for d in (straight, killed):
         os.makedirs(d, exist_ok=True)
     ledger_a = os.path.join(straight, "rng_ledger.jsonl")
+    _remove_stale(straight, killed)  # ledgers are appended to: a rerun must start clean
+    mid_cycle = ["--die-after-micro-batches", "1"] if cfg.accumulate > 1 else []
     part1, part2 = (os.path.join(killed, f"rng_ledger_{n}.jsonl") for n in ("killed", "resumed"))
     codes = {
         "continuous": _run(script, [*base, "--out", straight, "--rng-ledger", ledger_a],
                            os.path.join(straight, "log.txt")),
         "killed": _run(script, [*base, "--out", killed, "--save-every", str(k),
                                 "--checkpoint-dir", ckpt, "--die-at-step", str(k + 1),
-                                "--rng-ledger", part1], os.path.join(killed, "log_killed.txt")),
+                                *mid_cycle, "--rng-ledger", part1],
+                       os.path.join(killed, "log_killed.txt")),
         "resumed": _run(script, [*base, "--out", killed, "--resume", ckpt,
                                  "--rng-ledger", part2], os.path.join(killed, "log_resumed.txt")),
     }
@@ -112,12 +129,15 @@ def verify_resume(cfg, argv: list[str], script: str) -> int:
     with open(os.path.join(killed, "summary.json")) as f:
         b = json.load(f)
     cert = compare(a, b, _ledger(ledger_a, world), _ledger(f"{part1}|{part2}", world))
-    cert.update(save_step=k, kill_step=k + 1, exit_codes=codes)
+    cert.update(save_step=k, kill_step=k + 1, exit_codes=codes,
+                kill_after_micro_batches=1 if mid_cycle else 0,
+                micro_batches=cfg.accumulate, precision=cfg.precision)
     with open(os.path.join(out, "resume_certificate.json"), "w") as f:
         json.dump(cert, f, indent=2)
     verdict = "IDENTICAL" if cert["identical"] else "DIFFERENT"
+    where = f"{k + 1}, after 1 of {cfg.accumulate} micro-batches" if mid_cycle else f"{k + 1}"
     print(f"resume certificate: {verdict} after {cert['steps']} steps (saved at {k}, killed "
-          f"at {k + 1}): parameters {cert['params_identical']}, training state "
+          f"at {where}): parameters {cert['params_identical']}, training state "
           f"{cert['state_identical']}, losses {cert['losses_identical']}, random draws "
           f"{cert['rng_identical']} ({sum(cert['draws_compared'].values())} compared)")
     for rank, message in cert["rng_first_divergence"].items():

@@ -15,6 +15,9 @@ class _State(threading.local):
     # Class attributes are the per-thread defaults: a fresh thread records graphs.
     grad_enabled = True
     saved_hooks = None  # (pack, unpack) of the innermost saved_tensors_hooks, or None
+    # Mixed precision (needle.amp.autocast installs it): ``policy(op, args) -> args`` may cast
+    # an op's Tensor arguments before the op runs; None (the default) costs one attribute read.
+    cast_policy = None
 
 
 STATE = _State()

@@ -102,6 +102,9 @@ def make_from_op(cls, op, inputs, _observe=True):
     global TENSOR_COUNTER
     if _OBSERVER is not None and _observe:
         return _make_observed(cls, op, inputs)
+    state = STATE
+    if state.cast_policy is not None:  # needle.amp.autocast: the op's dtype rule (docs/amp.md)
+        inputs = state.cast_policy(op, inputs)
     node = object.__new__(cls)
     TENSOR_COUNTER += 1
     if LAZY_MODE:
@@ -111,7 +114,6 @@ def make_from_op(cls, op, inputs, _observe=True):
         return node
     # eager mode: inputs are always realised; the class defaults (op None, inputs (),
     # requires_grad False) already describe an unrecorded result
-    state = STATE
     record = False
     if state.grad_enabled:
         for x in inputs:

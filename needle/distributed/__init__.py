@@ -18,13 +18,16 @@ from ._group import ProcessGroup
 from ._work import Work
 from .collectives import (
     all_gather,
+    all_gather_v,
     all_reduce,
     barrier,
     broadcast,
     gather,
     reduce,
     reduce_scatter,
+    reduce_scatter_v,
     scatter,
+    shard_bounds,
 )
 from .p2p import irecv, isend, recv, send
 from .process_group import (
@@ -39,11 +42,11 @@ from .process_group import (
 )
 
 __all__ = [
-    "CommError", "ProcessGroup", "Work", "all_gather", "all_reduce", "barrier", "broadcast",
-    "destroy_process_group", "gather", "get_backend", "get_rank", "get_world_size",
-    "init_process_group",
+    "CommError", "ProcessGroup", "Work", "all_gather", "all_gather_v", "all_reduce", "barrier",
+    "broadcast", "destroy_process_group", "gather", "get_backend", "get_rank",
+    "get_world_size", "init_process_group",
     "irecv", "is_initialized", "isend", "new_group", "recv", "reduce", "reduce_scatter",
-    "scatter", "send", "spawn_threads",
+    "reduce_scatter_v", "scatter", "send", "shard_bounds", "spawn_threads",
 ]
 
 
@@ -53,6 +56,15 @@ def __getattr__(name: str):
         from .ddp import DistributedDataParallel
 
         return DistributedDataParallel
+    if name == "check_equivalence":
+        from .equivalence import check_equivalence
+
+        return check_equivalence
+    if name in ("ZeroDataParallel", "zero"):
+        import importlib
+
+        zero = importlib.import_module(".zero", __name__)
+        return zero if name == "zero" else zero.ZeroDataParallel
     # model parallelism (docs/pipeline.md, docs/tensor_parallel.md), also loaded on demand
     if name in ("pipeline", "tensor_parallel", "mesh"):
         import importlib

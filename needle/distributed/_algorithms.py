@@ -19,6 +19,9 @@ from ._errors import CommError, PeerError, rewrap
 
 REDUCE = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum}
 _TAG_SIGNATURE, _TAG_RING, _TAG_TREE, _TAG_LINEAR, _TAG_BARRIER = 1, 2, 3, 4, 5
+# What ProcessGroup.bytes_sent counts each tag's payload under.
+TAG_NAMES = {_TAG_SIGNATURE: "check", _TAG_RING: "ring", _TAG_TREE: "tree",
+             _TAG_LINEAR: "linear", _TAG_BARRIER: "barrier"}
 _SIGNATURE_BYTES = 192
 
 
@@ -59,6 +62,9 @@ class Op:
     def isend(self, buf: np.ndarray, dst: int, tag: int) -> Any:
         req = self.channel.isend(buf, dst, tag)
         self.pending.append(req)
+        counter = getattr(self.group, "bytes_sent", None)
+        if counter is not None:  # measured traffic, by algorithm family
+            counter[TAG_NAMES.get(tag, "other")] += int(buf.nbytes)
         return req
 
     def irecv(self, buf: np.ndarray, src: int, tag: int) -> Any:
@@ -97,14 +103,15 @@ def _bounds(numel: int, parts: int) -> list[int]:
 
 
 def ring(op: Op, flat: np.ndarray, reduce: str | None, reduce_steps: int, steps: int,
-         start: int, chunk_bytes: int) -> None:
+         start: int, chunk_bytes: int, bounds: list[int] | None = None) -> None:
     """Run ``steps`` ring steps on ``flat`` (the first ``reduce_steps`` reduce). One function
-    because the pipeline state (posted receives, pending sends, scratch) is shared by all."""
+    because the pipeline state (posted receives, pending sends, scratch) is shared by all.
+    ``bounds``: the n + 1 segment offsets (default: n segments differing by at most one)."""
     n, r = op.size, op.rank
     if n == 1 or steps == 0:
         return
     left, right = (r - 1) % n, (r + 1) % n
-    seg = _bounds(flat.size, n)
+    seg = _bounds(flat.size, n) if bounds is None else bounds
     longest = max(seg[i + 1] - seg[i] for i in range(n))
     chunks = max(1, -(-longest * flat.itemsize // chunk_bytes))
     widest = -(-longest // chunks)
@@ -156,18 +163,22 @@ def ring_all_reduce(op: Op, flat: np.ndarray, reduce: str, chunk_bytes: int) -> 
         flat /= n
 
 
-def ring_reduce_scatter(op: Op, flat: np.ndarray, reduce: str, chunk_bytes: int) -> None:
-    """Afterwards segment ``rank`` of ``flat`` (n equal segments) holds the reduction."""
+def ring_reduce_scatter(op: Op, flat: np.ndarray, reduce: str, chunk_bytes: int,
+                        bounds: list[int] | None = None) -> None:
+    """Afterwards segment ``rank`` of ``flat`` (n segments: ``bounds``, default equal ones)
+    holds the reduction."""
     n = op.size
-    ring(op, flat, reduce, n - 1, n - 1, op.rank - 1, chunk_bytes)
+    ring(op, flat, reduce, n - 1, n - 1, op.rank - 1, chunk_bytes, bounds)
     if reduce == "mean" and n > 1:
-        mine = flat[_bounds(flat.size, n)[op.rank]: _bounds(flat.size, n)[op.rank + 1]]
+        seg = _bounds(flat.size, n) if bounds is None else bounds
+        mine = flat[seg[op.rank]: seg[op.rank + 1]]
         mine /= n
 
 
-def ring_all_gather(op: Op, flat: np.ndarray, chunk_bytes: int) -> None:
+def ring_all_gather(op: Op, flat: np.ndarray, chunk_bytes: int,
+                    bounds: list[int] | None = None) -> None:
     """Segment ``rank`` of ``flat`` is this rank's part; afterwards all segments are filled."""
-    ring(op, flat, None, 0, op.size - 1, op.rank, chunk_bytes)
+    ring(op, flat, None, 0, op.size - 1, op.rank, chunk_bytes, bounds)
 
 
 def _tree(rank: int, root: int, n: int) -> tuple[int | None, list[int]]:

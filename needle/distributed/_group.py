@@ -9,6 +9,7 @@ import atexit
 import os
 import threading
 import time
+from collections import Counter
 from typing import Any, Callable
 
 from ._errors import CommError
@@ -36,6 +37,9 @@ class ProcessGroup:
         # large enough that per-message overhead stays small (see docs/performance.md).
         self.chunk_bytes = int(os.environ.get("NEEDLE_DIST_CHUNK_BYTES", 1 << 20))
         self.check_signatures = True
+        # Payload bytes this rank's collectives sent, by algorithm family ("ring", "tree",
+        # "linear", "barrier", "check"): measured traffic, e.g. per training step.
+        self.bytes_sent: Counter = Counter()
         self.closed = False
         self._comm_thread: CommThread | None = None
         self._lock = threading.Lock()

@@ -7,6 +7,7 @@ a shared-memory reduction on thread; tcp has no native collectives.
 """
 from __future__ import annotations
 
+import zlib
 from typing import Any, Callable
 
 import numpy as np
@@ -183,6 +184,87 @@ def reduce_scatter(output: Any, input_list: list, op: str = "sum", group: Any = 
 
     return _launch(pg, "reduce_scatter", body, _sig("reduce_scatter", out.arr, op=op),
                    timeout, async_op)
+
+
+def shard_bounds(numel: int, world_size: int) -> list[int]:
+    """The ``world_size + 1`` offsets that cut ``numel`` elements into contiguous pieces whose
+    sizes differ by at most one (rank r's piece is ``[b[r], b[r + 1])``).
+
+    Example:
+        >>> shard_bounds(10, 4)
+        [0, 2, 5, 7, 10]
+    """
+    return alg._bounds(int(numel), int(world_size))
+
+
+def _check_bounds(where: str, bounds: list[int] | None, numel: int, size: int) -> list[int]:
+    if bounds is None:
+        return shard_bounds(numel, size)
+    b = [int(x) for x in bounds]
+    if len(b) != size + 1 or b[0] != 0 or b[-1] != numel or any(
+            x > y for x, y in zip(b, b[1:], strict=False)):
+        raise ShapeError(
+            f"{where}: bad segment bounds, expected {size + 1} non-decreasing offsets from 0 "
+            f"to {numel} (the buffer's length), got {b}")
+    return b
+
+
+def reduce_scatter_v(flat: Any, bounds: list[int] | None = None, op: str = "sum",
+                     group: Any = None, async_op: bool = False,
+                     timeout: float | None = None) -> Work | None:
+    """Ring reduce-scatter in place on the 1-D buffer ``flat`` cut at ``bounds`` (segments of
+    any sizes, default :func:`shard_bounds`): afterwards rank r's segment
+    ``flat[bounds[r]:bounds[r + 1]]`` holds the reduction over ranks; other segments hold
+    partial results. Each rank sends every segment but its own once (ring traffic).
+
+    Example:
+        >>> import numpy as np, needle.distributed as dist
+        >>> def job(rank):
+        ...     x = np.arange(5, dtype=np.float32) * (rank + 1)
+        ...     dist.reduce_scatter_v(x, [0, 2, 5])
+        ...     return x[[0, 2, 5][rank]:[0, 2, 5][rank + 1]].tolist()
+        >>> dist.spawn_threads(job, 2)
+        [[0.0, 3.0], [6.0, 9.0, 12.0]]
+    """
+    pg = resolve(group, "reduce_scatter_v")
+    _op_name(op, "reduce_scatter_v")
+    buf = borrow(flat, "reduce_scatter_v")
+    seg = _check_bounds("reduce_scatter_v", bounds, buf.arr.size, pg.size)
+
+    def body(o: alg.Op) -> None:
+        alg.ring_reduce_scatter(o, buf.arr.reshape(-1), op, pg.chunk_bytes, seg)
+        buf.commit()
+
+    return _launch(pg, "reduce_scatter_v", body, _sig("reduce_scatter_v", buf.arr, op=op,
+                   bounds=zlib.crc32(repr(seg).encode())), timeout, async_op)
+
+
+def all_gather_v(flat: Any, bounds: list[int] | None = None, group: Any = None,
+                 async_op: bool = False, timeout: float | None = None) -> Work | None:
+    """Ring all-gather in place on the 1-D buffer ``flat``: rank r contributes
+    ``flat[bounds[r]:bounds[r + 1]]`` (segments of any sizes, default :func:`shard_bounds`);
+    afterwards every segment is filled on every rank. Each rank sends every segment but its
+    right neighbour's once.
+
+    Example:
+        >>> import numpy as np, needle.distributed as dist
+        >>> def job(rank):
+        ...     x = np.zeros(3, dtype=np.float32); x[[0, 1, 3][rank]:[0, 1, 3][rank + 1]] = 7
+        ...     dist.all_gather_v(x, [0, 1, 3])
+        ...     return x.tolist()
+        >>> dist.spawn_threads(job, 2)
+        [[7.0, 7.0, 7.0], [7.0, 7.0, 7.0]]
+    """
+    pg = resolve(group, "all_gather_v")
+    buf = borrow(flat, "all_gather_v")
+    seg = _check_bounds("all_gather_v", bounds, buf.arr.size, pg.size)
+
+    def body(o: alg.Op) -> None:
+        alg.ring_all_gather(o, buf.arr.reshape(-1), pg.chunk_bytes, seg)
+        buf.commit()
+
+    return _launch(pg, "all_gather_v", body, _sig("all_gather_v", buf.arr,
+                   bounds=zlib.crc32(repr(seg).encode())), timeout, async_op)
 
 
 def gather(tensor: Any, gather_list: list | None = None, dst: int = 0, group: Any = None,

@@ -8,9 +8,13 @@ workspace, other), allocations and reuses. ``--plot PNG`` writes the timeline.
 Example:
     python -m needle.memory report --plot step.png my_training_step.py --epochs 1
 
-The estimate-beside-measurement report for the built-in models (ledger, rounding, residual)
-needs ``needle.nn`` and ``needle.optim``, which this layer does not import: it is
-``python apps/memory_report.py --model mlp_resnet ...``.
+The estimate-beside-measurement report for the built-in models (ledger, rounding, residual),
+also per rank under data parallelism, ZeRO, mixed precision and accumulation, needs
+``needle.nn``, ``needle.optim`` and ``needle.distributed``, which this layer does not import:
+it is ``python apps/memory_report.py --model mlp_resnet ...`` (``--strategy zero
+--zero-stage 2 --nproc 4 --precision fp16-mixed`` for the model state per rank); run it as
+the script of this command to see both tables:
+``python -m needle.memory report apps/memory_report.py --strategy zero ...``.
 """
 from __future__ import annotations
 
@@ -22,7 +26,8 @@ from .categories import CATEGORIES
 from .registry import _allocators_for, reset_peak
 from .timeline import plot_timeline, record
 
-MOVED = ("--model", "--optimizer", "--batch-size", "--num-blocks", "--num-layers")
+MOVED = ("--model", "--optimizer", "--batch-size", "--num-blocks", "--num-layers",
+         "--strategy", "--zero-stage", "--precision", "--accumulate")
 
 
 def parse(argv):

@@ -31,7 +31,9 @@ from ._errors import MemoryArgumentError
 __all__ = ["CATEGORIES", "category", "framework_category", "current_category", "resolve",
            "check_category", "add_listener", "thread_state"]
 
-CATEGORIES = ("weight", "gradient", "optimizer", "activation", "workspace", "other")
+# ``master``: float32 master copies an optimizer keeps of float16 parameters (mixed precision);
+# ``optimizer``: its other state (moments, momentum).
+CATEGORIES = ("weight", "gradient", "optimizer", "master", "activation", "workspace", "other")
 _CATEGORY_SET = frozenset(CATEGORIES)
 _DEFAULT = "other"
 

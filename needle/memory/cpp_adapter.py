@@ -4,7 +4,7 @@ The C++ backend owns its allocator (``src/allocator.cc``); L2 only reads it. The
 needs these functions in the pybind module ``ndarray_backend_cpu`` (:data:`REQUIRED`):
 
 * ``allocator_stats() -> dict``: the fields of :meth:`CachingAllocator.stats` (docs/memory.md),
-  ``by_category`` keyed by the six category names;
+  ``by_category`` keyed by the category names (``categories.CATEGORIES``);
 * ``allocator_reset_peak() -> None`` and ``allocator_empty_cache() -> int`` (bytes returned);
 * ``allocator_retag(array: Array, category: str) -> None``: move a live buffer's bytes;
 * ``allocator_set_category_resolver(fn) -> None``: C++ calls ``fn(hint)`` (``hint`` is

@@ -14,11 +14,15 @@ optimizer moments   4 each  4 each   (adam/adamw: 2, sgd_momentum: 1, sgd: 0)
 
 Sharding (ZeRO over ``dp`` data-parallel workers): stage 1 divides master weights and moments
 by ``dp``, stage 2 also gradients, stage 3 also working weights. Tensor and pipeline
-parallelism divide every model-state term by ``tp * pp``. Activations =
-``prod(batch_shape) * width * ceil(num_layers / pp) * activation_arrays_per_layer *
+parallelism divide every model-state term by ``tp * pp``. Each term is measured in its own
+allocator category: ``weight``, ``gradient``, ``master`` and ``optimizer`` (the moments).
+Activations = ``prod(batch_shape) * width * ceil(num_layers / pp) * activation_arrays_per_layer *
 bytes_per_activation`` (kept whole on each of the ``tp`` workers, a conservative choice);
 ``margin`` is a fraction of state + activations. Shares that do not divide evenly round up
-(the largest shard is what must fit).
+(the largest shard is what must fit), unless ``rank`` names one worker: then the sharded
+terms are that worker's exact share under ZeRO's rule (every parameter, flattened, is cut into
+``dp`` contiguous pieces, rank r holding elements ``[r*n // dp, (r+1)*n // dp)``; with only
+``num_params`` the model counts as one flat parameter).
 
 Example:
     >>> led = estimate(num_params=1_000_000, batch_shape=(2, 128), width=64, num_layers=4,
@@ -35,7 +39,8 @@ from fractions import Fraction
 from ._errors import MemoryArgumentError
 from .categories import CATEGORIES
 
-__all__ = ["LedgerRow", "Ledger", "estimate", "Comparison", "ComparisonRow", "compare"]
+__all__ = ["LedgerRow", "Ledger", "estimate", "Comparison", "ComparisonRow", "compare",
+           "shard_elements"]
 
 _BYTES = {  # precision -> (weights, gradients, master, per moment)
     "mixed": (2, 2, 4, 4),
@@ -92,7 +97,7 @@ class Ledger:
         return self.subtotal_bytes + self["margin"]
 
     def by_category(self) -> dict[str, int]:
-        """Estimated bytes per allocator category (master weights count as ``optimizer``)."""
+        """Estimated bytes per allocator category (master weights are ``master``)."""
         out = {c: 0 for c in CATEGORIES}
         for r in self.rows:
             if r.category is not None:
@@ -115,6 +120,10 @@ def _count_params(model) -> int:
     return sum(math.prod(p.shape) for p in params)
 
 
+def _param_sizes(model) -> list[int]:
+    return [math.prod(p.shape) for p in model.parameters()]
+
+
 def _check_positive(name: str, value) -> None:
     if not isinstance(value, int) or value < 1:
         raise MemoryArgumentError(f"estimate: bad {name}, expected an int >= 1, got {value!r}")
@@ -124,21 +133,38 @@ def _ceil(x: Fraction) -> int:
     return math.ceil(x)
 
 
+def shard_elements(sizes, dp: int, rank: int) -> int:
+    """Elements of parameters of ``sizes`` that ZeRO rank ``rank`` of ``dp`` holds: each
+    parameter (flattened) is cut into ``dp`` contiguous pieces whose sizes differ by at most one.
+
+    Example:
+        >>> [shard_elements([10, 3], 4, r) for r in range(4)]
+        [2, 4, 3, 4]
+    """
+    return sum((rank + 1) * n // dp - rank * n // dp for n in sizes)
+
+
 def _state_rows(n: int, precision: str, optimizer: str, zero_stage: int, dp: int,
-                split: int) -> list[LedgerRow]:
+                split: int, shard: int | None) -> list[LedgerRow]:
+    """``shard``: this worker's sharded element count (None: the largest share, rounded up)."""
     w, g, m, per_moment = _BYTES[precision]
     k = _MOMENTS[optimizer]
-    shard = {  # term -> divided by dp?
+    sharded = {  # term -> divided by dp?
         "working weights": zero_stage >= 3, "gradients": zero_stage >= 2,
         "master weights": zero_stage >= 1, "optimizer moments": zero_stage >= 1,
     }
     per_param = {"working weights": w, "gradients": g, "master weights": m,
                  "optimizer moments": k * per_moment}
     category = {"working weights": "weight", "gradients": "gradient",
-                "master weights": "optimizer", "optimizer moments": "optimizer"}
+                "master weights": "master", "optimizer moments": "optimizer"}
     rows = []
     for term, b in per_param.items():
-        denom = split * (dp if shard[term] else 1)
+        if sharded[term] and dp > 1 and shard is not None:
+            rows.append(LedgerRow(term, _ceil(Fraction(b * shard, split)), category[term],
+                                  f"{b} B x {shard:,} params (this rank's share of "
+                                  f"{n:,} / {dp})" + (f" / {split}" if split > 1 else "")))
+            continue
+        denom = split * (dp if sharded[term] else 1)
         formula = f"{b} B x {n:,} params" + (f" / {denom}" if denom > 1 else "")
         rows.append(LedgerRow(term, _ceil(Fraction(b * n, denom)), category[term], formula))
     return rows
@@ -169,7 +195,7 @@ def estimate(model=None, *, num_params: int | None = None, batch_shape=None,
              dp: int = 1, tp: int = 1, pp: int = 1, activation_arrays_per_layer: int | None = None,
              num_layers: int | None = None, width: int | None = None,
              bytes_per_activation: int | None = None, activation_bytes: int | None = None,
-             margin: float = 0.25) -> Ledger:
+             margin: float = 0.25, rank: int | None = None) -> Ledger:
     """Predict the bytes one worker needs for a training step.
 
     Args:
@@ -183,6 +209,8 @@ def estimate(model=None, *, num_params: int | None = None, batch_shape=None,
         bytes_per_activation: default 2 for mixed, 4 for fp32.
         activation_bytes: a known activation total (e.g. from a trace) instead of the model.
         margin: planning allowance as a fraction of the subtotal.
+        rank: a ZeRO rank (0 <= rank < dp): its exact share of the sharded terms instead of
+            the largest share rounded up (see the module docstring).
 
     Returns:
         A :class:`Ledger`.
@@ -195,6 +223,7 @@ def estimate(model=None, *, num_params: int | None = None, batch_shape=None,
             f"estimate: expected exactly one of model and num_params, got model={model!r}, "
             f"num_params={num_params!r}")
     n = _count_params(model) if model is not None else num_params
+    sizes = _param_sizes(model) if model is not None else [n]
     if not isinstance(n, int) or n < 0:
         raise MemoryArgumentError(f"estimate: bad num_params, expected an int >= 0, got {n!r}")
     if precision not in _BYTES:
@@ -208,10 +237,14 @@ def estimate(model=None, *, num_params: int | None = None, batch_shape=None,
             f"estimate: bad zero_stage, expected 0, 1, 2 or 3, got {zero_stage!r}")
     for name, value in (("dp", dp), ("tp", tp), ("pp", pp)):
         _check_positive(name, value)
+    if rank is not None and (not isinstance(rank, int) or not 0 <= rank < dp):
+        raise MemoryArgumentError(
+            f"estimate: bad rank, expected an int with 0 <= rank < dp = {dp}, got {rank!r}")
     if not 0 <= margin:
         raise MemoryArgumentError(f"estimate: bad margin, expected >= 0, got {margin!r}")
     bytes_per = bytes_per_activation or (2 if precision == "mixed" else 4)
-    rows = _state_rows(n, precision, optimizer, zero_stage, dp, tp * pp)
+    shard = None if rank is None else shard_elements(sizes, dp, rank)
+    rows = _state_rows(n, precision, optimizer, zero_stage, dp, tp * pp, shard)
     rows.append(_activation_row(batch_shape, width, num_layers, activation_arrays_per_layer,
                                 bytes_per, pp, activation_bytes))
     subtotal = sum(r.bytes for r in rows)
@@ -291,8 +324,9 @@ def compare(ledger: Ledger, stats: dict) -> Comparison:
     """
     estimated = ledger.by_category()
     rows = []
-    for cat in CATEGORIES:
-        m = stats["by_category"][cat]
+    empty = {"peak": 0, "peak_requested": 0}
+    for cat in CATEGORIES:  # a category the stats lack (an older reader's dict) measured 0
+        m = stats["by_category"].get(cat, empty)
         rows.append(_row(cat, estimated[cat], m["peak"], m["peak_requested"]))
     summed = ComparisonRow(
         "sum of category peaks", ledger.subtotal_bytes, sum(r.measured_peak for r in rows),

@@ -23,7 +23,13 @@ from __future__ import annotations
 
 from .ledger import RNGLedger
 from .state import STATE_FORMAT_VERSION, TrainState
-from .store import latest_checkpoint, list_checkpoints, read_checkpoint, write_checkpoint
+from .store import (
+    latest_checkpoint,
+    list_checkpoints,
+    read_all_shards,
+    read_checkpoint,
+    write_checkpoint,
+)
 
 __all__ = ["TrainState", "STATE_FORMAT_VERSION", "RNGLedger", "latest_checkpoint",
-           "list_checkpoints", "read_checkpoint", "write_checkpoint"]
+           "list_checkpoints", "read_all_shards", "read_checkpoint", "write_checkpoint"]

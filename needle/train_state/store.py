@@ -131,6 +131,31 @@ def _prune(directory: str, keep: int) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def _resolve(path_or_directory: str, caller: str) -> str:
+    if _read_manifest(path_or_directory) is not None:
+        return path_or_directory
+    latest = latest_checkpoint(path_or_directory)
+    if latest is None:
+        raise SerializationError(
+            f"{caller}: {path_or_directory}: no complete checkpoint, expected a "
+            f"step-NNNNNNNN directory with {MANIFEST} and every shard it lists")
+    return latest
+
+
+def read_all_shards(path_or_directory: str, device=None) -> tuple[dict, list]:
+    """``(manifest, [shard of rank 0, shard of rank 1, ...])`` of a checkpoint directory (or
+    of the newest complete one under a parent directory): what a run needs to load a state
+    that was sharded over another number of ranks.
+
+    Raises:
+        SerializationError: as :func:`read_checkpoint`, for any rank's shard.
+    """
+    path = _resolve(path_or_directory, "read_all_shards")
+    manifest = _read_manifest(path)
+    return manifest, [read_checkpoint(path, r, device=device)[1]
+                      for r in range(int(manifest["world_size"]))]
+
+
 def read_checkpoint(path_or_directory: str, rank: int = 0, device=None) -> tuple[dict, Any]:
     """``(manifest, shard of rank)`` of a checkpoint directory, or of the newest complete
     one when given the parent directory.
@@ -139,14 +164,7 @@ def read_checkpoint(path_or_directory: str, rank: int = 0, device=None) -> tuple
         SerializationError: no complete checkpoint, a shard missing for ``rank``, or a shard
             whose checksum differs from the manifest's.
     """
-    path = path_or_directory
-    if _read_manifest(path) is None:
-        latest = latest_checkpoint(path_or_directory)
-        if latest is None:
-            raise SerializationError(
-                f"read_checkpoint: {path_or_directory}: no complete checkpoint, expected a "
-                f"step-NNNNNNNN directory with {MANIFEST} and every shard it lists")
-        path = latest
+    path = _resolve(path_or_directory, "read_checkpoint")
     manifest = _read_manifest(path)
     info = manifest["shards"].get(str(rank))
     if info is None:

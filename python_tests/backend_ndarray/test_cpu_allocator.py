@@ -289,7 +289,8 @@ def test_unknown_category_raises_naming_the_allowed_ones(no_resolver, call):
     with pytest.raises(ValueError) as info:
         call()
     assert isinstance(info.value, NeedleError)
-    assert "expected one of ['weight', 'gradient', 'optimizer', 'activation'" in str(info.value)
+    assert "expected one of ['weight', 'gradient', 'optimizer', 'master', 'activation'" in str(
+        info.value)
 
 
 def test_peak_and_reset_peak(no_resolver):

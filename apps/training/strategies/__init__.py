@@ -11,6 +11,7 @@ from .mesh3d import Mesh3D
 from .pipeline import Pipeline
 from .single import SingleProcess
 from .tp import TensorParallel
+from .zero import Zero
 
 STRATEGIES: dict[str, type[Strategy]] = {
     "single": SingleProcess,
@@ -18,6 +19,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "pipeline": Pipeline,
     "tp": TensorParallel,
     "3d": Mesh3D,
+    "zero": Zero,
 }
 
 __all__ = ["STRATEGIES", "Strategy", "StepResult"]

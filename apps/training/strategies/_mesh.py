@@ -57,6 +57,7 @@ class MeshStrategy(Strategy):
     """A strategy over a (dp, tp, pp) mesh; subclasses say which shape."""
 
     distributed_min = 2
+    mixed_precision_and_accumulation = False  # micro-batches are the pipeline's own
 
     def mesh_shape(self) -> tuple[int, int, int]:
         raise NotImplementedError

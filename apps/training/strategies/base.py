@@ -2,15 +2,28 @@
 
 The loop (``apps/training/loop.py``) calls, on every rank: ``setup`` once, ``data_shard``,
 ``train_step`` once per optimizer step with this replica's share of the global batch,
-``evaluate`` after each epoch, ``full_parameters`` and ``summary_blocks`` at the end.
-Methods that are collective in a strategy (evaluation of a sharded model, say) are called on
-every rank in the same order, so a strategy may communicate inside any of them.
+``evaluate`` after each epoch, ``full_parameters``, ``collect_reports`` and (on the
+reporting rank) ``summary_blocks`` at the end. Methods that are collective in a strategy
+(evaluation of a sharded model, say) are called on every rank in the same order, so a
+strategy may communicate inside any of them.
+
+The default step (single, ddp, zero) also does mixed precision (``--precision fp16-mixed``:
+float16 parameters, ``amp.autocast``, a ``GradScaler``, float32 master weights in the
+optimizer) and gradient accumulation (``--accumulate G``: the replica's share is cut into G
+micro-batches whose sizes may differ by one; micro-batch i's mean loss is weighted by
+``n_i / n`` so the accumulated gradient is the replica's mean gradient, and data-parallel
+ranks are then weighted by their ``n`` over the global batch). It records the denominators
+and, after every step, the model-state bytes measured by ``needle.memory`` beside the
+ledger's prediction.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
+
+MODEL_STATE = ("weight", "gradient", "master", "optimizer")
 
 
 @dataclass
@@ -64,15 +77,31 @@ def gathered_state_digest(local_state, rank: int, root: int = 0) -> str | None:
     return hashlib.sha256(b"".join(d.tobytes() for d in every)).hexdigest()
 
 
+def micro_batches(n: int, parts: int) -> list[tuple[int, int]]:
+    """``(lo, hi)`` of the ``parts`` micro-batches of ``n`` examples (sizes differ by at most
+    one; empty ones are dropped)."""
+    cuts = [n * i // parts for i in range(parts + 1)]
+    return [(lo, hi) for lo, hi in zip(cuts, cuts[1:], strict=False) if hi > lo]
+
+
 class Strategy:
     """Single process: the model, its optimizer, plain forward/backward/step."""
 
     name = "single"
+    # whether --precision fp16-mixed and --accumulate G apply (the default step below)
+    mixed_precision_and_accumulation = True
+    # whether --resume may load a checkpoint saved by another number of ranks
+    can_reshard = False
 
     def __init__(self, cfg, rank: int = 0, world_size: int = 1):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.model = None
         self.optimizer = None
+        self.scaler = None
+        self.on_micro_batch = None  # set by the loop: fault injection between micro-batches
+        self.denominators: dict = {}
+        self.memory_row: dict | None = None
+        self._memory_rows: list | None = None
 
     # ---- command line --------------------------------------------------------------------
     @staticmethod
@@ -93,13 +122,28 @@ class Strategy:
         return False
 
     # ---- the run -------------------------------------------------------------------------
+    @property
+    def mixed(self) -> bool:
+        return getattr(self.cfg, "precision", "fp32") == "fp16-mixed"
+
     def setup(self, ctx) -> None:
         self.ctx = ctx
-        self.model = ctx.new_model()
+        self.model = self._new_model(ctx)
         self.optimizer = ctx.new_optimizer(self.model.parameters())
         from needle import nn
 
         self.loss_fn = nn.SoftmaxLoss()
+
+    def _new_model(self, ctx):
+        """The model, float16 parameters under mixed precision; the scaler beside it."""
+        from needle import amp, memory
+
+        memory.stats(ctx.device)  # attribute memory by category from the first buffer on
+        model = ctx.new_model()
+        if self.mixed:
+            amp.cast_parameters(model)
+        self.scaler = amp.GradScaler(enabled=self.mixed)
+        return model
 
     def data_shard(self) -> tuple[int, int]:
         """(number of data-parallel replicas, the replica this rank feeds)."""
@@ -117,30 +161,60 @@ class Strategy:
         return (Tensor(X, device=device, requires_grad=False),
                 Tensor(y, device=device, requires_grad=False))
 
-    def _local_step(self, X: np.ndarray, y: np.ndarray, forward=None, after_backward=None):
-        """forward, loss, backward, (after_backward), optimizer step; local sums."""
+    def _local_step(self, X: np.ndarray, y: np.ndarray, forward=None, after_backward=None,
+                    no_sync=None, zero_stage: int = 0):
+        """Forward and backward of every micro-batch (``no_sync`` around all but the last),
+        (after_backward), the scaled optimizer step; local sums (see the module doc)."""
+        from needle import amp
+
         self.model.train()
-        Xb, yb = self._tensors(X, y)
-        logits = (forward or self.model)(Xb)
-        loss = self.loss_fn(logits, yb)
+        forward = forward or self.model
+        n = int(y.shape[0])
+        parts = micro_batches(n, max(1, int(getattr(self.cfg, "accumulate", 1))))
         self.optimizer.reset_grad()
-        loss.backward()
+        loss_sum, correct = 0.0, 0
+        for i, (lo, hi) in enumerate(parts):
+            Xb, yb = self._tensors(X[lo:hi], y[lo:hi])
+            last = i == len(parts) - 1
+            with nullcontext() if last or no_sync is None else no_sync():
+                with amp.autocast(enabled=self.mixed):
+                    logits = forward(Xb)
+                    loss = self.loss_fn(logits, yb)
+                weighted = loss if len(parts) == 1 else loss * ((hi - lo) / n)
+                self.scaler.scale(weighted).backward()
+            loss_sum += float(loss.numpy()) * (hi - lo)
+            correct += int((logits.numpy().argmax(axis=1) == y[lo:hi].astype(np.int64)).sum())
+            del logits, loss, weighted
+            if self.on_micro_batch is not None:
+                self.on_micro_batch(i + 1)
         if after_backward is not None:
             after_backward()
-        self.optimizer.step()
-        n = int(y.shape[0])
-        correct = int((logits.numpy().argmax(axis=1) == y.astype(np.int64)).sum())
-        return float(loss.numpy()) * n, correct, n
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.denominators = {"micro": [hi - lo for lo, hi in parts], "local": n}
+        self._measure_memory(zero_stage)
+        return loss_sum, correct, n
+
+    def _measure_memory(self, zero_stage: int) -> None:
+        """This rank's model state now (right after a step) beside the ledger's prediction."""
+        from needle.distributed.zero import accounting
+
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        got = accounting.measured(self.ctx.device)
+        want = accounting.predicted(self.model, inner, zero_stage, self.world_size, self.rank)
+        self.memory_row = {"rank": self.rank, "measured": got["requested"],
+                           "allocated": got["allocated"], "predicted": want}
 
     def train_step(self, X: np.ndarray, y: np.ndarray) -> StepResult | None:
         return StepResult(*self._local_step(X, y))
 
     def _local_evaluate(self, X: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+        from needle import amp
         from needle.autograd import no_grad
 
         self.model.eval()
         total_loss, correct = 0.0, 0
-        with no_grad():
+        with no_grad(), amp.autocast(enabled=self.mixed):
             for start in range(0, X.shape[0], 256):
                 Xb, yb = self._tensors(X[start:start + 256], y[start:start + 256])
                 logits = self.model(Xb)
@@ -155,17 +229,60 @@ class Strategy:
     def full_parameters(self) -> list[np.ndarray] | None:
         return [p.numpy() for p in self.model.parameters()]
 
+    def collect_reports(self) -> None:
+        """Gather every rank's memory row on the reporting rank (collective when
+        distributed; called on every rank at the end of the run)."""
+        row = self.memory_row
+        if row is None:
+            return
+        if self.world_size == 1:
+            self._memory_rows = [row]
+            return
+        import needle.distributed as dist
+
+        mine = np.array([row[k][c] for k in ("measured", "allocated", "predicted")
+                         for c in MODEL_STATE], dtype=np.int64)
+        every = [np.zeros_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(every, mine)
+        rows = []
+        for r, values in enumerate(every):
+            v = values.reshape(3, len(MODEL_STATE))
+            rows.append({"rank": r, **{k: {c: int(v[i][j]) for j, c in enumerate(MODEL_STATE)}
+                                       for i, k in enumerate(("measured", "allocated",
+                                                              "predicted"))}})
+        self._memory_rows = rows
+
     def summary_blocks(self) -> dict:
-        return {}
+        """``memory``, ``scaler`` and ``accumulation`` (the default step's blocks)."""
+        if not self.mixed_precision_and_accumulation or self.scaler is None:
+            return {}
+        scaler = self.scaler.state_dict()
+        return {
+            "memory": {"per_rank": self._memory_rows or [],
+                       "when": "right after the last optimizer step",
+                       "measured": "requested bytes held per category (needle.memory)",
+                       "allocated": "the same in 512-byte-rounded allocator blocks",
+                       "predicted": "needle.memory.estimate for this rank"},
+            "scaler": {"enabled": self.mixed, "skipped_steps": scaler["skipped_steps"],
+                       "final_scale": self.scaler.get_scale(), "steps": scaler["steps"]},
+            "accumulation": {"micro_batches": int(getattr(self.cfg, "accumulate", 1)),
+                             "denominators": self.denominators},
+        }
 
     # ---- checkpoints ---------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """This rank's part of the training state (model with buffers, optimizer)."""
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        """This rank's part of the training state (model with buffers, optimizer with its
+        master weights, loss scaler)."""
+        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.scaler is not None and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
 
     def state_sha256(self) -> str | None:
         """A digest of the whole training state (buffers and optimizer state included) on

@@ -46,9 +46,21 @@ class DataParallel(Strategy):
 
     def train_step(self, X: np.ndarray, y: np.ndarray) -> StepResult | None:
         self.ddp.set_num_examples(int(y.shape[0]))
-        local = self._local_step(X, y, forward=self.ddp,
-                                 after_backward=self.ddp.finish_gradient_sync)
-        return global_step_result(local, self.rank)
+        local = self._local_step(X, y, forward=self.ddp, after_backward=self._sync,
+                                 no_sync=self.ddp.no_sync)
+        result = global_step_result(local, self.rank)
+        if result is not None:
+            self.denominators["global"] = result.examples
+        return result
+
+    def _sync(self) -> None:
+        self.ddp.finish_gradient_sync()
+        from needle import memory
+
+        # the averaged gradients DDP installs are this step's gradients: count them so
+        for p in self.model.parameters():
+            if p.grad is not None:
+                memory.attribute(p.grad, "gradient")
 
     def evaluate(self, X, y):
         return self._local_evaluate(X, y) if self.rank == 0 else None

@@ -1,0 +1,446 @@
+"""``ZeroDataParallel``: data parallelism with sharded optimizer state, gradients and weights.
+
+Stage 1: every rank keeps the whole model and whole gradients; after backward the gradients
+are reduce-scattered (ring, in buckets), each rank updates its 1/N share of every parameter
+with an optimizer that holds only that share's state (moments, float32 master weights), and
+the updated shares are all-gathered back into the whole weights.
+Stage 2: as stage 1, but a gradient is dropped as soon as its bucket is packed, so each rank
+keeps only its share of the (reduced) gradients.
+Stage 3: also the weights are sharded: a module's parameters are all-gathered right before its
+forward and freed right after; gathered again when its backward starts and freed when its
+parameters' gradients are final. The next module's gather is started while the current one
+computes (``prefetch``).
+
+Sharding rule, memory and traffic: docs/zero.md. Everything that crosses the network is
+staged through host buffers, so every device (``cuda()`` included) works.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from needle._core.errors import GraphError
+from needle.autograd import Tensor
+from needle.memory import framework_category
+
+from .._errors import CommError
+from .._group import resolve
+from ..collectives import all_gather_v, all_reduce, broadcast, reduce_scatter_v
+from .layout import FlatLayout, plan_buckets
+from .optimizer import ZeroOptimizer
+from .shards import Entry, flat_view, host, to_device
+from .stage3 import GatherUnits
+
+
+class _Bucket:
+    """One gradient bucket: its members (entries), rank-major layout and in-flight work."""
+
+    def __init__(self, index: int, members: list[Entry], world_size: int):
+        self.index, self.members = index, members
+        self.layout = FlatLayout([e.size for e in members], world_size)
+        self.dtype = members[0].dtype
+        self.flat: np.ndarray | None = None
+        self.work: Any = None
+        self.pending = len(members)
+
+
+class ZeroDataParallel:
+    """ZeRO data parallelism over the ranks of ``group`` (see the module docstring).
+
+    Args:
+        module: an ``nn.Module``; rank 0's parameters are broadcast at construction.
+        optimizer: ``lambda params: optim.Adam(params, lr=...)``, called with this rank's
+            shard parameters (1-D Tensors, one per parameter whose piece is not empty).
+        stage: 1, 2 or 3.
+        bucket_cap_mb: gradient bucket size in MiB (full-gradient bytes).
+        group: the process group (default: the world); ZeRO's own traffic runs on a private
+            group over the same ranks, so it is measured on its own (``bytes_sent``); call
+            :meth:`close` when done with this wrapper to stop that group's thread.
+        prefetch: stage 3: start gathering the next module's weights while one computes.
+        find_unused_parameters: treat parameters that got no gradient as zero gradients.
+
+    Example (two thread ranks):
+        >>> import numpy as np, needle.distributed as dist
+        >>> from needle import nn, optim
+        >>> from needle.autograd import Tensor
+        >>> def job(rank):
+        ...     np.random.seed(0)
+        ...     zero = dist.ZeroDataParallel(nn.Linear(3, 1), stage=3,
+        ...                                  optimizer=lambda ps: optim.SGD(ps, lr=0.5))
+        ...     zero(Tensor(np.ones((1, 3)) * (rank + 1))).sum().backward()
+        ...     zero.step()
+        ...     return [round(float(v), 4) for v in zero.full_parameters()[0].ravel()]
+        >>> a, b = dist.spawn_threads(job, 2); a == b
+        True
+    """
+
+    def __init__(self, module: Any, optimizer: Callable[[list], Any], stage: int = 2,
+                 bucket_cap_mb: float = 25, group: Any = None, prefetch: bool = True,
+                 find_unused_parameters: bool = False):
+        if stage not in (1, 2, 3):
+            raise CommError(f"ZeroDataParallel: stage must be 1, 2 or 3, got {stage!r}")
+        if not callable(optimizer):
+            raise CommError(f"ZeroDataParallel: optimizer must be a callable params -> "
+                            f"optimizer, got {type(optimizer).__name__}")
+        self.module, self.stage = module, stage
+        self.group = resolve(group, "ZeroDataParallel")
+        from ..process_group import new_group
+
+        self.comm = new_group(self.group.ranks)  # ZeRO's data traffic, counted on its own
+        self.rank, self.world_size = self.group.rank, self.group.size
+        self.find_unused_parameters = find_unused_parameters
+        named = {id(p): n for n, p in getattr(module, "named_parameters", list)()}
+        params = [p for p in module.parameters() if getattr(p, "requires_grad", True)]
+        self.entries = [Entry(i, named.get(id(p), f"parameter {i}"), p, self.rank,
+                              self.world_size) for i, p in enumerate(params)]
+        self._check_same_model()
+        for e in self.entries:
+            broadcast(e.param, src=0, group=self.comm)
+        cap = int(bucket_cap_mb * 2 ** 20)
+        plan = plan_buckets([e.size for e in self.entries], [e.itemsize for e in self.entries],
+                            [e.dtype for e in self.entries], cap)
+        self.buckets = [_Bucket(i, [self.entries[m] for m in members], self.world_size)
+                        for i, members in enumerate(plan)]
+        self._bucket_of = {id(e): b for b in self.buckets for e in b.members}
+        self.units = GatherUnits(self, prefetch) if stage == 3 else None
+        self._make_shards()
+        self.inner = optimizer([e.shard for e in self.entries if e.shard is not None])
+        self.optimizer = ZeroOptimizer(self, self.inner)
+        self._handles = [e.param.register_post_accumulate_grad_hook(self._hook_for(e))
+                         for e in self.entries]
+        self._sync = True
+        self._weight: float | None = None
+        self.denominators: dict = {}
+        self.steps = 0
+        self.timeline: list[dict] = []
+        self._reset()
+
+    # ----- setup ----------------------------------------------------------------------------
+    def _check_same_model(self) -> None:
+        import zlib
+
+        text = repr([(e.shape, e.dtype) for e in self.entries])
+        mine = np.array([zlib.crc32(text.encode()), len(self.entries)], dtype=np.int64)
+        low, high = mine.copy(), mine.copy()
+        all_reduce(low, "min", self.group)
+        all_reduce(high, "max", self.group)
+        if not (np.array_equal(low, mine) and np.array_equal(high, mine)):
+            raise CommError(f"ZeroDataParallel: ranks hold different models (parameter shapes "
+                            f"or dtypes), expected the same on every rank, got this rank's "
+                            f"{text[:300]}")
+
+    def _make_shards(self) -> None:
+        for e in self.entries:
+            data = e.param.realize_cached_data()
+            if self.stage == 3:  # the piece becomes this rank's own copy; the rest goes
+                piece = host(data)[e.lo:e.hi]
+                e.make_shard(to_device(piece, e, "weight") if e.numel else None)
+                e.release()
+            else:
+                e.make_shard(flat_view(data, e.lo, e.hi) if e.numel else None)
+        if self.units is not None:
+            self.units.attach()
+
+    # ----- forward ---------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    forward = __call__
+
+    def parameters(self) -> list:
+        return self.module.parameters()
+
+    def set_num_examples(self, n: float) -> None:
+        """Examples (or valid tokens) this rank's loss averages over in this step; each rank's
+        gradient then counts with weight ``n / sum over ranks`` (collective: every rank calls
+        it). Without it every rank weighs ``1 / world_size``."""
+        total = np.array([float(n)], np.float64)
+        all_reduce(total, "sum", self.group)
+        if total[0] <= 0:
+            raise CommError(f"ZeroDataParallel: total examples over ranks must be positive, "
+                            f"got {total[0]}")
+        self._weight = float(n) / float(total[0])
+        self.denominators = {"local": float(n), "global": float(total[0])}
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate whole gradients locally (also in stages 2 and 3);
+        the next backward outside reduces the sum once."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    # ----- gradients -------------------------------------------------------------------------
+    def _reset(self) -> None:
+        self._fired: set[int] = set()
+        self._next_launch = 0
+        self._seen_grads: set[int] = set()
+        for b in self.buckets:
+            b.pending, b.work, b.flat = len(b.members), None, None
+
+    def _hook_for(self, e: Entry):
+        def hook(p: Any) -> None:
+            if self.units is not None:
+                self.units.grad_ready(e)
+            if self._sync:
+                self._on_grad(e, p)
+
+        return hook
+
+    def _weight_now(self) -> float:
+        return self._weight if self._weight is not None else 1.0 / self.world_size
+
+    def _on_grad(self, e: Entry, p: Any) -> None:
+        if e.index in self._fired:
+            raise GraphError(f"ZeroDataParallel: the gradient hook of {e.name!r} fired twice "
+                             f"in one synchronized step, expected once (use no_sync() for "
+                             f"accumulation)")
+        self._fired.add(e.index)
+        if self.stage == 1:
+            self._own_grad(p)
+        self._pack(e, host(p.grad.realize_cached_data()))
+        if self.stage >= 2:
+            p.grad = None  # this rank keeps only its reduced piece (stage 2)
+
+    def _own_grad(self, p: Any) -> None:
+        """Stage 1 writes the reduced piece back into ``p.grad``: make sure that buffer is
+        compact and belongs to ``p`` alone (the engine may hand one gradient to two leaves)."""
+        data = p.grad.realize_cached_data()
+        handle = getattr(data, "_handle", None)
+        compact = getattr(data, "is_compact", lambda: False)()
+        if handle is None or not compact or id(handle) in self._seen_grads:
+            with framework_category("gradient"):
+                data = Tensor(data.numpy(), device=p.device, dtype=str(p.dtype),
+                              requires_grad=False).realize_cached_data()
+            p.grad = Tensor.make_const(data)
+            handle = getattr(data, "_handle", data)
+        self._seen_grads.add(id(handle))
+
+    def _pack(self, e: Entry, grad: np.ndarray) -> None:
+        bucket = self._bucket_of[id(e)]
+        if bucket.flat is None:
+            bucket.flat = np.empty(bucket.layout.numel, dtype=bucket.dtype)
+        j = bucket.members.index(e)
+        weight = grad.dtype.type(self._weight_now())
+        b, flat = bucket.layout.pieces[j], bucket.flat
+        for r in range(self.world_size):
+            at = bucket.layout.offsets[r][j]
+            np.multiply(grad[b[r]:b[r + 1]], weight, out=flat[at:at + b[r + 1] - b[r]])
+        bucket.pending -= 1
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Start buckets strictly in index order, so every rank issues the same sequence."""
+        while self._next_launch < len(self.buckets):
+            bucket = self.buckets[self._next_launch]
+            if bucket.pending:
+                return
+            bucket.work = reduce_scatter_v(bucket.flat, bucket.layout.bounds, "sum",
+                                           self.comm, async_op=True)
+            self._next_launch += 1
+
+    def _fill_unused(self) -> None:
+        missing = [e for e in self.entries if e.index not in self._fired]
+        if missing and not self.find_unused_parameters:
+            names = ", ".join(repr(e.name) for e in missing[:8])
+            raise GraphError(f"ZeroDataParallel: rank {self.rank}: {len(missing)} parameter(s) "
+                             f"got no gradient in this backward, expected all "
+                             f"{len(self.entries)}: {names} (unused in forward? pass "
+                             f"find_unused_parameters=True)")
+        for e in missing:
+            self._fired.add(e.index)
+            self._pack(e, np.zeros(e.size, dtype=e.dtype))
+
+    def finish_gradient_sync(self) -> None:
+        """Wait for every bucket and hand each shard parameter its reduced gradient piece.
+        Called by :meth:`step`; idempotent within a step."""
+        if not self._sync or not self._fired:
+            return
+        self._fill_unused()
+        self._launch_ready()
+        for bucket in self.buckets:
+            bucket.work.wait()
+            pieces = bucket.layout.unpack_mine(bucket.flat, self.rank)
+            for e, piece in zip(bucket.members, pieces, strict=True):
+                self._take_piece(e, piece)
+            bucket.flat = None
+        if self.units is not None:
+            self.units.release_all()
+        self._reset()
+
+    def _take_piece(self, e: Entry, piece: np.ndarray) -> None:
+        if not e.numel:
+            return
+        if self.stage == 1:  # written into the whole gradient's own slice: no new memory
+            grad = e.param.grad.realize_cached_data()
+            view = flat_view(grad, e.lo, e.hi)
+            view[slice(None)] = to_device(piece, e, "gradient")
+            e.shard.grad = Tensor.make_const(view)
+            return
+        value = to_device(piece, e, "gradient")
+        if e.grad is not None:  # a second synced backward before the step: accumulate
+            with framework_category("gradient"):
+                value = e.grad + value
+        e.grad = value
+        e.shard.grad = Tensor.make_const(value)
+
+    def all_grads_finite(self) -> bool:
+        """Whether every rank's reduced gradient pieces are finite (collective; what
+        ``amp.GradScaler`` asks before a step)."""
+        self.finish_gradient_sync()
+        ok = all(np.isfinite(e.shard.grad.numpy()).all() for e in self.entries
+                 if e.shard is not None and e.shard.grad is not None)
+        flag = np.array([1.0 if ok else 0.0])
+        all_reduce(flag, "min", self.group)
+        return bool(flag[0] == 1.0)
+
+    # ----- the step --------------------------------------------------------------------------
+    def step(self) -> None:
+        """Finish the gradient sync, update this rank's shard, publish the weights."""
+        started = time.perf_counter()
+        self.finish_gradient_sync()
+        self.inner.step()
+        if self.stage < 3:
+            self._all_gather_weights()
+        self.steps += 1
+        self.timeline.append({"step": self.steps, "seconds": time.perf_counter() - started})
+        del self.timeline[:-100]
+
+    def _all_gather_weights(self) -> None:
+        """Stages 1-2: every rank's updated pieces into every rank's whole weights."""
+        works = []
+        for bucket in self.buckets:
+            flat = np.empty(bucket.layout.numel, dtype=bucket.dtype)
+            mine = [host(e.shard.realize_cached_data()) if e.shard is not None
+                    else np.empty(0, bucket.dtype) for e in bucket.members]
+            bucket.layout.pack_mine(mine, self.rank, flat)
+            works.append((bucket, flat, all_gather_v(flat, bucket.layout.bounds, self.comm,
+                                                     async_op=True)))
+        for bucket, flat, work in works:
+            work.wait()
+            for e, full in zip(bucket.members, bucket.layout.unpack_all(flat), strict=True):
+                data = to_device(full, e, "weight", e.shape)
+                e.param.cached_data = data
+                if e.shard is not None:
+                    rebind = getattr(self.inner, "rebind", None)
+                    view = flat_view(data, e.lo, e.hi)
+                    if rebind is not None:
+                        rebind(e.shard, view)
+                    else:
+                        e.shard.cached_data = view
+
+    def zero_grad(self) -> None:
+        """Drop every gradient: whole ones, reduced pieces and the shard parameters'."""
+        for e in self.entries:
+            e.param.grad = None
+            e.grad = None
+            if e.shard is not None:
+                e.shard.grad = None
+
+    reset_grad = zero_grad
+
+    # ----- whole weights ---------------------------------------------------------------------
+    def full_parameters(self) -> list[np.ndarray]:
+        """Every parameter as a host array in ``parameters()`` order (collective in stage 3)."""
+        if self.units is not None:
+            return self.units.gather_all_host()
+        return [e.param.numpy() for e in self.entries]
+
+    def full_gradients(self) -> list[np.ndarray]:
+        """Every parameter's reduced gradient as a host array, assembled from every rank's
+        pieces (collective; after :meth:`finish_gradient_sync`, before the step)."""
+        out = []
+        for e in self.entries:
+            flat = np.zeros(e.size, dtype=e.dtype)
+            if e.shard is not None and e.shard.grad is not None:
+                flat[e.lo:e.hi] = host(e.shard.grad.realize_cached_data())
+            all_gather_v(flat, e.bounds, self.comm)
+            out.append(flat.reshape(e.shape))
+        return out
+
+    @contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Stage 3: the whole weights in place for the block (collective; others: no-op)."""
+        if self.units is None:
+            yield
+            return
+        self.units.materialize_all()
+        try:
+            yield
+        finally:
+            self.units.release_all()
+
+    def set_full_weights(self, arrays: list[np.ndarray]) -> None:
+        """Install whole weights (host arrays in ``parameters()`` order) on this rank: the
+        whole data in stages 1-2, this rank's pieces in stage 3."""
+        for e, full in zip(self.entries, arrays, strict=True):
+            full = np.asarray(full).reshape(-1)
+            if self.stage == 3:
+                if e.shard is not None:
+                    e.shard.cached_data = to_device(full[e.lo:e.hi], e, "weight")
+                e.release()
+                continue
+            data = to_device(full, e, "weight", e.shape)
+            e.param.cached_data = data
+            if e.shard is not None:
+                e.shard.cached_data = flat_view(data, e.lo, e.hi)
+
+    # ----- checkpoints -----------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """This rank's pieces of the weights and of the optimizer state (docs/zero.md); save
+        one per rank."""
+        from .state import local_state
+
+        return local_state(self)
+
+    def load_state_dict(self, states: list[dict] | dict) -> None:
+        """Restore from the :meth:`state_dict` of *every* rank of a saved run, whatever its
+        world size (a different one reshards). A single dict is accepted on one rank."""
+        from .state import load_states
+
+        load_states(self, [states] if isinstance(states, dict) else list(states))
+
+    # ----- traffic ---------------------------------------------------------------------------
+    @property
+    def bytes_sent(self) -> int:
+        """Payload bytes this rank's ZeRO collectives have sent so far (measured)."""
+        return int(self.comm.bytes_sent["ring"])
+
+    def predicted_traffic(self, micro_batches: int = 1) -> dict[str, int]:
+        """Bytes this rank sends in one training step, from the layouts (ring: every segment
+        but one per collective): gradient reduce-scatter, weight all-gathers (after the step
+        in stages 1-2; before each module's forward and backward in stage 3, so once per
+        micro-batch when accumulating), their total, and a ring all-reduce of the same
+        gradients (what DDP sends) for comparison."""
+        rs = sum(b.layout.sent_elements(self.rank, "reduce_scatter") * b.members[0].itemsize
+                 for b in self.buckets)
+        if self.units is None:
+            ag = sum(b.layout.sent_elements(self.rank, "all_gather") * b.members[0].itemsize
+                     for b in self.buckets)
+        else:
+            per_gather = sum(lay.sent_elements(self.rank, "all_gather") * g[0].itemsize
+                             for u in self.units.units
+                             for g, lay in zip(u.groups, u.layouts, strict=True))
+            ag = 2 * int(micro_batches) * per_gather
+        ddp = sum(b.layout.sent_elements(self.rank, k) * b.members[0].itemsize
+                  for b in self.buckets for k in ("reduce_scatter", "all_gather"))
+        return {"reduce_scatter": rs, "all_gather": ag, "total": rs + ag, "ddp_all_reduce": ddp}
+
+    def remove_hooks(self) -> None:
+        """Detach from the module: gradient hooks, stage-3 forward wrappers."""
+        for handle in self._handles:
+            handle.remove()
+        if self.units is not None:
+            self.units.detach()
+
+    def close(self) -> None:
+        """:meth:`remove_hooks` and close ZeRO's private process group (the module keeps
+        whatever data its parameters hold now; gather first in stage 3 if it must be whole)."""
+        self.remove_hooks()
+        self.comm.destroy()
+

@@ -1,0 +1,89 @@
+"""Per-parameter bookkeeping of ZeRO: which piece this rank owns, and the host/device moves.
+
+Everything that crosses the network is staged through host NumPy buffers (so any device,
+``cuda()`` included, works); the model state that stays (weights, shard gradients) lives in
+the device's arrays, allocated from its caching allocator in the right memory category.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from needle.autograd import Tensor
+from needle.autograd.release import Released
+from needle.memory import attribute, framework_category
+
+from .layout import piece_bounds
+
+
+class Sharded(Released):
+    """Stands in for a stage-3 parameter's data between its module's forward and backward:
+    answers ``shape``/``dtype``/``device``, refuses to be computed on."""
+
+    __slots__ = ()
+
+    def _fail(self, what: str):
+        from needle._core.errors import ReleasedDataError
+
+        raise ReleasedDataError(
+            f"ZeroDataParallel: parameter {self.op_name} is sharded (stage 3) outside its "
+            f"module's forward and backward, expected reads only while the module runs, got "
+            f"a read of {what} (use ZeroDataParallel.full_parameters() or gathered())")
+
+
+def host(array: Any) -> np.ndarray:
+    """A flat, contiguous host copy of a device array."""
+    return np.ascontiguousarray(array.numpy()).reshape(-1)
+
+
+def to_device(values: np.ndarray, like: "Entry", category: str, shape=None) -> Any:
+    """A new device array of ``values`` on ``like``'s device and dtype, in ``category``."""
+    with framework_category(category):
+        data = Tensor(values.reshape(shape if shape is not None else values.shape),
+                      device=like.device, dtype=like.dtype,
+                      requires_grad=False).realize_cached_data()
+    attribute(data, category)
+    return data
+
+
+def flat_view(array: Any, lo: int, hi: int) -> Any:
+    """Elements ``[lo, hi)`` of a compact array, as a view (no copy)."""
+    return array.reshape((int(np.prod(array.shape)),))[lo:hi]
+
+
+class Entry:
+    """One parameter under ZeRO: its piece on this rank and the optimizer's view of it."""
+
+    def __init__(self, index: int, name: str, param: Any, rank: int, world_size: int):
+        self.index, self.name, self.param = index, name, param
+        self.shape = tuple(param.shape)
+        self.size = int(np.prod(self.shape, dtype=np.int64))
+        self.dtype = str(param.dtype)
+        self.device = param.device
+        self.itemsize = np.dtype(self.dtype).itemsize
+        self.bounds = piece_bounds(self.size, world_size)
+        self.lo, self.hi = self.bounds[rank], self.bounds[rank + 1]
+        self.shard: Tensor | None = None  # the optimizer's parameter (None: empty piece)
+        self.grad: Any = None  # stages 2-3: the reduced gradient piece (device array)
+
+    @property
+    def numel(self) -> int:
+        """Elements of this rank's piece."""
+        return self.hi - self.lo
+
+    def make_shard(self, data: Any) -> None:
+        """The 1-D Tensor the optimizer updates (nothing when the piece is empty)."""
+        if self.numel:
+            self.shard = Tensor.make_const(data, requires_grad=True)
+
+    def release(self) -> None:
+        """Stage 3: drop the full data, keep a stand-in with its shape."""
+        data = self.param.cached_data
+        if not isinstance(data, Released):
+            self.param.cached_data = Sharded(self.shape, self.dtype, self.device,
+                                             repr(self.name))
+
+    @property
+    def materialized(self) -> bool:
+        return not isinstance(self.param.cached_data, Released)
