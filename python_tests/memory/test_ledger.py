@@ -46,7 +46,7 @@ def test_zero_stage_2_keeps_weights_whole_and_shards_gradients_by_category():
                    margin=0)
     assert [(r.term, r.bytes, r.category) for r in led.rows] == [
         ("working weights", 4000, "weight"), ("gradients", 1000, "gradient"),
-        ("master weights", 0, "optimizer"), ("optimizer moments", 0, "optimizer"),
+        ("master weights", 0, "master"), ("optimizer moments", 0, "optimizer"),
         ("activations", 0, "activation"), ("margin", 0, None)]
     cats = led.by_category()
     assert (cats["weight"], cats["gradient"], cats["optimizer"], cats["activation"]) == \
