@@ -4,6 +4,11 @@ Updates run on the parameters' raw arrays (never on the graph, never on ``p.grad
 and keep each parameter's dtype: the scalars involved are Python floats, which NumPy and
 NDArray treat as weak.
 
+Memory (needle.memory categories): a step's temporaries are ``optimizer_temp``, moments
+``optimizer``, new weights ``weight`` from their allocation. At most this many arrays of one
+parameter's size are temporaries at once (the ledger's prediction, checked by its tests):
+SGD 1; SGD with momentum 3 (1 on the first step); Adam 3; one more with weight decay.
+
 Example:
     >>> import numpy as np
     >>> import needle as ndl
@@ -24,6 +29,7 @@ from ._core.errors import NeedleError, ShapeError
 from .autograd import Tensor
 from .memory import attribute as _attribute
 from .memory import framework_category as _framework_category
+from .memory.observers import phase as _phase
 
 __all__ = ["Optimizer", "SGD", "Adam", "clip_grad_norm"]
 
@@ -48,11 +54,21 @@ def _decayed_grads(params, wd: float):
         yield p, theta, (g + theta * wd if wd else g)
 
 
-def _assign(p: Tensor, array) -> None:
-    # Same effect as ``p.data = Tensor(array)`` without building a throwaway Tensor. A wider
-    # gradient (np mode lets float64 data reach float32 weights) must not widen the weight.
+def _update(p: Tensor, theta, delta) -> None:
+    """``p ← θ − delta``. The new array is allocated as ``weight`` memory (it is the new
+    weight from birth: a memory timeline never shows weights turning into optimizer memory).
+    Same effect as ``p.data = Tensor(θ - delta)`` without building a throwaway Tensor; a wider
+    gradient (np mode lets float64 data reach float32 weights) must not widen the weight."""
     dtype = p.cached_data.dtype
-    p.cached_data = array if array.dtype == dtype else array.astype(dtype)
+    with _framework_category("weight"):
+        array = theta - delta
+        p.cached_data = array if array.dtype == dtype else array.astype(dtype)
+
+
+def _state(array):
+    """Optimizer state (a moment): its bytes move from ``optimizer_temp`` to ``optimizer``."""
+    _attribute(array, "optimizer")
+    return array
 
 
 def _to_numpy(array) -> np.ndarray:
@@ -65,14 +81,17 @@ def _from_numpy(value, like: Tensor):
 
 
 def _attributed_step(step):
-    """Wrap a ``step`` so needle.memory sees its allocations as ``optimizer`` memory and the
-    arrays it installs as parameters as ``weight`` memory."""
+    """Wrap a ``step`` for needle.memory: the step is the ``optimizer`` phase of a timeline;
+    what it allocates is ``optimizer_temp`` memory (the update's temporaries) unless it says
+    otherwise (new weights are ``weight``, moments ``optimizer``: see ``_update``, ``_state``);
+    any array installed as a parameter is ``weight`` afterwards (subclasses that assign
+    ``p.data`` themselves)."""
     if getattr(step, "_memory_attributed", False):
         return step
 
     @functools.wraps(step)
     def wrapper(self, *args, **kwargs):
-        with _framework_category("optimizer"):
+        with _phase("optimizer"), _framework_category("optimizer_temp"):
             out = step(self, *args, **kwargs)
         for p in self.params:
             _attribute(p, "weight")
@@ -178,10 +197,10 @@ class SGD(Optimizer):
             if mom:
                 u = self.u.get(p)
                 u = g * (1 - mom) if u is None else u * mom + g * (1 - mom)
-                self.u[p] = u
+                self.u[p] = _state(u)
             else:
                 u = g
-            _assign(p, theta - u * lr)
+            _update(p, theta, u * lr)
 
 
 class Adam(Optimizer):
@@ -209,13 +228,14 @@ class Adam(Optimizer):
         c1, c2 = 1 - b1 ** self.t, 1 - b2 ** self.t
         lr, eps = float(self.lr), float(self.eps)
         for p, theta, g in _decayed_grads(self.params, wd):
+            # Each moment is stored as soon as it is made, so the old one is freed before the
+            # next is computed; the update is one expression, so its temporaries die with it.
             m, v = self.m.get(p), self.v.get(p)
             m = g * (1 - b1) if m is None else m * b1 + g * (1 - b1)
+            self.m[p] = _state(m)
             v = (g * g) * (1 - b2) if v is None else v * b2 + (g * g) * (1 - b2)
-            self.m[p], self.v[p] = m, v
-            m_hat = m / c1
-            v_hat = v / c2
-            _assign(p, theta - (m_hat * lr) / (v_hat ** 0.5 + eps))
+            self.v[p] = _state(v)
+            _update(p, theta, (m / c1 * lr) / ((v / c2) ** 0.5 + eps))
 
     def _extra_state(self) -> dict:
         return {"t": self.t}

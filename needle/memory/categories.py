@@ -31,7 +31,10 @@ from ._errors import MemoryArgumentError
 __all__ = ["CATEGORIES", "category", "framework_category", "current_category", "resolve",
            "check_category", "add_listener", "thread_state"]
 
-CATEGORIES = ("weight", "gradient", "optimizer", "activation", "workspace", "other")
+# ``optimizer`` is the optimizer's state (moments); ``optimizer_temp`` the temporaries of its
+# update, alive only inside ``step()``.
+CATEGORIES = ("weight", "gradient", "optimizer", "optimizer_temp", "activation", "workspace",
+              "other")
 _CATEGORY_SET = frozenset(CATEGORIES)
 _DEFAULT = "other"
 

@@ -48,6 +48,36 @@ class CppAllocatorAdapter:
         mod.allocator_set_category_resolver(categories.resolve)
         if hasattr(mod, "allocator_set_op"):
             timeline.add_op_listener(mod.allocator_set_op)
+        if hasattr(mod, "allocator_set_oom_handler"):
+            from .oom import out_of_memory_error
+
+            mod.allocator_set_oom_handler(out_of_memory_error)
+
+    def _need(self, name: str):
+        fn = getattr(self.mod, name, None)
+        if fn is None:
+            raise BackendUnavailable(
+                f"memory: the C++ allocator of {self.name}() lacks {name}, expected a build of "
+                f"ndarray_backend_cpu from this tree, got a stale one (pip install -e .)")
+        return fn
+
+    def set_limit(self, nbytes: int | None) -> int | None:
+        return self._need("allocator_set_limit")(nbytes)
+
+    @property
+    def limit(self) -> int | None:
+        fn = getattr(self.mod, "allocator_limit", None)
+        return fn() if fn is not None else None
+
+    def largest_free_block(self) -> int:
+        return int(self._need("allocator_largest_free_block")())
+
+    def live_blocks(self) -> list:
+        return [tuple(t) for t in self._need("allocator_live_blocks")()]
+
+    def drain_events(self) -> list:
+        """Events logged since the last drain (while a recording is on), oldest first."""
+        return [timeline.Event(*t) for t in self.mod.allocator_events(True)]
 
     def begin_recording(self) -> None:
         """Start the C++ event log (events are collected by :meth:`end_recording`)."""
