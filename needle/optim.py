@@ -91,7 +91,8 @@ def _attributed_step(step):
 
     @functools.wraps(step)
     def wrapper(self, *args, **kwargs):
-        with _phase("optimizer"), _framework_category("optimizer_temp"):
+        with _phase("optimizer", type(self).__name__ + ".step"), \
+                _framework_category("optimizer_temp"):
             out = step(self, *args, **kwargs)
         for p in self.params:
             _attribute(p, "weight")

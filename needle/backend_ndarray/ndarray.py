@@ -124,6 +124,8 @@ class NDArray:
         array._device = device
         array._handle = device.Array(math.prod(shape), dtype) if handle is None else handle
         array._compact = None  # unknown until is_compact() looks
+        if handle is None and _BUFFER_OBSERVER is not None:
+            _BUFFER_OBSERVER(array)
         return array
 
     # ---- properties -------------------------------------------------------------------
@@ -521,6 +523,18 @@ class NDArray:
 
 
 _new_ndarray = object.__new__
+# Told about every NDArray that allocates a buffer (``fn(array)``, right after the allocation),
+# or None. needle.memory's profiler sets it to learn each buffer's shape and dtype; L1 never
+# imports L2. One global test per allocation when nobody listens.
+_BUFFER_OBSERVER = None
+
+
+def set_buffer_observer(fn):
+    """Install ``fn(array)`` to be called for each newly allocated buffer; returns the
+    previous observer (None: off)."""
+    global _BUFFER_OBSERVER
+    prev, _BUFFER_OBSERVER = _BUFFER_OBSERVER, fn
+    return prev
 
 
 def _alloc(shape: tuple, device: BackendDevice, dtype: str) -> NDArray:
@@ -532,6 +546,8 @@ def _alloc(shape: tuple, device: BackendDevice, dtype: str) -> NDArray:
     array._device = device
     array._handle = device.Array(math.prod(shape), dtype)
     array._compact = True
+    if _BUFFER_OBSERVER is not None:
+        _BUFFER_OBSERVER(array)
     return array
 
 

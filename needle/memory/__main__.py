@@ -1,11 +1,16 @@
-"""``python -m needle.memory report SCRIPT [ARGS...]``: run your script, report its memory.
+"""``python -m needle.memory``: memory tools on the command line.
 
-The script runs as ``__main__`` (``sys.argv`` = ``[SCRIPT, *ARGS]``) inside
-:func:`needle.memory.record`; afterwards every device with a needle allocator that was used
-gets a table: peak and current bytes per category (weight, gradient, optimizer, activation,
-workspace, other), allocations and reuses. ``--plot PNG`` writes the timeline.
+* ``profile [--device D] [--out DIR] [--no-html] SCRIPT [ARGS...]`` runs your script as
+  ``__main__`` (``sys.argv`` = ``[SCRIPT, *ARGS]``; options go before the script, as
+  ``python -m cProfile`` takes them) inside :func:`needle.memory.profile` and writes
+  ``DIR/memory.json``, ``DIR/memory.png`` and ``DIR/memory.html`` (default DIR:
+  ``memory_profile``); it prints the peak, the categories and the largest tensors at the peak.
+* ``report [--plot PNG] SCRIPT [ARGS...]`` runs the script inside :func:`needle.memory.record`
+  and prints, per device used, peak and current bytes per category and the allocation counts.
+* subcommands that layers above register (``checkpoint-report``, from ``needle.checkpoint``).
 
 Example:
+    python -m needle.memory profile --device cpu --out runs/mem apps/train.py --epochs 1
     python -m needle.memory report --plot step.png my_training_step.py --epochs 1
 
 The estimate-beside-measurement report for the built-in models (ledger, rounding, residual)
@@ -24,15 +29,37 @@ from .timeline import plot_timeline, record
 
 MOVED = ("--model", "--optimizer", "--batch-size", "--num-blocks", "--num-layers")
 
+# name -> (help, add_arguments(parser), run(args) -> exit code): commands of higher layers,
+# registered when they are imported (``import needle`` imports them all).
+_COMMANDS: dict = {}
+
+
+def register_command(name: str, help: str, add_arguments, run) -> None:
+    """Add ``python -m needle.memory NAME`` (used by layers this one may not import)."""
+    _COMMANDS[name] = (help, add_arguments, run)
+
 
 def parse(argv):
+    import needle  # noqa: F401 - loads the layers that register their commands
+
     parser = argparse.ArgumentParser(prog="python -m needle.memory",
                                      description="needle memory tools")
     sub = parser.add_subparsers(dest="command", required=True)
+    pro = sub.add_parser("profile", help="run a script and write its memory profile "
+                         "(memory.json, memory.png, memory.html)")
+    pro.add_argument("--device", default=None,
+                     help="the device to profile, e.g. cpu (default: every device)")
+    pro.add_argument("--out", default="memory_profile", help="output folder (default: "
+                     "%(default)s)")
+    pro.add_argument("--no-html", action="store_true", help="skip memory.html")
+    pro.add_argument("script", help="a Python file, run as __main__")
+    pro.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     rep = sub.add_parser("report", help="run a script and report its memory per category")
     rep.add_argument("--plot", default=None, help="write the timeline PNG here")
     rep.add_argument("script", help="a Python file, run as __main__")
     rep.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    for name, (text, add_arguments, _) in _COMMANDS.items():
+        add_arguments(sub.add_parser(name, help=text))
     return parser.parse_args(argv)
 
 
@@ -79,6 +106,42 @@ def report(script: str, args: list, plot: str | None = None) -> int:
     return code
 
 
+def _profile_summary(report: dict) -> str:
+    mib = 2 ** 20
+    lines = []
+    for name, dev in report["devices"].items():
+        if not dev["events"]:
+            continue
+        peak = dev["peak"]
+        lines.append(f"device {name}: peak {dev['peak_bytes'] / mib:.2f} MiB at op "
+                     f"{peak['op']} ({peak['phase']}), final {dev['final_bytes'] / mib:.2f} MiB, "
+                     f"{dev['events']} events")
+        lines.append(f"  {'category':<15} {'peak MiB':>10} {'final MiB':>10}")
+        for cat, row in dev["by_category"].items():
+            lines.append(f"  {cat:<15} {row['peak'] / mib:10.3f} {row['final'] / mib:10.3f}")
+        for phase, row in dev["phases"].items():
+            lines.append(f"  phase {phase:<9} peak {row['peak_bytes'] / mib:.3f} MiB at "
+                         f"{row['op']} ({row['line']})")
+        lines.append("  largest tensors at the peak:")
+        for e in peak["live"][:5]:
+            lines.append(f"    {e['bytes']:>12,} B {e['category']:<14} {e['shape']} "
+                         f"{e['op']} {e['line'] or e['user_line'] or ''}")
+    return "\n".join(lines)
+
+
+def profile_script(script: str, args: list, out: str, device=None, html: bool = True) -> int:
+    """Run ``script`` with ``args`` under :func:`needle.memory.profile`; save into ``out``."""
+    from .profiler import profile
+
+    with profile(device) as prof:
+        code = _run_script(script, args)
+    paths = prof.save(out, html=html, title=f"{script}: memory profile")
+    print(f"\nneedle memory profile: {script}")
+    print(_profile_summary(prof.report()))
+    print("wrote " + ", ".join(p for k, p in paths.items() if k != "pngs"))
+    return code
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(a in MOVED for a in argv) and not any(a.endswith(".py") for a in argv):
@@ -88,6 +151,10 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     args = parse(argv)
+    if args.command == "profile":
+        return profile_script(args.script, args.args, args.out, args.device, not args.no_html)
+    if args.command in _COMMANDS:
+        return _COMMANDS[args.command][2](args)
     return report(args.script, args.args, args.plot)
 
 

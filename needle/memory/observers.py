@@ -14,8 +14,9 @@ The protocol L3 calls on the observer it was given (all methods optional to impl
 * ``backward_begin()`` / ``backward_end()``: around one ``backward`` call;
 * ``node_begin(node) -> token`` / ``node_end(token)``: around one node's backward step
   (gradient summation, hooks and ``op.gradient``);
-* ``phase_begin(name) -> token`` / ``phase_end(token)``: around a phase of a training step
-  that is not autograd's own (L5 optimizers mark ``"optimizer"`` with :func:`phase`).
+* ``phase_begin(name, label) -> token`` / ``phase_end(token)``: around a phase of a training
+  step that is not autograd's own (L5 optimizers mark ``"optimizer"``, labelled
+  ``"Adam.step"``, with :func:`phase`).
 
 Example:
     >>> seen = []
@@ -60,7 +61,7 @@ class Observer:
     def node_end(self, token) -> None:
         pass
 
-    def phase_begin(self, name: str):
+    def phase_begin(self, name: str, label: str | None = None):
         return None
 
     def phase_end(self, token) -> None:
@@ -95,8 +96,8 @@ class _Many(Observer):
         for o, t in zip(reversed(self.observers), reversed(token), strict=True):
             o.node_end(t)
 
-    def phase_begin(self, name: str):
-        return [o.phase_begin(name) for o in self.observers]
+    def phase_begin(self, name: str, label: str | None = None):
+        return [o.phase_begin(name, label) for o in self.observers]
 
     def phase_end(self, token) -> None:
         for o, t in zip(reversed(self.observers), reversed(token), strict=True):
@@ -139,22 +140,24 @@ def active_observer() -> Observer | None:
 
 
 class phase:  # noqa: N801 - a context manager, named like one
-    """Mark a phase (``with phase("optimizer"): ...``) for whoever observes; free otherwise.
+    """Mark a phase (``with phase("optimizer", "SGD.step"): ...``) for whoever observes; free
+    otherwise. ``label`` names what runs (it stands in for an op name in timelines).
 
     Example:
         >>> with phase("optimizer"):
         ...     pass
     """
 
-    __slots__ = ("name", "observer", "token")
+    __slots__ = ("name", "label", "observer", "token")
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, label: str | None = None):
         self.name = name
+        self.label = label
 
     def __enter__(self):
         self.observer = _CURRENT
         if self.observer is not None:
-            self.token = self.observer.phase_begin(self.name)
+            self.token = self.observer.phase_begin(self.name, self.label)
         return self
 
     def __exit__(self, *exc) -> None:

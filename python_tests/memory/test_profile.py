@@ -1,0 +1,197 @@
+"""needle.memory.profile: the report of any script, its timeline, and why-OOM messages."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import needle as ndl
+import needle.memory as mem
+from needle import nn, optim
+from needle.memory import __main__ as cli
+from needle.memory.caching_allocator import round_size
+
+ROOT = Path(__file__).resolve().parents[2]
+DEVICES = [ndl.cpu_numpy()] + ([ndl.cpu()] if ndl.cpu().enabled() else [])
+
+
+def _step_fn(device, width=64):
+    np.random.seed(0)
+    model = nn.Sequential(nn.Linear(32, width, device=device), nn.ReLU(),
+                          nn.Linear(width, 10, device=device))
+    opt = optim.Adam(model.parameters())
+    x = ndl.Tensor(np.random.randn(16, 32), device=device, requires_grad=False)
+    y = ndl.Tensor(np.random.randint(0, 10, 16), device=device, requires_grad=False)
+
+    def step():
+        opt.reset_grad()
+        nn.SoftmaxLoss()(model(x), y).backward()
+        opt.step()
+
+    return model, step
+
+
+@pytest.mark.parametrize("device", DEVICES, ids=str)
+def test_report_reproduces_stats_and_the_live_set_sums_to_the_peak(device):
+    _, step = _step_fn(device)
+    step()  # the optimizer state exists: the second step is the steady one
+    with mem.profile(device) as prof:
+        step()
+        step()
+    stats = mem.stats(device)
+    rep = prof.report()["devices"][device.name]
+    for cat in mem.CATEGORIES:  # replayed from the events, compared with the counters
+        assert rep["by_category"][cat]["peak"] == stats["by_category"][cat]["peak"], cat
+        assert rep["by_category"][cat]["final"] == stats["by_category"][cat]["current"], cat
+    assert rep["peak_bytes"] == stats["peak_bytes"]
+    live = rep["peak"]["live"]
+    assert sum(e["bytes"] for e in live) == stats["peak_bytes"]
+    # every buffer allocated in the block knows its tensor; the op that made activations
+    made = [e for e in live if e["allocated_at"] is not None and e["category"] != "workspace"]
+    assert made and all(e["shape"] is not None and e["dtype"] == "float32" for e in made)
+    acts = [e for e in made if e["category"] == "activation"]
+    assert all(e["op"] and e["line"] for e in acts)
+    assert set(rep["phases"]) >= {"forward", "backward", "optimizer"}
+    assert rep["phases"]["optimizer"]["op"] == "Adam.step"
+    assert max(p["peak_bytes"] for p in rep["phases"].values()) == rep["peak_bytes"]
+
+
+def test_a_weight_stays_a_weight_through_the_step_and_temporaries_are_their_own():
+    device = ndl.cpu_numpy()
+    model, step = _step_fn(device)
+    params = model.parameters()
+    weights = sum(round_size(int(np.prod(p.shape)) * 4) for p in params)
+    largest = max(round_size(int(np.prod(p.shape)) * 4) for p in params)
+    step()
+    with mem.profile(device) as prof:
+        step()
+    series = prof.report()["devices"]["cpu_numpy"]["timeline"]["series"]
+    # never below the weights (old replaced by new, never "moved" into the optimizer), at most
+    # one parameter's new array beside its old one
+    assert min(series["weight"]) == weights and max(series["weight"]) == weights + largest
+    assert max(series["optimizer_temp"]) == 3 * largest  # Adam's three update temporaries
+    assert series["optimizer_temp"][-1] == 0
+
+
+def test_timeline_json_has_labelled_axes_op_names_and_phase_bands(tmp_path):
+    device = ndl.cpu_numpy()
+    _, step = _step_fn(device)
+    with mem.profile(device) as prof:
+        step()
+    paths = prof.save(tmp_path)
+    data = json.loads(Path(paths["json"]).read_text())
+    tl = data["devices"]["cpu_numpy"]["timeline"]
+    assert tl["x_label"] == "allocator event (op order)" and "bytes" in tl["y_label"]
+    assert len(tl["x"]) == len(tl["ops"]) == len(tl["time_s"]) == len(tl["series"]["weight"])
+    assert {"MatMul", "ReLU", "MatMul.gradient", "Adam.step"} <= set(tl["ops"])
+    assert [b["phase"] for b in tl["bands"] if b["phase"] != "other"][:3] == [
+        "forward", "backward", "optimizer"]
+    peak = tl["peak"]
+    assert peak["bytes"] == data["devices"]["cpu_numpy"]["peak_bytes"]
+    assert peak["top"] and all(t["op"] and t["bytes"] > 0 for t in peak["top"])
+    assert Path(paths["png"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    page = Path(paths["html"]).read_text()
+    assert "data:image/png;base64," in page and "http" not in page.replace(
+        "needle memory profile", "")  # self-contained: nothing to fetch
+
+
+SCRIPT = """
+import sys
+import numpy as np
+import needle as ndl
+from needle import nn
+d = ndl.device_by_name(sys.argv[1]) if hasattr(ndl, "device_by_name") else ndl.cpu_numpy()
+np.random.seed(0)
+model = nn.Sequential(nn.Linear(16, 64, device=d), nn.ReLU(), nn.Linear(64, 4, device=d))
+loss = model(ndl.Tensor(np.ones((8, 16)), device=d, requires_grad=False)).sum()
+loss.backward()
+sys.exit(int(sys.argv[-1]))
+"""
+
+
+def test_cli_profile_takes_options_before_the_script(tmp_path, capsys):
+    script = tmp_path / "step.py"
+    script.write_text(SCRIPT.replace("ndl.device_by_name(sys.argv[1]) if hasattr(ndl, "
+                                     "\"device_by_name\") else ", ""))
+    out = tmp_path / "prof"
+    rc = cli.main(["profile", "--device", "cpu_numpy", "--out", str(out), str(script),
+                   "--out", "3"])  # the script's own --out is the script's
+    assert rc == 3
+    assert {p.name for p in out.iterdir()} == {"memory.json", "memory.png", "memory.html"}
+    data = json.loads((out / "memory.json").read_text())
+    assert list(data["devices"]) == ["cpu_numpy"]
+    assert "peak" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_profiling_apps_train_reproduces_stats_categories(tmp_path):
+    """The real main job, profiled from the command line in a fresh process."""
+    out = tmp_path / "prof"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, "-m", "needle.memory", "profile", "--device", "cpu", "--out", str(out),
+         str(ROOT / "apps" / "train.py"), "--epochs", "1", "--max-steps", "4", "--device", "cpu",
+         "--out", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=600, env=env, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads((out / "memory.json").read_text())
+    dev = data["devices"]["cpu"]
+    stats = dev["stats_end"]  # ndl.memory.stats(cpu()) when the script ended
+    for cat in mem.CATEGORIES:
+        assert dev["by_category"][cat]["peak"] == stats["by_category"][cat]["peak"], cat
+        assert dev["by_category"][cat]["final"] == stats["by_category"][cat]["current"], cat
+    assert dev["peak_bytes"] == stats["peak_bytes"]
+    assert sum(e["bytes"] for e in dev["peak"]["live"]) == stats["peak_bytes"]
+    assert dev["by_category"]["weight"]["peak"] > 0 and dev["phases"]["optimizer"]["events"]
+    assert (tmp_path / "run" / "summary.json").exists()  # the script really ran
+
+
+@pytest.mark.parametrize("device", DEVICES, ids=str)
+def test_planted_limit_names_the_culprit_tensor_and_its_op(device):
+    np.random.seed(0)
+    a = ndl.Tensor(np.random.randn(512, 256), device=device)
+    w = ndl.Tensor(np.random.randn(256, 1024), device=device)
+    culprit = a @ w                   # 2 MiB: the largest thing alive
+    mem.empty_cache(device)
+    reserved = mem.stats(device)["reserved_bytes"]
+    with mem.oom.limit(reserved, device):  # nothing more may be reserved
+        with pytest.raises(ndl.OutOfMemoryError) as info:
+            culprit * 2               # another 2 MiB: refused
+    err = info.value
+    assert isinstance(err, ndl.NeedleError) and isinstance(err, MemoryError)
+    text = str(err)
+    assert "cannot allocate 2,097,152 bytes" in text
+    top = err.details["largest"][0]
+    assert (top["bytes"], top["op"], tuple(top["shape"])) == (2 * 2**20, "MatMul", (512, 1024))
+    assert "2,097,152 B activation float32 (512, 1024) made by MatMul" in text
+    assert err.details["live_by_category"]["activation"] >= 2 * 2**20
+    assert f"expected at most the limit of {reserved:,} B" in text
+    del culprit
+
+
+def test_oom_inside_a_profile_names_the_python_line(tmp_path):
+    device = ndl.cpu_numpy()
+    x = ndl.Tensor(np.ones((256, 512)), device=device)
+    with mem.profile(device):
+        big = x @ ndl.Tensor(np.ones((512, 1024)), device=device)  # the culprit's line
+        mem.empty_cache(device)
+        with mem.oom.limit(mem.stats(device)["reserved_bytes"], device):
+            with pytest.raises(ndl.OutOfMemoryError) as info:
+                big + 1
+    top = info.value.details["largest"][0]
+    assert top["op"] == "MatMul" and "test_profile.py:" in top["line"]
+    assert f"made by MatMul at {top['line']}" in str(info.value)
+    del big
+
+
+def test_set_limit_validates_and_restores():
+    with pytest.raises(ndl.NeedleError, match="set_limit: bad limit"):
+        mem.set_limit(-1, "cpu_numpy")
+    assert mem.set_limit(10 * 2**30, "cpu_numpy") is None
+    assert mem.get_limit("cpu_numpy") == 10 * 2**30
+    assert mem.set_limit(None, "cpu_numpy") == 10 * 2**30
