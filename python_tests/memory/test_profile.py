@@ -176,9 +176,9 @@ def test_planted_limit_names_the_culprit_tensor_and_its_op(device):
 
 def test_oom_inside_a_profile_names_the_python_line(tmp_path):
     device = ndl.cpu_numpy()
-    x = ndl.Tensor(np.ones((256, 512)), device=device)
+    x = ndl.Tensor(np.ones((1024, 64)), device=device)
     with mem.profile(device):
-        big = x @ ndl.Tensor(np.ones((512, 1024)), device=device)  # the culprit's line
+        big = x @ ndl.Tensor(np.ones((64, 1024)), device=device)  # the culprit's line
         mem.empty_cache(device)
         with mem.oom.limit(mem.stats(device)["reserved_bytes"], device):
             with pytest.raises(ndl.OutOfMemoryError) as info:
