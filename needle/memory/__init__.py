@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from .caching_allocator import Block, CachingAllocator
 from .categories import CATEGORIES, category, current_category, framework_category
+from .explain import Explanation, explain
 from .ledger import Comparison, Ledger, compare, estimate
 from .oom import get_limit, set_limit
 from .planner import Graph, OpNode, Plan, TensorSpec, plan
@@ -41,12 +42,12 @@ from .trace import TracedGraph, trace
 
 __all__ = [
     "stats", "reset_peak", "empty_cache", "category", "record", "plot_timeline", "trace",
-    "plan", "estimate", "compare", "profile", "set_limit", "get_limit",
+    "plan", "estimate", "compare", "profile", "set_limit", "get_limit", "explain",
     # framework-facing
     "framework_category", "current_category", "attribute", "set_current_op", "current_op",
     "register_allocator", "get_allocator", "CachingAllocator", "Block", "CATEGORIES",
     "Graph", "TracedGraph", "OpNode", "TensorSpec", "Plan", "Ledger", "Comparison", "Event",
-    "Timeline", "Profile",
+    "Timeline", "Profile", "Explanation",
 ]
 
 install_python_allocators()

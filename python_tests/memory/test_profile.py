@@ -195,3 +195,24 @@ def test_set_limit_validates_and_restores():
     assert mem.set_limit(10 * 2**30, "cpu_numpy") is None
     assert mem.get_limit("cpu_numpy") == 10 * 2**30
     assert mem.set_limit(None, "cpu_numpy") == 10 * 2**30
+
+
+@pytest.mark.parametrize("device", DEVICES, ids=str)
+def test_explain_lists_the_lifetimes_overlapping_at_the_peak(device):
+    model, step = _step_fn(device)
+    step()
+    e = mem.explain(step, device=device)
+    stats = mem.stats(device)
+    assert e.measured_peak_bytes == stats["peak_bytes"]
+    # the lifetimes account for every requested byte the allocator counted
+    assert e.liveness_bytes == e.measured_requested_bytes == stats["peak_requested_bytes"]
+    assert e.planned_bytes >= e.liveness_bytes and e.arena_bytes > 0
+    assert sum(r["requested"] for r in e.overlapping) <= e.liveness_bytes
+    full = mem.explain(step, device=device, top=10**6)
+    assert sum(r["requested"] for r in full.overlapping) == full.liveness_bytes
+    made = [r for r in full.overlapping if r["start"] is not None]
+    assert made and all(r["start"] <= full.peak_event < r["end"] for r in made)
+    assert any(r["op"] == "Adam.step" for r in full.overlapping) or full.peak_phase != \
+        "optimizer"
+    text = str(e)
+    assert "lifetimes overlapping at the peak" in text and "allocator rounding" in text
