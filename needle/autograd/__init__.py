@@ -48,6 +48,11 @@ from .tensor import (
     TensorTupleOp,
 )
 from .value import Op, Value
+from .release import release_unsaved as _release_unsaved
+from ..memory import offload as _mem_offload
+
+# ndl.memory.offload_saved_tensors (L2) is built from these two L3 mechanisms.
+_mem_offload.provide(saved_tensors_hooks, _release_unsaved)
 
 __all__ = ["Op", "TensorOp", "TensorTupleOp", "Value", "Tensor", "TensorTuple",
            "find_topo_sort", "topo_sort_dfs", "sum_node_list", "compute_gradient_of_variables",

@@ -24,6 +24,7 @@ from .caching_allocator import Block, CachingAllocator
 from .categories import CATEGORIES, category, current_category, framework_category
 from .explain import Explanation, explain
 from .ledger import Comparison, Ledger, compare, estimate
+from .offload import offload_saved_tensors
 from .oom import get_limit, set_limit
 from .planner import Graph, OpNode, Plan, TensorSpec, plan
 from .profiler import Profile, profile
@@ -43,6 +44,7 @@ from .trace import TracedGraph, trace
 __all__ = [
     "stats", "reset_peak", "empty_cache", "category", "record", "plot_timeline", "trace",
     "plan", "estimate", "compare", "profile", "set_limit", "get_limit", "explain",
+    "offload_saved_tensors",
     # framework-facing
     "framework_category", "current_category", "attribute", "set_current_op", "current_op",
     "register_allocator", "get_allocator", "CachingAllocator", "Block", "CATEGORIES",
