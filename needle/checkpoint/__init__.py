@@ -8,6 +8,8 @@
   recompute under a byte budget, each with the cost model's predicted peak;
   :func:`measure_layer_costs` measures the costs on the real layers, so that the measured
   activation peak of running the plan stays within the budget.
+* :func:`checkpoint_report` — what policies change, measured (``python -m needle.memory
+  checkpoint-report``): saved vs recomputed tensors, bytes, FLOPs, random draws, peaks.
 * :func:`is_recomputing` — for stateful code that must act once per step.
 * :func:`release_unsaved` — record a plain graph that keeps only what backward reads, at every
   size (autograd's own release, ``needle/autograd/release.py``, with its size threshold off).
@@ -29,8 +31,10 @@ from ..autograd.release import Released, release_unsaved
 from .costs import measure_layer_costs
 from .plan import CheckpointPlan, LayerCost, equal_segments, plan_checkpoints, predict_peak
 from .region import checkpoint, is_recomputing
+from .report import CheckpointReport, checkpoint_report
 from .sequential import checkpoint_sequential
 
 __all__ = ["checkpoint", "checkpoint_sequential", "plan_checkpoints", "CheckpointPlan",
            "LayerCost", "measure_layer_costs", "predict_peak", "equal_segments",
-           "is_recomputing", "Released", "release_unsaved"]
+           "is_recomputing", "Released", "release_unsaved", "checkpoint_report",
+           "CheckpointReport"]
