@@ -13,6 +13,7 @@ Example:
 """
 from __future__ import annotations
 
+from . import traffic
 from ._errors import CommError
 from ._group import ProcessGroup
 from ._work import Work
@@ -43,7 +44,7 @@ __all__ = [
     "destroy_process_group", "gather", "get_backend", "get_rank", "get_world_size",
     "init_process_group",
     "irecv", "is_initialized", "isend", "new_group", "recv", "reduce", "reduce_scatter",
-    "scatter", "send", "spawn_threads",
+    "scatter", "send", "spawn_threads", "traffic",
 ]
 
 
