@@ -29,8 +29,8 @@ with ``b_m`` the output of segment ``m``'s last layer. The first forward of a se
 most ``run_j`` above what earlier segments keep (a checkpointed one keeps nothing inside), so
 the backward terms bound the whole step. With plain numbers this is the lecture's model: for N
 equal layers cut into K checkpointed segments N/K + K units (65, 34, 20, 16, 20, 34, 65 for
-N = 64; the held output only ties the last two segments' terms). Recompute = the compute cost of every checkpointed layer (1 per layer unless
-``compute_costs`` says otherwise).
+N = 64; the held output only ties the last two segments' terms). Recompute = the compute cost
+of every checkpointed layer (1 per layer unless ``compute_costs`` says otherwise).
 
 What the budget bounds: the ``activation`` category of ``needle.memory`` during forward and
 backward of the chain (the input of the chain and the gradients are not in it; a gradient in

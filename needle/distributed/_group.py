@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from ._errors import CommError
 from ._work import CommThread, Work
-from .traffic import CountingChannel, Counters, TrafficLedger
+from .traffic import Counters, CountingChannel, TrafficLedger
 
 DEFAULT_TIMEOUT = float(os.environ.get("NEEDLE_DIST_TIMEOUT", "300"))
 

@@ -10,11 +10,11 @@ from typing import Any
 
 import numpy as np
 
+from . import traffic
 from ._buffers import HEADER_BYTES, borrow, dtype_name, pack_header, unpack_header
 from ._errors import CommError
 from ._group import ProcessGroup, resolve
 from ._work import PolledWork, Work
-from . import traffic
 
 _MAX_TAG = 1 << 28
 

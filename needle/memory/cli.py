@@ -40,8 +40,8 @@ def register_command(name: str, help: str, add_arguments, run) -> None:
 
 
 def parse(argv):
-    import needle  # noqa: F401 - loads the layers that register their commands
-
+    # ``python -m needle.memory`` imports the ``needle`` package first, which imports the
+    # layers that register their commands (needle.checkpoint: checkpoint-report)
     parser = argparse.ArgumentParser(prog="python -m needle.memory",
                                      description="needle memory tools")
     sub = parser.add_subparsers(dest="command", required=True)

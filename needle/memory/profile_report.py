@@ -26,7 +26,8 @@ Example:
     >>> with profile(d) as prof:
     ...     y = ndl.Tensor(np.ones((8, 8)), device=d) * 3
     >>> rep = build_report(prof)["devices"]["cpu_numpy"]
-    >>> rep["timeline"]["x_label"], sum(t["bytes"] for t in rep["peak"]["live"]) == rep["peak_bytes"]
+    >>> live = sum(t["bytes"] for t in rep["peak"]["live"])
+    >>> rep["timeline"]["x_label"], live == rep["peak_bytes"]
     ('allocator event (op order)', True)
 """
 from __future__ import annotations

@@ -25,10 +25,9 @@ Example:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import gc
 import math
+from dataclasses import dataclass
 
 import numpy as np
 

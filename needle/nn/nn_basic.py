@@ -12,9 +12,8 @@ Example:
 """
 from __future__ import annotations
 
-import math
-
 import contextlib
+import math
 
 from .. import init, ops
 from .._core.errors import ShapeError

@@ -15,8 +15,7 @@ import needle as ndl
 import needle.memory as memory
 from needle import nn
 from needle._core.errors import MemoryPlanError
-from needle.autograd import Tensor
-from needle.autograd import release
+from needle.autograd import Tensor, release
 from needle.checkpoint import checkpoint_sequential, measure_layer_costs, plan_checkpoints
 
 DEVICES = [ndl.cpu_numpy()] + ([ndl.cpu()] if ndl.cpu().enabled() else [])
