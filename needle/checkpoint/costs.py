@@ -44,11 +44,9 @@ __all__ = ["measure_layer_costs"]
 def _block_of(tensor):
     """(block id of the tensor's buffer, the bytes a fresh buffer of it would take)."""
     data = tensor.realize_cached_data()
-    handle = getattr(data, "_handle", None)
-    block = getattr(handle, "_block", None)
-    block_id = block.id if block is not None else getattr(handle, "block_id", None)
+    block = memory.oom.block_id(getattr(data, "_handle", None))
     nbytes = math.prod(data.shape) * np.dtype(str(data.dtype)).itemsize
-    return block_id, memory.caching_allocator.round_size(nbytes)
+    return block, memory.caching_allocator.round_size(nbytes)
 
 
 def _activation_levels(recs: list, start: int) -> list[int]:

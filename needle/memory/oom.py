@@ -93,6 +93,18 @@ def limit(nbytes: int | None, device=None) -> Iterator[None]:
         set_limit(prev, device)
 
 
+def block_id(handle) -> int | None:
+    """The allocator block id behind a backend buffer: ``cpu_numpy`` arrays keep their block
+    as ``_block``, ``cuda`` arrays inside their owner (``_owner.block``), the C++ ``Array``
+    answers ``block_id``; None for memory no needle allocator owns."""
+    block = getattr(handle, "_block", None)
+    if block is None:
+        block = getattr(getattr(handle, "_owner", None), "block", None)
+    if block is not None:
+        return block.id
+    return getattr(handle, "block_id", None)
+
+
 def _buffer_key(array):
     """(device name, block id) of the buffer behind an NDArray, or None."""
     handle = getattr(array, "_handle", None)
@@ -100,11 +112,8 @@ def _buffer_key(array):
     name = getattr(device, "name", None)
     if handle is None or name is None:
         return None
-    block = getattr(handle, "_block", None)
-    if block is not None:
-        return name, block.id
-    block_id = getattr(handle, "block_id", None)
-    return (name, block_id) if block_id is not None else None
+    bid = block_id(handle)
+    return (name, bid) if bid is not None else None
 
 
 def _arrays(data):

@@ -220,12 +220,9 @@ class Profile(Observer):
     def _on_buffer(self, array) -> None:
         """L1's buffer observer: the shape and dtype of the buffer just allocated."""
         handle = array._handle
-        block = getattr(handle, "_block", None)
-        if block is not None:
-            key = (array._device.name, block.id)
-        else:
-            self._sync()
-            key = (array._device.name, getattr(handle, "block_id", None))
+        if getattr(handle, "block_id", None) is not None:
+            self._sync()  # a C++ buffer: its event is in the C++ log until drained
+        key = (array._device.name, _oom.block_id(handle))
         rec = self._last_alloc.get(key)
         if rec is not None and rec.shape is None:
             rec.shape, rec.dtype = tuple(array._shape), str(handle.dtype)

@@ -222,3 +222,35 @@ def test_explain_lists_the_lifetimes_overlapping_at_the_peak(device):
         "optimizer"
     text = str(e)
     assert "lifetimes overlapping at the peak" in text and "allocator rounding" in text
+
+
+def test_profile_on_the_emulated_cuda_device(emulated_cuda):
+    """cuda() buffers come from needle's caching allocator too: the profile knows them."""
+    from needle.memory import registry
+    from needle.memory.cuda_allocator import install_cuda_allocator
+
+    backend = emulated_cuda.mod
+    alloc = install_cuda_allocator(backend, backend.runtime.cupy_module().cuda.alloc)
+    saved = registry._ALLOCATORS.get("cuda")
+    registry.register_allocator("cuda", alloc)
+    try:
+        x = ndl.Tensor(np.ones((4, 8), np.float32), device=emulated_cuda)
+        with mem.profile(emulated_cuda) as prof:
+            y = (x * 2).sum()
+            y.backward()
+        rep = prof.report()["devices"]["cuda"]
+        stats = mem.stats(emulated_cuda)
+        for cat in mem.CATEGORIES:
+            assert rep["by_category"][cat]["peak"] == stats["by_category"][cat]["peak"]
+        assert sum(e["bytes"] for e in rep["peak"]["live"]) == stats["peak_bytes"]
+        # tensors know their shape; the reduction's scratch (a bare backend Array) does not
+        tensors = [e for e in rep["peak"]["live"] if e["requested"] == 4 * 8 * 4]
+        assert tensors and all(e["shape"] == [4, 8] for e in tensors)
+        assert {"MulScalar", "Summation", "MulScalar.gradient"} <= set(rep["timeline"]["ops"])
+        del x, y
+    finally:
+        backend.set_allocator(None)
+        if saved is None:
+            registry.unregister_allocator("cuda")
+        else:
+            registry.register_allocator("cuda", saved)
