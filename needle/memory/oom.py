@@ -120,17 +120,21 @@ def _arrays(data):
     return data if isinstance(data, tuple) else (data,)
 
 
-def _node_type(cls, cache: dict) -> bool:
-    """Whether instances of ``cls`` are graph nodes (class-level ``cached_data`` and ``op``).
-
-    Checked on the class, never with ``hasattr`` on the object: some objects answer any
-    attribute (ctypes' library loaders try to open a library of that name)."""
-    known = cache.get(cls)
-    if known is None:
-        names = set()
-        for klass in cls.__mro__:
-            names.update(klass.__dict__)
-        known = cache[cls] = "cached_data" in names and "op" in names
+def _kind(cls, cache: dict, array_type) -> str | None:
+    """``"array"`` for NDArrays, ``"node"`` for graph nodes (class-level ``cached_data`` and
+    ``op``), else None. Decided on the class (``type(obj)``), never on the object: some
+    objects answer any attribute (ctypes' library loaders try to open a library of that name)
+    or warn when asked for their ``__class__``."""
+    known = cache.get(cls, False)
+    if known is False:
+        if issubclass(cls, array_type):
+            known = "array"
+        else:
+            names = set()
+            for klass in cls.__mro__:
+                names.update(klass.__dict__)
+            known = "node" if "cached_data" in names and "op" in names else None
+        cache[cls] = known
     return known
 
 
@@ -147,10 +151,11 @@ def live_tensors(device: str) -> dict:
     arrays = []
     types: dict = {}
     for obj in gc.get_objects():
-        if isinstance(obj, NDArray):
+        kind = _kind(type(obj), types, NDArray)
+        if kind == "array":
             arrays.append(obj)
             continue
-        if not _node_type(type(obj), types):
+        if kind is None:
             continue
         try:
             data = obj.cached_data
