@@ -1,5 +1,10 @@
 """One training step of a model, the memory ledger's estimate beside the allocator's measurement.
 
+The table reconciles every category: a prediction made without the allocator (ledger bytes per
+parameter, rounding from the shapes, what the ops declare they save, the optimizer's update
+rule), the measured bytes, the gap split into named terms, and the row's tolerance
+(needle/memory/reconcile.py).
+
 Example:
     python apps/memory_report.py --model mlp_resnet --batch-size 128 --optimizer adam \\
         --device cpu_numpy --plot step.png
@@ -172,7 +177,8 @@ def main(argv=None) -> int:
     print()
     print(report.ledger)
     print()
-    print(report.comparison)
+    print("reconciliation: each row an independent prediction beside the measurement")
+    print(report.reconciliation)
     events = report.timeline
     print(f"\ntimeline: {len(events)} events, {sum(e.new_segment for e in events)} new "
           f"segments, measured peak {report.stats['peak_bytes']:,} B")

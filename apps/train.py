@@ -98,6 +98,12 @@ def main(argv=None) -> int:
     print(f"held-out accuracy {summary['accuracy']:.4f} ({summary['test_examples']} examples), "
           f"{summary['examples_per_s']:,.0f} examples/second on {summary['device']}{ranks} "
           f"[{summary['strategy']}, {summary['steps']} steps]")
+    traffic = summary.get("traffic")
+    if traffic:
+        verdict = "all equal" if traffic["all_match"] else "MISMATCHES"
+        print(f"traffic (rank {traffic['rank']}): {traffic['calls']} calls, predicted "
+              f"{traffic['predicted_sent']:,} B sent, measured {traffic['sent']:,} B "
+              f"(+{traffic['overhead_sent']:,} B call checks and headers): {verdict}")
     print(f"wrote {json_path} and {png_path}")
     return 0
 

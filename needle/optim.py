@@ -14,6 +14,11 @@ While ``grad_scale`` is set (``amp.GradScaler.step`` sets it), gradients are div
 as they are read, in the update's precision, so scaled float16 gradients are unscaled in
 float32 without ever being rewritten.
 
+Memory (needle.memory categories): a step's temporaries are ``optimizer_temp``, moments
+``optimizer``, new weights ``weight`` from their allocation. At most this many arrays of one
+parameter's size are temporaries at once (the ledger's prediction, checked by its tests):
+SGD 1; SGD with momentum 3 (1 on the first step); Adam 3; one more with weight decay.
+
 Example:
     >>> import numpy as np
     >>> import needle as ndl
@@ -35,6 +40,7 @@ from .autograd import Tensor
 from .autograd.versions import note_replaced
 from .memory import attribute as _attribute
 from .memory import framework_category as _framework_category
+from .memory.observers import phase as _phase
 
 __all__ = ["Optimizer", "SGD", "Adam", "clip_grad_norm"]
 
@@ -63,6 +69,12 @@ def _set_data(p: Tensor, array) -> None:
     note_replaced(p)  # a graph recorded before this step must not use the new weights
 
 
+def _state(array):
+    """Optimizer state (a moment): its bytes move from ``optimizer_temp`` to ``optimizer``."""
+    _attribute(array, "optimizer")
+    return array
+
+
 def _to_numpy(array) -> np.ndarray:
     return array.numpy() if hasattr(array, "numpy") else np.array(array)
 
@@ -75,14 +87,19 @@ def _from_numpy(value, like: Tensor):
 
 
 def _attributed_step(step):
-    """Wrap a ``step`` so needle.memory sees its allocations as ``optimizer`` memory and the
-    arrays it installs as parameters as ``weight`` memory."""
+    """Wrap a ``step`` for needle.memory: the step is the ``optimizer`` phase of a timeline;
+    what it allocates is ``optimizer_temp`` memory (the update's temporaries) unless it says
+    otherwise (new weights are ``weight``, moments ``optimizer``: see ``Optimizer._assign``
+    and ``_state``);
+    any array installed as a parameter is ``weight`` afterwards (subclasses that assign
+    ``p.data`` themselves)."""
     if getattr(step, "_memory_attributed", False):
         return step
 
     @functools.wraps(step)
     def wrapper(self, *args, **kwargs):
-        with _framework_category("optimizer"):
+        with _phase("optimizer", type(self).__name__ + ".step"), \
+                _framework_category("optimizer_temp"):
             out = step(self, *args, **kwargs)
         for p in self.params:
             _attribute(p, "weight")
@@ -142,15 +159,20 @@ class Optimizer:
             g = _grad(p, theta, scale)
             yield p, theta, (g + theta * wd if wd else g)
 
-    def _assign(self, p: Tensor, array) -> None:
-        """Install the updated θ: into the master (and its float16 rounding into ``p``)."""
+    def _assign(self, p: Tensor, theta, delta) -> None:
+        """Install ``θ − delta``: into the master (and its float16 rounding into ``p``), or
+        into ``p``. The new arrays are ``master`` and ``weight`` memory from their allocation,
+        so a memory timeline never shows weights turning into optimizer memory."""
         if p in self.master:
-            _attribute(array, "master")
-            self.master[p] = array
-            p.cached_data = array.astype(p.cached_data.dtype)
+            with _framework_category("master"):
+                self.master[p] = theta - delta
+            with _framework_category("weight"):
+                p.cached_data = self.master[p].astype(p.cached_data.dtype)
             self._installed[p] = p.cached_data
+            note_replaced(p)
         else:
-            _set_data(p, array)
+            with _framework_category("weight"):
+                _set_data(p, theta - delta)
 
     def rebind(self, p: Tensor, data) -> None:
         """Point parameter ``p`` at ``data``, an array holding the same values as its current
@@ -260,10 +282,10 @@ class SGD(Optimizer):
             if mom:
                 u = self.u.get(p)
                 u = g * (1 - mom) if u is None else u * mom + g * (1 - mom)
-                self.u[p] = u
+                self.u[p] = _state(u)
             else:
                 u = g
-            self._assign(p, theta - u * lr)
+            self._assign(p, theta, u * lr)
 
 
 class Adam(Optimizer):
@@ -291,13 +313,14 @@ class Adam(Optimizer):
         c1, c2 = 1 - b1 ** self.t, 1 - b2 ** self.t
         lr, eps = float(self.lr), float(self.eps)
         for p, theta, g in self._decayed_grads(wd):
+            # Each moment is stored as soon as it is made, so the old one is freed before the
+            # next is computed; the update is one expression, so its temporaries die with it.
             m, v = self.m.get(p), self.v.get(p)
             m = g * (1 - b1) if m is None else m * b1 + g * (1 - b1)
+            self.m[p] = _state(m)
             v = (g * g) * (1 - b2) if v is None else v * b2 + (g * g) * (1 - b2)
-            self.m[p], self.v[p] = m, v
-            m_hat = m / c1
-            v_hat = v / c2
-            self._assign(p, theta - (m_hat * lr) / (v_hat ** 0.5 + eps))
+            self.v[p] = _state(v)
+            self._assign(p, theta, (m / c1 * lr) / ((v / c2) ** 0.5 + eps))
 
     def _extra_state(self) -> dict:
         return {"t": self.t}

@@ -23,7 +23,8 @@ namespace needle {
 namespace {
 
 const char* const kCategoryNames[kNumCategories] = {
-    "weight", "gradient", "optimizer", "master", "activation", "workspace", "other"};
+    "weight", "gradient", "optimizer", "master", "optimizer_temp", "activation", "workspace",
+    "other"};
 
 enum Pool { kSmall = 0, kLarge = 1 };
 
@@ -163,6 +164,31 @@ class CachingAllocator {
     std::lock_guard<std::mutex> lock(mu_);
     return empty_cache_locked();
   }
+  void set_limit(std::size_t bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    limit_ = bytes;
+  }
+  std::size_t limit() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return limit_;
+  }
+  std::size_t largest_free_block() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return largest_free_locked();
+  }
+  std::vector<mem::LiveBlock> live_blocks() {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<mem::LiveBlock> out;
+    for (Segment* seg = seg_first_; seg; seg = seg->next) {
+      for (Block* b = seg->head; b; b = b->next) {
+        if (!b->free) {
+          out.push_back(mem::LiveBlock{b->id, std::int64_t(b->size), std::int64_t(b->requested),
+                                       b->category});
+        }
+      }
+    }
+    return out;
+  }
   bool set_recording(bool on) {
     std::lock_guard<std::mutex> lock(mu_);
     const bool prev = recording_;
@@ -200,7 +226,19 @@ class CachingAllocator {
  private:
   Block* allocate_locked(std::size_t requested, Category cat);
   void release_locked(Block* b);
-  Block* new_segment(Pool pool, std::size_t size);
+  Block* new_segment(Pool pool, std::size_t size, std::size_t requested, Category cat);
+  std::size_t largest_free_locked() const {
+    std::size_t best = 0;
+    for (const auto& pool : free_) {
+      for (auto it = pool.rbegin(); it != pool.rend(); ++it) {
+        if (it->second.first != nullptr) {  // emptied buckets may linger (see allocate)
+          if (it->first > best) best = it->first;
+          break;
+        }
+      }
+    }
+    return best;
+  }
   void split(Block* b, std::size_t size, std::size_t rest);
   std::size_t empty_cache_locked();
   Block* new_block(Segment* seg, std::size_t offset, std::size_t size);
@@ -228,6 +266,7 @@ class CachingAllocator {
   std::unordered_map<void*, Block*> raw_;  // needle_alloc pointers -> blocks
   std::uint64_t next_id_ = 1;     // shared by segments and blocks, as in the Python allocator
   mem::Stats st_;
+  std::size_t limit_ = 0;  // 0: no limit on reserved bytes
   bool recording_ = false;
   std::vector<mem::Event> events_;
 
@@ -260,7 +299,7 @@ Block* CachingAllocator::allocate_locked(std::size_t requested, Category cat) {
   Block* b;
   bool fresh = false;
   if (it == buckets.end()) {
-    b = new_segment(small ? kSmall : kLarge, size);
+    b = new_segment(small ? kSmall : kLarge, size, requested, cat);
     fresh = true;
   } else {
     b = it->second.last;  // LIFO among equals
@@ -306,9 +345,27 @@ void CachingAllocator::release_locked(Block* b) {
   link_free(b);
 }
 
-Block* CachingAllocator::new_segment(Pool pool, std::size_t size) {
+Block* CachingAllocator::new_segment(Pool pool, std::size_t size, std::size_t requested,
+                                     Category cat) {
   const std::size_t seg_size =
       pool == kSmall ? kSmallSegment : (size + kLargeRound - 1) / kLargeRound * kLargeRound;
+  if (limit_ && std::size_t(st_.reserved) + seg_size > limit_) {
+    // Cached segments that are wholly free count against the limit too: return them first,
+    // as a device would before failing.
+    empty_cache_locked();
+    if (std::size_t(st_.reserved) + seg_size > limit_) {
+      LimitExceeded err;
+      err.requested = requested;
+      err.block = size;
+      err.segment = seg_size;
+      err.allocated = st_.allocated;
+      err.reserved = st_.reserved;
+      err.limit = std::int64_t(limit_);
+      err.largest_free = std::int64_t(largest_free_locked());
+      err.category = cat;
+      throw err;
+    }
+  }
   char* base = map_segment(seg_size, pool == kLarge);
   if (base == nullptr && empty_cache_locked() > 0) base = map_segment(seg_size, pool == kLarge);
   if (base == nullptr) throw std::bad_alloc();
@@ -428,6 +485,10 @@ Category block_category(const Block* b) noexcept { return b->category; }
 Stats stats() { return the_allocator().stats(); }
 void reset_peak() { the_allocator().reset_peak(); }
 std::size_t empty_cache() { return the_allocator().empty_cache(); }
+void set_limit(std::size_t bytes) { the_allocator().set_limit(bytes); }
+std::size_t limit() { return the_allocator().limit(); }
+std::size_t largest_free_block() { return the_allocator().largest_free_block(); }
+std::vector<LiveBlock> live_blocks() { return the_allocator().live_blocks(); }
 bool set_recording(bool on) { return the_allocator().set_recording(on); }
 std::vector<Event> events(bool clear) { return the_allocator().events(clear); }
 int intern_op(const std::string& name) { return the_allocator().intern_op(name); }

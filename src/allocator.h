@@ -38,11 +38,12 @@ constexpr std::size_t kMinLargeSplit = std::size_t(1) << 20;
 constexpr std::size_t kMaxRequest = std::size_t(1) << 62;
 
 // The memory categories of docs/memory.md, in the order of needle.memory.categories.CATEGORIES.
-// `master` holds an optimizer's float32 master copies of float16 parameters.
+// `master` holds an optimizer's float32 master copies of float16 parameters; `optimizer_temp`
+// the temporaries of an optimizer update.
 enum class Category : std::uint8_t {
-  weight, gradient, optimizer, master, activation, workspace, other
+  weight, gradient, optimizer, master, optimizer_temp, activation, workspace, other
 };
-constexpr int kNumCategories = 7;
+constexpr int kNumCategories = 8;
 
 const char* category_name(Category c) noexcept;
 // Sets *out and returns true when `name` is a category name.
@@ -52,6 +53,15 @@ std::string category_list();
 
 struct Block;  // opaque handle to a live block
 
+// Thrown when a request would take the reserved bytes past the limit set with mem::set_limit
+// (after the cache was emptied). Carries what an out-of-memory report needs.
+struct LimitExceeded : std::bad_alloc {
+  std::size_t requested = 0, block = 0, segment = 0;  // bytes asked, rounded block, new segment
+  std::int64_t allocated = 0, reserved = 0, limit = 0, largest_free = 0;
+  Category category = Category::other;
+  const char* what() const noexcept override { return "needle allocator: limit exceeded"; }
+};
+
 namespace mem {
 
 // A live block of at least `requested` bytes charged to `cat`; throws std::bad_alloc when the
@@ -59,6 +69,7 @@ namespace mem {
 // `requested` exceeds kMaxRequest.
 Block* allocate(std::size_t requested, Category cat);
 // Returns `b` to the cache (exactly once; the handle may be handed out again afterwards).
+// (allocate throws LimitExceeded, a std::bad_alloc, when a limit is set and would be passed.)
 void release(Block* b) noexcept;
 // Moves a live block's bytes to category `cat` (an event is recorded when it changes).
 void retag(Block* b, Category cat) noexcept;
@@ -84,6 +95,20 @@ Stats stats();
 void reset_peak();
 // Unmaps every wholly free segment; returns the bytes released.
 std::size_t empty_cache();
+
+// Refuse a new segment that would take the reserved bytes past `bytes` (0: no limit).
+void set_limit(std::size_t bytes);
+std::size_t limit();
+// The largest cached free block (bytes), the measure of fragmentation an OOM report quotes.
+std::size_t largest_free_block();
+
+struct LiveBlock {
+  std::uint64_t id;
+  std::int64_t size, requested;
+  Category category;
+};
+// Every block in use now, in segment order.
+std::vector<LiveBlock> live_blocks();
 
 // ---- event log (the timeline of needle.memory.record) ----------------------------------
 

@@ -29,6 +29,36 @@ namespace py = pybind11;
 
 inline thread_local int t_category = -1;  // -1: not set on this thread
 inline py::object* g_resolver = nullptr;  // guarded by the GIL; leaked on purpose (shutdown)
+inline py::object* g_oom_handler = nullptr;  // fn(info) -> exception to raise; same rules
+
+// A LimitExceeded reaching Python: the handler (needle.memory's out-of-memory report) turns
+// the numbers into an OutOfMemoryError that names what is live; without one, a MemoryError.
+inline void raise_limit_exceeded(const LimitExceeded& e) {
+  py::dict info;
+  info["device"] = "cpu";
+  info["requested"] = e.requested;
+  info["block"] = e.block;
+  info["segment"] = e.segment;
+  info["allocated"] = e.allocated;
+  info["reserved"] = e.reserved;
+  info["limit"] = e.limit;
+  info["largest_free_block"] = e.largest_free;
+  info["category"] = category_name(e.category);
+  if (g_oom_handler != nullptr && !g_oom_handler->is_none()) {
+    try {
+      py::object exc = (*g_oom_handler)(info);
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+      return;
+    } catch (py::error_already_set& err) {
+      err.restore();
+      return;
+    }
+  }
+  const std::string msg = "cpu allocator: limit of " + std::to_string(e.limit) +
+                          " bytes exceeded by a request of " + std::to_string(e.requested) +
+                          " bytes";
+  PyErr_SetString(PyExc_MemoryError, msg.c_str());
+}
 
 // needle._core.errors.MemoryArgumentError (a NeedleError and ValueError) when importable.
 [[noreturn]] inline void raise_category_error(const char* op, py::handle got) {
@@ -211,6 +241,38 @@ void bind(py::module_& m, ArrayClass& cls) {
     const int prev = mem::set_thread_op(op);
     return prev < 0 ? py::object(py::none()) : py::object(py::str(mem::op_name(prev)));
   }, py::arg("name"), "This thread's op name for events (None: none); returns the previous.");
+  m.def("allocator_set_limit", [](py::object bytes) {
+    const std::size_t prev = mem::limit();
+    mem::set_limit(bytes.is_none() ? 0 : bytes.cast<std::size_t>());
+    return prev ? py::object(py::int_(prev)) : py::object(py::none());
+  }, py::arg("bytes"), "Refuse new segments past `bytes` reserved (None: no limit); "
+     "returns the previous limit.");
+  m.def("allocator_limit", [] {
+    const std::size_t lim = mem::limit();
+    return lim ? py::object(py::int_(lim)) : py::object(py::none());
+  }, "The reserved-bytes limit, or None.");
+  m.def("allocator_largest_free_block", &mem::largest_free_block,
+        "Bytes of the largest cached free block.");
+  m.def("allocator_live_blocks", [] {
+    py::list out;
+    for (const mem::LiveBlock& b : mem::live_blocks()) {
+      out.append(py::make_tuple(b.id, b.size, b.requested, category_name(b.category)));
+    }
+    return out;
+  }, "Blocks in use as (block id, size, requested, category) tuples.");
+  m.def("allocator_set_oom_handler", [](py::object fn) {
+    py::object prev = g_oom_handler ? *g_oom_handler : py::none();
+    if (g_oom_handler == nullptr) g_oom_handler = new py::object();
+    *g_oom_handler = std::move(fn);
+    return prev;
+  }, py::arg("fn"), "Install fn(info: dict) -> exception raised when the limit is exceeded.");
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const LimitExceeded& e) {
+      raise_limit_exceeded(e);
+    }
+  });
   m.def("_allocator_bench", &bench, py::arg("nbytes"), py::arg("iterations"));
   m.def("_allocator_stress", &stress, py::arg("threads"), py::arg("iterations"),
         py::arg("seed") = 0);

@@ -29,6 +29,8 @@ class Array {
     try {
       // Blocks are at least 512 bytes, so aligned tile loads never run off a tiny buffer.
       block_ = mem::allocate(nbytes, cat);
+    } catch (const LimitExceeded&) {
+      throw;  // a limit set by needle.memory.set_limit: its own report names what is live
     } catch (const std::bad_alloc&) {
       throw OutOfMemory("Array: out of memory, expected a buffer of " + std::to_string(nbytes) +
                         " bytes, got a refusal from the system");

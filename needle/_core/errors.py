@@ -15,7 +15,7 @@ from __future__ import annotations
 __all__ = ["NeedleError", "ShapeError", "DTypeError", "DeviceError", "AxisError",
            "IndexOutOfRange", "BackendUnavailable", "GraphError", "ReleasedDataError",
            "CommError", "CheckpointError", "RNGStateError", "MemoryArgumentError",
-           "MemoryPlanError"]
+           "MemoryPlanError", "OutOfMemoryError"]
 
 
 class NeedleError(Exception):
@@ -48,10 +48,6 @@ class SizeLimitError(ShapeError):
     Raised before anything is allocated or read; the message names the op, the shape and the
     limit.
     """
-
-
-class OutOfMemoryError(NeedleError, MemoryError):
-    """A buffer within the limits that the device could not provide."""
 
 
 class BackendUnavailable(NeedleError, RuntimeError):
@@ -96,6 +92,17 @@ class MemoryArgumentError(NeedleError, ValueError):
 
 class MemoryPlanError(NeedleError, RuntimeError):
     """A memory plan or trace that cannot be built or executed."""
+
+
+class OutOfMemoryError(NeedleError, MemoryError):
+    """An allocation the device's allocator refused: a buffer within the size limits that a
+    limit set with ``needle.memory.set_limit``, or the system, could not provide. ``details``
+    holds what the message reports: the request, live bytes by category, the largest live
+    tensors, reserved vs allocated bytes and the largest free block."""
+
+    def __init__(self, message: str, details: dict | None = None):
+        super().__init__(message)
+        self.details = dict(details or {})
 
 
 class SerializationError(NeedleError, ValueError):

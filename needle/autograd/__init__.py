@@ -34,11 +34,13 @@ from ..backend_selection import (  # noqa: F401 - re-exported as the course's au
     cpu,
     default_device,
 )
+from ..memory import offload as _mem_offload
 from . import value as _value
 from .engine import compute_gradient_of_variables, find_topo_sort, sum_node_list, topo_sort_dfs
 from .grad_mode import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
 from .gradcheck import gradcheck
 from .hooks import RemovableHandle, saved_tensors_hooks
+from .release import release_unsaved as _release_unsaved
 from .tensor import (
     ImplicitGradWarning,
     SparseTupleGrad,
@@ -48,6 +50,9 @@ from .tensor import (
     TensorTupleOp,
 )
 from .value import Op, Value
+
+# ndl.memory.offload_saved_tensors (L2) is built from these two L3 mechanisms.
+_mem_offload.provide(saved_tensors_hooks, _release_unsaved)
 
 __all__ = ["Op", "TensorOp", "TensorTupleOp", "Value", "Tensor", "TensorTuple",
            "find_topo_sort", "topo_sort_dfs", "sum_node_list", "compute_gradient_of_variables",

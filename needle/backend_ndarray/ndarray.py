@@ -23,7 +23,7 @@ from functools import lru_cache
 import numpy as np
 
 from .._core.dtypes import canonical_dtype, numpy_dtype
-from .._core.errors import AxisError, DTypeError, ShapeError
+from .._core.errors import AxisError, DTypeError, OutOfMemoryError, ShapeError
 from .._core.versions import note_write as _note_write
 from .devices import (
     BackendDevice,
@@ -541,6 +541,18 @@ class NDArray:
 
 
 _new_ndarray = object.__new__
+# Told about every NDArray that allocates a buffer (``fn(array)``, right after the allocation),
+# or None. needle.memory's profiler sets it to learn each buffer's shape and dtype; L1 never
+# imports L2. One global test per allocation when nobody listens.
+_BUFFER_OBSERVER = None
+
+
+def set_buffer_observer(fn):
+    """Install ``fn(array)`` to be called for each newly allocated buffer; returns the
+    previous observer (None: off)."""
+    global _BUFFER_OBSERVER
+    prev, _BUFFER_OBSERVER = _BUFFER_OBSERVER, fn
+    return prev
 
 
 def _alloc(shape: tuple, device: BackendDevice, dtype: str, op: str = "alloc") -> NDArray:
@@ -555,6 +567,8 @@ def _alloc(shape: tuple, device: BackendDevice, dtype: str, op: str = "alloc") -
     try:
         handle = device.Array(size, dtype)
     except MemoryError as exc:
+        if isinstance(exc, OutOfMemoryError) and exc.details:
+            raise  # a limit's own report (live tensors, fragmentation) says more
         raise out_of_memory(op, shape, dtype, device, exc) from exc
     array = _new_ndarray(NDArray)
     array._shape = shape
@@ -563,6 +577,8 @@ def _alloc(shape: tuple, device: BackendDevice, dtype: str, op: str = "alloc") -
     array._device = device
     array._handle = handle
     array._compact = True
+    if _BUFFER_OBSERVER is not None:
+        _BUFFER_OBSERVER(array)
     return array
 
 

@@ -4,8 +4,12 @@
   entry; backward recomputes it (same dropout masks, same module state) and backpropagates
   through the recomputed segment alone. Gradients are bitwise those of the plain graph.
 * :func:`checkpoint_sequential` — a chain cut into segments, one region each.
-* :func:`plan_checkpoints` — where to cut, from per-layer activation bytes: ``sqrt`` policy or
-  the least recompute under a byte budget, each with the cost model's predicted peak.
+* :func:`plan_checkpoints` — where to cut, from per-layer costs: ``sqrt`` policy or the least
+  recompute under a byte budget, each with the cost model's predicted peak;
+  :func:`measure_layer_costs` measures the costs on the real layers, so that the measured
+  activation peak of running the plan stays within the budget.
+* :func:`checkpoint_report` — what policies change, measured (``python -m needle.memory
+  checkpoint-report``): saved vs recomputed tensors, bytes, FLOPs, random draws, peaks.
 * :func:`is_recomputing` — for stateful code that must act once per step.
 * :func:`release_unsaved` — record a plain graph that keeps only what backward reads, at every
   size (autograd's own release, ``needle/autograd/release.py``, with its size threshold off).
@@ -24,9 +28,13 @@ Example:
 from __future__ import annotations
 
 from ..autograd.release import Released, release_unsaved
-from .plan import CheckpointPlan, equal_segments, plan_checkpoints, predict_peak
+from .costs import measure_layer_costs
+from .plan import CheckpointPlan, LayerCost, equal_segments, plan_checkpoints, predict_peak
 from .region import checkpoint, is_recomputing
+from .report import CheckpointReport, checkpoint_report
 from .sequential import checkpoint_sequential
 
 __all__ = ["checkpoint", "checkpoint_sequential", "plan_checkpoints", "CheckpointPlan",
-           "predict_peak", "equal_segments", "is_recomputing", "Released", "release_unsaved"]
+           "LayerCost", "measure_layer_costs", "predict_peak", "equal_segments",
+           "is_recomputing", "Released", "release_unsaved", "checkpoint_report",
+           "CheckpointReport"]

@@ -107,16 +107,25 @@ class _RegionOp(TensorOp):
         return out
 
     def gradient(self, out_grad, node):
+        arrays = node._saved[1]
+        self.region.attach_arrays(arrays)  # the boundary comes back from the node's slot
         check_kept(node, self.region.kept, f"checkpoint region {self.region.name!r}")
-        return self.region.backward([out_grad])
+        return self.region.backward([out_grad], arrays)
 
 
 class _RegionTupleOp(TensorTupleOp, _RegionOp):  # TensorTupleOp first: its __call__
     """The checkpoint node of a region with several tensor outputs."""
 
     def gradient(self, out_grad, node):
+        arrays = node._saved[1]
+        self.region.attach_arrays(arrays)  # the boundary comes back from the node's slot
         check_kept(node, self.region.kept, f"checkpoint region {self.region.name!r}")
-        return self.region.backward([out_grad[i] for i in range(len(node.cached_data))])
+        return self.region.backward([out_grad[i] for i in range(len(node.cached_data))],
+                                    arrays)
+
+
+def _same(packed):
+    return packed
 
 
 class _Region:
@@ -190,13 +199,34 @@ class _Region:
         slot_tensors = [original_args[s[1]] if s[0] == "arg" else s[1] for s in self.slots]
         return _rebuild(self, outputs, structure, leaves, mark, original_args, slot_tensors)
 
+    # -- where the boundary lives between forward and backward ---------------------------------
+    # The argument arrays move to the region's node (its saved slot) once the node exists: a
+    # backward without retain_graph frees that slot like any op's saved tensors, so the
+    # boundary goes with the graph even while the caller keeps the region's output.
+    def detach_arrays(self) -> list:
+        arrays = [a[0] if t else None for a, t in zip(self.args, self.is_tensor, strict=True)]
+        self.args = [(None, a[1], a[2]) if t else a
+                     for a, t in zip(self.args, self.is_tensor, strict=True)]
+        return arrays
+
+    def attach_arrays(self, arrays: list) -> None:
+        self.args = [(arr, a[1], a[2]) if t else a
+                     for arr, a, t in zip(arrays, self.args, self.is_tensor, strict=True)]
+
     # -- backward ------------------------------------------------------------------------------
-    def backward(self, out_grads: list) -> tuple:
+    def backward(self, out_grads: list, arrays: list) -> tuple:
+        self.attach_arrays(arrays)
+        try:
+            return self._backward(out_grads)
+        finally:
+            self.detach_arrays()
+
+    def _backward(self, out_grads: list) -> tuple:
         create_graph = STATE.grad_enabled
         with ndl_random.fork_rng(enabled=self.preserve), self.modules.replay(), _recomputing():
             if self.preserve:
                 ndl_random.set_state(self.rng_state)
-            with memory.framework_category("activation"):
+            with memory.categories.as_forward():  # the categories of the first forward
                 leaves, mark, _, outputs, _, draws = self._run(keep_saved=True)
             if self.verify:
                 self.record.compare(self.name, outputs, draws)
@@ -257,10 +287,13 @@ def _region_node(region, outputs, positions, slot_tensors) -> list:
     if len(positions) == 1 and not outputs[positions[0]]._is_tuple:
         op = _RegionOp(region)
         op.output = outputs[positions[0]].realize_cached_data()
-        return [op(*slot_tensors)]
+        node = op(*slot_tensors)
+        node._saved = (_same, region.detach_arrays())
+        return [node]
     op = _RegionTupleOp(region)
     op.output = tuple(outputs[i].realize_cached_data() for i in positions)
     node = op(*slot_tensors)
+    node._saved = (_same, region.detach_arrays())
     return [node[k] for k in range(len(positions))]
 
 

@@ -13,6 +13,7 @@ Example:
 """
 from __future__ import annotations
 
+from . import traffic
 from ._errors import CommError
 from ._group import ProcessGroup
 from ._work import Work
@@ -46,7 +47,7 @@ __all__ = [
     "broadcast", "destroy_process_group", "gather", "get_backend", "get_rank",
     "get_world_size", "init_process_group",
     "irecv", "is_initialized", "isend", "new_group", "recv", "reduce", "reduce_scatter",
-    "reduce_scatter_v", "scatter", "send", "shard_bounds", "spawn_threads",
+    "reduce_scatter_v", "scatter", "send", "shard_bounds", "spawn_threads", "traffic",
 ]
 
 

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 from ._errors import CommError
 from ._work import CommThread, Work
+from .traffic import Counters, CountingChannel, TrafficLedger
 
 DEFAULT_TIMEOUT = float(os.environ.get("NEEDLE_DIST_TIMEOUT", "300"))
 
@@ -25,9 +26,15 @@ class ProcessGroup:
     neither can receive the other's messages.
     """
 
-    def __init__(self, transport: Any, channels: list[Any], timeout: float):
+    def __init__(self, transport: Any, channels: list[Any], timeout: float,
+                 traffic: TrafficLedger | None = None):
         self.transport = transport
-        self.p2p, self.coll = channels
+        # every message passes a counting channel on its way to the transport (traffic.py);
+        # groups of one process share its ledger
+        self.counters = Counters()
+        self.p2p = CountingChannel(channels[0], "p2p", self.counters)
+        self.coll = CountingChannel(channels[1], "coll", self.counters)
+        self.traffic = traffic if traffic is not None else TrafficLedger()
         self.ranks: list[int] = list(self.coll.ranks)
         self.rank: int = self.coll.rank
         self.size: int = self.coll.size

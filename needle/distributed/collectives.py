@@ -13,6 +13,7 @@ from typing import Any, Callable
 import numpy as np
 
 from . import _algorithms as alg
+from . import traffic
 from ._buffers import Borrowed, borrow, dtype_name
 from ._errors import CommError, ShapeError
 from ._group import ProcessGroup, resolve
@@ -50,11 +51,13 @@ def _sig(where: str, arr: np.ndarray, **extra: Any) -> str:
 
 
 def _launch(pg: ProcessGroup, where: str, body: Callable[[alg.Op], None], signature: str,
-            timeout: float | None, async_op: bool) -> Work | None:
+            timeout: float | None, async_op: bool,
+            record: traffic.TrafficRecord | None = None) -> Work | None:
     def run() -> None:
-        op = alg.Op(pg, where, timeout)
-        alg.check_signature(op, signature)
-        body(op)
+        with traffic.counting(record):  # on whichever thread runs the collective
+            op = alg.Op(pg, where, timeout)
+            alg.check_signature(op, signature)
+            body(op)
 
     result = pg.run(run, async_op)
     return result if async_op else None
@@ -82,6 +85,11 @@ def all_reduce(tensor: Any, op: str = "sum", group: Any = None, async_op: bool =
     _op_name(op, "all_reduce")
     native = _native(pg, "all_reduce", algorithm, ("ring",))
     buf = borrow(tensor, "all_reduce")
+    a = buf.arr
+    record = traffic.open_record(
+        pg, "all_reduce", algorithm, a.nbytes,
+        traffic.ring_all_reduce_bytes(a.size, a.itemsize, pg.size, pg.rank),
+        "ring all-reduce: 2(n-1)/n x M", native=native is not None)
 
     def body(o: alg.Op) -> None:
         flat = buf.arr.reshape(-1)
@@ -92,7 +100,7 @@ def all_reduce(tensor: Any, op: str = "sum", group: Any = None, async_op: bool =
         buf.commit()
 
     return _launch(pg, "all_reduce", body, _sig("all_reduce", buf.arr, op=op,
-                   algorithm=algorithm), timeout, async_op)
+                   algorithm=algorithm), timeout, async_op, record)
 
 
 def broadcast(tensor: Any, src: int = 0, group: Any = None, async_op: bool = False,
@@ -102,6 +110,10 @@ def broadcast(tensor: Any, src: int = 0, group: Any = None, async_op: bool = Fal
     pg.check_peer("broadcast", src, "src")
     native = _native(pg, "broadcast", algorithm, ("tree",))
     buf = borrow(tensor, "broadcast")
+    record = traffic.open_record(
+        pg, "broadcast", algorithm, buf.arr.nbytes,
+        traffic.tree_broadcast_bytes(buf.arr.nbytes, pg.size, pg.rank, src),
+        "tree broadcast: M to each child, M from the parent", native=native is not None)
 
     def body(o: alg.Op) -> None:
         flat = buf.arr.reshape(-1)
@@ -111,7 +123,8 @@ def broadcast(tensor: Any, src: int = 0, group: Any = None, async_op: bool = Fal
             alg.tree_broadcast(o, flat, src, pg.chunk_bytes)
         buf.commit()
 
-    return _launch(pg, "broadcast", body, _sig("broadcast", buf.arr, src=src), timeout, async_op)
+    return _launch(pg, "broadcast", body, _sig("broadcast", buf.arr, src=src), timeout, async_op,
+                   record)
 
 
 def reduce(tensor: Any, dst: int = 0, op: str = "sum", group: Any = None,
@@ -122,6 +135,10 @@ def reduce(tensor: Any, dst: int = 0, op: str = "sum", group: Any = None,
     pg.check_peer("reduce", dst, "dst")
     _op_name(op, "reduce")
     buf = borrow(tensor, "reduce")
+    record = traffic.open_record(
+        pg, "reduce", "tree", buf.arr.nbytes,
+        traffic.tree_reduce_bytes(buf.arr.nbytes, pg.size, pg.rank, dst),
+        "tree reduce: M to the parent, M from each child")
 
     def body(o: alg.Op) -> None:
         work = buf.arr.reshape(-1) if pg.rank == dst else buf.arr.reshape(-1).copy()
@@ -129,7 +146,8 @@ def reduce(tensor: Any, dst: int = 0, op: str = "sum", group: Any = None,
         if pg.rank == dst:
             buf.commit()
 
-    return _launch(pg, "reduce", body, _sig("reduce", buf.arr, dst=dst, op=op), timeout, async_op)
+    return _launch(pg, "reduce", body, _sig("reduce", buf.arr, dst=dst, op=op), timeout, async_op,
+                   record)
 
 
 def _borrow_list(where: str, what: str, items: Any, like: np.ndarray, size: int,
@@ -155,6 +173,11 @@ def all_gather(tensor_list: list, tensor: Any, group: Any = None, async_op: bool
     pg = resolve(group, "all_gather")
     mine = borrow(tensor, "all_gather", readonly=True)
     outs = _borrow_list("all_gather", "tensor_list", tensor_list, mine.arr, pg.size, False)
+    whole = pg.size * mine.arr.size
+    record = traffic.open_record(
+        pg, "all_gather", "ring", whole * mine.arr.itemsize,
+        traffic.ring_all_gather_bytes(whole, mine.arr.itemsize, pg.size, pg.rank),
+        "ring all-gather: (n-1)/n x M")
 
     def body(o: alg.Op) -> None:
         flat = np.empty(pg.size * mine.arr.size, dtype=mine.arr.dtype)
@@ -165,7 +188,8 @@ def all_gather(tensor_list: list, tensor: Any, group: Any = None, async_op: bool
             out.arr[...] = parts[r].reshape(mine.arr.shape)
             out.commit()
 
-    return _launch(pg, "all_gather", body, _sig("all_gather", mine.arr), timeout, async_op)
+    return _launch(pg, "all_gather", body, _sig("all_gather", mine.arr), timeout, async_op,
+                   record)
 
 
 def reduce_scatter(output: Any, input_list: list, op: str = "sum", group: Any = None,
@@ -175,6 +199,11 @@ def reduce_scatter(output: Any, input_list: list, op: str = "sum", group: Any = 
     _op_name(op, "reduce_scatter")
     out = borrow(output, "reduce_scatter")
     ins = _borrow_list("reduce_scatter", "input_list", input_list, out.arr, pg.size, True)
+    whole = pg.size * out.arr.size
+    record = traffic.open_record(
+        pg, "reduce_scatter", "ring", whole * out.arr.itemsize,
+        traffic.ring_reduce_scatter_bytes(whole, out.arr.itemsize, pg.size, pg.rank),
+        "ring reduce-scatter: (n-1)/n x M")
 
     def body(o: alg.Op) -> None:
         flat = np.concatenate([b.arr.reshape(-1) for b in ins])
@@ -183,7 +212,7 @@ def reduce_scatter(output: Any, input_list: list, op: str = "sum", group: Any = 
         out.commit()
 
     return _launch(pg, "reduce_scatter", body, _sig("reduce_scatter", out.arr, op=op),
-                   timeout, async_op)
+                   timeout, async_op, record)
 
 
 def shard_bounds(numel: int, world_size: int) -> list[int]:
@@ -275,13 +304,18 @@ def gather(tensor: Any, gather_list: list | None = None, dst: int = 0, group: An
     mine = borrow(tensor, "gather", readonly=True)
     outs = _borrow_list("gather", "gather_list", gather_list, mine.arr, pg.size, False) \
         if pg.rank == dst else None
+    record = traffic.open_record(
+        pg, "gather", "linear", mine.arr.nbytes,
+        traffic.gather_bytes(mine.arr.nbytes, pg.size, pg.rank, dst),
+        "linear gather: the root receives (n-1) x M")
 
     def body(o: alg.Op) -> None:
         alg.linear_gather(o, mine.arr, [b.arr for b in outs] if outs else None, dst)
         for b in outs or ():
             b.commit()
 
-    return _launch(pg, "gather", body, _sig("gather", mine.arr, dst=dst), timeout, async_op)
+    return _launch(pg, "gather", body, _sig("gather", mine.arr, dst=dst), timeout, async_op,
+                   record)
 
 
 def scatter(tensor: Any, scatter_list: list | None = None, src: int = 0, group: Any = None,
@@ -292,12 +326,17 @@ def scatter(tensor: Any, scatter_list: list | None = None, src: int = 0, group: 
     mine = borrow(tensor, "scatter")
     ins = _borrow_list("scatter", "scatter_list", scatter_list, mine.arr, pg.size, True) \
         if pg.rank == src else None
+    record = traffic.open_record(
+        pg, "scatter", "linear", mine.arr.nbytes,
+        traffic.scatter_bytes(mine.arr.nbytes, pg.size, pg.rank, src),
+        "linear scatter: the root sends (n-1) x M")
 
     def body(o: alg.Op) -> None:
         alg.linear_scatter(o, mine.arr, [b.arr for b in ins] if ins else None, src)
         mine.commit()
 
-    return _launch(pg, "scatter", body, _sig("scatter", mine.arr, src=src), timeout, async_op)
+    return _launch(pg, "scatter", body, _sig("scatter", mine.arr, src=src), timeout, async_op,
+                   record)
 
 
 def barrier(group: Any = None, async_op: bool = False, algorithm: str = "dissemination",
@@ -305,6 +344,8 @@ def barrier(group: Any = None, async_op: bool = False, algorithm: str = "dissemi
     """Return once every rank of the group has entered the barrier."""
     pg = resolve(group, "barrier")
     native = _native(pg, "barrier", algorithm, ("dissemination",))
+    record = traffic.open_record(pg, "barrier", algorithm, 0, traffic.barrier_bytes(pg.size),
+                                 "dissemination: 1 byte per round", native=native is not None)
 
     def body(o: alg.Op) -> None:
         if native is not None:
@@ -312,4 +353,4 @@ def barrier(group: Any = None, async_op: bool = False, algorithm: str = "dissemi
         else:
             alg.dissemination_barrier(o)
 
-    return _launch(pg, "barrier", body, "barrier", timeout, async_op)
+    return _launch(pg, "barrier", body, "barrier", timeout, async_op, record)

@@ -23,6 +23,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from . import traffic
 from ._buffers import borrow
 from ._errors import CommError, GraphError
 from ._group import resolve
@@ -95,14 +96,20 @@ class DistributedDataParallel:
         self.params = [p for p in module.parameters() if getattr(p, "requires_grad", True)]
         self.names = self._names(module)
         plan = _plan(self.params, int(bucket_cap_mb * 2**20))
-        self._check_plan(plan)  # first: a model mismatch is reported as such, on every rank
-        self._broadcast_parameters()
+        with traffic.label("ddp set-up"):
+            self._check_plan(plan)  # first: a model mismatch is reported as such, on every rank
+            self._broadcast_parameters()
         self.buckets = [
             _Bucket(i, dtype, members,
                     [int(np.prod(self.params[m].shape, dtype=np.int64)) for m in members])
             for i, (dtype, members) in enumerate(plan)
         ]
         self._where = {m: (b, j) for b in self.buckets for j, m in enumerate(b.members)}
+        # the traffic ledger's expectation for one synchronized step: a ring all-reduce of
+        # every bucket, 2(n-1)/n of its bytes each way (traffic.py)
+        n, r = self.group.size, self.group.rank
+        self.expected_traffic = [traffic.ring_all_reduce_bytes(b.flat.size, b.flat.itemsize,
+                                                                n, r) for b in self.buckets]
         self._handles = [p.register_post_accumulate_grad_hook(self._hook_for(i))
                          for i, p in enumerate(self.params)]
         self._sync = True
@@ -185,6 +192,12 @@ class DistributedDataParallel:
                 "gradients over several backward passes, run all but the last inside "
                 "`with ddp.no_sync():`"
             )
+        if not self._fired:  # the first gradient of a synchronized step
+            book = self.group.traffic
+            book.mark_step()
+            book.expect("ddp gradients", sum(s for s, _ in self.expected_traffic),
+                        sum(r for _, r in self.expected_traffic),
+                        f"ring all-reduce of {len(self.buckets)} buckets: 2(n-1)/n x M each")
         self._fired.add(i)
         self._step.setdefault("first_hook", now)
         self._step["last_hook"] = now
@@ -210,8 +223,9 @@ class DistributedDataParallel:
                 return
             bucket.launched_at = time.perf_counter()
             self.events.append(("launch", bucket.index, bucket.launched_at))
-            bucket.work = all_reduce(bucket.flat, "sum", self.group, async_op=True,
-                                     algorithm=self.algorithm)
+            with traffic.label("ddp gradients"):
+                bucket.work = all_reduce(bucket.flat, "sum", self.group, async_op=True,
+                                         algorithm=self.algorithm)
             self._next_launch += 1
 
     def _fill_unused(self) -> None:
@@ -264,7 +278,8 @@ class DistributedDataParallel:
         if self._num_examples is None:
             return float(self.group.size) if self.reduction == "mean" else 1.0
         total = np.array([self._num_examples], np.float64)
-        all_reduce(total, "sum", self.group)
+        with traffic.label("ddp example count"):
+            all_reduce(total, "sum", self.group)
         if total[0] <= 0:
             raise CommError(f"DistributedDataParallel: total examples over ranks must be "
                             f"positive, got {total[0]}")

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from . import traffic
 from ._buffers import HEADER_BYTES, borrow, dtype_name, pack_header, unpack_header
 from ._errors import CommError, PeerError, rewrap
 from ._group import ProcessGroup, resolve
@@ -71,8 +72,10 @@ def isend(tensor: Any, dst: int, group: Any = None, tag: int = 0,
     pg = _check("isend", group, dst, tag, "dst")
     arr = borrow(tensor, "isend", readonly=True).arr
     wait = _waiter(pg, "send", dst, tag, timeout)
-    reqs = [pg.p2p.isend(pack_header(arr, "send"), dst, 2 * tag),
-            pg.p2p.isend(arr, dst, 2 * tag + 1)]
+    record = traffic.open_record(pg, "send", "p2p", arr.nbytes, (arr.nbytes, 0), "send: M")
+    with traffic.counting(record):
+        reqs = [pg.p2p.isend(pack_header(arr, "send"), dst, 2 * tag),
+                pg.p2p.isend(arr, dst, 2 * tag + 1)]
 
     def complete() -> None:
         for req in reqs:
@@ -112,13 +115,16 @@ def recv(tensor: Any, src: int, group: Any = None, tag: int = 0,
     buf = borrow(tensor, "recv")
     wait = _waiter(pg, "recv", src, tag, timeout)
     header = np.empty(HEADER_BYTES, np.uint8)
-    wait(pg.p2p.irecv(header, src, 2 * tag), "header receive")
-    got = unpack_header(header, "recv")
-    if got != (dtype_name(buf.arr), tuple(buf.arr.shape)):
-        drain = np.empty(int(np.prod(got[1], dtype=np.int64)), dtype=np.dtype(got[0]))
-        wait(pg.p2p.irecv(drain, src, 2 * tag + 1), "payload receive")
-        raise _mismatch(pg, "recv", src, tag, buf.arr, got)
-    wait(pg.p2p.irecv(buf.arr, src, 2 * tag + 1), "payload receive")
+    record = traffic.open_record(pg, "recv", "p2p", buf.arr.nbytes, (0, buf.arr.nbytes),
+                                 "recv: M")
+    with traffic.counting(record):
+        wait(pg.p2p.irecv(header, src, 2 * tag), "header receive")
+        got = unpack_header(header, "recv")
+        if got != (dtype_name(buf.arr), tuple(buf.arr.shape)):
+            drain = np.empty(int(np.prod(got[1], dtype=np.int64)), dtype=np.dtype(got[0]))
+            wait(pg.p2p.irecv(drain, src, 2 * tag + 1), "payload receive")
+            raise _mismatch(pg, "recv", src, tag, buf.arr, got)
+        wait(pg.p2p.irecv(buf.arr, src, 2 * tag + 1), "payload receive")
     buf.commit()
 
 
@@ -134,7 +140,10 @@ def irecv(tensor: Any, src: int, group: Any = None, tag: int = 0,
     wait = _waiter(pg, "irecv", src, tag, timeout)
     header = np.empty(HEADER_BYTES, np.uint8)
     staging = np.empty_like(buf.arr)
-    reqs = [pg.p2p.irecv(header, src, 2 * tag), pg.p2p.irecv(staging, src, 2 * tag + 1)]
+    record = traffic.open_record(pg, "recv", "p2p", buf.arr.nbytes, (0, buf.arr.nbytes),
+                                 "recv: M")
+    with traffic.counting(record):
+        reqs = [pg.p2p.irecv(header, src, 2 * tag), pg.p2p.irecv(staging, src, 2 * tag + 1)]
 
     def complete() -> None:
         wait(reqs[0], "header receive")

@@ -144,7 +144,8 @@ def new_group(ranks: list[int] | None = None, timeout: float | None = None) -> A
     if channels is None:
         return NonMemberGroup(ranks, state.world.rank)
     group = ProcessGroup(state.transport, channels,
-                         state.world.timeout if timeout is None else timeout)
+                         state.world.timeout if timeout is None else timeout,
+                         traffic=state.world.traffic)
     state.groups.append(group)
     return group
 

@@ -6,7 +6,10 @@
 * plan: :func:`trace` records a call's buffer graph, :func:`plan` places its intermediates in
   one arena (liveness, greedy by size) and ``Plan.run`` executes the call in that arena;
 * explain: :func:`estimate` predicts a training step's bytes, :func:`compare` lays the
-  prediction beside measured peaks.
+  prediction beside measured peaks; :func:`profile` records every allocation with its tensor,
+  op, phase and Python line (``python -m needle.memory profile SCRIPT``); :func:`set_limit`
+  makes a device refuse past a budget with an :class:`~needle.OutOfMemoryError` that says
+  what filled it.
 
 The contract with the layers around it is docs/memory.md.
 
@@ -19,8 +22,12 @@ from __future__ import annotations
 
 from .caching_allocator import Block, CachingAllocator
 from .categories import CATEGORIES, category, current_category, framework_category
+from .explain import Explanation, explain
 from .ledger import Comparison, Ledger, compare, estimate
+from .offload import offload_saved_tensors
+from .oom import get_limit, set_limit
 from .planner import Graph, OpNode, Plan, TensorSpec, plan
+from .profiler import Profile, profile
 from .registry import (
     attribute,
     empty_cache,
@@ -36,12 +43,13 @@ from .trace import TracedGraph, trace
 
 __all__ = [
     "stats", "reset_peak", "empty_cache", "category", "record", "plot_timeline", "trace",
-    "plan", "estimate", "compare",
+    "plan", "estimate", "compare", "profile", "set_limit", "get_limit", "explain",
+    "offload_saved_tensors",
     # framework-facing
     "framework_category", "current_category", "attribute", "set_current_op", "current_op",
     "register_allocator", "get_allocator", "CachingAllocator", "Block", "CATEGORIES",
     "Graph", "TracedGraph", "OpNode", "TensorSpec", "Plan", "Ledger", "Comparison", "Event",
-    "Timeline",
+    "Timeline", "Profile", "Explanation",
 ]
 
 install_python_allocators()

@@ -151,6 +151,7 @@ class CachingAllocator:
         # Per pool: block size -> {block: None} (an insertion-ordered set, popped LIFO).
         self._free: tuple[dict[int, dict[Block, None]], ...] = ({}, {})
         self._free_sizes: tuple[list[int], list[int]] = ([], [])
+        self._limit: int | None = None  # refuse segments past this many reserved bytes
         self._reset_counters()
 
     def _reset_counters(self) -> None:
@@ -283,6 +284,35 @@ class CachingAllocator:
                 "by_category": {c: dict(r) for c, r in self._by_category.items()},
             }
 
+    def set_limit(self, nbytes: int | None) -> int | None:
+        """Refuse a new segment that would take the reserved bytes past ``nbytes`` (None: no
+        limit); returns the previous limit. A refused request raises
+        :class:`~needle._core.errors.OutOfMemoryError` (see :mod:`needle.memory.oom`)."""
+        with self._lock:
+            prev, self._limit = self._limit, nbytes
+            return prev
+
+    @property
+    def limit(self) -> int | None:
+        return self._limit
+
+    def largest_free_block(self) -> int:
+        """Bytes of the largest cached free block (0 when the cache is empty)."""
+        with self._lock:
+            return max((sizes[-1] for sizes in self._free_sizes if sizes), default=0)
+
+    def live_blocks(self) -> list[tuple[int, int, int, str]]:
+        """Blocks in use as ``(block id, size, requested, category)``, in segment order."""
+        with self._lock:
+            out = []
+            for seg_id in self._segments:
+                block = self._head[seg_id]
+                while block is not None:
+                    if not block.free:
+                        out.append((block.id, block.size, block.requested, block.category))
+                    block = block.next
+            return out
+
     def free_blocks(self) -> list[tuple[int, int, int]]:
         """Cached free blocks as sorted ``(segment id, offset, size)`` (for tests and debugging)."""
         with self._lock:
@@ -314,7 +344,7 @@ class CachingAllocator:
             if i < len(sizes):
                 bucket = buckets[sizes[i]]
         if bucket is None:
-            block = self._new_segment(pool, size)
+            block = self._new_segment(pool, size, nbytes, cat)
             new_segment = True
         else:
             block = bucket.popitem()[0]  # LIFO: the most recently freed block is warmest
@@ -378,8 +408,12 @@ class CachingAllocator:
             new_segment=new_segment, allocated_bytes=self._allocated,
             prev_category=prev_category))
 
-    def _new_segment(self, pool: int, size: int) -> Block:
+    def _new_segment(self, pool: int, size: int, nbytes: int = 0, cat: str = "other") -> Block:
         seg_size = SMALL_SEGMENT if pool == _SMALL else -(-size // LARGE_ROUND) * LARGE_ROUND
+        if self._limit is not None and self._reserved + seg_size > self._limit:
+            self.empty_cache()  # wholly free cached segments count against the limit too
+            if self._reserved + seg_size > self._limit:
+                self._refuse(nbytes, size, seg_size, cat)
         seg = _Segment(next(self._ids), seg_size, self._factory(seg_size), pool)
         self._segments[seg.id] = seg
         # The offset-0 block of a segment is never absorbed by a neighbour (absorption keeps
@@ -390,6 +424,15 @@ class CachingAllocator:
             self._peak_reserved = self._reserved
         self._num_segment_allocs += 1
         return block
+
+    def _refuse(self, nbytes: int, size: int, seg_size: int, cat: str):
+        from .oom import out_of_memory_error  # the report reads every allocator
+
+        raise out_of_memory_error({
+            "device": self.name, "requested": nbytes, "block": size, "segment": seg_size,
+            "allocated": self._allocated, "reserved": self._reserved, "limit": self._limit,
+            "largest_free_block": max((s[-1] for s in self._free_sizes if s), default=0),
+            "category": cat}, allocator=self)
 
     def _split(self, block: Block, size: int, rest: int) -> None:
         """Shrink ``block`` to ``size``; the cut-off ``rest`` becomes a cached free block."""

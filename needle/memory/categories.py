@@ -28,12 +28,14 @@ from typing import Callable, Iterator
 from .._core.handles import Callbacks, RemovableHandle
 from ._errors import MemoryArgumentError
 
-__all__ = ["CATEGORIES", "category", "framework_category", "current_category", "resolve",
-           "check_category", "add_listener", "thread_state"]
+__all__ = ["CATEGORIES", "category", "framework_category", "as_forward", "current_category",
+           "resolve", "check_category", "add_listener", "thread_state"]
 
-# ``master``: float32 master copies an optimizer keeps of float16 parameters (mixed precision);
-# ``optimizer``: its other state (moments, momentum).
-CATEGORIES = ("weight", "gradient", "optimizer", "master", "activation", "workspace", "other")
+# ``optimizer`` is the optimizer's state (moments, momentum); ``master`` its float32 master
+# copies of float16 parameters (mixed precision); ``optimizer_temp`` the temporaries of its
+# update, alive only inside ``step()``.
+CATEGORIES = ("weight", "gradient", "optimizer", "master", "optimizer_temp", "activation",
+              "workspace", "other")
 _CATEGORY_SET = frozenset(CATEGORIES)
 _DEFAULT = "other"
 
@@ -91,7 +93,7 @@ def resolve(hint: str | None = None) -> str:
         return state.user[-1]
     if hint is not None:
         return hint
-    if state.framework:
+    if state.framework and state.framework[-1] is not None:
         return state.framework[-1]
     return state.op_category or _DEFAULT
 
@@ -154,6 +156,20 @@ def framework_category(name: str):
     """
     check_category(name, "framework_category")
     return _scope(_STATE.framework, name)
+
+
+def as_forward():
+    """Inside the block allocations are attributed as in a forward pass, whatever framework
+    scope is open outside (``activation`` for recorded ops, else ``other``): a checkpoint
+    region recomputes its forward inside backward this way, so a recomputed buffer lands in
+    the category its first forward gave it.
+
+    Example:
+        >>> with framework_category("gradient"), as_forward():
+        ...     current_category()
+        'other'
+    """
+    return _scope(_STATE.framework, None)
 
 
 def add_listener(fn: Callable[[str], None]) -> RemovableHandle:

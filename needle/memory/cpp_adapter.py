@@ -45,23 +45,72 @@ class CppAllocatorAdapter:
         self.mod = mod
         self.name = name
         self._was_recording = False
+        self._listeners: list = []
         mod.allocator_set_category_resolver(categories.resolve)
         if hasattr(mod, "allocator_set_op"):
             timeline.add_op_listener(mod.allocator_set_op)
+        if hasattr(mod, "allocator_set_oom_handler"):
+            from .oom import out_of_memory_error
 
-    def begin_recording(self) -> None:
-        """Start the C++ event log (events are collected by :meth:`end_recording`)."""
-        if hasattr(self.mod, "allocator_record"):
+            mod.allocator_set_oom_handler(out_of_memory_error)
+
+    def _need(self, name: str):
+        fn = getattr(self.mod, name, None)
+        if fn is None:
+            raise BackendUnavailable(
+                f"memory: the C++ allocator of {self.name}() lacks {name}, expected a build of "
+                f"ndarray_backend_cpu from this tree, got a stale one (pip install -e .)")
+        return fn
+
+    def set_limit(self, nbytes: int | None) -> int | None:
+        return self._need("allocator_set_limit")(nbytes)
+
+    @property
+    def limit(self) -> int | None:
+        fn = getattr(self.mod, "allocator_limit", None)
+        return fn() if fn is not None else None
+
+    def largest_free_block(self) -> int:
+        return int(self._need("allocator_largest_free_block")())
+
+    def live_blocks(self) -> list:
+        return [tuple(t) for t in self._need("allocator_live_blocks")()]
+
+    # ---- the event log: C++ keeps it; listeners get it when someone drains ----------------
+    def begin_recording(self, sink=None) -> None:
+        """Deliver the C++ events from now on to ``sink.append`` (each listener gets every
+        event once, when :meth:`drain` runs: at :meth:`end_recording` or when a profiler
+        syncs). ``sink=None`` keeps them for :meth:`end_recording`'s return value."""
+        if not hasattr(self.mod, "allocator_record"):
+            return
+        self.drain()  # what happened before belongs to the listeners already there
+        if not self._listeners:
             self.mod.allocator_events(True)  # drop whatever an earlier log left behind
             self._was_recording = bool(self.mod.allocator_record(True))
+        self._listeners.append(sink if sink is not None else _Collect())
 
-    def end_recording(self) -> list:
-        """The C++ events since :meth:`begin_recording`, as :class:`timeline.Event`."""
+    def end_recording(self, sink=None) -> list:
+        """Stop delivering to ``sink`` (None: the last listener added without a sink) and
+        return what it collected when it had no sink of its own."""
         if not hasattr(self.mod, "allocator_record"):
             return []
+        self.drain()
+        if sink is None:
+            sink = next((s for s in reversed(self._listeners) if isinstance(s, _Collect)), None)
+        # by identity: two collected lists with the same events compare equal
+        self._listeners = [s for s in self._listeners if s is not sink]
+        if not self._listeners:
+            self.mod.allocator_record(self._was_recording)
+        return list(sink) if isinstance(sink, _Collect) else []
+
+    def drain(self) -> None:
+        """Hand the events logged since the last drain to every listener, oldest first."""
+        if not self._listeners:
+            return
         events = [timeline.Event(*t) for t in self.mod.allocator_events(True)]
-        self.mod.allocator_record(self._was_recording)
-        return events
+        for sink in list(self._listeners):
+            for event in events:
+                sink.append(event)
 
     def stats(self) -> dict:
         out = dict(self.mod.allocator_stats())
@@ -83,6 +132,10 @@ class CppAllocatorAdapter:
         categories.check_category(category, "retag")
         if isinstance(handle, self.mod.Array):
             self.mod.allocator_retag(handle, categories.resolve(category))
+
+
+class _Collect(list):
+    """Events kept for :meth:`CppAllocatorAdapter.end_recording` (a ``record()`` block)."""
 
 
 def make_adapter(mod, name: str = "cpu") -> CppAllocatorAdapter:

@@ -13,7 +13,10 @@ The protocol L3 calls on the observer it was given (all methods optional to impl
   op dispatch (``node`` is None when compute raised);
 * ``backward_begin()`` / ``backward_end()``: around one ``backward`` call;
 * ``node_begin(node) -> token`` / ``node_end(token)``: around one node's backward step
-  (gradient summation, hooks and ``op.gradient``).
+  (gradient summation, hooks and ``op.gradient``);
+* ``phase_begin(name, label) -> token`` / ``phase_end(token)``: around a phase of a training
+  step that is not autograd's own (L5 optimizers mark ``"optimizer"``, labelled
+  ``"Adam.step"``, with :func:`phase`).
 
 Example:
     >>> seen = []
@@ -32,7 +35,7 @@ from typing import Callable
 
 from .._core.handles import Callbacks, RemovableHandle
 
-__all__ = ["Observer", "bind", "add_observer", "active_observer"]
+__all__ = ["Observer", "bind", "add_observer", "active_observer", "phase"]
 
 _CURRENT: "Observer | None" = None
 
@@ -56,6 +59,12 @@ class Observer:
         return None
 
     def node_end(self, token) -> None:
+        pass
+
+    def phase_begin(self, name: str, label: str | None = None):
+        return None
+
+    def phase_end(self, token) -> None:
         pass
 
 
@@ -86,6 +95,13 @@ class _Many(Observer):
     def node_end(self, token) -> None:
         for o, t in zip(reversed(self.observers), reversed(token), strict=True):
             o.node_end(t)
+
+    def phase_begin(self, name: str, label: str | None = None):
+        return [o.phase_begin(name, label) for o in self.observers]
+
+    def phase_end(self, token) -> None:
+        for o, t in zip(reversed(self.observers), reversed(token), strict=True):
+            o.phase_end(t)
 
 
 def _publish() -> None:
@@ -121,3 +137,29 @@ def add_observer(observer: Observer) -> RemovableHandle:
 def active_observer() -> Observer | None:
     """The observer L3 currently sees (``None`` when observation is off)."""
     return _CURRENT
+
+
+class phase:  # noqa: N801 - a context manager, named like one
+    """Mark a phase (``with phase("optimizer", "SGD.step"): ...``) for whoever observes; free
+    otherwise. ``label`` names what runs (it stands in for an op name in timelines).
+
+    Example:
+        >>> with phase("optimizer"):
+        ...     pass
+    """
+
+    __slots__ = ("name", "label", "observer", "token")
+
+    def __init__(self, name: str, label: str | None = None):
+        self.name = name
+        self.label = label
+
+    def __enter__(self):
+        self.observer = _CURRENT
+        if self.observer is not None:
+            self.token = self.observer.phase_begin(self.name, self.label)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.observer is not None:
+            self.observer.phase_end(self.token)

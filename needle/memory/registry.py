@@ -92,8 +92,19 @@ def _cpu_adapter():
 
 def _allocators_for(device) -> list:
     if device is None:
+        _make_cpu_device()
         return list(_ALLOCATORS.values())
     return [get_allocator(device)]
+
+
+def _make_cpu_device() -> None:
+    """Make ``cpu()`` (its device hook registers the C++ allocator) so that "every device"
+    includes it even when nothing has touched ``cpu()`` yet: a ``record()`` opened first must
+    still see the C++ events of the block."""
+    if "cpu" not in _ALLOCATORS:
+        from needle.backend_ndarray import cpu
+
+        cpu()
 
 
 def stats(device=None) -> dict:
@@ -160,8 +171,23 @@ def install_python_allocators() -> list[str]:
 
 
 def _install_for_device(dev) -> None:
-    """Device hook (L1 calls it for each enabled device): give ``cuda`` its allocator."""
-    if dev.name != "cuda" or dev.name in _ALLOCATORS:
+    """Device hook (L1 calls it for each enabled device, before anything is allocated on it).
+
+    ``cpu``: register the adapter of the C++ allocator now, so that its category resolver is
+    in place for the very first buffer (a weight made before any ``stats()`` call is counted
+    as a weight) and :func:`~needle.memory.record` sees its events whatever the call order. A
+    stale build without statistics is left to the lazy path, which explains what is missing.
+    ``cuda``: give the backend its caching allocator.
+    """
+    if dev.name in _ALLOCATORS:
+        return
+    if dev.name == "cpu":
+        from .cpp_adapter import make_adapter, missing_api
+
+        if not missing_api(dev.mod):
+            register_allocator("cpu", make_adapter(dev.mod, "cpu"))
+        return
+    if dev.name != "cuda":
         return
     from .cuda_allocator import install_cuda_allocator
 

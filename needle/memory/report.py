@@ -1,11 +1,12 @@
 """Predicted vs measured memory of one training step of a real model.
 
-:func:`training_step_report` runs forward, backward and the optimiser step once on a device
-with a Python caching allocator, measures per-category peaks and an event timeline, and lays
-them beside :func:`~needle.memory.ledger.estimate` (:func:`~needle.memory.ledger.compare`).
-The activation term of the estimate is not a rule of thumb: it is the bytes the autograd graph
-keeps at the end of the forward pass (:func:`saved_activation_bytes`), so what remains in the
-comparison is allocator rounding and temporaries.
+:func:`training_step_report` runs forward, backward and the optimiser step once, measures the
+per-category peaks, the activation bytes at the end of the forward pass and an event timeline,
+and reconciles them with independent predictions (:mod:`needle.memory.reconcile`: the ledger's
+bytes per parameter, block rounding from the shapes, the ops' declarations of what they save,
+the optimizer's update rule): every row names the terms of its gap and says whether it is
+within its stated tolerance. The ledger's own comparison (:func:`~needle.memory.ledger.compare`)
+is kept beside it as ``comparison``.
 
 Everything here is duck-typed (a model is callable and has ``parameters()``, a loss is a
 tensor with ``backward()``, an optimiser has ``step()``): L2 does not import the layers above.
@@ -19,15 +20,27 @@ Example:
     >>> y = ndl.Tensor(np.zeros(4), device=d, requires_grad=False)
     >>> r = training_step_report(model, nn.SoftmaxLoss(), optim.SGD(model.parameters()), x, y,
     ...                          optimizer_name="sgd")
-    >>> r.comparison.row("weight").residual
-    0
+    >>> r.reconciliation.row("weight").gap, r.reconciliation.ok
+    (0, True)
 """
 from __future__ import annotations
 
+import gc
+import math
 from dataclasses import dataclass
 
+import numpy as np
+
+from .caching_allocator import CachingAllocator
 from .ledger import Comparison, Ledger, compare, estimate
-from .registry import reset_peak, stats
+from .reconcile import (
+    Reconciliation,
+    branch_points,
+    buffer_key,
+    declared_saved,
+    reconcile_step,
+)
+from .registry import get_allocator, reset_peak, stats
 from .timeline import Timeline, plot_timeline, record
 
 __all__ = ["saved_activation_bytes", "StepReport", "training_step_report"]
@@ -89,14 +102,20 @@ class StepReport:
     timeline: Timeline
     saved_bytes: int
     loss: float
+    reconciliation: Reconciliation | None = None
 
     def __str__(self) -> str:
-        return str(self.comparison)
+        return str(self.reconciliation or self.comparison)
+
+
+def _bytes_of(tensor) -> int:
+    data = tensor.realize_cached_data()
+    return int(math.prod(data.shape)) * np.dtype(str(data.dtype)).itemsize
 
 
 def training_step_report(model, loss_fn, optimizer, x, y, *, optimizer_name: str = "adam",
                          device=None, margin: float = 0.25, plot=None) -> StepReport:
-    """Run one training step and compare :func:`estimate` with the measured peaks.
+    """Run one training step and reconcile predictions with the measured bytes.
 
     Args:
         model: callable on ``x``, with ``parameters()``.
@@ -106,25 +125,40 @@ def training_step_report(model, loss_fn, optimizer, x, y, *, optimizer_name: str
         device: where to measure (default: ``x``'s device).
         margin: the estimate's margin.
         plot: a PNG path for the timeline, or None.
-
-    Raises:
-        BackendUnavailable: the device has no allocator statistics (``cpu`` for now).
     """
     device = device if device is not None else getattr(x, "device", None)
-    for p in model.parameters():
+    params = list(model.parameters())
+    for p in params:
         p.grad = None
+    first_step = not any(getattr(optimizer, slot, None)
+                         for slot in getattr(optimizer, "_slots", ()))
     stats(device)  # fail early, before the step, on a device without statistics
+    gc.collect()
     reset_peak(device)
+    start = stats(device)
     with record(device) as events:
         loss = loss_fn(model(x), y)
-        saved = saved_activation_bytes(loss)
+        held = stats(device)["by_category"]
+        exclude = [buffer_key(t) for t in (*params, x, y)]
+        saved, unsaved, largest = declared_saved(loss, exclude)
+        saved_bytes = saved_activation_bytes(loss)
+        branches = branch_points(loss)
+        seed = _bytes_of(loss)
         loss.backward()
         optimizer.step()
         value = float(loss.numpy())
         del loss
     measured = stats(device)
-    ledger = estimate(model, precision="fp32", optimizer=optimizer_name, activation_bytes=saved,
-                      margin=margin)
+    ledger = estimate(model, precision="fp32", optimizer=optimizer_name,
+                      activation_bytes=sum(saved.values()), margin=margin)
+    recon = reconcile_step(
+        ledger=ledger, param_bytes=[_bytes_of(p) for p in params], optimizer=optimizer_name,
+        first_step=first_step, weight_decay=bool(getattr(optimizer, "weight_decay", 0)),
+        saved=saved, unsaved=unsaved, largest_activation=largest,
+        input_bytes=[_bytes_of(x), _bytes_of(y)], seed_bytes=seed, start=start, held=held,
+        end=measured, python_allocator=isinstance(get_allocator(device), CachingAllocator),
+        branches=branches)
     if plot is not None:
         plot_timeline(events, plot, title="one training step")
-    return StepReport(ledger, measured, compare(ledger, measured), events, saved, value)
+    return StepReport(ledger, measured, compare(ledger, measured), events, saved_bytes, value,
+                      recon)

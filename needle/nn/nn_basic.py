@@ -12,11 +12,13 @@ Example:
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 from .. import init, ops
 from .._core.errors import ShapeError
-from ..autograd import Tensor
+from ..autograd import Tensor, is_grad_enabled
+from ..memory import framework_category
 from .nn_module import Module, Parameter
 
 __all__ = ["Parameter", "Module", "Identity", "Linear", "Flatten", "ReLU", "Tanh", "Sigmoid",
@@ -116,6 +118,15 @@ class Sequential(Module):
         return x
 
 
+def _kept_for(x: Tensor):
+    """Memory category scope for a constant an op will save for backward together with ``x``
+    (a dropout mask, one-hot targets): it is ``activation`` memory like the op's other saved
+    input, not ``other`` (it is made outside any op). No scope when nothing is recorded."""
+    if is_grad_enabled() and x.requires_grad:
+        return framework_category("activation")
+    return contextlib.nullcontext()
+
+
 class SoftmaxLoss(Module):
     """Mean over the batch of ``logsumexp(z) - z[y]``; ``y`` holds class indices."""
 
@@ -124,7 +135,8 @@ class SoftmaxLoss(Module):
             raise ShapeError(f"SoftmaxLoss: logits must be (batch, classes), expected 2 "
                              f"dimensions, got shape {logits.shape}")
         n, k = logits.shape
-        y_one_hot = init.one_hot(k, y, device=logits.device, dtype=logits.dtype)
+        with _kept_for(logits):
+            y_one_hot = init.one_hot(k, y, device=logits.device, dtype=logits.dtype)
         lse = ops.logsumexp(logits, axes=(1,))
         picked = ops.summation(logits * y_one_hot)
         return (ops.summation(lse) - picked) / n
@@ -229,7 +241,8 @@ class Dropout(Module):
     def forward(self, x: Tensor) -> Tensor:
         if not self.training:
             return x
-        mask = init.randb(*x.shape, p=1 - self.p, device=x.device, dtype=x.dtype)
+        with _kept_for(x):
+            mask = init.randb(*x.shape, p=1 - self.p, device=x.device, dtype=x.dtype)
         if self.p >= 1:
             return x * mask
         return x * mask / (1 - self.p)

@@ -15,7 +15,8 @@ def test_cli_report_prints_the_table_and_writes_the_plot(tmp_path, capsys):
                    "--hidden-dim", "16", "--num-blocks", "1", "--plot", str(png)])
     out = capsys.readouterr().out
     assert rc == 0
-    for word in ("weight", "gradient", "optimizer", "activation", "estimate with margin"):
+    for word in ("weight", "gradient", "optimizer_temp", "activation (end of forward)",
+                 "reconciliation"):
         assert word in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -26,7 +27,8 @@ def test_cli_report_on_the_cpp_allocator(capsys):
                    "--input-dim", "8", "--hidden-dim", "8", "--num-layers", "1"])
     out = capsys.readouterr().out
     assert rc == 0
-    for word in ("weight", "gradient", "optimizer", "activation", "estimate with margin"):
+    for word in ("weight", "gradient", "optimizer_temp", "activation (end of forward)",
+                 "reconciliation"):
         assert word in out
     assert "timeline: 0 events" not in out
 
@@ -63,3 +65,14 @@ def test_model_state_report_for_zero_ranks_through_the_memory_cli():
     for line in rows:
         predicted, measured = line.split()[4:6]
         assert predicted == measured == "3,200", line
+
+
+def test_cli_report_rows_are_all_within_their_tolerance(capsys):
+    rc = cli.main(["--model", "mlp_resnet", "--batch-size", "32", "--input-dim", "64",
+                   "--hidden-dim", "32", "--num-blocks", "2", "--optimizer", "sgd_momentum"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "OUT OF TOLERANCE" not in out
+    table = out[out.index("reconciliation"):]
+    rows = [line for line in table.splitlines() if line.split()[:1] and line.split()[0] in
+            ("weight", "gradient", "optimizer", "optimizer_temp", "workspace", "other")]
+    assert len(rows) == 6 and all(" ok " in line for line in rows)

@@ -236,6 +236,17 @@ def test_ddp_step_equals_the_single_process_step(tmp_path):
     ddp = json.loads((tmp_path / "summary.json").read_text())
     assert ddp["steps"] == 12 and ddp["world_size"] == 2
     np.testing.assert_allclose(ddp["losses"], single["losses"], rtol=2e-4, atol=2e-5)
+    # the traffic ledger: per step, the gradient all-reduce predicted (ring: 2(n-1)/n x M per
+    # bucket, so M for two ranks) equals what the transport was handed
+    traffic = ddp["traffic"]
+    assert traffic["all_match"] and traffic["sent"] == traffic["predicted_sent"] > 0
+    steps = [s for s in traffic["steps"] if s["step"] >= 1]
+    assert len(steps) == 12
+    for step in steps:
+        grads = step["by_label"]["ddp gradients"]
+        assert grads["sent"] == grads["expected_sent"] == grads["predicted_sent"]
+        assert grads["sent"] == 4 * ddp["parameters"]  # n = 2: each rank sends M
+    assert "traffic (rank 0)" in proc.stdout and "all equal" in proc.stdout
 
 
 @pytest.mark.mpi

@@ -23,7 +23,7 @@ except ImportError:  # pragma: no cover - depends on the build
     pytest.skip("compiled module ndarray_backend_cpu is missing: build it with `pip install -e .`",
                 allow_module_level=True)
 
-from needle._core.errors import MemoryArgumentError, NeedleError
+from needle._core.errors import MemoryArgumentError, NeedleError, OutOfMemoryError
 from needle.memory.caching_allocator import CachingAllocator
 from needle.memory.categories import CATEGORIES
 from needle.memory.timeline import Event
@@ -86,6 +86,19 @@ def _random_scenario(seed: int, steps: int) -> list:
     return out + [["f", name] for name in live] + [["e"]]
 
 
+# ["l", bytes or None] sets a limit on reserved bytes; an "a" step past it records the refusal.
+SCENARIOS["limit"] = [
+    ["l", 4 * MiB], ["a", "a", 1 * MiB, "other"], ["a", "b", 1 * MiB, "other"],
+    ["a", "c", 3 * MiB, "weight"],            # a 4 MiB segment would make 6 MiB: refused
+    ["f", "a"], ["a", "d", 600 * KiB, "other"], ["a", "e", 700 * KiB, "other"],  # 4 MiB: fits
+    ["a", "g", 900 * KiB, "other"],
+    ["a", "h", 800 * KiB, "activation"],      # 872 KiB free in two pieces: fragmented, refused
+    ["l", None], ["a", "h", 800 * KiB, "activation"], ["f", "h"], ["f", "b"], ["f", "d"],
+    ["f", "e"], ["f", "g"], ["l", 4 * MiB],
+    ["a", "x", 3 * MiB, "other"],             # the cached segments are returned first: fits
+    ["f", "x"], ["l", None], ["e"]]
+OOM_KEYS = ("requested", "block", "segment", "allocated", "reserved", "limit",
+            "largest_free_block", "category")
 SCENARIOS["random_1"] = _random_scenario(1, 400)
 SCENARIOS["random_2"] = _random_scenario(2, 400)
 
@@ -96,8 +109,14 @@ def _replay_python(steps: list) -> tuple[list, list]:
     blocks, snaps = {}, []
     with record(allocators=[alloc]) as events:
         for step in steps:
+            refused = None
             if step[0] == "a":
-                blocks[step[1]] = alloc.allocate(step[2], category=step[3])
+                try:
+                    blocks[step[1]] = alloc.allocate(step[2], category=step[3])
+                except OutOfMemoryError as err:
+                    refused = {k: err.details[k] for k in OOM_KEYS}
+            elif step[0] == "l":
+                alloc.set_limit(step[1])
             elif step[0] == "f":
                 blocks.pop(step[1]).release()
             elif step[0] == "t":
@@ -106,16 +125,23 @@ def _replay_python(steps: list) -> tuple[list, list]:
                 alloc.empty_cache()
             else:
                 alloc.reset_peak()
-            snaps.append(alloc.stats())
+            snaps.append(dict(alloc.stats(), refused=refused))
     return snaps, [list(e.__dict__.values()) for e in events]
 
 
 def _replay_cpp(steps: list) -> tuple[list, list]:
     arrays, snaps = {}, []
     cpu.allocator_record(True)
+    cpu.allocator_set_oom_handler(lambda info: OutOfMemoryError("refused", dict(info)))
     for step in steps:
+        refused = None
         if step[0] == "a":
-            arrays[step[1]] = cpu.Array(step[2] // 2, "float16", category=step[3])
+            try:
+                arrays[step[1]] = cpu.Array(step[2] // 2, "float16", category=step[3])
+            except OutOfMemoryError as err:
+                refused = {k: err.details[k] for k in OOM_KEYS}
+        elif step[0] == "l":
+            cpu.allocator_set_limit(step[1])
         elif step[0] == "f":
             del arrays[step[1]]
         elif step[0] == "t":
@@ -124,7 +150,7 @@ def _replay_cpp(steps: list) -> tuple[list, list]:
             cpu.allocator_empty_cache()
         else:
             cpu.allocator_reset_peak()
-        snaps.append(cpu.allocator_stats())
+        snaps.append(dict(cpu.allocator_stats(), refused=refused))
     cpu.allocator_record(False)
     return snaps, [list(Event(*t).__dict__.values()) for t in cpu.allocator_events()]
 
@@ -173,6 +199,15 @@ def test_scenarios_hit_every_rule(replayed):
     partial = replayed["empty_cache_partial"]["py"]
     assert 0 < partial[10]["reserved_bytes"] < partial[9]["reserved_bytes"]
     assert partial[-1]["reserved_bytes"] == 0
+    limit = replayed["limit"]["py"]
+    refused = [(i, s["refused"]) for i, s in enumerate(limit) if s["refused"]]
+    assert [i for i, _ in refused] == [3, 8]
+    big, frag = refused[0][1], refused[1][1]
+    assert (big["segment"], big["reserved"], big["limit"]) == (4 * MiB, 2 * MiB, 4 * MiB)
+    # fragmented: more bytes free in the cache than asked, but no free block that big
+    assert frag["reserved"] - frag["allocated"] >= frag["block"] > frag["largest_free_block"]
+    assert limit[-4]["refused"] is None  # the cached free segments were returned instead
+    assert limit[-4]["num_segment_frees"] == limit[-5]["num_segment_frees"] + 3
 
 
 # ---- in-process tests on the shared allocator (differences of counters) -------------------
@@ -289,8 +324,8 @@ def test_unknown_category_raises_naming_the_allowed_ones(no_resolver, call):
     with pytest.raises(ValueError) as info:
         call()
     assert isinstance(info.value, NeedleError)
-    assert "expected one of ['weight', 'gradient', 'optimizer', 'master', 'activation'" in str(
-        info.value)
+    assert "expected one of ['weight', 'gradient', 'optimizer', 'master', 'optimizer_temp', " \
+        "'activation'" in str(info.value)
 
 
 def test_peak_and_reset_peak(no_resolver):

@@ -99,3 +99,18 @@ def test_experiment_table_at_small_size(tmp_path):
     assert len(text.splitlines()) == 2 + len(rows)
     exp.plot(rows, str(tmp_path / "plot.png"), "test")
     assert (tmp_path / "plot.png").stat().st_size > 0
+
+
+def test_boundaries_go_with_the_graph_while_the_caller_keeps_the_output():
+    """A region's saved boundary is freed by backward (no retain_graph) like any saved tensor,
+    even though the caller still holds the region's output (its node)."""
+    model, x = _chain(6), _input()
+    base = memory.stats(cpu_numpy())["by_category"]["activation"]["current"]
+    with memory.category("activation"):
+        y = checkpoint_sequential(model, 3, x)
+    y.backward(Tensor(np.ones(y.shape, "float32"), device=cpu_numpy(), requires_grad=False))
+    held = memory.stats(cpu_numpy())["by_category"]["activation"]["current"] - base
+    assert held == UNIT  # y itself: the last region's input (segment 1's output) is gone
+    with pytest.raises(Exception, match="freed"):
+        y.backward(Tensor(np.ones(y.shape, "float32"), device=cpu_numpy()))
+    del y

@@ -8,19 +8,31 @@ import numpy as np
 import pytest
 
 from needle._core.errors import MemoryArgumentError, MemoryPlanError
-from needle.checkpoint import equal_segments, plan_checkpoints, predict_peak
+from needle.checkpoint import LayerCost, equal_segments, plan_checkpoints, predict_peak
 
 
 def _simulate_peak(costs, segments, flags):
-    """Bytes held while backward visits each segment, written out step by step (independent
-    of the library's loop): kept outputs of earlier segments + this segment's working set."""
+    """Bytes held while backward visits each segment, written out layer by layer (independent
+    of the library's loops): what earlier segments keep, this segment's layers run with a graph
+    (what the earlier layers of the segment keep + the working set of the running one), the
+    first forward's boundary when the segment is recomputed, the chain's output held by the
+    caller while earlier segments are worked on."""
+    c = [x if isinstance(x, LayerCost) else LayerCost(x) for x in costs]
+    n = len(c)
+    keeps = []
+    for (s, e), ck in zip(segments, flags, strict=True):
+        if ck:
+            keeps.append(c[e - 1].output)
+        else:
+            keeps.append(sum(c[i].kept for i in range(s, e))
+                         + (0 if c[e - 1].keeps_output else c[e - 1].output))
     peaks = []
-    for j, (start, stop) in enumerate(segments):
-        earlier = 0
-        for (s, e), ck in zip(segments[:j], flags[:j], strict=False):
-            earlier += costs[e - 1] if ck else sum(costs[s:e])
-        here = sum(costs[start:stop]) + (costs[stop - 1] if flags[j] else 0)
-        peaks.append(earlier + here)
+    for j, ((s, e), ck) in enumerate(zip(segments, flags, strict=True)):
+        held = sum(keeps[:j]) + (c[e - 1].output if ck else 0) + (c[-1].output if e < n else 0)
+        inside = 0
+        for i in range(s, e):
+            peaks.append(held + inside + c[i].working)
+            inside += c[i].kept
     return max(peaks)
 
 
@@ -60,15 +72,30 @@ def test_predict_peak_on_a_hand_computed_vector():
     assert predict_peak([4, 1, 1, 4], [(0, 2), (2, 4)], [False, True]) == 14
 
 
+def _random_costs(rng, n, rich):
+    if not rich:
+        return [int(c) for c in rng.integers(1, 9, size=n)]
+    out = []
+    for _ in range(n):
+        output = int(rng.integers(1, 9))
+        keeps = bool(rng.random() < 0.6)
+        kept = int(rng.integers(0, 6)) + (output if keeps else 0)
+        out.append(LayerCost(output, kept=kept, working=kept + int(rng.integers(0, 9)),
+                             keeps_output=keeps))
+    return out
+
+
 @pytest.mark.parametrize("seed", range(6))
-def test_optimal_policy_equals_brute_force(seed):
+@pytest.mark.parametrize("rich", [False, True], ids=["numbers", "layer_costs"])
+def test_optimal_policy_equals_brute_force(seed, rich):
     rng = np.random.default_rng(seed)
     n = int(rng.integers(3, 8))
-    costs = [int(c) for c in rng.integers(1, 9, size=n)]
+    costs = _random_costs(rng, n, rich)
     compute = [int(c) for c in rng.integers(1, 4, size=n)]
     plans = [(segs, flags, _simulate_peak(costs, segs, flags)) for segs, flags in _all_plans(n)]
     least = min(p for _, _, p in plans)
-    for budget in (least, (least + sum(costs)) // 2, sum(costs)):
+    top = max(p for _, _, p in plans)
+    for budget in (least, (least + top) // 2, top):
         fits = [sum(compute[i] for (s, e), ck in zip(segs, flags, strict=True) if ck
                     for i in range(s, e))
                 for segs, flags, peak in plans if peak <= budget]

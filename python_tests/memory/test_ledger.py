@@ -8,7 +8,7 @@ import pytest
 
 from needle._core.errors import NeedleError
 from needle.memory.caching_allocator import CachingAllocator
-from needle.memory.categories import category
+from needle.memory.categories import CATEGORIES, category
 from needle.memory.ledger import compare, estimate
 
 EXAMPLE = dict(batch_shape=(2, 128), width=64, num_layers=4, activation_arrays_per_layer=10)
@@ -170,9 +170,7 @@ def test_compare_with_measured_allocator():
     peak = cmp.row("peak (all at once)")
     assert peak.measured_peak == alloc.stats()["peak_bytes"]
     summed = cmp.row("sum of category peaks")
-    assert summed.measured_peak == sum(cmp.row(c).measured_peak for c in
-                                       ("weight", "gradient", "optimizer", "activation",
-                                        "workspace", "other"))
+    assert summed.measured_peak == sum(cmp.row(c).measured_peak for c in CATEGORIES)
     assert cmp.row("estimate with margin").explanation == "within the margin"
     assert "allocator rounding" in str(cmp)
     for b in live:
@@ -183,7 +181,7 @@ def test_compare_residual_signs():
     led = estimate(num_params=100, precision="fp32", optimizer="sgd", margin=0)
     stats = {"peak_bytes": 0, "peak_requested_bytes": 0, "by_category": {
         c: {"current": 0, "peak": 0, "current_requested": 0, "peak_requested": 0}
-        for c in ("weight", "gradient", "optimizer", "activation", "workspace", "other")}}
+        for c in CATEGORIES}}
     stats["by_category"]["weight"].update(peak=1024, peak_requested=600)   # more than 400
     stats["by_category"]["gradient"].update(peak=512, peak_requested=200)  # less than 400
     cmp = compare(led, stats)

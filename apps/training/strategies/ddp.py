@@ -65,13 +65,23 @@ class DataParallel(Strategy):
     def evaluate(self, X, y):
         return self._local_evaluate(X, y) if self.rank == 0 else None
 
+    def summary_blocks(self) -> dict:
+        """The default step's blocks plus ``traffic``: this rank's communication ledger,
+        predicted vs measured bytes per step (needle/distributed/traffic.py)."""
+        import needle.distributed as dist
+
+        block = dist.traffic.ledger().summary()
+        block["rank"] = self.rank
+        return {**super().summary_blocks(), "traffic": block}
+
 
 def global_step_result(local: tuple[float, int, int], rank: int, root: int = 0):
     """Sum (loss_sum, correct, examples) over all ranks; the result on ``root``, else None."""
     import needle.distributed as dist
 
     totals = np.array(local, dtype=np.float64)
-    dist.all_reduce(totals, op="sum")
+    with dist.traffic.label("step metrics"):
+        dist.all_reduce(totals, op="sum")
     if rank != root:
         return None
     return StepResult(float(totals[0]), int(round(totals[1])), int(round(totals[2])))
