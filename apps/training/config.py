@@ -184,6 +184,8 @@ def validate(cfg: Config, strategies: dict) -> None:
                          f"{cfg.verify_resume}, S={cfg.max_steps}")
     if cfg.resume is not None and not os.path.isdir(cfg.resume):
         raise UsageError(f"--resume: no such folder {cfg.resume}")
+    if cfg.seed < 0:
+        raise UsageError(f"--seed must be >= 0, got {cfg.seed}")
     if cfg.lr is not None and cfg.lr <= 0:
         raise UsageError(f"--lr must be positive, got {cfg.lr}")
     if cfg.data == "mnist":

@@ -1,12 +1,13 @@
 """The main job's data: the embedded digits, MNIST from IDX files, and the batch order.
 
-The order of examples is a pure function of ``(seed, epoch)`` (its own NumPy generator, so it
-does not move with dropout or initialisation draws): every rank computes the same permutation,
-cuts it into global batches of ``--batch-size`` examples, and each data-parallel replica keeps
-the examples at positions ``index, index + replicas, ...`` of each global batch. One replica
-therefore sees exactly the batches a single process would, and the replicas of a step together
-hold that step's global batch (the sharding of a distributed sampler that deals examples out
-in turn, without padding).
+The order of examples is a pure function of ``(seed, epoch)``: it is the permutation of
+``needle.data.DistributedSampler`` (its own generator, so it does not move with dropout or
+initialisation draws, and every rank computes the same one). The loop cuts it into global
+batches of ``--batch-size`` examples, and each data-parallel replica keeps the examples at
+positions ``index, index + replicas, ...`` of each global batch: the sampler's own way of
+dealing examples out in turn, applied per step and without padding, so that one replica sees
+exactly the batches a single process would and the replicas of a step together hold that
+step's global batch, whatever the batch size.
 """
 from __future__ import annotations
 
@@ -59,9 +60,21 @@ def load_data(cfg):
     return load_mnist_split(cfg.data_dir, cfg.seed)
 
 
+class _Indices:
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
 def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
     """The permutation of ``n`` training examples used in ``epoch`` (1-based) of a run."""
-    return np.random.RandomState([seed & 0xFFFFFFFF, epoch]).permutation(n)
+    from needle.data import DistributedSampler
+
+    sampler = DistributedSampler(_Indices(n), num_replicas=1, rank=0, shuffle=True, seed=seed)
+    sampler.set_epoch(epoch)
+    return sampler.permutation()
 
 
 def global_batches(n: int, batch_size: int, seed: int, epoch: int) -> list[np.ndarray]:

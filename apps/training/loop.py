@@ -66,10 +66,16 @@ class _Epoch:
 
 
 def _progress_bar(cfg, strategy, total: int, desc: str):
+    """One process: a tqdm bar (off with --no-progress). Under the launcher: rank 0 draws the
+    bar, the other ranks log a few plain lines (needle.distributed.progress)."""
+    if strategy.distributed:
+        from needle.distributed.progress import progress_bar
+
+        return progress_bar(total=total, desc=desc, enabled=cfg.progress)
     from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True,
-                disable=not (cfg.progress and strategy.is_reporter))
+                disable=not cfg.progress)
 
 
 def run(cfg, strategy, rank: int = 0, world_size: int = 1) -> dict | None:

@@ -74,12 +74,16 @@ def test_mixed_precision_summary_and_memory_ledger():
 
 
 @pytest.mark.slow
+@pytest.mark.slow
 def test_mixed_precision_reaches_fp32_accuracy_within_one_point():
-    fp32 = train.train(_quiet("--epochs", "8", "--seed", "0"))
-    mixed = train.train(_quiet("--epochs", "8", "--seed", "0", "--precision", "fp16-mixed"))
-    assert fp32["accuracy"] >= 0.95
-    assert mixed["accuracy"] >= fp32["accuracy"] - 0.01, (mixed["accuracy"],
-                                                           fp32["accuracy"])
+    # 359 held-out digits: one seed moves accuracy by +-1.4 points either way, so the claim is
+    # checked on the mean over four seeds (the same seeds for both precisions).
+    seeds = ("0", "1", "2", "3")
+    fp32 = [train.train(_quiet("--epochs", "8", "--seed", s))["accuracy"] for s in seeds]
+    mixed = [train.train(_quiet("--epochs", "8", "--seed", s, "--precision", "fp16-mixed"))
+             ["accuracy"] for s in seeds]
+    assert min(fp32) >= 0.95
+    assert np.mean(mixed) >= np.mean(fp32) - 0.01, (mixed, fp32)
 
 
 @pytest.mark.slow
