@@ -2,9 +2,11 @@
 
 Usage::
 
-    python bench/bench_ndarray.py            # full table (about two minutes on 2 cores)
+    python bench/bench_ndarray.py            # full table (several minutes on 2 cores)
     python bench/bench_ndarray.py --quick    # fewer repeats and sizes
     python bench/bench_ndarray.py --dispatch-only   # only the per-op table (NDArray level)
+    python bench/bench_ndarray.py --as-avx2  # both sides restricted to AVX2 (see below)
+    python bench/bench_ndarray.py --threads 1 --clock cpu   # steadier on a shared machine
 
 What is timed, and how:
 
@@ -15,14 +17,25 @@ What is timed, and how:
 * needle's threads are set with ``set_num_threads``; NumPy/OpenBLAS's with threadpoolctl.
 * Timing alternates between *phases* (a block of NumPy calls, a pause, a block of needle calls,
   a pause, ...) instead of single calls: OpenBLAS and OpenMP workers spin for ~0.1 s after a
-  call and would steal the core from the other library (PERF_NOTES).
+  call and would steal the core from the other library.
 * Reported: per side, the fastest of the phases' median times (``--stat median``: the median
   of all calls), so that other processes on a shared machine disturb the ratio less.
 * The ``dispatch`` table times whole NDArray operations on small (8 x 8) arrays against the
   same NumPy expression: per-op overhead (argument and size checks, allocation, the call into
-  the kernel), where the size and bounds checks of docs/limits.md would show.
+  the kernel), where the size and bounds checks of docs/limits.md would show. Its "NumPy" and
+  "needle" columns are microseconds per op (lower is faster); the ratio is still NumPy/needle.
 * This process drops ``OPENBLAS_CORETYPE`` and ``OPENBLAS_L2_SIZE`` from its environment
   before NumPy loads, so OpenBLAS picks its kernel from the CPU it actually runs on.
+* The header prints the kernels each side runs: needle's kernel family and matmul
+  micro-kernels (``_kernel_info()``), OpenBLAS's core type and NumPy's SIMD targets.
+* matmul shapes for each n: square ``n x n @ n x n``; tall-skinny ``8n x n @ n x n/8``; and the
+  square product with a transposed operand (``a.T @ b``, ``a @ b.T``), which NumPy hands to
+  BLAS as a transpose flag and needle packs straight from the strided view.
+* ``--as-avx2`` emulates an AVX2-only machine on an AVX-512 one: needle runs its AVX2 build
+  (``NEEDLE_CPU_ISA=avx2``), OpenBLAS its Haswell kernels (``OPENBLAS_CORETYPE=Haswell``) and
+  NumPy drops its AVX-512 loops (``NPY_DISABLE_CPU_FEATURES``).
+* ``--clock cpu`` times each call by the calling thread's CPU time instead of wall time: other
+  processes on a shared machine then disturb the ratio far less (1 thread only).
 """
 from __future__ import annotations
 
@@ -31,11 +44,16 @@ import datetime
 import os
 import platform
 import statistics
+import sys
 import time
 from functools import partial
 
 for _var in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE"):
     os.environ.pop(_var, None)
+if "--as-avx2" in sys.argv:  # must be set before NumPy, OpenBLAS and needle's module load
+    os.environ["NEEDLE_CPU_ISA"] = "avx2"
+    os.environ["OPENBLAS_CORETYPE"] = "Haswell"
+    os.environ["NPY_DISABLE_CPU_FEATURES"] = "X86_V4 AVX512_ICL AVX512_SPR"
 
 import numpy as np  # noqa: E402
 from threadpoolctl import threadpool_info, threadpool_limits  # noqa: E402
@@ -45,12 +63,15 @@ from needle.backend_ndarray import ndarray_backend_cpu as cpu  # noqa: E402
 PAUSE_S = 0.15  # longer than the spin-wait of either thread pool
 
 
+CLOCK = time.perf_counter  # --clock cpu: time.thread_time
+
+
 def _time_calls(fn, calls: int) -> list[float]:
     times = []
     for _ in range(calls):
-        start = time.perf_counter()
+        start = CLOCK()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(CLOCK() - start)
     return times
 
 
@@ -89,22 +110,41 @@ def _buffer(values: np.ndarray):
     return arr
 
 
-def bench_matmul(sizes, threads, phases: int) -> list[tuple]:
+def _matmul_operands(rng, kind: str, n: int, dtype: str):
+    """(m, k, p), NumPy's operands and needle's call for one matmul family."""
+    m, k, p = (8 * n, n, max(n // 8, 1)) if kind == "tall" else (n, n, n)
+    a_store = rng.standard_normal((k, m) if kind == "aT" else (m, k)).astype(dtype)
+    b_store = rng.standard_normal((p, k) if kind == "bT" else (k, p)).astype(dtype)
+    a = a_store.T if kind == "aT" else a_store
+    b = b_store.T if kind == "bT" else b_store
+    ha, hb, hc = _buffer(a_store), _buffer(b_store), cpu.Array(m * p, dtype)
+    a_strides = (1, m) if kind == "aT" else (k, 1)
+    b_strides = (1, k) if kind == "bT" else (p, 1)
+    call = partial(cpu.matmul_strided, ha, hb, hc, m, k, p, 0, *a_strides, 0, *b_strides)
+    return (m, k, p), partial(np.matmul, a, b), call
+
+
+MATMUL_KINDS = {"square": "n x n @ n x n", "tall": "8n x n @ n x n/8", "aT": "a.T @ b",
+                "bT": "a @ b.T"}
+
+
+def bench_matmul(sizes, threads, phases: int, dtypes=("float32",), kinds=("square",)):
     rows = []
     rng = np.random.default_rng(0)
-    for n in sizes:
-        a = rng.standard_normal((n, n), dtype=np.float32)
-        b = rng.standard_normal((n, n), dtype=np.float32)
-        ha, hb, hc = _buffer(a), _buffer(b), cpu.Array(n * n)
-        calls = max(1, int(2e9 / (2 * n**3)))  # ~2 GFLOP per phase and side
-        for nt in threads:
-            cpu.set_num_threads(nt)
-            with threadpool_limits(limits=nt, user_api="blas"):
-                t = compare(partial(np.matmul, a, b), partial(cpu.matmul, ha, hb, hc, n, n, n),
-                            phases, calls)
-            gflop = 2 * n**3 / 1e9
-            rows.append((f"matmul n={n}", nt, gflop / t["numpy"], gflop / t["needle"],
-                         t["numpy"] / t["needle"], "GFLOP/s"))
+    for dtype in dtypes:
+        for kind in kinds:
+            for n in sizes:
+                (m, k, p), np_fn, nd_fn = _matmul_operands(rng, kind, n, dtype)
+                flop = 2 * m * k * p
+                calls = max(1, int(1e9 / flop))  # ~1 GFLOP per phase and side
+                for nt in threads:
+                    cpu.set_num_threads(nt)
+                    with threadpool_limits(limits=nt, user_api="blas"):
+                        t = compare(np_fn, nd_fn, phases, calls)
+                    name = f"matmul {dtype[5:]} {kind} n={n}"
+                    rows.append((name, nt, flop / 1e9 / t["numpy"], flop / 1e9 / t["needle"],
+                                 t["numpy"] / t["needle"], "GFLOP/s"))
+                    print(_row_text(rows[-1]), flush=True)
     return rows
 
 
@@ -145,6 +185,7 @@ def bench_elementwise(sizes, threads, phases: int) -> list[tuple]:
                 if "numpy_out" in t:
                     row += (t["numpy_out"] / t["needle"],)
                 rows.append(row)
+                print(_row_text(row), flush=True)
     return rows
 
 
@@ -185,6 +226,7 @@ def bench_compact(threads, phases: int) -> list[tuple]:
             gbytes = 2 * count * 4 / 1e9  # read + write of every output element
             rows.append((f"compact {name}", nt, gbytes / t["numpy"], gbytes / t["needle"],
                          t["numpy"] / t["needle"], "GB/s"))
+            print(_row_text(rows[-1]), flush=True)
     return rows
 
 
@@ -221,54 +263,100 @@ def bench_dispatch(phases: int) -> list[tuple]:
         t = compare(np_fn, nd_fn, phases, 2000)
         rows.append((f"dispatch {name}", 1, t["numpy"] * 1e6, t["needle"] * 1e6,
                      t["numpy"] / t["needle"], "us/op"))
+        print(_row_text(rows[-1]), flush=True)
     return rows
 
 
-def print_table(rows) -> None:
+def _row_text(row) -> str:
+    name, nt, numpy_rate, needle_rate, ratio, unit = row[:6]
+    extra = f"{row[6]:.2f}x" if len(row) > 6 else "-"
+    return (f"| {name} | {nt} | {numpy_rate:.1f} | {needle_rate:.1f} | {unit} | "
+            f"{ratio:.2f}x | {extra} |")
+
+
+def _kernel_info() -> dict:
+    """needle's kernel family and matmul micro-kernels (older builds: what is known)."""
+    if hasattr(cpu, "_kernel_info"):
+        return cpu._kernel_info()
+    return {"isa": cpu._get_isa(), "sgemm": "?", "dgemm": "?"}
+
+
+def print_header() -> None:
+    info = _kernel_info()
+    print(f"# {datetime.date.today()} {_cpu_model()}, {os.cpu_count()} CPUs, "
+          f"load average {os.getloadavg()[0]:.2f}, statistic: {STAT}, clock: "
+          f"{'cpu' if CLOCK is time.thread_time else 'wall'}")
+    print(f"# needle: kernels {info['isa']}, sgemm {info['sgemm']}, dgemm {info['dgemm']} "
+          f"(available: {', '.join(getattr(cpu, '_available_isas', lambda: ['?'])())})")
+    print(f"# NumPy {np.__version__}: SIMD {_numpy_simd()}")
+    for info in threadpool_info():
+        print(f"# {info['user_api']}: {info['internal_api']} {info.get('version')} "
+              f"kernel={info.get('architecture')} threads={info['num_threads']}")
     print("| kernel | threads | NumPy | needle | unit | needle/NumPy | vs NumPy out= |")
     print("|---|---|---|---|---|---|---|")
-    for row in rows:
-        name, nt, numpy_rate, needle_rate, ratio, unit = row[:6]
-        extra = f"{row[6]:.2f}x" if len(row) > 6 else "-"
-        print(f"| {name} | {nt} | {numpy_rate:.1f} | {needle_rate:.1f} | {unit} | "
-              f"{ratio:.2f}x | {extra} |")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _numpy_simd() -> str:
+    try:
+        from numpy._core._multiarray_umath import __cpu_dispatch__, __cpu_features__
+    except ImportError:  # NumPy < 2
+        return "?"
+    found = [f for f in __cpu_dispatch__ if __cpu_features__.get(f)]
+    return ", ".join(found) or "baseline"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--sizes", type=int, nargs="+", default=None,
+                        help="matmul n (default 64 ... 2048; --quick: 64 256 1024)")
+    parser.add_argument("--dtypes", default="float32,float64")
+    parser.add_argument("--kinds", default=",".join(MATMUL_KINDS),
+                        help=f"matmul families: {', '.join(MATMUL_KINDS)}")
     parser.add_argument("--skip-matmul", action="store_true")
     parser.add_argument("--skip-elementwise", action="store_true")
     parser.add_argument("--skip-compact", action="store_true")
     parser.add_argument("--skip-dispatch", action="store_true")
     parser.add_argument("--dispatch-only", action="store_true",
-                        help="only the per-op table (NDArray level, small arrays)")
+                        help="only the per-op dispatch table")
     parser.add_argument("--stat", choices=["best", "median"], default="best",
                         help="best phase median (default) or median of all calls")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall")
+    parser.add_argument("--as-avx2", action="store_true",
+                        help="both sides restricted to AVX2 (see the module docstring)")
     args = parser.parse_args()
-    global STAT
+    global STAT, CLOCK
     STAT = args.stat
+    if args.clock == "cpu":
+        if args.threads != [1]:
+            parser.error("--clock cpu measures one thread: use it with --threads 1")
+        CLOCK = time.thread_time
     phases = 2 if args.quick else 5
-    print(f"# {datetime.date.today()} {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} CPUs, NumPy {np.__version__}, needle kernels: {cpu._get_isa()}, "
-          f"load average {os.getloadavg()[0]:.2f}, statistic: {STAT}")
-    for info in threadpool_info():
-        print(f"# {info['user_api']}: {info['internal_api']} {info.get('version')} "
-              f"kernel={info.get('architecture')} threads={info['num_threads']}")
-    rows = []
     if args.dispatch_only:
         args.skip_matmul = args.skip_elementwise = args.skip_compact = True
+    print_header()
     if not args.skip_matmul:
-        sizes = [256, 1024] if args.quick else [256, 512, 1024, 2048]
-        rows += bench_matmul(sizes, args.threads, phases)
+        sizes = args.sizes or ([64, 256, 1024] if args.quick else [64, 128, 256, 512, 1024,
+                                                                   2048])
+        bench_matmul(sizes, args.threads, phases, args.dtypes.split(","), args.kinds.split(","))
     if not args.skip_elementwise:
-        rows += bench_elementwise([10**6, 10**7], args.threads, phases)
+        bench_elementwise([10**6, 10**7], args.threads, phases)
     if not args.skip_compact:
-        rows += bench_compact(args.threads, phases)
+        bench_compact(args.threads, phases)
     if not args.skip_dispatch:
-        rows += bench_dispatch(phases)
-    print_table(rows)
+        bench_dispatch(phases)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,11 @@ keeps burning the cores the other side needs (PERF_NOTES, "two spinning thread p
 
 Usage:
     python bench/bench_training.py [--quick] [--only mlp,resnet9,lstm] [--device cpu]
+    python bench/bench_training.py --as-avx2   # both sides restricted to AVX2
+
+``--as-avx2`` emulates an AVX2-only machine on an AVX-512 one (needle ``NEEDLE_CPU_ISA=avx2``,
+PyTorch ``ATEN_CPU_CAPABILITY=avx2``, oneDNN ``ONEDNN_MAX_CPU_ISA=AVX2``, OpenBLAS
+``OPENBLAS_CORETYPE=Haswell``). The header names the kernels each side runs.
 """
 from __future__ import annotations
 
@@ -22,6 +27,9 @@ import time
 
 # Before either OpenMP runtime loads (they read it once): see the module docstring.
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+if "--as-avx2" in sys.argv:  # before needle's module, torch and OpenBLAS load
+    os.environ.update(NEEDLE_CPU_ISA="avx2", ATEN_CPU_CAPABILITY="avx2",
+                      ONEDNN_MAX_CPU_ISA="AVX2", OPENBLAS_CORETYPE="Haswell")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -208,13 +216,21 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default=None, help="needle device (default: cpu if built)")
     p.add_argument("--quick", action="store_true", help="3 steps × 3 repeats")
+    p.add_argument("--as-avx2", action="store_true", help="both sides restricted to AVX2")
     args = p.parse_args(argv)
     import needle.backend_ndarray as nd
 
     device = nd.default_device() if args.device is None else nd.device_by_name(args.device)
     steps, repeats = (3, 3) if args.quick else (args.steps, args.repeats)
-    print(f"needle on {device}, PyTorch {__import__('torch').__version__} with "
-          f"{args.threads} threads; {repeats} x {steps} steps, medians")
+    torch = __import__("torch")
+    kernels = ""
+    if device.name == "cpu":
+        info = device.mod._kernel_info()
+        kernels = f" (kernels {info['isa']}, sgemm {info['sgemm']})"
+    print(f"needle on {device}{kernels}, PyTorch {torch.__version__} (CPU capability "
+          f"{torch.backends.cpu.get_cpu_capability()}) with {args.threads} threads; "
+          f"{repeats} x {steps} steps, medians; load average {os.getloadavg()[0]:.2f}",
+          flush=True)
     print(f"{'workload':44s} {'needle':>12s} {'pytorch':>12s} {'ratio':>7s}")
     for workload in args.only.split(","):
         r = measure(workload, steps, repeats, args.threads, device)

@@ -126,7 +126,7 @@ static inline half_bits float_to_half(float f) { return double_to_half(double(f)
 // microseconds and a second core only helps large work (PERF_NOTES).
 constexpr std::size_t kParallelMinElements = 100000;      // memory-bound loops
 constexpr std::size_t kParallelMinHeavyElements = 16384;  // exp/tanh/log/pow: compute-bound
-constexpr double kParallelMinFlops = 1e7;                 // matmul
+constexpr double kParallelMinFlops = 2e6;                 // matmul
 
 int num_threads();
 void set_num_threads(int n);

@@ -132,33 +132,48 @@ inline __m256 exp8(__m256 x) {
   return _mm256_blendv_ps(y, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
 }
 
-inline __m256 tanh8(__m256 x) {
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  const __m256 ax = _mm256_andnot_ps(sign, x);
-  const __m256 y = _mm256_mul_ps(x, x);
-  __m256 q = _mm256_set1_ps(0.002295607700943947f);
-  q = _mm256_fmadd_ps(q, y, _mm256_set1_ps(-0.008346729911863804f));
-  q = _mm256_fmadd_ps(q, y, _mm256_set1_ps(0.02176986262202263f));
-  q = _mm256_fmadd_ps(q, y, _mm256_set1_ps(-0.05395938828587532f));
-  q = _mm256_fmadd_ps(q, y, _mm256_set1_ps(0.13333304226398468f));
-  q = _mm256_fmadd_ps(q, y, _mm256_set1_ps(-0.3333333432674408f));
-  const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(x, y), q, x);
-  // exp(-2|x|) underflows past |x| = 20 anyway, and 1 - e rounds to 1 long before.
-  __m256i k;
-  const __m256 p = exp8_reduced(_mm256_max_ps(_mm256_mul_ps(ax, _mm256_set1_ps(-2.0f)),
-                                              _mm256_set1_ps(-40.0f)), &k);
-  const __m256 e = _mm256_mul_ps(p, pow2_8(k));  // k >= -58: one scaling step suffices
-  const __m256 one = _mm256_set1_ps(1.0f);
-  __m256 big = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
-  big = _mm256_or_ps(big, _mm256_and_ps(x, sign));
-  const __m256 below = _mm256_cmp_ps(ax, _mm256_set1_ps(0.625f), _CMP_LT_OQ);
-  const __m256 res = _mm256_blendv_ps(big, small, below);
-  return _mm256_blendv_ps(res, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+// 1 / d for d in [1, 2]: the 12-bit reciprocal and one Newton step (~23 bits), cheaper than a
+// division.
+inline __m256 recip8(__m256 d) {
+  const __m256 y0 = _mm256_rcp_ps(d);
+  return _mm256_fmadd_ps(_mm256_fnmadd_ps(d, y0, _mm256_set1_ps(1.0f)), y0, y0);
 }
 
+// expm1(r) = r + r^2 h(r) on |r| <= ln2 / 2, h of degree 5 (least squares on Chebyshev nodes
+// in float64, relative to expm1; 0.82 ulp max in float32).
+constexpr float kExpm1Poly[6] = {0.5f, 0.1666666567325592f, 0.04166635498404503f,
+                                 0.008333378471434116f, 0.0013941085198894143f,
+                                 0.00019851612159982324f};
+
+// tanh(x) = -sign(x) E / (2 + E) with E = expm1(-2|x|) in (-1, 0]: one exp-like evaluation,
+// no cancellation near 0 (E ~ -2|x| keeps its relative accuracy), a denominator in (1, 2].
+// NaN in, NaN out (max returns its second operand for NaN); past |x| = 20 E rounds to -1.
+inline __m256 tanh8(__m256 x) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 y = _mm256_max_ps(_mm256_set1_ps(-40.0f),
+                                 _mm256_mul_ps(_mm256_andnot_ps(sign, x), _mm256_set1_ps(-2.0f)));
+  const __m256 magic = _mm256_set1_ps(12582912.0f);
+  const __m256 t = _mm256_fmadd_ps(y, _mm256_set1_ps(1.44269504088896341f), magic);
+  const __m256 k = _mm256_sub_ps(t, magic);
+  const __m256i ki = _mm256_sub_epi32(_mm256_castps_si256(t), _mm256_castps_si256(magic));
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693145751953125f), y);
+  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(1.42860682030941723e-6f), r);
+  __m256 h = _mm256_set1_ps(kExpm1Poly[5]);
+  for (int j = 4; j >= 0; --j) h = _mm256_fmadd_ps(h, r, _mm256_set1_ps(kExpm1Poly[j]));
+  const __m256 em1_r = _mm256_fmadd_ps(_mm256_mul_ps(r, r), h, r);
+  // expm1(y) = 2^k expm1(r) + (2^k - 1): exact for k = 0; k >= -58 here
+  const __m256 p2 = pow2_8(ki);
+  const __m256 e = _mm256_fmadd_ps(p2, em1_r, _mm256_sub_ps(p2, _mm256_set1_ps(1.0f)));
+  const __m256 neg = _mm256_mul_ps(e, recip8(_mm256_add_ps(e, _mm256_set1_ps(2.0f))));
+  return _mm256_xor_ps(neg, _mm256_andnot_ps(x, sign));  // flip to positive where x >= 0
+}
+
+// 1 / (1 + e) for x >= 0 and e / (1 + e) for x < 0, e = exp(-|x|): the denominator stays in
+// [1, 2] (no overflow to handle) and small results keep their relative accuracy.
 inline __m256 sigmoid8(__m256 x) {
-  const __m256 one = _mm256_set1_ps(1.0f);
-  return _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+  const __m256 e = exp8(_mm256_or_ps(x, _mm256_set1_ps(-0.0f)));  // exp(-|x|)
+  const __m256 r = recip8(_mm256_add_ps(_mm256_set1_ps(1.0f), e));
+  return _mm256_blendv_ps(r, _mm256_mul_ps(r, e), x);  // blend on x's sign bit
 }
 
 // Applies fn to whole vectors, leaving the tail to `scalar`; returns the elements done.
@@ -169,6 +184,8 @@ inline std::size_t vec8_loop(const float* a, float* out, std::size_t n, Fn fn) {
   return i;
 }
 #endif
+
+#include "elementwise_avx512_impl.h"
 
 // ---- element functions ---------------------------------------------------------------------
 
@@ -209,14 +226,60 @@ inline bool is_heavy_un(UnOp op) {
 
 // ---- loops over compact arrays -------------------------------------------------------------
 
+// Outputs at least this large are written with non-temporal (streaming) stores: they cannot
+// stay in cache anyway, and a normal store first reads the line it writes (the 4th stream of
+// an a + b -> out loop). NumPy writes normally, so this is where a DRAM-bound add beats it.
+constexpr std::size_t kStreamMinBytes = std::size_t(16) << 20;
+
+// Runs fn(dst, offset, len) over [0, n) in L1-sized blocks computed into a buffer and streamed
+// to out; returns false (nothing done) when the output is too small or the build has no
+// streaming stores.
+template <class T, class Fn>
+inline bool streamed(T* out, std::size_t n, Fn&& fn) {
+#if defined(__AVX2__)
+  if (n * sizeof(T) < kStreamMinBytes) return false;
+  constexpr std::size_t kBlock = 4096 / sizeof(T) * 2, kLine = 64 / sizeof(T);
+  alignas(64) T tmp[kBlock];
+  const std::size_t misaligned = (reinterpret_cast<std::uintptr_t>(out) % 64) / sizeof(T);
+  std::size_t i = misaligned ? kLine - misaligned : 0;
+  if (i) fn(out, 0, i);
+  for (; i + kBlock <= n; i += kBlock) {
+    fn(tmp, i, kBlock);
+    for (std::size_t j = 0; j < kBlock; j += 32 / sizeof(T)) {
+      if constexpr (std::is_same_v<T, float>) {
+        _mm256_stream_ps(out + i + j, _mm256_load_ps(tmp + j));
+      } else {
+        _mm256_stream_pd(out + i + j, _mm256_load_pd(tmp + j));
+      }
+    }
+  }
+  if (i < n) fn(out + i, i, n - i);
+  _mm_sfence();
+  return true;
+#else
+  (void)out; (void)n; (void)fn;
+  return false;
+#endif
+}
+
 template <BinOp OP, class T>
-void bin_loop(const T* a, const T* b, T* out, std::size_t n) {
+void bin_loop_plain(const T* a, const T* b, T* out, std::size_t n) {
 #pragma omp simd
   for (std::size_t i = 0; i < n; ++i) out[i] = apply_bin<OP, T>(a[i], b[i]);
 }
 
 template <BinOp OP, class T>
-void scalar_loop(const T* a, T v, T* out, std::size_t n, bool reversed) {
+void bin_loop(const T* a, const T* b, T* out, std::size_t n) {
+  if (streamed(out, n, [&](T* dst, std::size_t off, std::size_t len) {
+        bin_loop_plain<OP>(a + off, b + off, dst, len);
+      })) {
+    return;
+  }
+  bin_loop_plain<OP>(a, b, out, n);
+}
+
+template <BinOp OP, class T>
+void scalar_loop_plain(const T* a, T v, T* out, std::size_t n, bool reversed) {
   if (reversed) {
 #pragma omp simd
     for (std::size_t i = 0; i < n; ++i) out[i] = apply_bin<OP, T>(v, a[i]);
@@ -226,16 +289,43 @@ void scalar_loop(const T* a, T v, T* out, std::size_t n, bool reversed) {
   }
 }
 
+template <BinOp OP, class T>
+void scalar_loop(const T* a, T v, T* out, std::size_t n, bool reversed) {
+  if (streamed(out, n, [&](T* dst, std::size_t off, std::size_t len) {
+        scalar_loop_plain<OP>(a + off, v, dst, len, reversed);
+      })) {
+    return;
+  }
+  scalar_loop_plain<OP>(a, v, out, n, reversed);
+}
+
 template <UnOp OP, class T>
-void un_loop(const T* a, T* out, std::size_t n) {
+void un_loop_plain(const T* a, T* out, std::size_t n) {
   std::size_t i = 0;
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float> && OP == UnOp::exp) i = vec16_loop(a, out, n, exp16);
+  if constexpr (std::is_same_v<T, float> && OP == UnOp::tanh) i = vec16_loop(a, out, n, tanh16);
+  if constexpr (std::is_same_v<T, float> && OP == UnOp::sigmoid) {
+    i = vec16_loop(a, out, n, sigmoid16);
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
   if constexpr (std::is_same_v<T, float> && OP == UnOp::exp) i = vec8_loop(a, out, n, exp8);
   if constexpr (std::is_same_v<T, float> && OP == UnOp::tanh) i = vec8_loop(a, out, n, tanh8);
   if constexpr (std::is_same_v<T, float> && OP == UnOp::sigmoid) i = vec8_loop(a, out, n, sigmoid8);
 #endif
 #pragma omp simd
   for (std::size_t j = i; j < n; ++j) out[j] = apply_un<OP, T>(a[j]);
+}
+
+
+template <UnOp OP, class T>
+void un_loop(const T* a, T* out, std::size_t n) {
+  if (streamed(out, n, [&](T* dst, std::size_t off, std::size_t len) {
+        un_loop_plain<OP>(a + off, dst, len);
+      })) {
+    return;
+  }
+  un_loop_plain<OP>(a, out, n);
 }
 
 // ---- dtype dispatch ------------------------------------------------------------------------

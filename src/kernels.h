@@ -1,6 +1,7 @@
-// The compute kernels, built twice: once for baseline x86-64 (namespace `base`) and once with
-// AVX2+FMA+F16C enabled for that translation unit only (namespace `avx2`). The bindings pick
-// one table at import time with __builtin_cpu_supports, so no -march=native is needed.
+// The compute kernels, built three times: for baseline x86-64 (namespace `base`), with
+// AVX2+FMA+F16C (namespace `avx2`) and with AVX-512 F/BW/DQ/VL (namespace `avx512`), each
+// instruction set enabled for its own translation unit only. The bindings pick one table at
+// import time with __builtin_cpu_supports, so no -march=native is needed.
 #pragma once
 
 #include <cstddef>
@@ -12,6 +13,17 @@ namespace needle {
 enum class BinOp : int { add, sub, mul, div, maximum, minimum, power, eq, ge };
 enum class UnOp : int { neg, log, exp, tanh, sqrt, abs, sign, sigmoid };
 enum class RedOp : int { sum, max, min };
+
+// Geometry of a 2-D convolution over an NHWC input with a (KH, KW, Cin, Cout) kernel, the same
+// stride and zero padding on both spatial dims; the output is (N, HO, WO, Cout).
+struct ConvGeom {
+  std::size_t n, h, w, c;    // input N, H, W, Cin
+  std::size_t kh, kw, cout;  // kernel
+  std::size_t stride, pad;
+  std::size_t ho, wo;        // output height and width
+  std::size_t k() const { return kh * kw * c; }
+  std::size_t pixels() const { return n * ho * wo; }
+};
 
 struct KernelTable {
   const char* name;
@@ -32,12 +44,33 @@ struct KernelTable {
   void (*matmul_strided)(DType t, const void* a, std::ptrdiff_t ars, std::ptrdiff_t acs,
                          const void* b, std::ptrdiff_t brs, std::ptrdiff_t bcs, void* out,
                          std::size_t m, std::size_t n, std::size_t p);
+  // Convolution (float32/float64, compact operands; see conv_impl.h): out (N, HO, WO, Cout) =
+  // conv(x, w); dw (K x Cout) = its kernel gradient from dy; dx = its input gradient.
+  void (*conv_forward)(DType t, const void* x, const void* w, void* out, const ConvGeom& g);
+  void (*conv_weight_grad)(DType t, const void* x, const void* dy, void* dw, const ConvGeom& g);
+  void (*conv_input_grad)(DType t, const void* dy, const void* w, void* dx, const ConvGeom& g);
+  // LSTM cell gates (float32/float64, compact; see lstm_impl.h). Forward: z (B x 4H, gate
+  // blocks i, f, g, o), bias (4H, or null), c (B x H) -> h2, c2 (B x H), gates (B x 4H,
+  // activations), tc = tanh(c2) (B x H). Backward: dz (B x 4H) and dc_prev (B x H) from the
+  // saved gates, tc and c and the output gradients dh, dc (B x H).
+  void (*lstm_forward)(DType t, const void* z, const void* bias, const void* c, void* h2,
+                       void* c2, void* gates, void* tc, std::size_t batch, std::size_t hidden);
+  void (*lstm_backward)(DType t, const void* gates, const void* tc, const void* c,
+                        const void* dh, const void* dc, void* dz, void* dc_prev,
+                        std::size_t batch, std::size_t hidden);
+  // Names of the float32 and float64 matmul micro-kernels (printed by the benchmarks).
+  const char* sgemm_name;
+  const char* dgemm_name;
 };
 
 namespace base { extern const KernelTable table; }
 #if defined(__x86_64__) || defined(_M_X64)
 namespace avx2 { extern const KernelTable table; }
 #define NEEDLE_HAVE_AVX2_TABLE 1
+#endif
+#if defined(NEEDLE_BUILD_AVX512)  // set by CMakeLists.txt when the compiler takes -mavx512f
+namespace avx512 { extern const KernelTable table; }
+#define NEEDLE_HAVE_AVX512_TABLE 1
 #endif
 
 }  // namespace needle

@@ -1,10 +1,12 @@
-// Body shared by kernels_base.cc and kernels_avx2.cc: the includer defines NEEDLE_ISA (the
-// namespace) and compiles this with its own instruction-set flags.
+// Body shared by kernels_base.cc, kernels_avx2.cc and kernels_avx512.cc: the includer defines
+// NEEDLE_ISA (the namespace) and compiles this with its own instruction-set flags.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <stdexcept>
 #include <type_traits>
+#include <utility>
 
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -16,12 +18,17 @@
 namespace needle {
 namespace NEEDLE_ISA {
 
+#include "simd_vec_impl.h"
 #include "elementwise_impl.h"
 #include "reductions_impl.h"
 #include "matmul_impl.h"
+#include "conv_impl.h"
+#include "lstm_impl.h"
 
 extern const KernelTable table = {
     NEEDLE_ISA_NAME, binary, scalar, unary, cast, reduce, matmul, matmul_strided,
+    conv_forward, conv_weight_grad, conv_input_grad, lstm_forward, lstm_backward,
+    GemmConfig<float>::name, GemmConfig<double>::name,
 };
 
 }  // namespace NEEDLE_ISA

@@ -8,9 +8,11 @@
 //         for jr (NR-column panels)        B micro-panel stays in L1
 //           for ir (MR-row panels)         micro-kernel: MR x NR accumulators in registers
 //
-// The AVX2 build uses 6x16 (float32) and 6x8 (float64) FMA intrinsic micro-kernels; the
-// baseline build a portable C++ micro-kernel the compiler vectorises. float16 is converted to
-// float32, multiplied, rounded.
+// Micro-kernels and blocking per instruction set: gemm_micro_impl.h (AVX-512 12x32 / 12x16,
+// AVX2 6x16 / 6x8, a portable one for the baseline build). Small products skip packing: a
+// row-major B of at most 256 KiB is read in place, and so is a row-major A when C has a
+// single column panel (each of its elements is read once either way). float16 is converted
+// to float32, multiplied, rounded.
 
 // A reusable per-thread scratch block (thread_local, so OpenMP workers keep theirs between
 // calls and small matmuls do not pay a fresh allocation and its page faults every time).
@@ -32,28 +34,142 @@ struct Scratch {
 inline thread_local Scratch tls_pack_a;
 inline thread_local Scratch tls_pack_b;
 
+// This thread's index and team size in the innermost OpenMP region (0 and 1 outside one).
+inline int team_rank() {
+#ifdef _OPENMP
+  return omp_get_thread_num();
+#else
+  return 0;
+#endif
+}
+
+inline int team_size() {
+#ifdef _OPENMP
+  return omp_get_num_threads();
+#else
+  return 1;
+#endif
+}
+
 inline std::size_t min_size(std::size_t a, std::size_t b) { return a < b ? a : b; }
 inline std::size_t ceil_div(std::size_t a, std::size_t b) { return (a + b - 1) / b; }
 
+// ---- packing ---------------------------------------------------------------------------------
+// Both operands are packed into panels of W "lines" (W = MR rows of A, or NR columns of B)
+// stored k-major: dst[kk * W + j] = line j's element kk, zero for lines past `lines`. A line's
+// element kk is at src[j * ls + kk * ks]; which of the two strides is 1 decides the loop:
+// ks == 1 (rows of a compact A, columns of a transposed B) transposes blocks in registers,
+// ls == 1 (a transposed A, rows of a compact B) copies W values per kk.
+
+#if defined(__AVX2__)
+// dst[kk * W + j] = src_j[kk] for 8 lines and 8 consecutive kk (float), in registers.
+inline void transpose8x8(const float* const* src, std::size_t kk, float* dst, std::size_t w) {
+  __m256 r[8], t[8];
+  for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(src[j] + kk);
+  for (int j = 0; j < 8; j += 2) {
+    t[j] = _mm256_unpacklo_ps(r[j], r[j + 1]);
+    t[j + 1] = _mm256_unpackhi_ps(r[j], r[j + 1]);
+  }
+  for (int j = 0; j < 8; j += 4) {
+    r[j] = _mm256_shuffle_ps(t[j], t[j + 2], 0x44);
+    r[j + 1] = _mm256_shuffle_ps(t[j], t[j + 2], 0xee);
+    r[j + 2] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0x44);
+    r[j + 3] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0xee);
+  }
+  // r[0..3] hold columns 0,1,2,3 of lines 0-3 | 4-7 in 128-bit halves (likewise r[4..7])
+  const int order[4] = {0, 1, 2, 3};
+  for (int q : order) {
+    _mm256_storeu_ps(dst + (q)*w, _mm256_permute2f128_ps(r[q], r[q + 4], 0x20));
+    _mm256_storeu_ps(dst + (q + 4) * w, _mm256_permute2f128_ps(r[q], r[q + 4], 0x31));
+  }
+}
+
+// 4 lines of floats and 8 consecutive kk: each kk gets one 128-bit store of 4 values.
+inline void transpose4x8(const float* const* src, std::size_t kk, float* dst, std::size_t w) {
+  const __m256 r0 = _mm256_loadu_ps(src[0] + kk), r1 = _mm256_loadu_ps(src[1] + kk);
+  const __m256 r2 = _mm256_loadu_ps(src[2] + kk), r3 = _mm256_loadu_ps(src[3] + kk);
+  const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+  const __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+  const __m256 u[4] = {_mm256_shuffle_ps(t0, t2, 0x44), _mm256_shuffle_ps(t0, t2, 0xee),
+                       _mm256_shuffle_ps(t1, t3, 0x44), _mm256_shuffle_ps(t1, t3, 0xee)};
+  for (int q = 0; q < 4; ++q) {  // u[q] = kk + q in the low half, kk + q + 4 in the high half
+    _mm_storeu_ps(dst + q * w, _mm256_castps256_ps128(u[q]));
+    _mm_storeu_ps(dst + (q + 4) * w, _mm256_extractf128_ps(u[q], 1));
+  }
+}
+
+// The same for 4 lines of doubles and 4 consecutive kk.
+inline void transpose4x4(const double* const* src, std::size_t kk, double* dst, std::size_t w) {
+  const __m256d r0 = _mm256_loadu_pd(src[0] + kk), r1 = _mm256_loadu_pd(src[1] + kk);
+  const __m256d r2 = _mm256_loadu_pd(src[2] + kk), r3 = _mm256_loadu_pd(src[3] + kk);
+  const __m256d t0 = _mm256_unpacklo_pd(r0, r1), t1 = _mm256_unpackhi_pd(r0, r1);
+  const __m256d t2 = _mm256_unpacklo_pd(r2, r3), t3 = _mm256_unpackhi_pd(r2, r3);
+  _mm256_storeu_pd(dst, _mm256_permute2f128_pd(t0, t2, 0x20));
+  _mm256_storeu_pd(dst + w, _mm256_permute2f128_pd(t1, t3, 0x20));
+  _mm256_storeu_pd(dst + 2 * w, _mm256_permute2f128_pd(t0, t2, 0x31));
+  _mm256_storeu_pd(dst + 3 * w, _mm256_permute2f128_pd(t1, t3, 0x31));
+}
+#endif
+
+// The lines of a panel whose lines are contiguous along kk, 8 or 4 at a time through the
+// register transposes where the build has them; returns how many lines were done.
+template <class T>
+std::size_t pack_lines_transposed(const T* const* line, std::size_t lines, std::size_t k,
+                                  T* dst, std::size_t w) {
+  std::size_t j0 = 0;
+#if defined(__AVX2__)
+  constexpr std::size_t KB = std::is_same_v<T, float> ? 8 : 4;  // kk per register
+  const std::size_t k_main = k / KB * KB;
+  while (j0 + 4 <= lines) {
+    // 8 lines at a time for floats while they last, else 4
+    const std::size_t lb = (std::is_same_v<T, float> && j0 + 8 <= lines) ? 8 : 4;
+    for (std::size_t kk = 0; kk < k_main; kk += KB) {
+      if constexpr (std::is_same_v<T, float>) {
+        if (lb == 8) transpose8x8(line + j0, kk, dst + kk * w + j0, w);
+        else transpose4x8(line + j0, kk, dst + kk * w + j0, w);
+      } else {
+        transpose4x4(line + j0, kk, dst + kk * w + j0, w);
+      }
+    }
+    for (std::size_t kk = k_main; kk < k; ++kk)
+      for (std::size_t j = j0; j < j0 + lb; ++j) dst[kk * w + j] = line[j][kk];
+    j0 += lb;
+  }
+#endif
+  (void)line; (void)lines; (void)k; (void)dst; (void)w;
+  return j0;
+}
+
+template <class T, int W>
+void pack_panel(const T* src, std::ptrdiff_t ls, std::ptrdiff_t ks, std::size_t lines,
+                std::size_t k, T* dst) {
+  if (ls == 1) {
+    for (std::size_t kk = 0; kk < k; ++kk, dst += W) {
+      const T* s = src + std::ptrdiff_t(kk) * ks;
+      std::size_t j = 0;
+      for (; j < lines; ++j) dst[j] = s[j];
+      for (; j < std::size_t(W); ++j) dst[j] = T(0);
+    }
+    return;
+  }
+  const T* line[W];
+  for (std::size_t j = 0; j < lines; ++j) line[j] = src + std::ptrdiff_t(j) * ls;
+  std::size_t done = 0;
+  if (ks == 1) done = pack_lines_transposed<T>(line, lines, k, dst, W);
+  for (std::size_t kk = 0; kk < k; ++kk) {
+    T* d = dst + kk * W;
+    for (std::size_t j = done; j < lines; ++j) d[j] = line[j][std::ptrdiff_t(kk) * ks];
+    for (std::size_t j = lines; j < std::size_t(W); ++j) d[j] = T(0);
+  }
+}
+
 // A rows [0, rows) x cols [0, k) -> panels of MR rows, each stored k-major (MR values per k).
-// A is strided: element (i, kk) at a[i * rs + kk * cs] (cs == 1 for a compact matrix).
+// A is strided: element (i, kk) at a[i * rs + kk * cs].
 template <class T, int MR>
 void pack_a(const T* a, std::ptrdiff_t rs, std::ptrdiff_t cs, std::size_t rows, std::size_t k,
             T* dst) {
   for (std::size_t i0 = 0; i0 < rows; i0 += MR, dst += MR * k) {
-    const std::size_t mr = min_size(MR, rows - i0);
-    for (std::size_t r = 0; r < std::size_t(MR); ++r) {
-      if (r < mr) {
-        const T* src = a + std::ptrdiff_t(i0 + r) * rs;
-        if (cs == 1) {
-          for (std::size_t kk = 0; kk < k; ++kk) dst[kk * MR + r] = src[kk];
-        } else {
-          for (std::size_t kk = 0; kk < k; ++kk) dst[kk * MR + r] = src[std::ptrdiff_t(kk) * cs];
-        }
-      } else {
-        for (std::size_t kk = 0; kk < k; ++kk) dst[kk * MR + r] = T(0);
-      }
-    }
+    pack_panel<T, MR>(a + std::ptrdiff_t(i0) * rs, rs, cs, min_size(MR, rows - i0), k, dst);
   }
 }
 
@@ -62,180 +178,62 @@ void pack_a(const T* a, std::ptrdiff_t rs, std::ptrdiff_t cs, std::size_t rows, 
 template <class T, int NR>
 void pack_b_panel(const T* b, std::ptrdiff_t rs, std::ptrdiff_t cs, std::size_t k,
                   std::size_t cols, T* dst) {
-  for (std::size_t kk = 0; kk < k; ++kk, dst += NR) {
-    const T* src = b + std::ptrdiff_t(kk) * rs;
-    std::size_t c = 0;
-    if (cs == 1) {
-      for (; c < cols; ++c) dst[c] = src[c];
-    } else {
-      for (; c < cols; ++c) dst[c] = src[std::ptrdiff_t(c) * cs];
-    }
-    for (; c < std::size_t(NR); ++c) dst[c] = T(0);
-  }
+  pack_panel<T, NR>(b, cs, rs, cols, k, dst);
 }
 
-// Portable micro-kernel: c (MR x NR, leading dimension ldc) = or += ap-panel @ bp-panel.
-template <class T, int MR, int NR>
-void micro_portable(std::size_t k, const T* ap, const T* bp, T* c, std::size_t ldc, bool acc) {
-  T sum[MR][NR] = {};
-  for (std::size_t kk = 0; kk < k; ++kk, ap += MR, bp += NR) {
-    for (int r = 0; r < MR; ++r) {
-      const T av = ap[r];
-#pragma omp simd
-      for (int j = 0; j < NR; ++j) sum[r][j] += av * bp[j];
-    }
-  }
-  for (int r = 0; r < MR; ++r) {
-    T* row = c + r * ldc;
-    if (acc) {
-      for (int j = 0; j < NR; ++j) row[j] += sum[r][j];
-    } else {
-      for (int j = 0; j < NR; ++j) row[j] = sum[r][j];
-    }
-  }
-}
+#include "gemm_micro_impl.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
-// 6x16 float32 micro-kernel: 12 ymm accumulators, 2 for the B row, 1 broadcast of A.
-inline void micro_avx2_6x16(std::size_t k, const float* ap, const float* bp, float* c,
-                            std::size_t ldc, bool acc) {
-  __m256 c00 = _mm256_setzero_ps(), c01 = _mm256_setzero_ps();
-  __m256 c10 = _mm256_setzero_ps(), c11 = _mm256_setzero_ps();
-  __m256 c20 = _mm256_setzero_ps(), c21 = _mm256_setzero_ps();
-  __m256 c30 = _mm256_setzero_ps(), c31 = _mm256_setzero_ps();
-  __m256 c40 = _mm256_setzero_ps(), c41 = _mm256_setzero_ps();
-  __m256 c50 = _mm256_setzero_ps(), c51 = _mm256_setzero_ps();
-#pragma GCC unroll 4
-  for (std::size_t kk = 0; kk < k; ++kk, ap += 6, bp += 16) {
-    const __m256 b0 = _mm256_load_ps(bp);
-    const __m256 b1 = _mm256_load_ps(bp + 8);
-    __m256 a = _mm256_broadcast_ss(ap + 0);
-    c00 = _mm256_fmadd_ps(a, b0, c00); c01 = _mm256_fmadd_ps(a, b1, c01);
-    a = _mm256_broadcast_ss(ap + 1);
-    c10 = _mm256_fmadd_ps(a, b0, c10); c11 = _mm256_fmadd_ps(a, b1, c11);
-    a = _mm256_broadcast_ss(ap + 2);
-    c20 = _mm256_fmadd_ps(a, b0, c20); c21 = _mm256_fmadd_ps(a, b1, c21);
-    a = _mm256_broadcast_ss(ap + 3);
-    c30 = _mm256_fmadd_ps(a, b0, c30); c31 = _mm256_fmadd_ps(a, b1, c31);
-    a = _mm256_broadcast_ss(ap + 4);
-    c40 = _mm256_fmadd_ps(a, b0, c40); c41 = _mm256_fmadd_ps(a, b1, c41);
-    a = _mm256_broadcast_ss(ap + 5);
-    c50 = _mm256_fmadd_ps(a, b0, c50); c51 = _mm256_fmadd_ps(a, b1, c51);
-  }
-  const __m256 rows[6][2] = {{c00, c01}, {c10, c11}, {c20, c21},
-                             {c30, c31}, {c40, c41}, {c50, c51}};
-  for (int r = 0; r < 6; ++r) {
-    float* row = c + r * ldc;
-    __m256 lo = rows[r][0], hi = rows[r][1];
-    if (acc) {
-      lo = _mm256_add_ps(lo, _mm256_loadu_ps(row));
-      hi = _mm256_add_ps(hi, _mm256_loadu_ps(row + 8));
-    }
-    _mm256_storeu_ps(row, lo);
-    _mm256_storeu_ps(row + 8, hi);
-  }
-}
-#endif
+// A row-major B of at most this many bytes is read in place by the micro-kernel instead of
+// being packed: for small products packing B costs more than its better cache behaviour
+// saves (64^3 float32: 0.87 -> 0.93x OpenBLAS on the AVX-512 VM). Larger Bs are packed: with
+// a row stride of a multiple of 4 KiB their rows would fight over the same L1 sets.
+constexpr std::size_t kDirectBBytes = std::size_t(256) << 10;
 
-#if defined(__AVX2__) && defined(__FMA__)
-// 6x8 float64 micro-kernel: the same register plan with 4-lane vectors.
-inline void micro_avx2_6x8d(std::size_t k, const double* ap, const double* bp, double* c,
-                            std::size_t ldc, bool acc) {
-  __m256d acc_lo[6], acc_hi[6];
-  for (int r = 0; r < 6; ++r) acc_lo[r] = acc_hi[r] = _mm256_setzero_pd();
-#pragma GCC unroll 4
-  for (std::size_t kk = 0; kk < k; ++kk, ap += 6, bp += 8) {
-    const __m256d b0 = _mm256_load_pd(bp);
-    const __m256d b1 = _mm256_load_pd(bp + 4);
-#pragma GCC unroll 6
-    for (int r = 0; r < 6; ++r) {
-      const __m256d a = _mm256_broadcast_sd(ap + r);
-      acc_lo[r] = _mm256_fmadd_pd(a, b0, acc_lo[r]);
-      acc_hi[r] = _mm256_fmadd_pd(a, b1, acc_hi[r]);
-    }
-  }
-  for (int r = 0; r < 6; ++r) {
-    double* row = c + r * ldc;
-    __m256d lo = acc_lo[r], hi = acc_hi[r];
-    if (acc) {
-      lo = _mm256_add_pd(lo, _mm256_loadu_pd(row));
-      hi = _mm256_add_pd(hi, _mm256_loadu_pd(row + 4));
-    }
-    _mm256_storeu_pd(row, lo);
-    _mm256_storeu_pd(row + 4, hi);
-  }
-}
-#endif
-
-template <class T> struct GemmConfig {  // portable kernel, float64 and baseline float32
-  static constexpr int MR = 4, NR = 8;
-  static constexpr std::size_t KC = 256, MC = 96, NC = 2048;
-  static void kernel(std::size_t k, const T* ap, const T* bp, T* c, std::size_t ldc, bool acc) {
-    micro_portable<T, MR, NR>(k, ap, bp, c, ldc, acc);
-  }
-};
-#if defined(__AVX2__) && defined(__FMA__)
-#ifndef NEEDLE_SGEMM_KC  // blocking of the float32 kernel; overridable for tuning experiments
-#define NEEDLE_SGEMM_KC 256
-#define NEEDLE_SGEMM_MC 144
-#define NEEDLE_SGEMM_NC 3072
-#endif
-template <> struct GemmConfig<float> {
-  static constexpr int MR = 6, NR = 16;
-  static constexpr std::size_t KC = NEEDLE_SGEMM_KC, MC = NEEDLE_SGEMM_MC, NC = NEEDLE_SGEMM_NC;
-  static void kernel(std::size_t k, const float* ap, const float* bp, float* c,
-                     std::size_t ldc, bool acc) {
-    micro_avx2_6x16(k, ap, bp, c, ldc, acc);
-  }
-};
-template <> struct GemmConfig<double> {
-  static constexpr int MR = 6, NR = 8;
-  static constexpr std::size_t KC = 256, MC = 96, NC = 2048;
-  static void kernel(std::size_t k, const double* ap, const double* bp, double* c,
-                     std::size_t ldc, bool acc) {
-    micro_avx2_6x8d(k, ap, bp, c, ldc, acc);
-  }
-};
-#endif
-
-// Runs the micro-kernel on a tile that may be cut by the edge of C (mr <= MR, nr <= NR).
-template <class T>
-inline void tile(std::size_t k, const T* ap, const T* bp, T* c, std::size_t ldc,
-                 std::size_t mr, std::size_t nr, bool acc) {
-  using G = GemmConfig<T>;
-  if (mr == std::size_t(G::MR) && nr == std::size_t(G::NR)) {
-    return G::kernel(k, ap, bp, c, ldc, acc);
-  }
-  alignas(64) T tmp[G::MR * G::NR];
-  G::kernel(k, ap, bp, tmp, G::NR, false);
-  for (std::size_t r = 0; r < mr; ++r)
-    for (std::size_t j = 0; j < nr; ++j)
-      c[r * ldc + j] = acc ? c[r * ldc + j] + tmp[r * G::NR + j] : tmp[r * G::NR + j];
+inline bool use_direct_b(std::size_t n, std::size_t p, std::size_t item) {
+  return n * p * item <= kDirectBBytes;
 }
 
 // One function for the whole loop nest (longer than our usual 40 lines) because the OpenMP
 // region must enclose every loop: a region per block would fork and join thousands of times.
 // a(i, k) = a[i * ars + k * acs], b(k, j) = b[k * brs + j * bcs]; c is compact m x p. Packing
 // reads any strides, so transposed or sliced operands need no compact copy first.
+// `ldc` is C's row stride; with `accumulate` the product is added to C instead of replacing
+// it; `nt` threads share the work (1: the calling thread alone, no OpenMP region).
 template <class T>
-void gemm(const T* a, std::ptrdiff_t ars, std::ptrdiff_t acs, const T* b, std::ptrdiff_t brs,
-          std::ptrdiff_t bcs, T* c, std::size_t m, std::size_t n, std::size_t p) {
+void gemm_nt(const T* a, std::ptrdiff_t ars, std::ptrdiff_t acs, const T* b, std::ptrdiff_t brs,
+             std::ptrdiff_t bcs, T* c, std::size_t ldc, std::size_t m, std::size_t n,
+             std::size_t p, int nt, bool accumulate) {
   using G = GemmConfig<T>;
   constexpr std::size_t MR = G::MR, NR = G::NR;
   if (m == 0 || p == 0) return;
-  if (n == 0) { std::memset(c, 0, m * p * sizeof(T)); return; }
-  const double flops = 2.0 * double(m) * double(n) * double(p);
-  const int nt = flops >= kParallelMinFlops ? num_threads() : 1;
+  if (n == 0) {
+    if (!accumulate) {
+      for (std::size_t i = 0; i < m; ++i) std::memset(c + i * ldc, 0, p * sizeof(T));
+    }
+    return;
+  }
   // Row blocks: a multiple of the thread count when that fits, so the static split is even.
   const std::size_t ic_blocks = std::size_t(nt) * ceil_div(m, std::size_t(nt) * G::MC);
   const std::size_t mc = min_size(G::MC, ceil_div(ceil_div(m, ic_blocks), MR) * MR);
   const std::size_t n_ic = ceil_div(m, mc);
   const std::size_t nc_max = min_size(G::NC, ceil_div(p, NR) * NR);
   const std::size_t kc_max = min_size(G::KC, n);
-  T* bpack = tls_pack_b.get<T>(kc_max * nc_max);
+  const bool direct_b = G::kDirectB && bcs == 1 && use_direct_b(n, p, sizeof(T));
+  // One or two column panels: packing would read A as often as the kernel does, and write it.
+  const bool direct_a = G::kDirectA && direct_b && acs == 1 && p <= 2 * NR;
+  T* bpack = direct_b ? nullptr : tls_pack_b.get<T>(kc_max * nc_max);
 
-#pragma omp parallel num_threads(nt) if (nt > 1)
-  {
+  // The loop nest runs in one parallel region; a single-threaded call skips the region (its
+  // set-up costs microseconds, as much as a whole 64 x 64 product). The `omp for` loops
+  // below also work outside a region (a team of one).
+  // rank/teams split the loops statically (the contiguous ranges of `omp for
+  // schedule(static)`), written out because a single-threaded call may run inside another
+  // kernel's parallel region (the convolutions call it per chunk), where an orphaned `omp
+  // for` or barrier would bind to that outer team.
+  const auto body = [&](std::size_t rank, std::size_t teams) {
+    const auto share = [&](std::size_t count) {
+      return std::make_pair(count * rank / teams, count * (rank + 1) / teams);
+    };
     T* apack = tls_pack_a.get<T>(kc_max * ceil_div(mc, MR) * MR);
     std::size_t packed_ic = ~std::size_t(0), packed_pc = ~std::size_t(0);
     for (std::size_t jc = 0; jc < p; jc += G::NC) {
@@ -246,17 +244,21 @@ void gemm(const T* a, std::ptrdiff_t ars, std::ptrdiff_t acs, const T* b, std::p
           n_ic >= std::size_t(nt) ? 1 : min_size(panels, ceil_div(nt, n_ic));
       for (std::size_t pc = 0; pc < n; pc += G::KC) {
         const std::size_t kc = min_size(G::KC, n - pc);
-#pragma omp for schedule(static)
-        for (std::size_t jp = 0; jp < panels; ++jp) {
+        const T* bblock = b + std::ptrdiff_t(pc) * brs + std::ptrdiff_t(jc);
+        const auto packs = share(direct_b ? 0 : panels);
+        for (std::size_t jp = packs.first; jp < packs.second; ++jp) {
           const std::size_t j0 = jp * NR;
           pack_b_panel<T, NR>(b + std::ptrdiff_t(pc) * brs + std::ptrdiff_t(jc + j0) * bcs,
                               brs, bcs, kc, min_size(NR, nc - j0), bpack + jp * NR * kc);
         }
-#pragma omp for schedule(static)
-        for (std::size_t item = 0; item < n_ic * jr_parts; ++item) {
+        if (teams > 1 && !direct_b) {
+#pragma omp barrier
+        }
+        const auto items = share(n_ic * jr_parts);
+        for (std::size_t item = items.first; item < items.second; ++item) {
           const std::size_t ib = item / jr_parts, part = item % jr_parts;
           const std::size_t ic = ib * mc, mcur = min_size(mc, m - ic);
-          if (packed_ic != ic || packed_pc != pc) {
+          if (!direct_a && (packed_ic != ic || packed_pc != pc)) {
             pack_a<T, MR>(a + std::ptrdiff_t(ic) * ars + std::ptrdiff_t(pc) * acs, ars, acs,
                           mcur, kc, apack);
             packed_ic = ic;
@@ -265,15 +267,37 @@ void gemm(const T* a, std::ptrdiff_t ars, std::ptrdiff_t acs, const T* b, std::p
           const std::size_t jp0 = panels * part / jr_parts, jp1 = panels * (part + 1) / jr_parts;
           for (std::size_t jp = jp0; jp < jp1; ++jp) {
             const std::size_t j0 = jp * NR, nr = min_size(NR, nc - j0);
-            for (std::size_t i0 = 0; i0 < mcur; i0 += MR) {
-              tile<T>(kc, apack + i0 * kc, bpack + jp * NR * kc, c + (ic + i0) * p + jc + j0, p,
-                      min_size(MR, mcur - i0), nr, pc > 0);
+            const T* bp = direct_b ? bblock + j0 : bpack + jp * NR * kc;
+            const T* ablock = a + std::ptrdiff_t(ic) * ars + std::ptrdiff_t(pc);
+            for (std::size_t i0 = 0; i0 < mcur;) {
+              const T* ap = direct_a ? ablock + std::ptrdiff_t(i0) * ars : apack + i0 * kc;
+              i0 += G::tile(kc, ap, std::size_t(ars), direct_a, bp, std::size_t(brs), direct_b,
+                            c + (ic + i0) * ldc + jc + j0, ldc, mcur - i0, nr,
+                            accumulate || pc > 0);
             }
           }
         }
+        if (teams > 1 && !direct_b) {  // the next block's packing overwrites bpack
+#pragma omp barrier
+        }
       }
     }
+  };
+  if (nt > 1) {
+#pragma omp parallel num_threads(nt)
+    body(std::size_t(team_rank()), std::size_t(team_size()));
+  } else {
+    body(0, 1);
   }
+}
+
+// C (m x p, compact) = A @ B on as many threads as the work is worth.
+template <class T>
+void gemm(const T* a, std::ptrdiff_t ars, std::ptrdiff_t acs, const T* b, std::ptrdiff_t brs,
+          std::ptrdiff_t bcs, T* c, std::size_t m, std::size_t n, std::size_t p) {
+  const double flops = 2.0 * double(m) * double(n) * double(p);
+  const int nt = flops >= kParallelMinFlops ? num_threads() : 1;
+  gemm_nt(a, ars, acs, b, brs, bcs, c, p, m, n, p, nt, false);
 }
 
 void matmul(DType t, const void* a, const void* b, void* out, std::size_t m, std::size_t n,

@@ -2,7 +2,7 @@
 //
 // Each entry point checks the few things that would otherwise crash the process (sizes,
 // dtypes, views reaching outside their buffer), then releases the GIL and runs a kernel from
-// the table chosen at import time (AVX2+FMA+F16C when the CPU has them, else baseline).
+// the table chosen at import time (src/dispatch.cc: AVX-512, else AVX2+FMA+F16C, else baseline).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -14,7 +14,9 @@
 #include "allocator.h"
 #include "allocator_py.h"
 #include "array.h"
+#include "dispatch.h"
 #include "kernels.h"
+#include "ndarray_backend_fused.h"
 #include "strided.h"
 #include "tiled.h"
 
@@ -26,18 +28,6 @@ namespace {
 constexpr std::size_t kTile = 8;
 
 const KernelTable* g_kernels = &base::table;
-
-const KernelTable& select_isa(const std::string& name) {
-#ifdef NEEDLE_HAVE_AVX2_TABLE
-  const bool avx2_ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                       __builtin_cpu_supports("f16c");
-  if ((name == "avx2" || name == "auto") && avx2_ok) return avx2::table;
-  if (name == "avx2") throw std::invalid_argument("_set_isa: this CPU lacks AVX2/FMA/F16C");
-#endif
-  if (name == "baseline" || name == "auto") return base::table;
-  throw std::invalid_argument("_set_isa: expected 'auto', 'avx2' or 'baseline', got '" + name +
-                              "'");
-}
 
 DType dtype_of(const py::object& dtype) {
   if (py::isinstance<py::str>(dtype)) return parse_dtype(dtype.cast<std::string>());
@@ -404,7 +394,17 @@ PYBIND11_MODULE(ndarray_backend_cpu, m) {
 
   m.def("set_num_threads", &nd::set_num_threads, py::arg("n"));
   m.def("get_num_threads", &nd::num_threads);
-  // Private: which kernel build runs ("avx2" or "baseline"); tests use it to cover both.
+  // Private: which kernel build runs ("avx512", "avx2" or "baseline"); tests use it to cover
+  // every build the CPU runs, benchmarks to print it with the matmul micro-kernels.
   m.def("_get_isa", [] { return std::string(g_kernels->name); });
   m.def("_set_isa", [](const std::string& name) { g_kernels = &select_isa(name); });
+  nd::bind_fused(m, &g_kernels);
+  m.def("_available_isas", &nd::available_isas);
+  m.def("_kernel_info", [] {
+    py::dict info;
+    info["isa"] = g_kernels->name;
+    info["sgemm"] = g_kernels->sgemm_name;
+    info["dgemm"] = g_kernels->dgemm_name;
+    return info;
+  });
 }

@@ -33,7 +33,7 @@ inline T pick(T acc, T x) {
 }
 
 template <RedOp OP, class T>
-T block_extreme(const T* a, std::size_t n, T init) {
+T block_extreme_scalar(const T* a, std::size_t n, T init) {
   constexpr int L = kLanesOf<T>;
   T lanes[L];
   for (int j = 0; j < L; ++j) lanes[j] = init;
@@ -47,6 +47,52 @@ T block_extreme(const T* a, std::size_t n, T init) {
   for (int j = 0; j < L; ++j) acc = pick<OP>(acc, lanes[j]);
   return acc;
 }
+
+#if defined(__AVX2__)
+// max/min with vector max/min instructions, which drop a NaN operand (they return their second
+// operand when either is NaN): NaNs are tracked apart with one unordered compare per vector and
+// the block returns NaN if it saw one. 4 accumulators hide the instruction latency. The
+// AVX-512 build uses 512-bit vectors and mask registers for the NaN flags.
+template <RedOp OP, class T>
+T block_extreme(const T* a, std::size_t n, T init) {
+#if defined(__AVX512F__)
+  using Z = V512<T>;
+#else
+  using Z = V256<T>;
+#endif
+  using V = typename Z::V;
+  constexpr std::size_t W = Z::W;
+  V acc[4];
+  for (auto& v : acc) v = Z::set1(init);
+  typename Z::NanFlags nan = Z::no_nan();
+  std::size_t i = 0;
+  for (; i + 4 * W <= n; i += 4 * W) {
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const V x = Z::loadu(a + i + j * W);
+      acc[j] = OP == RedOp::max ? Z::max(x, acc[j]) : Z::min(x, acc[j]);
+      nan = Z::flag_nan(nan, x);
+    }
+  }
+  for (; i + W <= n; i += W) {
+    const V x = Z::loadu(a + i);
+    acc[0] = OP == RedOp::max ? Z::max(x, acc[0]) : Z::min(x, acc[0]);
+    nan = Z::flag_nan(nan, x);
+  }
+  if (Z::any_nan(nan)) return std::numeric_limits<T>::quiet_NaN();
+  alignas(64) T lanes[4 * W];
+  for (int j = 0; j < 4; ++j) Z::storeu(lanes + j * W, acc[j]);
+  T out = init;
+  for (std::size_t j = 0; j < 4 * W; ++j) out = pick<OP>(out, lanes[j]);
+  for (; i < n; ++i) out = pick<OP>(out, a[i]);
+  return out;
+}
+#else
+template <RedOp OP, class T>
+T block_extreme(const T* a, std::size_t n, T init) {
+  return block_extreme_scalar<OP>(a, n, init);
+}
+#endif
 
 template <RedOp OP> constexpr double reduce_init() {
   return OP == RedOp::sum ? 0.0 : (OP == RedOp::max ? -HUGE_VAL : HUGE_VAL);
@@ -71,6 +117,13 @@ double reduce_span(DType t, const void* a, std::size_t s, std::size_t e) {
                                                : block_extreme<OP>(buf, len, float(acc)));
     }
     return acc;
+  }
+  if (OP != RedOp::sum) {  // exact in any order: one pass, one horizontal step at the end
+    if (t == DType::f32) {
+      return combine<OP>(acc, block_extreme<OP>(static_cast<const float*>(a) + s, e - s,
+                                                float(acc)));
+    }
+    return combine<OP>(acc, block_extreme<OP>(static_cast<const double*>(a) + s, e - s, acc));
   }
   for (std::size_t i = s; i < e; i += kSumBlock) {
     const std::size_t len = e - i < kSumBlock ? e - i : kSumBlock;

@@ -1,6 +1,6 @@
 """Recurrent layers (RNN, LSTM) and Embedding over (T, B, ...) sequences.
 
-Weights are drawn W_ih → W_hh → bias_ih → bias_hh, each U(±1/√H) (NEEDLE_API §7); the LSTM
+Weights are drawn W_ih → W_hh → bias_ih → bias_hh, each U(±1/√H) (the course's order); the LSTM
 gate order is i, f, g, o.
 
 Example:
@@ -19,7 +19,6 @@ import math
 from .. import init, ops
 from .._core.errors import NeedleError, ShapeError
 from ..autograd import Tensor
-from .nn_basic import sigmoid
 from .nn_module import Module, Parameter
 
 __all__ = ["RNNCell", "RNN", "LSTMCell", "LSTM", "Embedding"]
@@ -90,11 +89,13 @@ class LSTMCell(_CellBase):
             h0, c0 = self._zeros(X), self._zeros(X)
         else:
             h0, c0 = h
-        z = self._preactivation(X, h0)
-        batch, hidden = X.shape[0], self.hidden_size
-        i, f, g, o = ops.split(ops.reshape(z, (batch, 4, hidden)), axis=1).tuple()
-        c = sigmoid(f) * c0 + sigmoid(i) * ops.tanh(g)
-        return sigmoid(o) * ops.tanh(c), c
+        if X.ndim != 2 or X.shape[1] != self.input_size:
+            raise ShapeError(f"{type(self).__name__}: expected input (batch, "
+                             f"{self.input_size}), got shape {X.shape}")
+        # One fused node per step (ops.lstm_cell): the attributes are read at every call, so
+        # weights replaced by plain Tensors get their gradients as before.
+        biases = [b for b in (self.bias_ih, self.bias_hh) if b is not None]
+        return ops.lstm_cell(X, h0, c0, self.W_ih, self.W_hh, *biases)
 
 
 def _layer_states(h, num_layers: int) -> list:

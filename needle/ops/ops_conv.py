@@ -18,6 +18,7 @@ from .._core.errors import ShapeError
 from ..autograd import TensorOp
 from ..autograd.tensor import const as _leaf
 from . import _array as A
+from . import _conv_kernels as K
 from .ops_shape import Dilate, Flip, GetItem, Permute, Transpose
 
 
@@ -53,7 +54,39 @@ def _im2col(a, kh: int, kw: int, stride: int, padding: int):
     return A.reshape(A.compact(cols), (n * ho * wo, kh * kw * cin)), (n, ho, wo)
 
 
+def _live_taps(size: int, k: int, stride: int, padding: int) -> tuple:
+    """Kernel taps ``[lo, hi)`` along one dim that meet the input for some output position.
+
+    Taps outside it only ever multiply padding (ResNet9's 3x3 convolutions of a 1x1 map keep
+    1 tap of 9). Returns ``(lo, hi, new_padding)`` when cutting the kernel to ``[lo, hi)``
+    keeps the output size with symmetric padding, else ``(0, k, padding)``.
+    """
+    out = (size + 2 * padding - k) // stride + 1
+    lo, hi = max(0, padding - (out - 1) * stride), min(k, size + padding)
+    top = padding - lo
+    bottom = (out - 1) * stride + (hi - lo) - size - top
+    if (lo, hi) == (0, k) or top != bottom or top < 0:
+        return 0, k, padding
+    return lo, hi, top
+
+
+def _pruned(x_shape, w_shape, stride: int, padding: int):
+    """``(rows, cols, padding)`` of the live part of the kernel, or None when all of it is."""
+    r0, r1, pad_h = _live_taps(x_shape[1], w_shape[0], stride, padding)
+    c0, c1, pad_w = _live_taps(x_shape[2], w_shape[1], stride, padding)
+    if (r0, r1, c0, c1) == (0, w_shape[0], 0, w_shape[1]) or pad_h != pad_w:
+        return None
+    return slice(r0, r1), slice(c0, c1), pad_h
+
+
 def _conv_compute(a, b, stride: int, padding: int):
+    cut = _pruned(a.shape, b.shape, stride, padding)
+    if cut is not None:
+        rows, cols, padding = cut
+        b = A.compact(A.slice_view(b, (rows, cols, slice(None), slice(None))))
+    out = K.forward(a, b, stride, padding)
+    if out is not None:
+        return out
     kh, kw, cin, cout = b.shape
     cols, (n, ho, wo) = _im2col(a, kh, kw, stride, padding)
     out = A.matmul(cols, A.reshape(A.compact(b), (kh * kw * cin, cout)))
@@ -67,11 +100,24 @@ def _conv_gradient_arrays(g, x, w, stride: int, padding: int, need_x: bool, need
     forward for any stride, where the differentiable form (a convolution of the *dilated*
     gradient) multiplies by stride² zeros.
     """
+    cut = _pruned(x.shape, w.shape, stride, padding)
+    if cut is not None:  # taps that only see padding: zero kernel gradient, no input gradient
+        rows, cols, pad = cut
+        live = A.compact(A.slice_view(w, (rows, cols, slice(None), slice(None))))
+        grad_x, grad_live = _conv_gradient_arrays(g, x, live, stride, pad, need_x, need_w)
+        grad_w = None
+        if need_w:
+            grad_w = A.zeros(w.shape, w)
+            grad_w[rows, cols, :, :] = grad_live
+        return grad_x, grad_w
+    grad_x = K.input_grad(g, w, x.shape, stride, padding) if need_x else None
+    grad_w = K.weight_grad(x, g, w.shape, stride, padding) if need_w else None
+    if (grad_x is not None or not need_x) and (grad_w is not None or not need_w):
+        return grad_x, grad_w
     n, h, wd, cin = x.shape
     kh, kw, _, cout = w.shape
     _, ho, wo, _ = g.shape
     g2 = A.reshape(A.compact(g), (n * ho * wo, cout))
-    grad_x = grad_w = None
     if need_w:
         cols, _ = _im2col(x, kh, kw, stride, padding)
         # (gᵀ @ cols)ᵀ, not colsᵀ @ g: the operand that must be transposed (copied) is then

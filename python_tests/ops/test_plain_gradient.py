@@ -37,6 +37,9 @@ def _extra_cases(device):
          [rng.standard_normal((2, 4))], [True]),
         ("tuple_get_item", lambda a: ops.split(a, 0)[1], [rng.standard_normal((3, 2))],
          [True]),
+        ("lstm_cell", lambda *t: ops.FusedLSTMCell()(*t),
+         [rng.standard_normal(s) for s in ((2, 3), (2, 2), (2, 2), (3, 8), (2, 8), (8,))],
+         [True] * 6),
     ]
     other = _other_device(device)
     if other is not None:

@@ -1,0 +1,97 @@
+"""The NumPy reference of the fused kernels (convolution, LSTM cell): docs/backend_protocol.md.
+
+Straight formulas on flat buffers, the oracle the C++ backend's ``conv2d_*`` and
+``lstm_cell_*`` kernels are tested against. Re-exported by ``ndarray_backend_numpy``.
+
+Example:
+    >>> import numpy as np
+    >>> from needle.backend_ndarray import ndarray_backend_numpy as B
+    >>> z, c = B.Array(4), B.Array(1)
+    >>> B.from_numpy(np.zeros(4), z); B.from_numpy(np.ones(1), c)
+    >>> outs = [B.Array(1), B.Array(1), B.Array(4), B.Array(1)]
+    >>> B.lstm_cell_forward(z, None, c, *outs, 1, 1)
+    >>> round(float(outs[1].array[0]), 4)  # c' = sigmoid(0) * 1 + sigmoid(0) * tanh(0)
+    0.5
+"""
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["conv2d_forward", "conv2d_weight_grad", "conv2d_input_grad", "lstm_cell_forward",
+           "lstm_cell_backward"]
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    e = np.exp(-np.abs(x))  # no overflow for either sign
+    return np.where(x >= 0, 1 / (1 + e), e / (1 + e)).astype(x.dtype)
+
+
+def _out_size(size: int, k: int, stride: int, pad: int) -> int:
+    return (size + 2 * pad - k) // stride + 1
+
+
+def _patches(x: np.ndarray, kh: int, kw: int, stride: int, pad: int) -> np.ndarray:
+    """(N, HO, WO, KH, KW, C) view of the zero-padded NHWC input."""
+    xp = np.pad(x, ((0, 0), (pad, pad), (pad, pad), (0, 0)))
+    n, h, w, c = xp.shape
+    ho, wo = (h - kh) // stride + 1, (w - kw) // stride + 1
+    sn, sh, sw, sc = xp.strides
+    return np.lib.stride_tricks.as_strided(
+        xp, (n, ho, wo, kh, kw, c), (sn, sh * stride, sw * stride, sh, sw, sc), writeable=False)
+
+
+def conv2d_forward(x, w, out, n, h, wd, c, kh, kw, cout, stride, pad) -> None:
+    xs = x.array[:n * h * wd * c].reshape(n, h, wd, c)
+    ws = w.array[:kh * kw * c * cout].reshape(kh * kw * c, cout)
+    cols = _patches(xs, kh, kw, stride, pad)
+    ho, wo = cols.shape[1], cols.shape[2]
+    out.array[:n * ho * wo * cout] = (cols.reshape(-1, kh * kw * c) @ ws).reshape(-1)
+
+
+def conv2d_weight_grad(x, dy, dw, n, h, wd, c, kh, kw, cout, stride, pad) -> None:
+    xs = x.array[:n * h * wd * c].reshape(n, h, wd, c)
+    cols = _patches(xs, kh, kw, stride, pad).reshape(-1, kh * kw * c)
+    g = dy.array[:cols.shape[0] * cout].reshape(-1, cout)
+    dw.array[:kh * kw * c * cout] = (cols.T @ g).reshape(-1)
+
+
+def conv2d_input_grad(dy, w, dx, n, h, wd, c, kh, kw, cout, stride, pad) -> None:
+    ho, wo = _out_size(h, kh, stride, pad), _out_size(wd, kw, stride, pad)
+    g = dy.array[:n * ho * wo * cout].reshape(n * ho * wo, cout)
+    ws = w.array[:kh * kw * c * cout].reshape(kh * kw * c, cout)
+    cols = (g @ ws.T).reshape(n, ho, wo, kh, kw, c)
+    padded = np.zeros((n, h + 2 * pad, wd + 2 * pad, c), dtype=dx.array.dtype)
+    for i in range(kh):
+        for j in range(kw):
+            padded[:, i:i + stride * (ho - 1) + 1:stride,
+                   j:j + stride * (wo - 1) + 1:stride, :] += cols[:, :, :, i, j, :]
+    dx.array[:n * h * wd * c] = padded[:, pad:pad + h, pad:pad + wd, :].reshape(-1)
+
+
+def lstm_cell_forward(z, bias, c, h_out, c_out, gates_out, tanh_c_out, batch, hidden) -> None:
+    pre = z.array[:batch * 4 * hidden].reshape(batch, 4, hidden)
+    if bias is not None:
+        pre = pre + bias.array[:4 * hidden].reshape(1, 4, hidden)
+    gates = np.empty_like(pre)
+    gates[:, 0], gates[:, 1] = _sigmoid(pre[:, 0]), _sigmoid(pre[:, 1])
+    gates[:, 2], gates[:, 3] = np.tanh(pre[:, 2]), _sigmoid(pre[:, 3])
+    c_new = gates[:, 1] * c.array[:batch * hidden].reshape(batch, hidden) \
+        + gates[:, 0] * gates[:, 2]
+    tanh_c = np.tanh(c_new)
+    gates_out.array[:batch * 4 * hidden] = gates.reshape(-1)
+    c_out.array[:batch * hidden] = c_new.reshape(-1)
+    tanh_c_out.array[:batch * hidden] = tanh_c.reshape(-1)
+    h_out.array[:batch * hidden] = (gates[:, 3] * tanh_c).reshape(-1)
+
+
+def lstm_cell_backward(gates, tanh_c, c, dh, dc, dz_out, dc_prev_out, batch, hidden) -> None:
+    g = gates.array[:batch * 4 * hidden].reshape(batch, 4, hidden)
+    i, f, gg, o = g[:, 0], g[:, 1], g[:, 2], g[:, 3]
+    t = tanh_c.array[:batch * hidden].reshape(batch, hidden)
+    c_prev = c.array[:batch * hidden].reshape(batch, hidden)
+    dh_ = dh.array[:batch * hidden].reshape(batch, hidden)
+    dct = dc.array[:batch * hidden].reshape(batch, hidden) + dh_ * o * (1 - t * t)
+    dz = np.stack([dct * gg * i * (1 - i), dct * c_prev * f * (1 - f), dct * i * (1 - gg * gg),
+                   dh_ * t * o * (1 - o)], axis=1)
+    dz_out.array[:batch * 4 * hidden] = dz.reshape(-1)
+    dc_prev_out.array[:batch * hidden] = (dct * f).reshape(-1)

@@ -1,0 +1,89 @@
+"""The backend's fused convolution kernels, where a device has them (array level, no graph).
+
+``ops_conv`` asks these first and falls back to im2col + matmul when they return ``None``:
+NumPy mode, devices without the kernels (``cpu_numpy()``, ``cuda()``) and float16. The kernels
+(``conv2d_forward``, ``conv2d_weight_grad``, ``conv2d_input_grad`` of the C++ backend) build
+im2col rows chunk by chunk in cache instead of materialising the whole patch matrix; see
+``src/conv_impl.h``.
+
+Example:
+    >>> import numpy as np
+    >>> from needle.backend_ndarray import NDArray, cpu_numpy
+    >>> x = NDArray(np.ones((1, 4, 4, 2)), device=cpu_numpy())
+    >>> w = NDArray(np.ones((3, 3, 2, 5)), device=cpu_numpy())
+    >>> forward(x, w, 1, 1) is None  # the NumPy reference backend has no fused kernel
+    True
+"""
+from __future__ import annotations
+
+from ..backend_selection import BACKEND
+
+_ND = BACKEND == "nd"
+_DTYPES = ("float32", "float64")
+
+
+def _module(*arrays):
+    """The backend module when every array can use the fused kernels, else None."""
+    if not _ND:
+        return None
+    first = arrays[0]
+    mod = getattr(first.device, "mod", None)
+    if mod is None or not hasattr(mod, "conv2d_forward") or first.dtype not in _DTYPES:
+        return None
+    for a in arrays[1:]:
+        if a.device != first.device or a.dtype != first.dtype:
+            return None
+    return mod
+
+
+def _geometry(x, w, stride: int, padding: int) -> tuple:
+    n, h, wd, c = x.shape
+    kh, kw, _, cout = w.shape
+    return (n, h, wd, c, kh, kw, cout, stride, padding)
+
+
+def forward(x, w, stride: int, padding: int):
+    """``conv(x, w)`` (NHWC, kernel (KH, KW, Cin, Cout)) through the fused kernel, or None."""
+    mod = _module(x, w)
+    if mod is None:
+        return None
+    from ..backend_ndarray.ndarray import NDArray
+
+    n, h, wd, _, kh, kw, cout, _, _ = geom = _geometry(x, w, stride, padding)
+    ho, wo = (h + 2 * padding - kh) // stride + 1, (wd + 2 * padding - kw) // stride + 1
+    x, w = x.compact(), w.compact()
+    out = NDArray.make((n, ho, wo, cout), device=x.device, dtype=x.dtype)
+    mod.conv2d_forward(x._handle, w._handle, out._handle, *geom)
+    return out
+
+
+def weight_grad(x, dy, kernel_shape: tuple, stride: int, padding: int):
+    """The kernel gradient (KH, KW, Cin, Cout) of ``conv(x, ·)`` for output gradient ``dy``."""
+    mod = _module(x, dy)
+    if mod is None:
+        return None
+    from ..backend_ndarray.ndarray import NDArray
+
+    x, dy = x.compact(), dy.compact()
+    n, h, wd, c = x.shape
+    kh, kw, _, cout = kernel_shape
+    dw = NDArray.make(tuple(kernel_shape), device=x.device, dtype=x.dtype)
+    mod.conv2d_weight_grad(x._handle, dy._handle, dw._handle, n, h, wd, c, kh, kw, cout, stride,
+                           padding)
+    return dw
+
+
+def input_grad(dy, w, input_shape: tuple, stride: int, padding: int):
+    """The input gradient (N, H, W, Cin) of ``conv(·, w)`` for output gradient ``dy``."""
+    mod = _module(dy, w)
+    if mod is None:
+        return None
+    from ..backend_ndarray.ndarray import NDArray
+
+    dy, w = dy.compact(), w.compact()
+    n, h, wd, c = input_shape
+    kh, kw, _, cout = w.shape
+    dx = NDArray.make(tuple(input_shape), device=dy.device, dtype=dy.dtype)
+    mod.conv2d_input_grad(dy._handle, w._handle, dx._handle, n, h, wd, c, kh, kw, cout, stride,
+                          padding)
+    return dx

@@ -1,0 +1,280 @@
+"""The C++ backend's matmul, convolution and LSTM-cell kernels against the NumPy reference.
+
+Every case runs on each kernel build the CPU can execute (``_available_isas()``: avx512,
+avx2, baseline), so an AVX-512 machine checks both vector families and an AVX2 one its own;
+hypothesis draws the shapes, strides (transposed and sliced operands), dtypes, thread counts
+and convolution geometries. The reference is ``ndarray_backend_numpy`` (float64 products for
+float32 inputs, so the tolerance only covers the C++ side's rounding).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from needle.backend_ndarray import ndarray_backend_numpy as ref
+
+cpu = pytest.importorskip("needle.backend_ndarray.ndarray_backend_cpu")
+
+ISAS = list(cpu._available_isas())
+TOL = {"float32": 2e-5, "float64": 1e-12}
+
+
+def put(backend, values: np.ndarray, dtype: str):
+    arr = backend.Array(values.size, dtype)
+    backend.from_numpy(np.ascontiguousarray(values, dtype=dtype).reshape(-1), arr)
+    return arr
+
+
+def flat(backend, arr, n=None) -> np.ndarray:
+    return backend.to_numpy(arr, (arr.size if n is None else n,), (1,), 0)
+
+
+def assert_close(actual, expected, dtype, scale=1.0):
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    bound = TOL[dtype] * max(scale, float(np.abs(expected).max(initial=0.0)), 1.0)
+    np.testing.assert_allclose(actual, expected, rtol=0, atol=bound)
+
+
+@pytest.fixture(autouse=True)
+def _restore_isa_and_threads():
+    threads = cpu.get_num_threads()
+    yield
+    cpu._set_isa("auto")
+    cpu.set_num_threads(threads)
+
+
+# ---- kernel families -----------------------------------------------------------------------
+
+def test_available_isas_and_kernel_info():
+    assert ISAS[-1] == "baseline" and len(set(ISAS)) == len(ISAS)
+    for isa in ISAS:
+        cpu._set_isa(isa)
+        info = cpu._kernel_info()
+        assert info["isa"] == isa == cpu._get_isa()
+        assert info["sgemm"].startswith({"avx512": "avx512", "avx2": "avx2",
+                                         "baseline": "portable"}[isa])
+    cpu._set_isa("auto")
+    assert cpu._get_isa() == ISAS[0]  # auto picks the widest build the CPU runs
+    with pytest.raises(ValueError, match="_set_isa: expected 'auto', 'avx512'"):
+        cpu._set_isa("sse9")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_env_var_forces_a_kernel_family(isa):
+    code = ("from needle.backend_ndarray import ndarray_backend_cpu as c; "
+            "print(c._get_isa(), c._kernel_info()['sgemm'])")
+    env = dict(os.environ, NEEDLE_CPU_ISA=isa)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()
+    assert out[0] == isa
+
+
+# ---- matmul: shapes, strides, dtypes, both vector families ---------------------------------
+
+@st.composite
+def matmul_cases(draw):
+    """(m, n, p, a layout, b layout, dtype): layouts 'n' (row-major), 't' (transposed view),
+    's' (a column slice of a wider matrix)."""
+    sizes = st.one_of(st.integers(1, 40), st.integers(41, 200))
+    m, n, p = draw(sizes), draw(sizes), draw(sizes)
+    return (m, n, p, draw(st.sampled_from("nts")), draw(st.sampled_from("nts")),
+            draw(st.sampled_from(["float32", "float64"])))
+
+
+def _operand(rng, rows, cols, layout, dtype):
+    """(values, buffer values, offset, row stride, col stride) of a rows x cols operand."""
+    values = rng.standard_normal((rows, cols))
+    if layout == "n":
+        return values, values, 0, cols, 1
+    if layout == "t":  # stored transposed: element (i, j) at j * rows + i
+        return values, values.T, 0, 1, rows
+    wide = rng.standard_normal((rows, cols + 5))  # a slice [:, 2:2+cols] of a wider matrix
+    wide[:, 2:2 + cols] = values
+    return values, wide, 2, cols + 5, 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=matmul_cases(), isa=st.sampled_from(ISAS), threads=st.sampled_from([1, 2]))
+def test_matmul_strided_matches_reference(case, isa, threads):
+    m, n, p, la, lb, dtype = case
+    cpu._set_isa(isa)
+    cpu.set_num_threads(threads)
+    rng = np.random.default_rng(m * 10007 + n * 101 + p)
+    a, a_buf, a_off, ars, acs = _operand(rng, m, n, la, dtype)
+    b, b_buf, b_off, brs, bcs = _operand(rng, n, p, lb, dtype)
+    ca, cb = put(cpu, a_buf, dtype), put(cpu, b_buf, dtype)
+    out = cpu.Array(m * p, dtype)
+    cpu.fill(out, np.nan)  # must be overwritten, never accumulated into
+    cpu.matmul_strided(ca, cb, out, m, n, p, a_off, ars, acs, b_off, brs, bcs)
+    ra, rb = put(ref, a_buf, "float64"), put(ref, b_buf, "float64")
+    rout = ref.Array(m * p, "float64")
+    ref.matmul_strided(ra, rb, rout, m, n, p, a_off, ars, acs, b_off, brs, bcs)
+    assert_close(flat(cpu, out), flat(ref, rout), dtype, scale=n ** 0.5)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("shape", [(64, 64, 64), (512, 64, 8), (1024, 128, 16), (300, 257, 33),
+                                   (25, 1000, 7), (2048, 48, 260), (96, 512, 512)])
+def test_matmul_kernel_paths(shape, dtype, isa):
+    """Shapes that take each path: B and A read in place (narrow C), two-panel and 256-bit
+    narrow kernels, half tiles, packed operands, several KC blocks."""
+    cpu._set_isa(isa)
+    m, n, p = shape
+    rng = np.random.default_rng(1)
+    a, b = rng.standard_normal((m, n)), rng.standard_normal((n, p))
+    out = cpu.Array(m * p, dtype)
+    cpu.fill(out, np.nan)
+    cpu.matmul(put(cpu, a, dtype), put(cpu, b, dtype), out, m, n, p)
+    expected = a.astype(dtype).astype(np.float64) @ b.astype(dtype).astype(np.float64)
+    assert_close(flat(cpu, out), expected.reshape(-1), dtype, scale=n ** 0.5)
+
+
+# ---- convolution ---------------------------------------------------------------------------
+
+@st.composite
+def conv_cases(draw):
+    """A valid convolution geometry: (n, h, w, c, kh, kw, cout, stride, pad)."""
+    kh, kw = draw(st.integers(1, 7)), draw(st.integers(1, 7))
+    pad = draw(st.integers(0, 3))
+    h = draw(st.integers(max(1, kh - 2 * pad), 12))
+    w = draw(st.integers(max(1, kw - 2 * pad), 12))
+    return (draw(st.integers(1, 4)), h, w, draw(st.integers(1, 20)), kh, kw,
+            draw(st.integers(1, 40)), draw(st.integers(1, 4)), pad)
+
+
+# ResNet9's layers at batch 64: enough work (> 1e7 flop) for the threaded paths.
+RESNET9_CONVS = [(64, 32, 32, 3, 7, 7, 16, 4, 3), (64, 8, 8, 16, 3, 3, 32, 2, 1),
+                 (64, 4, 4, 32, 3, 3, 32, 1, 1), (64, 4, 4, 32, 3, 3, 64, 2, 1),
+                 (64, 2, 2, 64, 3, 3, 128, 2, 1), (64, 1, 1, 128, 3, 3, 128, 1, 1)]
+
+
+def _conv_both(geom, dtype, seed):
+    n, h, w, c, kh, kw, cout, stride, pad = geom
+    ho, wo = (h + 2 * pad - kh) // stride + 1, (w + 2 * pad - kw) // stride + 1
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(n * h * w * c)
+    wt = rng.standard_normal(kh * kw * c * cout)
+    dy = rng.standard_normal(n * ho * wo * cout)
+    results = {}
+    for backend, dt in ((cpu, dtype), (ref, "float64")):
+        bx, bw, bdy = put(backend, x, dt), put(backend, wt, dt), put(backend, dy, dt)
+        out, dw, dx = (backend.Array(size, dt) for size in (dy.size, wt.size, x.size))
+        for arr in (out, dw, dx):
+            backend.fill(arr, np.nan)
+        backend.conv2d_forward(bx, bw, out, *geom)
+        backend.conv2d_weight_grad(bx, bdy, dw, *geom)
+        backend.conv2d_input_grad(bdy, bw, dx, *geom)
+        results[backend] = [flat(backend, arr) for arr in (out, dw, dx)]
+    k = kh * kw * c
+    for got, want, scale in zip(results[cpu], results[ref], (k, n * ho * wo, k), strict=True):
+        assert_close(got, want, dtype, scale=scale ** 0.5)
+
+
+@settings(max_examples=50, deadline=None)
+@given(geom=conv_cases(), dtype=st.sampled_from(["float32", "float64"]),
+       isa=st.sampled_from(ISAS), threads=st.sampled_from([1, 2]))
+def test_conv_kernels_match_reference(geom, dtype, isa, threads):
+    cpu._set_isa(isa)
+    cpu.set_num_threads(threads)
+    _conv_both(geom, dtype, seed=sum(geom))
+
+
+@pytest.mark.timeout(120)  # a deadlock between nested parallel regions would hang here
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("geom", RESNET9_CONVS)
+def test_conv_kernels_on_resnet9_layers(geom, isa):
+    cpu._set_isa(isa)
+    cpu.set_num_threads(2)  # the threaded split (chunks, images for dx, partial dW sums)
+    _conv_both(geom, "float32", seed=7)
+
+
+def test_conv_kernels_refuse_bad_input():
+    a = cpu.Array(4 * 4 * 2)
+    with pytest.raises(ValueError, match="conv2d_forward: expected sizes >= 1"):
+        cpu.conv2d_forward(a, cpu.Array(9), cpu.Array(16), 1, 4, 4, 2, 5, 5, 1, 1, 0)
+    with pytest.raises(ValueError, match="conv2d_forward: w too small"):
+        cpu.conv2d_forward(a, cpu.Array(3), cpu.Array(16), 1, 4, 4, 2, 3, 3, 1, 1, 1)
+    with pytest.raises(ValueError, match="float16"):
+        cpu.conv2d_weight_grad(cpu.Array(32, "float16"), cpu.Array(16, "float16"),
+                               cpu.Array(18, "float16"), 1, 4, 4, 2, 3, 3, 1, 1, 1)
+    with pytest.raises(TypeError, match="dtypes differ"):
+        cpu.conv2d_input_grad(cpu.Array(16, "float64"), cpu.Array(18), a, 1, 4, 4, 2, 3, 3, 1,
+                              1, 1)
+    with pytest.raises(ValueError, match="share memory"):
+        cpu.conv2d_forward(a, cpu.Array(18), a, 1, 4, 4, 2, 3, 3, 1, 1, 1)
+
+
+# ---- LSTM cell -----------------------------------------------------------------------------
+
+def _lstm_both(batch, hidden, dtype, with_bias, seed):
+    rng = np.random.default_rng(seed)
+    z = rng.standard_normal(batch * 4 * hidden) * 3  # saturating gates too
+    bias = rng.standard_normal(4 * hidden)
+    c = rng.standard_normal(batch * hidden)
+    dh, dc = rng.standard_normal(batch * hidden), rng.standard_normal(batch * hidden)
+    results = {}
+    for backend, dt in ((cpu, dtype), (ref, "float64")):
+        outs = [backend.Array(size, dt) for size in
+                (batch * hidden, batch * hidden, batch * 4 * hidden, batch * hidden)]
+        backend.lstm_cell_forward(put(backend, z, dt), put(backend, bias, dt) if with_bias
+                                  else None, put(backend, c, dt), *outs, batch, hidden)
+        grads = [backend.Array(batch * 4 * hidden, dt), backend.Array(batch * hidden, dt)]
+        backend.lstm_cell_backward(outs[2], outs[3], put(backend, c, dt), put(backend, dh, dt),
+                                   put(backend, dc, dt), *grads, batch, hidden)
+        results[backend] = [flat(backend, a) for a in outs + grads]
+    for got, want in zip(results[cpu], results[ref], strict=True):
+        assert_close(got, want, dtype)
+    # the reference itself against the textbook formulas
+    pre = (z.reshape(batch, 4, hidden) + (bias.reshape(1, 4, hidden) if with_bias else 0))
+    sig = 1 / (1 + np.exp(-pre))
+    c2 = sig[:, 1] * c.reshape(batch, hidden) + sig[:, 0] * np.tanh(pre[:, 2])
+    np.testing.assert_allclose(results[ref][1], c2.reshape(-1), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(results[ref][0], (sig[:, 3] * np.tanh(c2)).reshape(-1),
+                               rtol=1e-12, atol=1e-12)
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch=st.integers(1, 20), hidden=st.integers(1, 70),
+       dtype=st.sampled_from(["float32", "float64"]), with_bias=st.booleans(),
+       isa=st.sampled_from(ISAS))
+def test_lstm_cell_kernels_match_reference(batch, hidden, dtype, with_bias, isa):
+    cpu._set_isa(isa)
+    _lstm_both(batch, hidden, dtype, with_bias, seed=batch * 100 + hidden)
+
+
+def test_lstm_cell_kernels_refuse_bad_input():
+    z = cpu.Array(8)
+    with pytest.raises(ValueError, match="lstm_cell_forward: c too small"):
+        cpu.lstm_cell_forward(z, None, cpu.Array(1), cpu.Array(2), cpu.Array(2), cpu.Array(8),
+                              cpu.Array(2), 1, 2)
+    with pytest.raises(ValueError, match="lstm_cell_backward: expected float32 or float64"):
+        half = [cpu.Array(8, "float16")] * 7
+        cpu.lstm_cell_backward(*half, 1, 2)
+
+
+# ---- elementwise outputs large enough for streaming stores (>= 16 MiB) ----------------------
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_large_elementwise_outputs_match_reference(dtype, threads):
+    cpu.set_num_threads(threads)
+    n = (16 << 20) // np.dtype(dtype).itemsize * 2 + 37  # 32 MiB + a ragged tail
+    rng = np.random.default_rng(8)
+    a, b = rng.uniform(-3, 3, n), rng.uniform(-3, 3, n)
+    for isa in ISAS:
+        cpu._set_isa(isa)
+        ca, cb, out = put(cpu, a, dtype), put(cpu, b, dtype), cpu.Array(n, dtype)
+        a32, b32 = a.astype(dtype), b.astype(dtype)
+        cpu.ewise_add(ca, cb, out)
+        np.testing.assert_array_equal(flat(cpu, out), a32 + b32)
+        cpu.scalar_rsub(ca, 0.5, out)
+        np.testing.assert_array_equal(flat(cpu, out), np.asarray(0.5, dtype) - a32)
+        cpu.ewise_tanh(ca, out)
+        assert_close(flat(cpu, out), np.tanh(a32.astype(np.float64)), dtype)

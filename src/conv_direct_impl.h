@@ -1,0 +1,247 @@
+// Direct convolution for inputs with few channels (the first layer of an image model: RGB,
+// KW * Cin <= 24), where an im2col row is mostly short runs and building it costs as much as
+// the arithmetic. Included inside `namespace needle::<isa>` by conv_impl.h (vector builds).
+//
+// Each image is zero-padded once into a per-thread scratch; an output pixel's window is then
+// KH runs of KW * Cin contiguous values, and consecutive pixels of an output row start
+// stride * Cin apart. So the kernels broadcast inputs straight from the padded image:
+//   forward:      8 pixels of a row x Cout (1 or 2 vectors) accumulate over the KH runs;
+//   weight grad:  one run's KW * Cin kernel rows x Cout accumulate over all pixels.
+#if defined(__AVX2__) && defined(__FMA__)
+
+constexpr std::size_t kDirectRows = 8;     // most output pixels per forward tile
+constexpr std::size_t kDirectRunMax = 24;  // KW * Cin the direct kernels take
+
+// Tile heights that keep the accumulators (rows x NV vectors) plus the operands in the 16
+// (AVX2) or 32 (AVX-512) vector registers: forward rows, and weight-grad kernel rows.
+template <class Z, int NV> constexpr int kFwdRows = (Z::W * sizeof(typename Z::T) == 64 || NV == 1) ? 8 : 6;
+template <class Z, int NV> constexpr int kGradRows = (Z::W * sizeof(typename Z::T) == 64 ? 24 : 12) / NV;
+
+inline bool conv_direct_ok(const ConvGeom& g, std::size_t width) {
+  return g.kw * g.c <= 128 && g.cout <= 2 * width;
+}
+
+// The padded image n: (H + 2 pad) x (W + 2 pad) x C, plus slack rows for edge tiles.
+template <class T>
+const T* pad_image(const T* x, const ConvGeom& g, std::size_t n, T* dst) {
+  const std::size_t wp = g.w + 2 * g.pad, hp = g.h + 2 * g.pad, row = wp * g.c;
+  const T* src = x + n * g.h * g.w * g.c;
+  zero_run(dst, g.pad * row);
+  for (std::size_t i = 0; i < g.h; ++i) {
+    T* d = dst + (g.pad + i) * row;
+    zero_run(d, g.pad * g.c);
+    copy_run(d + g.pad * g.c, src + i * g.w * g.c, g.w * g.c);
+    zero_run(d + (g.pad + g.w) * g.c, g.pad * g.c);
+  }
+  zero_run(dst + (g.pad + g.h) * row, (hp - g.pad - g.h) * row);
+  return dst;
+}
+
+inline std::size_t padded_elems(const ConvGeom& g) {
+  const std::size_t row = (g.w + 2 * g.pad) * g.c;
+  // slack: a forward tile reads up to kDirectRows windows past the row's last pixel (or a
+  // paired tile a whole output row past the last), a weight-grad tile up to kDirectRunMax
+  // values past a run
+  return (g.h + 2 * g.pad) * row + kDirectRows * g.stride * g.c + g.kw * g.c + kDirectRunMax +
+         g.stride * row + 64;
+}
+
+// out[r] (r < mr, Cout values) = sum over the KH runs of window(r) . w, window(r) starting at
+// ap + r * lda; NV vectors of Cout.
+// Loads Cout values of B/dy: whole vectors when Cout fills them (masked loads cost more on
+// some CPUs, AVX2's vmaskmov in particular).
+template <class Z>
+inline typename Z::V load_cout(const typename Z::T* p, typename Z::M lanes, bool full) {
+  return full ? Z::loadu(p) : Z::load_mask(p, lanes);
+}
+
+// out[l][r] (output rows l < lines, pixels r < mr of each, Cout values) = sum over the KH runs
+// of window(l, r) . w; window(l, r) starts at ap + l * line_stride + r * lda. LINES = 2 puts two
+// short output rows (Wo <= 4) in one tile, so that each loaded kernel row feeds 2 MR rows.
+template <class Z, int NV, int MR, int LINES = 1, class T = typename Z::T>
+void conv_direct_rows(const T* ap, std::size_t lda, std::size_t line_stride, const ConvGeom& g,
+                      std::size_t row_stride, const T* w, T* out, std::size_t mr,
+                      std::size_t lines) {
+  using V = typename Z::V;
+  constexpr int R = MR * LINES;
+  typename Z::M lanes[NV];
+  for (int v = 0; v < NV; ++v) lanes[v] = Z::mask(int(g.cout) - v * Z::W);
+  const bool full = g.cout == std::size_t(NV * Z::W);
+  V sum[R][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) sum[r][v] = Z::zero();
+  const std::size_t run = g.kw * g.c;
+  const T* bp = w;
+  for (std::size_t a = 0; a < g.kh; ++a) {
+    const T* seg = ap + a * row_stride;
+#pragma GCC unroll 4
+    for (std::size_t kk = 0; kk < run; ++kk, bp += g.cout) {
+      V b[NV];
+#pragma GCC unroll 2
+      for (int v = 0; v < NV; ++v) b[v] = load_cout<Z>(bp + v * Z::W, lanes[v], full);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const V x = Z::bcast(seg + (r / MR) * line_stride + (r % MR) * lda + kk);
+#pragma GCC unroll 2
+        for (int v = 0; v < NV; ++v) sum[r][v] = Z::fma(x, b[v], sum[r][v]);
+      }
+    }
+  }
+  // constant trip counts (an early exit, not a runtime bound) keep `sum` in registers
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    if (std::size_t(r % MR) >= mr || std::size_t(r / MR) >= lines) continue;
+    T* o = out + ((r / MR) * g.wo + (r % MR)) * g.cout;
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) Z::store_mask(o + v * Z::W, sum[r][v], lanes[v]);
+  }
+}
+
+// The forward tile height for an output row of `wo` pixels: the kernel heights (8, 6, 4 that
+// fit the registers) that compute the fewest padded rows, the taller on a tie.
+inline std::size_t direct_tile(std::size_t wo, std::size_t max_rows) {
+  std::size_t best = 4, best_rows = ceil_div(wo, 4) * 4;
+  for (std::size_t t : {std::size_t(6), std::size_t(8)}) {
+    if (t > max_rows) continue;
+    const std::size_t rows = ceil_div(wo, t) * t;
+    if (rows <= best_rows) best = t, best_rows = rows;
+  }
+  return best;
+}
+
+template <class T>
+void conv_forward_direct(const T* x, const T* w, T* out, const ConvGeom& g, int nt) {
+  const std::size_t row = (g.w + 2 * g.pad) * g.c, lda = g.stride * g.c;
+  const bool one = g.cout <= std::size_t(Vec<T>::W);
+  const std::size_t tile = direct_tile(g.wo, std::size_t(one ? kFwdRows<Vec<T>, 1>
+                                                             : kFwdRows<Vec<T>, 2>));
+  // Output rows of <= 4 pixels go two per tile when 8 rows of accumulators fit the registers.
+  const bool paired = g.wo <= 4 && g.ho > 1 && (one || kFwdRows<Vec<T>, 2> >= 8);
+  const std::size_t line = g.stride * row;
+  const auto body = [&] {
+    T* padded = tls_conv_rows.get<T>(padded_elems(g));
+#pragma omp for schedule(static)
+    for (std::size_t n = 0; n < g.n; ++n) {
+      pad_image(x, g, n, padded);
+      T* image_out = out + n * g.ho * g.wo * g.cout;
+      if (paired) {  // two output rows of at most 4 pixels per tile
+        for (std::size_t oh = 0; oh < g.ho; oh += 2) {
+          const T* ap = padded + oh * g.stride * row;
+          const std::size_t lines = min_size(2, g.ho - oh);
+          T* o = image_out + oh * g.wo * g.cout;
+          if (one) conv_direct_rows<Vec<T>, 1, 4, 2>(ap, lda, line, g, row, w, o, g.wo, lines);
+          else conv_direct_rows<Vec<T>, 2, 4, 2>(ap, lda, line, g, row, w, o, g.wo, lines);
+        }
+        continue;
+      }
+      for (std::size_t oh = 0; oh < g.ho; ++oh) {
+        const T* ap = padded + oh * g.stride * row;
+        T* o = image_out + oh * g.wo * g.cout;
+        for (std::size_t w0 = 0; w0 < g.wo; w0 += tile) {
+          const std::size_t mr = min_size(tile, g.wo - w0);
+          const T* a0 = ap + w0 * lda;
+          T* o0 = o + w0 * g.cout;
+          if (one) {
+            if (tile == 8) conv_direct_rows<Vec<T>, 1, 8>(a0, lda, 0, g, row, w, o0, mr, 1);
+            else if (tile == 6) conv_direct_rows<Vec<T>, 1, 6>(a0, lda, 0, g, row, w, o0, mr, 1);
+            else conv_direct_rows<Vec<T>, 1, 4>(a0, lda, 0, g, row, w, o0, mr, 1);
+          } else {
+            if (tile == 8) conv_direct_rows<Vec<T>, 2, 8>(a0, lda, 0, g, row, w, o0, mr, 1);
+            else if (tile == 6) conv_direct_rows<Vec<T>, 2, 6>(a0, lda, 0, g, row, w, o0, mr, 1);
+            else conv_direct_rows<Vec<T>, 2, 4>(a0, lda, 0, g, row, w, o0, mr, 1);
+          }
+        }
+      }
+    }
+  };
+  if (nt > 1) {
+#pragma omp parallel num_threads(nt)
+    body();
+  } else {
+    body();
+  }
+}
+
+// dw rows [r0, r0 + MR) of run a (of its KW * C rows x Cout) += sum over image n's pixels of
+// window values (x) dy[pixel].
+template <class Z, int NV, class T = typename Z::T>
+void conv_direct_wgrad_rows(const T* padded, const ConvGeom& g, std::size_t row_stride,
+                            std::size_t a, std::size_t r0, const T* dy, T* dw) {
+  using V = typename Z::V;
+  constexpr int MR = kGradRows<Z, NV>;
+  const std::size_t run = g.kw * g.c - r0;
+  typename Z::M lanes[NV];
+  for (int v = 0; v < NV; ++v) lanes[v] = Z::mask(int(g.cout) - v * Z::W);
+  const bool full = g.cout == std::size_t(NV * Z::W);
+  V sum[MR][NV];
+#pragma GCC unroll 24
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) sum[r][v] = Z::zero();
+  for (std::size_t oh = 0; oh < g.ho; ++oh) {
+    const T* base = padded + (oh * g.stride + a) * row_stride + r0;
+    for (std::size_t ow = 0; ow < g.wo; ++ow, base += g.stride * g.c, dy += g.cout) {
+      V b[NV];
+#pragma GCC unroll 2
+      for (int v = 0; v < NV; ++v) b[v] = load_cout<Z>(dy + v * Z::W, lanes[v], full);
+#pragma GCC unroll 24
+      for (int r = 0; r < MR; ++r) {  // rows past the run read the next values: discarded
+        const V x = Z::bcast(base + r);
+#pragma GCC unroll 2
+        for (int v = 0; v < NV; ++v) sum[r][v] = Z::fma(x, b[v], sum[r][v]);
+      }
+    }
+  }
+  T* d = dw + (a * g.kw * g.c + r0) * g.cout;
+#pragma GCC unroll 24
+  for (int r = 0; r < MR; ++r) {
+    if (std::size_t(r) >= run) break;  // rows of this run left from r0
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) {
+      T* p = d + r * g.cout + v * Z::W;
+      Z::store_mask(p, Z::add(sum[r][v], Z::load_mask(p, lanes[v])), lanes[v]);
+    }
+  }
+}
+
+template <class T>
+void conv_weight_grad_direct(const T* x, const T* dy, T* dw, const ConvGeom& g, int nt) {
+  const std::size_t k = g.k(), p = g.cout, row = (g.w + 2 * g.pad) * g.c;
+  T* partial = nt > 1 ? static_cast<T*>(needle_alloc(std::size_t(nt) * k * p * sizeof(T)))
+                      : nullptr;
+  const auto body = [&](int t) {
+    T* padded = tls_conv_rows.get<T>(padded_elems(g));
+    T* acc = nt > 1 ? partial + std::size_t(t) * k * p : dw;
+    std::memset(acc, 0, k * p * sizeof(T));
+#pragma omp for schedule(static)
+    for (std::size_t n = 0; n < g.n; ++n) {
+      pad_image(x, g, n, padded);
+      const T* dyn = dy + n * g.ho * g.wo * p;
+      const bool one = p <= std::size_t(Vec<T>::W);
+      const std::size_t tile = one ? kGradRows<Vec<T>, 1> : kGradRows<Vec<T>, 2>;
+      for (std::size_t a = 0; a < g.kh; ++a) {
+        for (std::size_t r0 = 0; r0 < g.kw * g.c; r0 += tile) {
+          if (one) conv_direct_wgrad_rows<Vec<T>, 1>(padded, g, row, a, r0, dyn, acc);
+          else conv_direct_wgrad_rows<Vec<T>, 2>(padded, g, row, a, r0, dyn, acc);
+        }
+      }
+    }
+  };
+  if (nt > 1) {
+#pragma omp parallel num_threads(nt)
+    body(team_rank());
+    parallel_range(k * p, kParallelMinElements, [&](std::size_t s, std::size_t e) {
+      for (std::size_t i = s; i < e; ++i) {
+        T sum = partial[i];
+        for (int t = 1; t < nt; ++t) sum += partial[std::size_t(t) * k * p + i];
+        dw[i] = sum;
+      }
+    });
+    needle_free(partial);
+  } else {
+    body(0);
+  }
+}
+#endif

@@ -1,0 +1,267 @@
+// 2-D convolution (NHWC input, (KH, KW, Cin, Cout) kernel) without a materialised im2col
+// matrix. Included inside `namespace needle::<isa>` by kernels_impl.h, after matmul_impl.h.
+//
+// Every kernel walks the output pixels in chunks. A chunk's im2col rows (one row of
+// KH*KW*Cin values per output pixel, zeros where the window leaves the input) are built in a
+// per-thread scratch that stays in L2, and the packed matmul runs on that scratch:
+//
+//   forward      out[chunk]   = rows @ W                    (W: K x Cout, read in place)
+//   weight grad  dW          += rows^T @ dY[chunk]           (per-thread partial dW, summed)
+//   input grad   dX[chunk]  <-+ col2im(dY[chunk] @ W^T)      (scatter-add, images split
+//                                                             between threads: no races)
+//
+// so the full im2col matrix (for ResNet9's first layer 4.8 MB per batch) is never written to
+// or read back from memory, and padding costs nothing (no padded copy of the input).
+
+// ConvGeom (kernels.h) describes the geometry; the bindings have checked it against the
+// buffers.
+
+// Pixels per chunk: a multiple of 24 (the row tile of the widest micro-kernel) whose im2col
+// rows take about 192 KiB.
+inline std::size_t conv_chunk(const ConvGeom& g, std::size_t item) {
+  std::size_t rows = (std::size_t(192) << 10) / (g.k() * item);
+  rows = rows < 24 ? 24 : (rows > 1536 ? 1536 : rows);
+  return rows / 24 * 24;
+}
+
+// dst[0..len) = src[0..len) and zero fills for im2col rows, which are written front to back:
+// the last vector of a run is stored whole (zeros past `len`, from a masked load), spilling
+// up to one vector into what is written next (or into the scratch's slack). Masked stores
+// would be exact but cost several times a plain store on some CPUs (AMD Zen 4).
+template <class T>
+inline void copy_run(T* dst, const T* src, std::size_t len) {
+#if defined(__AVX2__) && defined(__FMA__)
+  using Z = Vec<T>;
+  std::size_t i = 0;
+  for (; i + Z::W <= len; i += Z::W) Z::storeu(dst + i, Z::loadu(src + i));
+  if (i < len) Z::storeu(dst + i, Z::load_mask(src + i, Z::mask(int(len - i))));
+#else
+  std::memcpy(dst, src, len * sizeof(T));
+#endif
+}
+
+template <class T>
+inline void zero_run(T* dst, std::size_t len) {
+#if defined(__AVX2__) && defined(__FMA__)
+  using Z = Vec<T>;
+  for (std::size_t i = 0; i < len; i += Z::W) Z::storeu(dst + i, Z::zero());
+#else
+  std::memset(dst, 0, len * sizeof(T));
+#endif
+}
+
+template <class T>
+inline void add_run(T* dst, const T* src, std::size_t len) {
+#pragma omp simd
+  for (std::size_t i = 0; i < len; ++i) dst[i] += src[i];
+}
+
+// The window of output pixel `pixel`: its image, the input row/col of its top-left tap (may
+// be negative) and the range of kernel columns [kw_lo, kw_hi) that fall inside the input.
+struct Window {
+  std::size_t n;
+  std::ptrdiff_t hi0, wi0;
+  std::size_t kw_lo, kw_hi;
+};
+
+inline Window window_of(const ConvGeom& g, std::size_t pixel) {
+  Window win;
+  const std::size_t per_image = g.ho * g.wo;
+  win.n = pixel / per_image;
+  const std::size_t rem = pixel % per_image, oh = rem / g.wo, ow = rem % g.wo;
+  win.hi0 = std::ptrdiff_t(oh * g.stride) - std::ptrdiff_t(g.pad);
+  win.wi0 = std::ptrdiff_t(ow * g.stride) - std::ptrdiff_t(g.pad);
+  const std::ptrdiff_t lo = -win.wi0, hi = std::ptrdiff_t(g.w) - win.wi0;
+  win.kw_lo = lo > 0 ? std::size_t(lo) : 0;
+  win.kw_hi = hi < std::ptrdiff_t(g.kw) ? (hi > 0 ? std::size_t(hi) : 0) : g.kw;
+  if (win.kw_hi < win.kw_lo) win.kw_hi = win.kw_lo;
+  return win;
+}
+
+// Rows [0, count) of dst (row stride ldd) = the im2col rows of pixels [first, first + count).
+template <class T>
+void im2col_rows(const T* x, const ConvGeom& g, std::size_t first, std::size_t count, T* dst,
+                 std::size_t ldd) {
+  const std::size_t seg = g.kw * g.c;  // one kernel row: KW * Cin values, contiguous in x
+  const std::size_t row_stride = g.w * g.c;
+  for (std::size_t i = 0; i < count; ++i) {
+    const Window win = window_of(g, first + i);
+    T* row = dst + i * ldd;
+    const std::size_t lo = win.kw_lo * g.c, len = (win.kw_hi - win.kw_lo) * g.c;
+    const T* src = x + win.n * g.h * row_stride +
+                   std::ptrdiff_t(win.wi0 + std::ptrdiff_t(win.kw_lo)) * std::ptrdiff_t(g.c);
+    for (std::size_t a = 0; a < g.kh; ++a, row += seg) {
+      const std::ptrdiff_t hi = win.hi0 + std::ptrdiff_t(a);
+      if (hi < 0 || hi >= std::ptrdiff_t(g.h) || len == 0) {
+        zero_run(row, seg);
+        continue;
+      }
+      if (lo) zero_run(row, lo);
+      copy_run(row + lo, src + std::size_t(hi) * row_stride, len);
+      if (lo + len < seg) zero_run(row + lo + len, seg - lo - len);
+    }
+  }
+}
+
+// dx[pixels' windows] += rows (the inverse of im2col_rows, accumulating; out-of-input taps
+// are dropped).
+template <class T>
+void col2im_rows_add(const T* rows, std::size_t ldr, const ConvGeom& g, std::size_t first,
+                     std::size_t count, T* dx) {
+  const std::size_t seg = g.kw * g.c;
+  for (std::size_t i = 0; i < count; ++i) {
+    const Window win = window_of(g, first + i);
+    const T* row = rows + i * ldr;
+    T* image = dx + win.n * g.h * g.w * g.c;
+    for (std::size_t a = 0; a < g.kh; ++a, row += seg) {
+      const std::ptrdiff_t hi = win.hi0 + std::ptrdiff_t(a);
+      if (hi < 0 || hi >= std::ptrdiff_t(g.h) || win.kw_lo == win.kw_hi) continue;
+      T* dst = image + (std::size_t(hi) * g.w + std::size_t(win.wi0 + std::ptrdiff_t(win.kw_lo))) * g.c;
+      add_run(dst, row + win.kw_lo * g.c, (win.kw_hi - win.kw_lo) * g.c);
+    }
+  }
+}
+
+inline thread_local Scratch tls_conv_rows;
+
+inline int conv_threads(const ConvGeom& g) {
+  const double flops = 2.0 * double(g.pixels()) * double(g.k()) * double(g.cout);
+  return flops >= kParallelMinFlops ? num_threads() : 1;
+}
+
+#include "conv_direct_impl.h"
+
+// out (pixels x Cout) = im2col(x) @ w.
+template <class T>
+void conv_forward_t(const T* x, const T* w, T* out, const ConvGeom& g) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (conv_direct_ok(g, Vec<T>::W)) {
+    return conv_forward_direct(x, w, out, g, g.n > 1 ? conv_threads(g) : 1);
+  }
+#endif
+  const std::size_t k = g.k(), p = g.cout, total = g.pixels(), chunk = conv_chunk(g, sizeof(T));
+  const std::size_t chunks = ceil_div(total, chunk);
+  const int nt = conv_threads(g);
+  const auto body = [&] {
+    // slack: whole-vector stores and edge tiles run up to one vector past the last row
+    T* rows = tls_conv_rows.get<T>(chunk * k + 64);
+#pragma omp for schedule(static)
+    for (std::size_t ci = 0; ci < chunks; ++ci) {
+      const std::size_t first = ci * chunk, count = min_size(chunk, total - first);
+      im2col_rows(x, g, first, count, rows, k);
+      gemm_nt(rows, std::ptrdiff_t(k), 1, w, std::ptrdiff_t(p), 1, out + first * p, p, count, k,
+              p, 1, false);
+    }
+  };
+  if (nt > 1) {
+#pragma omp parallel num_threads(nt)
+    body();
+  } else {
+    body();
+  }
+}
+
+// dw (K x Cout) = im2col(x)^T @ dy: each thread sums its chunks into its own partial dw.
+template <class T>
+void conv_weight_grad_t(const T* x, const T* dy, T* dw, const ConvGeom& g) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (conv_direct_ok(g, Vec<T>::W)) {
+    return conv_weight_grad_direct(x, dy, dw, g, g.n > 1 ? conv_threads(g) : 1);
+  }
+#endif
+  const std::size_t k = g.k(), p = g.cout, total = g.pixels(), chunk = conv_chunk(g, sizeof(T));
+  const std::size_t chunks = ceil_div(total, chunk);
+  const int nt = chunks > 1 ? conv_threads(g) : 1;
+  T* partial = nt > 1 ? static_cast<T*>(needle_alloc(std::size_t(nt) * k * p * sizeof(T)))
+                      : nullptr;
+  const auto body = [&](int t) {
+    T* rows = tls_conv_rows.get<T>(chunk * k + 64);
+    T* acc = nt > 1 ? partial + std::size_t(t) * k * p : dw;
+    std::memset(acc, 0, k * p * sizeof(T));
+#pragma omp for schedule(static)
+    for (std::size_t ci = 0; ci < chunks; ++ci) {
+      const std::size_t first = ci * chunk, count = min_size(chunk, total - first);
+      im2col_rows(x, g, first, count, rows, k);
+      // rows^T: element (kk, pixel) at rows[pixel * k + kk]
+      gemm_nt(rows, 1, std::ptrdiff_t(k), dy + first * p, std::ptrdiff_t(p), 1, acc, p, k,
+              count, p, 1, true);
+    }
+  };
+  if (nt > 1) {
+#pragma omp parallel num_threads(nt)
+    body(team_rank());
+    parallel_range(k * p, kParallelMinElements, [&](std::size_t s, std::size_t e) {
+      for (std::size_t i = s; i < e; ++i) {
+        T sum = partial[i];
+        for (int t = 1; t < nt; ++t) sum += partial[std::size_t(t) * k * p + i];
+        dw[i] = sum;
+      }
+    });
+    needle_free(partial);
+  } else {
+    body(0);
+  }
+}
+
+// dx = col2im(dy @ w^T), zeroed first. Threads own whole images, so their scatter-adds never
+// touch the same element. w^T is made compact once (K x Cout is small) so B is read in rows.
+template <class T>
+void conv_input_grad_t(const T* dy, const T* w, T* dx, const ConvGeom& g) {
+  const std::size_t k = g.k(), p = g.cout, chunk = conv_chunk(g, sizeof(T));
+  const std::size_t per_image = g.ho * g.wo;
+  T* wt = static_cast<T*>(needle_alloc(k * p * sizeof(T)));
+  for (std::size_t kk = 0; kk < k; ++kk)
+    for (std::size_t o = 0; o < p; ++o) wt[o * k + kk] = w[kk * p + o];
+  const int nt = g.n > 1 ? conv_threads(g) : 1;
+  const auto body = [&](std::size_t t, std::size_t teams) {
+    T* rows = tls_conv_rows.get<T>(chunk * k + 64);
+    const std::size_t n0 = g.n * t / teams, n1 = g.n * (t + 1) / teams;
+    std::memset(dx + n0 * g.h * g.w * g.c, 0, (n1 - n0) * g.h * g.w * g.c * sizeof(T));
+    const std::size_t end = n1 * per_image;
+    for (std::size_t first = n0 * per_image; first < end; first += chunk) {
+      const std::size_t count = min_size(chunk, end - first);
+      gemm_nt(dy + first * p, std::ptrdiff_t(p), 1, wt, std::ptrdiff_t(k), 1, rows, k, count,
+              p, k, 1, false);
+      col2im_rows_add(rows, k, g, first, count, dx);
+    }
+  };
+  try {
+    if (nt > 1) {
+#pragma omp parallel num_threads(nt)
+      body(std::size_t(team_rank()), std::size_t(team_size()));
+    } else {
+      body(0, 1);
+    }
+  } catch (...) {
+    needle_free(wt);
+    throw;
+  }
+  needle_free(wt);
+}
+
+void conv_forward(DType t, const void* x, const void* w, void* out, const ConvGeom& g) {
+  if (t == DType::f32) {
+    return conv_forward_t(static_cast<const float*>(x), static_cast<const float*>(w),
+                          static_cast<float*>(out), g);
+  }
+  conv_forward_t(static_cast<const double*>(x), static_cast<const double*>(w),
+                 static_cast<double*>(out), g);
+}
+
+void conv_weight_grad(DType t, const void* x, const void* dy, void* dw, const ConvGeom& g) {
+  if (t == DType::f32) {
+    return conv_weight_grad_t(static_cast<const float*>(x), static_cast<const float*>(dy),
+                              static_cast<float*>(dw), g);
+  }
+  conv_weight_grad_t(static_cast<const double*>(x), static_cast<const double*>(dy),
+                     static_cast<double*>(dw), g);
+}
+
+void conv_input_grad(DType t, const void* dy, const void* w, void* dx, const ConvGeom& g) {
+  if (t == DType::f32) {
+    return conv_input_grad_t(static_cast<const float*>(dy), static_cast<const float*>(w),
+                             static_cast<float*>(dx), g);
+  }
+  conv_input_grad_t(static_cast<const double*>(dy), static_cast<const double*>(w),
+                    static_cast<double*>(dx), g);
+}
