@@ -50,6 +50,10 @@ struct Block {
   Block* free_next;
   bool free;
   Category category;
+  // A planned buffer: a piece of an arena block (see mem::plan_begin), outside every
+  // segment's block list; `owner` is the arena block.
+  bool view = false;
+  Block* owner = nullptr;
 };
 
 const char* category_name(Category c) noexcept { return kCategoryNames[int(c)]; }
@@ -114,14 +118,70 @@ class CachingAllocator {
  public:
   Block* allocate(std::size_t requested, Category cat) {
     std::lock_guard<std::mutex> lock(mu_);
+    if (plan_active_ && cat != Category::workspace) {
+      Block* v = plan_next_locked(requested, cat);
+      if (v != nullptr) return v;
+    }
     return allocate_locked(requested, cat);
   }
   void release(Block* b) {
     std::lock_guard<std::mutex> lock(mu_);
+    if (b->view) {
+      release_view_locked(b);
+      return;
+    }
     release_locked(b);
+  }
+  void plan_begin(std::size_t arena_bytes, std::vector<mem::PlanEntry> entries) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (plan_active_) {
+      throw std::logic_error("plan_begin: expected no planned run in progress, got one");
+    }
+    for (const mem::PlanEntry& e : entries) {
+      if (e.offset >= 0 && (std::size_t(e.offset) + e.size > arena_bytes || e.size < e.requested)) {
+        throw std::invalid_argument("plan_begin: expected every planned buffer inside the arena of " +
+                                    std::to_string(arena_bytes) + " bytes, got one at offset " +
+                                    std::to_string(e.offset) + " of " + std::to_string(e.size) + " bytes");
+      }
+    }
+    arena_ = allocate_locked(arena_bytes, Category::activation);
+    arenas_[arena_] = ArenaState{0, false};
+    plan_ = std::move(entries);
+    plan_count_ = 0;
+    plan_diverged_ = -1;
+    plan_reason_.clear();
+    cur_views_.clear();
+    plan_active_ = true;
+  }
+  mem::PlanResult plan_end() {
+    std::lock_guard<std::mutex> lock(mu_);
+    mem::PlanResult r{std::int64_t(plan_count_), plan_diverged_, plan_reason_};
+    if (!plan_active_) return r;
+    plan_active_ = false;
+    if (r.diverged < 0 && plan_count_ < plan_.size()) {
+      r.reason = "fewer allocations than traced, expected " + std::to_string(plan_.size()) +
+                 ", got " + std::to_string(plan_count_);
+    }
+    ArenaState& st = arenas_[arena_];
+    st.finished = true;
+    if (st.live == 0) {
+      arenas_.erase(arena_);
+      release_locked(arena_);
+    }
+    arena_ = nullptr;
+    plan_.clear();
+    for (Block* v : cur_views_) {
+      if (v->free) spare_.push_back(v);  // live ones go to spare_ when released
+    }
+    cur_views_.clear();
+    return r;
   }
   void retag(Block* b, Category cat) {
     std::lock_guard<std::mutex> lock(mu_);
+    if (b->view) {  // its bytes are the arena's, counted once under the arena's category
+      b->category = cat;
+      return;
+    }
     const Category old = b->category;
     if (b->free || old == cat) return;
     count(old, -std::int64_t(b->size), -std::int64_t(b->requested));
@@ -224,6 +284,77 @@ class CachingAllocator {
   }
 
  private:
+  struct ArenaState {
+    std::size_t live;  // views handed out and not yet released
+    bool finished;     // plan_end ran: the arena goes back once `live` reaches 0
+  };
+  void diverge(std::string reason) {
+    plan_diverged_ = std::int64_t(plan_count_) - 1;
+    plan_reason_ = std::move(reason);
+  }
+  // The planned block for the next request, or nullptr when it is to be served from the
+  // pools: a planned output, or a run that left the trace (then every later request is served
+  // from the pools, so a divergent run stays correct, only unplanned).
+  Block* plan_next_locked(std::size_t requested, Category cat) {
+    const std::size_t k = plan_count_++;
+    if (plan_diverged_ >= 0) return nullptr;
+    if (k >= plan_.size()) {
+      diverge("more allocations than traced, expected " + std::to_string(plan_.size()) +
+              ", got allocation #" + std::to_string(k) + " of " + std::to_string(requested) +
+              " bytes");
+      return nullptr;
+    }
+    const mem::PlanEntry& e = plan_[k];
+    if (e.requested != requested) {
+      diverge("allocation #" + std::to_string(k) + " differs from the trace, expected " +
+              std::to_string(e.requested) + " bytes, got " + std::to_string(requested));
+      return nullptr;
+    }
+    if (e.offset < 0) return nullptr;
+    const std::size_t lo = std::size_t(e.offset), hi = lo + e.size;
+    for (std::size_t i = 0; i < cur_views_.size();) {
+      Block* v = cur_views_[i];
+      if (v->free) {  // released: drop it from the live list
+        cur_views_[i] = cur_views_.back();
+        cur_views_.pop_back();
+        spare_.push_back(v);
+        continue;
+      }
+      const std::size_t vlo = v->offset - arena_->offset, vhi = vlo + v->size;
+      if (lo < vhi && vlo < hi) {
+        diverge("allocation #" + std::to_string(k) + " would share bytes with a planned buffer "
+                "still alive (released later than traced)");
+        return nullptr;
+      }
+      ++i;
+    }
+    Block* v;
+    if (spare_.empty()) {
+      v = new Block;
+    } else {
+      v = spare_.back();
+      spare_.pop_back();
+    }
+    *v = Block{arena_->seg, arena_->offset + lo, e.size, requested, next_id_++, nullptr, nullptr,
+               nullptr, nullptr, false, cat, true, arena_};
+    ++arenas_[arena_].live;
+    cur_views_.push_back(v);
+    return v;
+  }
+  void release_view_locked(Block* v) {
+    Block* arena = v->owner;
+    v->free = true;
+    ArenaState& st = arenas_[arena];
+    --st.live;
+    const bool current = arena == arena_;
+    if (st.finished && st.live == 0) {
+      arenas_.erase(arena);
+      release_locked(arena);
+    }
+    // a view of the running plan stays in cur_views_ (recycled at the next overlap scan)
+    if (!current) spare_.push_back(v);
+  }
+
   Block* allocate_locked(std::size_t requested, Category cat);
   void release_locked(Block* b);
   Block* new_segment(Pool pool, std::size_t size, std::size_t requested, Category cat);
@@ -269,6 +400,16 @@ class CachingAllocator {
   std::size_t limit_ = 0;  // 0: no limit on reserved bytes
   bool recording_ = false;
   std::vector<mem::Event> events_;
+
+  // the planned run (mem::plan_begin .. plan_end)
+  bool plan_active_ = false;
+  std::vector<mem::PlanEntry> plan_;
+  std::size_t plan_count_ = 0;
+  std::int64_t plan_diverged_ = -1;
+  std::string plan_reason_;
+  Block* arena_ = nullptr;
+  std::vector<Block*> cur_views_;  // views of arena_ handed out (released ones until scanned)
+  std::unordered_map<Block*, ArenaState> arenas_;  // arenas with views alive, by arena block
 
   std::mutex op_mu_;
   std::unordered_map<std::string, int> op_ids_;
@@ -489,6 +630,10 @@ void set_limit(std::size_t bytes) { the_allocator().set_limit(bytes); }
 std::size_t limit() { return the_allocator().limit(); }
 std::size_t largest_free_block() { return the_allocator().largest_free_block(); }
 std::vector<LiveBlock> live_blocks() { return the_allocator().live_blocks(); }
+void plan_begin(std::size_t arena_bytes, std::vector<PlanEntry> entries) {
+  the_allocator().plan_begin(arena_bytes, std::move(entries));
+}
+PlanResult plan_end() { return the_allocator().plan_end(); }
 bool set_recording(bool on) { return the_allocator().set_recording(on); }
 std::vector<Event> events(bool clear) { return the_allocator().events(clear); }
 int intern_op(const std::string& name) { return the_allocator().intern_op(name); }

@@ -110,6 +110,31 @@ struct LiveBlock {
 // Every block in use now, in segment order.
 std::vector<LiveBlock> live_blocks();
 
+// ---- planned runs (needle.memory's Plan.run on cpu) -----------------------------------
+//
+// Between plan_begin and plan_end the k-th request of a category other than "workspace"
+// (kernel scratch, allocated from worker threads in no fixed order) is served by entry k: at
+// `offset` in one arena block allocated by plan_begin (`size` bytes, released as a no-op), or
+// from the pools when `offset` is -1 (a buffer that outlives the run). A request whose size
+// differs from its entry, one past the last entry, or a planned buffer whose bytes are still
+// held by a live one (a lifetime longer than traced) makes the run *diverge*: that request and
+// every later one are served from the pools, so results stay right, and plan_end reports it.
+// The arena is released once plan_end ran and its last planned buffer was released.
+struct PlanEntry {
+  std::size_t requested;
+  std::int64_t offset;  // -1: served from the pools
+  std::size_t size;     // bytes reserved at offset (>= requested)
+};
+struct PlanResult {
+  std::int64_t count;     // requests seen
+  std::int64_t diverged;  // index of the first request off the plan, -1 if none
+  std::string reason;     // empty when the run followed the plan exactly
+};
+// Throws std::logic_error when a planned run is already in progress, std::invalid_argument
+// when an entry does not fit in the arena.
+void plan_begin(std::size_t arena_bytes, std::vector<PlanEntry> entries);
+PlanResult plan_end();
+
 // ---- event log (the timeline of needle.memory.record) ----------------------------------
 
 enum class EventKind : std::uint8_t { alloc, free, retag };

@@ -17,6 +17,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "allocator.h"
@@ -232,6 +233,17 @@ void bind(py::module_& m, ArrayClass& cls) {
     t_category = name.is_none() ? -1 : int(to_category(name, "allocator_set_category"));
     return prev < 0 ? py::object(py::none()) : py::object(py::str(category_name(Category(prev))));
   }, py::arg("name"), "This thread's category for new Arrays (None: unset); returns the previous.");
+  m.def("allocator_plan_begin", [](std::size_t arena_bytes, const std::vector<std::tuple<std::size_t, std::int64_t, std::size_t>>& entries) {
+    std::vector<mem::PlanEntry> plan;
+    plan.reserve(entries.size());
+    for (const auto& [requested, offset, size] : entries) plan.push_back(mem::PlanEntry{requested, offset, size});
+    mem::plan_begin(arena_bytes, std::move(plan));
+  }, py::arg("arena_bytes"), py::arg("entries"),
+        "Serve the next requests from (requested, offset, size) entries: offset -1 from the pools.");
+  m.def("allocator_plan_end", [] {
+    const mem::PlanResult r = mem::plan_end();
+    return py::make_tuple(r.count, r.diverged, r.reason);
+  }, "End the planned run: (requests seen, first divergent request or -1, reason or '').");
   m.def("allocator_record", &mem::set_recording, py::arg("on"),
         "Switch the event log on or off; returns the previous state.");
   m.def("allocator_events", &events_list, py::arg("clear") = true,

@@ -15,6 +15,16 @@ A request whose size differs from the trace, or one more than were traced, raise
 :class:`MemoryPlanError`: the call is not repeatable (e.g. ``.grad`` accumulating into an
 existing gradient, or an optimiser creating its state on the first step only).
 
+On ``cpu`` the C++ allocator itself serves the plan (``allocator_plan_begin``/``_end`` of
+``ndarray_backend_cpu``, see src/allocator.h): the same sequence, checked the same way; a run
+that leaves the trace there is served from the pools from that request on (its results stay
+right) and the error is raised when the call returns.
+
+``strict=False`` (what :func:`needle.compile` uses) never raises for a divergent run: the
+Python arena then also serves every later request from the caching allocator, and also
+when a planned buffer would reuse bytes that a longer-lived one still holds; the return value
+says whether the run followed the plan.
+
 Example:
     >>> import numpy as np, needle as ndl
     >>> from needle.memory import plan, trace
@@ -61,8 +71,11 @@ class ArenaAllocator:
     """Serves the traced allocation sequence from one arena block (intermediates) or the
     caching allocator (outputs)."""
 
-    def __init__(self, plan, real):
+    def __init__(self, plan, real, strict: bool = True):
         graph = plan.graph
+        self.strict = strict
+        self.diverged: str | None = None
+        self.views: list[ArenaBlock] = []
         self.real = real
         self.sequence = graph.allocations
         self.offsets = plan.assignments
@@ -73,23 +86,42 @@ class ArenaAllocator:
         self.block = real.allocate(plan.peak_bytes, category="activation")
         self.data = self.block.view("uint8", plan.peak_bytes)
 
+    def _diverge(self, message: str) -> None:
+        if self.strict:
+            raise MemoryPlanError(f"run: {message} (is the traced call repeatable?)")
+        self.diverged = message
+
     def allocate(self, nbytes: int, dtype=None, category: str | None = None):
         j = self.count
+        if self.diverged is not None:
+            self.count += 1
+            return self.real.allocate(nbytes, dtype, category)
         if j >= len(self.sequence):
-            raise MemoryPlanError(
-                f"run: more allocations than traced, expected {len(self.sequence)}, got "
-                f"allocation #{j} of {nbytes} bytes (is the traced call repeatable?)")
+            self._diverge(f"more allocations than traced, expected {len(self.sequence)}, got "
+                          f"allocation #{j} of {nbytes} bytes")
+            return self.allocate(nbytes, dtype, category)
         tensor_id, want = self.sequence[j]
         if nbytes != want:
-            raise MemoryPlanError(
-                f"run: allocation #{j} differs from the trace, expected {want} bytes, got "
-                f"{nbytes} (is the traced call repeatable?)")
-        self.count += 1
+            self._diverge(f"allocation #{j} differs from the trace, expected {want} bytes, got "
+                          f"{nbytes}")
+            return self.allocate(nbytes, dtype, category)
         offset = self.offsets.get(tensor_id)
         if offset is None:  # an output: it outlives the run
+            self.count += 1
             return self.real.allocate(nbytes, dtype, category)
+        size = self.sizes[tensor_id]
+        if not self.strict:  # a longer lifetime than traced must not share bytes
+            self.views = [v for v in self.views if not v.free]
+            if any(v.offset < offset + size and offset < v.offset + v.size for v in self.views):
+                self._diverge(f"allocation #{j} would share bytes with a planned buffer still "
+                              "alive (released later than traced)")
+                return self.allocate(nbytes, dtype, category)
+        self.count += 1
         self.live += 1
-        return ArenaBlock(self, offset, self.sizes[tensor_id], nbytes, tensor_id)
+        block = ArenaBlock(self, offset, size, nbytes, tensor_id)
+        if not self.strict:
+            self.views.append(block)
+        return block
 
     def release(self, block: ArenaBlock) -> None:
         if block.free:
@@ -112,33 +144,56 @@ class ArenaAllocator:
             self.block = None
 
 
-def run_plan(plan, *inputs):
+def cpp_entries(plan) -> list[tuple[int, int, int]]:
+    """The traced allocation sequence as ``(requested, offset, size)`` for the C++ allocator
+    (offset -1: an output, served from the pools)."""
+    out = []
+    for tensor_id, nbytes in plan.graph.allocations:
+        offset = plan.assignments.get(tensor_id)
+        out.append((nbytes, -1, 0) if offset is None else (nbytes, offset, plan.sizes[tensor_id]))
+    return out
+
+
+def run_plan(plan, *inputs, strict: bool = True, fn=None):
     """Execute ``plan.graph``'s traced call on ``inputs`` with intermediates in one arena.
 
-    Returns what the call returns.
+    Returns what the call returns; with ``strict=False``, ``(result, divergence)`` where
+    ``divergence`` is None when the run followed the plan, else the reason. ``fn`` replaces
+    the traced callable (same program, e.g. a wrapper that adds checks).
 
     Raises:
-        MemoryPlanError: the plan's graph was not traced, or the call did not repeat the
-            traced allocations.
+        MemoryPlanError: the plan's graph was not traced, or (strict) the call did not repeat
+            the traced allocations.
     """
     graph = plan.graph
     if getattr(graph, "fn", None) is None or not hasattr(graph, "allocations"):
         raise MemoryPlanError(
             "run: expected a plan of a graph from needle.memory.trace(fn, ...), got a plan "
             "of a graph without a traced call")
-    from .trace import traceable_allocator
+    from .trace import is_cpp, traceable_allocator
 
+    call = graph.fn if fn is None else fn
     real = traceable_allocator(graph.device, "run")
     mod = graph.device.mod
-    arena = ArenaAllocator(plan, real)
+    if is_cpp(real):
+        mod.allocator_plan_begin(plan.peak_bytes, cpp_entries(plan))
+        try:
+            result = call(*inputs)
+        finally:
+            _count, _first, reason = mod.allocator_plan_end()
+        if not strict:
+            return result, (reason or None)
+        if reason:
+            raise MemoryPlanError(f"run: {reason} (is the traced call repeatable?)")
+        return result
+    arena = ArenaAllocator(plan, real, strict)
     mod.set_allocator(arena)
     try:
-        result = graph.fn(*inputs)
+        result = call(*inputs)
     finally:
         mod.set_allocator(real)
         arena.finish()
-    if arena.count != len(arena.sequence):
-        raise MemoryPlanError(
-            f"run: fewer allocations than traced, expected {len(arena.sequence)}, got "
-            f"{arena.count} (is the traced call repeatable?)")
-    return result
+    if arena.diverged is None and arena.count != len(arena.sequence):
+        arena._diverge(f"fewer allocations than traced, expected {len(arena.sequence)}, got "
+                       f"{arena.count}")
+    return result if strict else (result, arena.diverged)

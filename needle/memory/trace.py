@@ -18,7 +18,11 @@ the call: planned), ``output`` (allocated and still alive at the end: gradients,
 state, the result), ``input``/``parameter`` (existing before, read by an op; a leaf that
 requires grad is a parameter).
 
-Only Python allocators (``cpu_numpy``, ``cuda``) report events; ``cpu`` (C++) cannot be traced.
+On ``cpu_numpy`` and ``cuda`` the Python allocator reports its events as they happen; on
+``cpu`` the C++ allocator logs them and the tracer drains the log at every op boundary, so
+both orders are the same. Kernel workspaces of the C++ backend (category ``workspace``,
+allocated by worker threads in no fixed order) are not part of the graph: they live inside
+one kernel call.
 The trace runs ``fn`` for real (gradients accumulate, optimisers step); other threads must not
 allocate on the device meanwhile. The garbage collector is paused during the call so that
 releases happen at the same steps every time.
@@ -40,6 +44,7 @@ from needle._core.errors import BackendUnavailable
 
 from . import timeline as _timeline
 from .caching_allocator import CachingAllocator
+from .cpp_adapter import CppAllocatorAdapter
 from .observers import Observer, add_observer
 from .planner import Graph, OpNode, TensorSpec
 from .registry import get_allocator
@@ -88,8 +93,10 @@ class _Buf:
 class _Tracer(Observer):
     """Allocator sink (``append``) and L3 observer at once; builds the graph as events come."""
 
-    def __init__(self, allocator):
+    def __init__(self, allocator, cpp_mod=None):
         self.alloc = allocator
+        # the C++ module whose Array handles this tracer reads (cpu), None for Python ones
+        self.cpp_mod = cpp_mod
         self.tick = 0
         self.bufs: list[_Buf] = []
         self.live: dict[int, _Buf] = {}  # block id -> buffer allocated during the call
@@ -111,7 +118,14 @@ class _Tracer(Observer):
         return buf
 
     # ---- allocator events -------------------------------------------------------------
+    def _sync(self) -> None:
+        # the C++ allocator logs its events; deliver those logged so far before going on
+        if self.cpp_mod is not None:
+            self.alloc.drain()
+
     def append(self, event) -> None:
+        if self.cpp_mod is not None and event.category == "workspace":
+            return
         if event.kind == "alloc":
             self.tick += 1
             buf = self._new(event.requested, self.tick, "intermediate")
@@ -129,18 +143,26 @@ class _Tracer(Observer):
         arrays = data if isinstance(data, tuple) else (data,)
         out = []
         for array in arrays:
-            block = getattr(getattr(array, "_handle", None), "_block", None)
-            if block is None or getattr(block, "allocator", None) is not self.alloc:
-                continue
-            buf = self.live.get(block.id) or self.pre.get(block.id)
+            handle = getattr(array, "_handle", None)
+            if self.cpp_mod is not None:
+                if not isinstance(handle, self.cpp_mod.Array):
+                    continue
+                block_id, requested = handle.block_id, handle.size * handle.itemsize
+            else:
+                block = getattr(handle, "_block", None)
+                if block is None or getattr(block, "allocator", None) is not self.alloc:
+                    continue
+                block_id, requested = block.id, block.requested
+            buf = self.live.get(block_id) or self.pre.get(block_id)
             if buf is None:
                 kind = "parameter" if value.op is None and value.requires_grad else "input"
-                buf = self.pre[block.id] = self._new(block.requested, 0, kind)
+                buf = self.pre[block_id] = self._new(requested, 0, kind)
                 buf.producer, buf.phase = None, "other"
             out.append(buf)
         return out
 
     def _begin(self, name: str, values) -> tuple:
+        self._sync()
         self.tick += 1
         reads = []
         for value in values:
@@ -156,6 +178,7 @@ class _Tracer(Observer):
         return self._begin(type(op).__name__, inputs) + (op,)
 
     def op_end(self, token, node) -> None:
+        self._sync()
         self.steps.pop()
         index, name, reads, phase, _, op = token
         outs = tuple(b.id for b in self._buffers(node)) if node is not None else ()
@@ -167,6 +190,7 @@ class _Tracer(Observer):
             node.op,)
 
     def node_end(self, token) -> None:
+        self._sync()
         self.steps.pop()
         index, name, reads, phase, first, op = token
         outs = tuple(b.id for b in self.bufs[first:] if not b.freed and b.kind == "intermediate")
@@ -180,6 +204,7 @@ class _Tracer(Observer):
 
     # ---- the result -----------------------------------------------------------------
     def build(self, fn, device) -> TracedGraph:
+        self._sync()
         end = self.tick + 1
         specs = []
         for b in self.bufs:
@@ -204,18 +229,28 @@ def _device_of(inputs, device):
     return device_by_name(device) if isinstance(device, str) else device
 
 
-def traceable_allocator(device, op: str = "trace") -> CachingAllocator:
-    """The Python caching allocator of ``device``, or a clear error when it has none."""
+def is_cpp(alloc) -> bool:
+    """True for the C++ allocator's adapter (``cpu``): planned runs go through its module."""
+    return isinstance(alloc, CppAllocatorAdapter)
+
+
+def traceable_allocator(device, op: str = "trace"):
+    """The allocator of ``device`` that a trace can observe and a plan can steer: a Python
+    :class:`CachingAllocator` the backend module lets one swap (``cpu_numpy``, ``cuda``) or
+    the C++ allocator of ``cpu`` built with planned runs; a clear error otherwise."""
     mod = getattr(device, "mod", None)
     try:
         alloc = get_allocator(device)
     except Exception:  # noqa: BLE001 - every failure means the same thing here
         alloc = None
-    if not isinstance(alloc, CachingAllocator) or not hasattr(mod, "set_allocator"):
-        raise BackendUnavailable(
-            f"{op}: device {device!r} has no Python caching allocator to observe, expected "
-            f"cpu_numpy() (or cuda()), got {device!r}")
-    return alloc
+    if isinstance(alloc, CachingAllocator) and hasattr(mod, "set_allocator"):
+        return alloc
+    if is_cpp(alloc) and hasattr(mod, "allocator_plan_begin"):
+        return alloc
+    raise BackendUnavailable(
+        f"{op}: device {device!r} has no allocator to observe and steer, expected cpu(), "
+        f"cpu_numpy() or cuda() (a cpu() build from this tree: pip install -e .), got "
+        f"{device!r}")
 
 
 def trace(fn, *inputs, device=None) -> TracedGraph:
@@ -227,15 +262,19 @@ def trace(fn, *inputs, device=None) -> TracedGraph:
         device: the device to observe (default: the first input's, else the default device).
 
     Raises:
-        BackendUnavailable: the device has no Python caching allocator (``cpu``).
+        BackendUnavailable: the device's allocator can be neither observed nor steered.
     """
     dev = _device_of(inputs, device)
     alloc = traceable_allocator(dev)
-    tracer = _Tracer(alloc)
+    cpp = is_cpp(alloc)
+    tracer = _Tracer(alloc, dev.mod if cpp else None)
     gc.collect()
     gc_was_enabled = gc.isenabled()
     gc.disable()
-    sink = _timeline.add_sink(tracer, frozenset([alloc.name]))
+    if cpp:
+        alloc.begin_recording(tracer)
+    else:
+        sink = _timeline.add_sink(tracer, frozenset([alloc.name]))
     observing = add_observer(tracer)
     try:
         result = fn(*inputs)
@@ -243,7 +282,10 @@ def trace(fn, *inputs, device=None) -> TracedGraph:
         del result
     finally:
         observing.remove()
-        _timeline.remove_sink(sink)
+        if cpp:
+            alloc.end_recording(tracer)
+        else:
+            _timeline.remove_sink(sink)
         if gc_was_enabled:
             gc.enable()
     return graph

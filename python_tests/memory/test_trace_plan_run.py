@@ -1,4 +1,8 @@
-"""trace -> plan -> run on real needle graphs: lifetimes, non-overlap, planned == measured."""
+"""trace -> plan -> run on real needle graphs: lifetimes, non-overlap, planned == measured.
+
+Every test runs on cpu_numpy() (Python caching allocator, swapped for an arena) and on cpu()
+(the C++ allocator serving the plan itself).
+"""
 from __future__ import annotations
 
 import numpy as np
@@ -11,6 +15,15 @@ from needle._core.errors import MemoryPlanError
 from needle.memory.caching_allocator import round_size
 
 DEV = ndl.cpu_numpy()
+
+
+@pytest.fixture(autouse=True, params=["cpu_numpy", "cpu"])
+def device(request):
+    """Point the module's DEV (read by the helpers below) at the device under test."""
+    global DEV
+    DEV = getattr(ndl, request.param)()
+    yield DEV
+    DEV = ndl.cpu_numpy()
 B, W = 8, 32
 BUF = B * W * 4  # one (B, W) float32 activation: 1024 B, a multiple of every alignment used
 
@@ -193,8 +206,13 @@ def test_run_refuses_a_call_that_does_not_repeat():
         p.run(x)
     for q in model.parameters():
         q.grad = None
-    mem.get_allocator(DEV)  # the backend allocator is restored
-    assert DEV.mod._ALLOCATOR is mem.get_allocator(DEV)
+    if DEV.name == "cpu_numpy":  # the backend allocator is restored
+        assert DEV.mod._ALLOCATOR is mem.get_allocator(DEV)
+    else:  # the C++ allocator left its planned mode: a fresh run serves from the pools
+        before = mem.stats(DEV)["requested_bytes"]
+        y = data() * 2
+        assert mem.stats(DEV)["requested_bytes"] == before + BUF
+        del y
 
 
 def test_run_needs_a_traced_graph():
