@@ -27,6 +27,7 @@ from . import amp
 from . import random
 from .checkpoint import checkpoint, checkpoint_sequential, plan_checkpoints
 from .serialization import save, load
+from .compiler import compile
 from .backend_selection import *
 
 

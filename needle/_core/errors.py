@@ -15,7 +15,7 @@ from __future__ import annotations
 __all__ = ["NeedleError", "ShapeError", "DTypeError", "DeviceError", "AxisError",
            "IndexOutOfRange", "BackendUnavailable", "GraphError", "ReleasedDataError",
            "CommError", "CheckpointError", "RNGStateError", "MemoryArgumentError",
-           "MemoryPlanError", "OutOfMemoryError"]
+           "MemoryPlanError", "OutOfMemoryError", "CompileError"]
 
 
 class NeedleError(Exception):
@@ -103,6 +103,10 @@ class OutOfMemoryError(NeedleError, MemoryError):
     def __init__(self, message: str, details: dict | None = None):
         super().__init__(message)
         self.details = dict(details or {})
+
+
+class CompileError(NeedleError, RuntimeError):
+    """``needle.compile`` cannot capture a step (data-dependent Python, bad arguments)."""
 
 
 class SerializationError(NeedleError, ValueError):

@@ -27,9 +27,21 @@ from .value import Op, Value, leaf, make_from_op
 from .versions import note_replaced
 
 __all__ = ["Tensor", "TensorTuple", "TensorOp", "TensorTupleOp", "SparseTupleGrad",
-           "ImplicitGradWarning", "register_operator_ops", "const"]
+           "ImplicitGradWarning", "register_operator_ops", "const", "set_host_read_guard"]
 
 _ND = BACKEND == "nd"
+
+# Called as guard(tensor, what) before a tensor's values are copied to the host; set by
+# needle.compile while it runs a step, so that a step whose Python depends on tensor values
+# is refused (one global test per read: free when unset).
+_HOST_READ_GUARD = None
+
+
+def set_host_read_guard(guard):
+    """Install ``guard(tensor, what)`` (None removes it); returns the previous one."""
+    global _HOST_READ_GUARD
+    prev, _HOST_READ_GUARD = _HOST_READ_GUARD, guard
+    return prev
 
 
 class _Unregistered:
@@ -158,6 +170,8 @@ class Tensor(Value):
 
     def numpy(self):
         """A NumPy copy of the data."""
+        if _HOST_READ_GUARD is not None:
+            _HOST_READ_GUARD(self, "Tensor.numpy()")
         data = self.realize_cached_data()
         return data.copy() if not _ND else data.numpy()
 

@@ -57,13 +57,26 @@ class TracedGraph(Graph):
     """A :class:`Graph` from :func:`trace`, with what :meth:`Plan.run` needs to replay it.
 
     ``allocations``: ``(tensor id, requested bytes)`` in allocation order; ``end_index``: the
-    step after the call returned.
+    step after the call returned; ``outside_deltas``: in event order, the change of requested
+    bytes of every allocation and release that is not a planned intermediate (outputs made,
+    buffers from before released, also those no op read), from which
+    :meth:`planned_peak_bytes` follows.
     """
 
     fn: object = field(default=None, compare=False, repr=False)
     device: object = field(default=None, compare=False)
     allocations: tuple[tuple[int, int], ...] = field(default=(), repr=False)
     end_index: int = 0
+    outside_deltas: tuple[int, ...] = field(default=(), repr=False)
+
+    def planned_peak_bytes(self, plan) -> int:
+        """Peak requested bytes above those live before the call, for a run of ``plan``: the
+        arena is held for the whole run, everything else comes and goes as traced."""
+        level = top = 0
+        for delta in self.outside_deltas:
+            level += delta
+            top = max(top, level)
+        return plan.peak_bytes + top
 
     def bytes_of(self, *kinds: str) -> int:
         """Requested bytes of the tensors of the given kinds."""
@@ -105,6 +118,7 @@ class _Tracer(Observer):
         self.ops: list[OpNode] = []
         self.steps: list[str] = []
         self.backward_depth = 0
+        self.deltas: list[tuple[int, int]] = []  # (buffer id or -1 if unknown, bytes)
 
     def _phase(self) -> str:
         if self.backward_depth:
@@ -131,11 +145,13 @@ class _Tracer(Observer):
             buf = self._new(event.requested, self.tick, "intermediate")
             self.live[event.block] = buf
             self.order.append((buf.id, event.requested))
+            self.deltas.append((buf.id, event.requested))
         elif event.kind == "free":
             self.tick += 1
             buf = self.live.pop(event.block, None) or self.pre.pop(event.block, None)
             if buf is not None:
                 buf.last, buf.freed = self.tick, True
+            self.deltas.append((-1 if buf is None else buf.id, -event.requested))
 
     # ---- what the ops read --------------------------------------------------------------
     def _buffers(self, value) -> list[_Buf]:
@@ -213,8 +229,11 @@ class _Tracer(Observer):
             specs.append(TensorSpec(b.id, b.nbytes, b.def_index, last, b.producer,
                                     tuple(b.consumers), b.phase, kind))
         ops = tuple(sorted(self.ops, key=lambda n: n.index))
+        planned = {s.id for s in specs if s.kind == "intermediate"}
+        outside = tuple(d for b, d in self.deltas if b not in planned)
         return TracedGraph(tuple(specs), ops, fn=fn, device=device,
-                           allocations=tuple(self.order), end_index=end)
+                           allocations=tuple(self.order), end_index=end,
+                           outside_deltas=outside)
 
 
 def _device_of(inputs, device):

@@ -1,0 +1,210 @@
+"""``CompiledStep``: a step function captured once per signature and replayed in one arena.
+
+Per call signature (:func:`~needle.compiler.signature.signature`) a cache entry goes through:
+
+1. *warm-up* (``warmup`` calls, default 1): eager. Optimisers create their state and a
+   step's first-call-only allocations happen here, not in the trace.
+2. *trace*: the call runs eagerly under :func:`needle.memory.trace`, which records every
+   buffer of the forward, the backward and the optimiser update with its lifetime;
+   :func:`needle.memory.plan` then places all intermediates in one arena (liveness, best of
+   greedy-by-size / first-fit / two-sided).
+3. *replay*: every later call runs with the device's allocator serving the k-th request at its
+   planned arena offset (``cpu()``: the C++ allocator itself; ``cpu_numpy()``/``cuda()``: an
+   arena swapped into the backend module). The same kernels run in the same order on the same
+   inputs, so the results are bitwise the eager ones; random ops draw from the
+   ``needle.random`` streams as eagerly (fresh masks every step), checkpoint regions recompute,
+   hooks (DDP's included) fire.
+
+A replay that leaves the traced program (another allocation size or count, or a buffer that
+lives longer than traced) is served from the pools from that request on, so it still computes
+the right values; the entry is then traced again on its next call, and after
+``max_retraces`` such divergences it stays eager (``stats()["eager_signatures"]``).
+
+Memory: a replay's peak of requested bytes above those live before it is exactly
+``memory()["planned_peak_bytes"]`` (the arena, held for the whole call, plus the outputs and
+releases as traced). That can exceed the eager peak by up to the outputs made while the arena
+is held (a gradient or a new parameter made while eagerly some intermediates were already
+gone): the arena does not shrink during the call.
+
+What it does not do yet: the replay still runs the step's Python (op dispatch, autograd);
+the kernel list is not replayed from C++ and elementwise chains are not fused by it.
+
+While a compiled step runs, reading tensor values on the host (``loss.numpy()``) raises
+:class:`~needle.CompileError` naming the line (:mod:`needle.compiler.guard`).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from needle._core.errors import CompileError
+from needle.memory import get_allocator, plan, trace
+from needle.memory.replay import run_plan
+
+from .guard import refuse_host_reads
+from .signature import signature
+
+__all__ = ["CompiledStep", "compile"]
+
+
+class _Entry:
+    __slots__ = ("calls", "graph", "plan", "divergences", "eager", "last_divergence",
+                 "eager_peak_bytes")
+
+    def __init__(self):
+        self.calls = 0
+        self.graph = None
+        self.plan = None
+        self.divergences = 0
+        self.eager = False
+        self.last_divergence = None
+        self.eager_peak_bytes = None
+
+
+def _stats_of(device):
+    alloc = get_allocator(device)
+    return alloc.stats()
+
+
+class CompiledStep:
+    """The callable :func:`compile` returns (see the module docstring)."""
+
+    def __init__(self, fn, *, max_cache: int = 8, warmup: int = 1, max_retraces: int = 2,
+                 device=None):
+        if not callable(fn):
+            raise CompileError(f"compile: expected a callable step, got {fn!r}")
+        for name, value, low in (("max_cache", max_cache, 1), ("warmup", warmup, 0),
+                                 ("max_retraces", max_retraces, 0)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise CompileError(
+                    f"compile: bad {name}, expected an int >= {low}, got {value!r}")
+        self.fn = fn
+        self.max_cache = max_cache
+        self.warmup = warmup
+        self.max_retraces = max_retraces
+        self.device = device
+        self._cache: OrderedDict[tuple, _Entry] = OrderedDict()
+        self._counts = {"calls": 0, "traces": 0, "replays": 0, "divergences": 0,
+                        "evictions": 0, "eager_calls": 0}
+        self._last = None
+        self.__wrapped__ = fn
+        self.__doc__ = getattr(fn, "__doc__", None)
+
+    @property
+    def _name(self) -> str:
+        return f"compiled step {getattr(self.fn, '__qualname__', repr(self.fn))}"
+
+    def _entry(self, key) -> _Entry:
+        entry = self._cache.get(key)
+        if entry is not None:
+            self._cache.move_to_end(key)
+            return entry
+        entry = self._cache[key] = _Entry()
+        while len(self._cache) > self.max_cache:
+            self._cache.popitem(last=False)
+            self._counts["evictions"] += 1
+        return entry
+
+    def __call__(self, *args, **kwargs):
+        key = signature(args, kwargs)
+        entry = self._entry(key)
+        self._last = entry
+        self._counts["calls"] += 1
+        call = self.fn if not kwargs else (lambda *a: self.fn(*a, **kwargs))
+        with refuse_host_reads(self._name):
+            if entry.eager or entry.calls < self.warmup:
+                entry.calls += 1
+                self._counts["eager_calls"] += 1
+                return call(*args)
+            entry.calls += 1
+            if entry.plan is None:
+                return self._trace(entry, call, args)
+            result, divergence = run_plan(entry.plan, *args, strict=False, fn=call)
+        if divergence is None:
+            self._counts["replays"] += 1
+        else:
+            self._counts["divergences"] += 1
+            entry.divergences += 1
+            entry.last_divergence = divergence
+            entry.plan = entry.graph = None
+            entry.eager = entry.divergences > self.max_retraces
+        return result
+
+    def _trace(self, entry: _Entry, call, args):
+        box = []
+
+        def keep(*a):
+            box.append(call(*a))  # the result outlives the call: its buffers are outputs
+
+        before = _stats_of(self.device or _device_of(args))
+        device = self.device or _device_of(args)
+        from needle.memory import reset_peak
+
+        reset_peak(device)
+        graph = trace(keep, *args, device=device)
+        after = _stats_of(device)
+        entry.eager_peak_bytes = after["peak_requested_bytes"] - before["requested_bytes"]
+        entry.graph, entry.plan = graph, plan(graph)
+        self._counts["traces"] += 1
+        return box[0]
+
+    # ---- introspection ------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Counts: calls, traces, replays, divergences, evictions, eager_calls; cache_size and
+        eager_signatures (entries that gave up planning)."""
+        out = dict(self._counts)
+        out["cache_size"] = len(self._cache)
+        out["eager_signatures"] = sum(e.eager for e in self._cache.values())
+        return out
+
+    def memory(self) -> dict:
+        """The plan of the signature called last: ``arena_bytes``, ``planned_peak_bytes``
+        (requested bytes above those live before a replay: arena plus outputs as traced),
+        ``eager_peak_bytes`` (the same measure of the traced eager call), ``naive_bytes``
+        and ``lower_bound_bytes``; empty before a trace."""
+        entry = self._last
+        if entry is None or entry.plan is None:
+            return {}
+        p, g = entry.plan, entry.graph
+        return {"arena_bytes": p.peak_bytes, "planned_peak_bytes": g.planned_peak_bytes(p),
+                "eager_peak_bytes": entry.eager_peak_bytes, "naive_bytes": p.naive_bytes,
+                "lower_bound_bytes": p.lower_bound_bytes, "strategy": p.strategy,
+                "intermediates": len(p.assignments), "ops": len(g.ops)}
+
+    def reset(self) -> None:
+        """Forget every trace (the next call of each signature warms up again)."""
+        self._cache.clear()
+
+
+def _device_of(args):
+    from needle.memory.trace import _device_of as first_device
+
+    return first_device(args, None)
+
+
+def compile(fn=None, *, max_cache: int = 8, warmup: int = 1, max_retraces: int = 2,
+            device=None):
+    """Capture ``fn`` (a training or inference step) once per call signature and replay it
+    with every intermediate buffer in one planned arena.
+
+    ``fn(*args)`` may run the forward, ``loss.backward()`` and ``optimizer.step()``; it must
+    not read tensor values on the host (refused with :class:`~needle.CompileError`). A new
+    shape, dtype or device of a tensor argument traces again; at most ``max_cache``
+    signatures are kept (least recently used evicted). Usable as ``@compile`` or
+    ``compile(fn, ...)``.
+
+    Example:
+        >>> import numpy as np, needle as ndl
+        >>> w = ndl.Tensor(np.ones((4, 4)), device=ndl.cpu_numpy())
+        >>> @ndl.compile
+        ... def step(x):
+        ...     return ndl.ops.relu(x @ w) * 2
+        >>> x = ndl.Tensor(np.ones((2, 4)), device=ndl.cpu_numpy())
+        >>> outs = [step(x).numpy() for _ in range(3)]  # warm-up, trace, replay
+        >>> step.stats()["traces"], step.stats()["replays"], outs[2].tolist()[0]
+        (1, 1, [8.0, 8.0, 8.0, 8.0])
+    """
+    if fn is None:
+        return lambda f: CompiledStep(f, max_cache=max_cache, warmup=warmup,
+                                      max_retraces=max_retraces, device=device)
+    return CompiledStep(fn, max_cache=max_cache, warmup=warmup, max_retraces=max_retraces,
+                        device=device)
