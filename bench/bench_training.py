@@ -9,8 +9,12 @@ the same count with threadpoolctl. Both OpenMP runtimes (needle's and PyTorch's 
 get ``OMP_WAIT_POLICY=passive`` unless set: with spinning workers, whichever side ran last
 keeps burning the cores the other side needs (PERF_NOTES, "two spinning thread pools").
 
+``--compiled`` adds a column: the same needle step under ``ndl.compile`` (traced once, replayed
+with every intermediate in one planned arena), timed in the same alternation.
+
 Usage:
     python bench/bench_training.py [--quick] [--only mlp,resnet9,lstm] [--device cpu]
+    python bench/bench_training.py --compiled
     python bench/bench_training.py --as-avx2   # both sides restricted to AVX2
 
 ``--as-avx2`` emulates an AVX2-only machine on an AVX-512 one (needle ``NEEDLE_CPU_ISA=avx2``,
@@ -39,8 +43,9 @@ import numpy as np  # noqa: E402
 
 
 # ---- needle side ----------------------------------------------------------------------------
-def needle_step_fn(workload: str, device):
-    """A zero-argument function doing one training step, and items per step."""
+def needle_step_fn(workload: str, device, compiled: bool = False):
+    """A zero-argument function doing one training step, and items per step; ``compiled``:
+    the step runs under ``ndl.compile`` (the loss is read after the compiled call)."""
     from models import LanguageModel, ResNet9
 
     from needle import nn, optim
@@ -69,13 +74,21 @@ def needle_step_fn(workload: str, device):
     opt = optim.SGD(model.parameters(), lr=0.01)
     model.train()
 
-    def step():
+    def train_step(x, y):
         out = model(x)[0] if h0 else model(x)
         loss = loss_fn(out, y)
         opt.reset_grad()
         loss.backward()
         opt.step()
-        return loss.numpy()
+        return loss
+
+    if compiled:
+        from needle import compile as ndl_compile
+
+        train_step = ndl_compile(train_step)
+
+    def step():
+        return train_step(x, y).numpy()
 
     return step, items
 
@@ -181,26 +194,36 @@ def _time_block(step, steps: int) -> float:
     return time.perf_counter() - start
 
 
-def measure(workload: str, steps: int, repeats: int, threads: int, device) -> dict:
+def measure(workload: str, steps: int, repeats: int, threads: int, device,
+            compiled: bool = False) -> dict:
     import torch
     from threadpoolctl import threadpool_limits
 
     torch.set_num_threads(threads)
     n_step, items = needle_step_fn(workload, device)
+    c_step = needle_step_fn(workload, device, compiled=True)[0] if compiled else None
     t_step, _ = torch_step_fn(workload)
     with threadpool_limits(limits=threads):
-        for _ in range(2):
+        for _ in range(3):  # a compiled step warms up, traces, then replays
             n_step()
+            if c_step is not None:
+                c_step()
     for _ in range(2):
         t_step()
-    n_times, t_times = [], []
-    for _ in range(repeats):  # alternate: VM noise hits both sides alike
+    n_times, c_times, t_times = [], [], []
+    for _ in range(repeats):  # alternate: VM noise hits every side alike
         with threadpool_limits(limits=threads):
             n_times.append(_time_block(n_step, steps))
+            if c_step is not None:
+                c_times.append(_time_block(c_step, steps))
         t_times.append(_time_block(t_step, steps))
     n_rate = items * steps / statistics.median(n_times)
     t_rate = items * steps / statistics.median(t_times)
-    return {"workload": workload, "needle": n_rate, "torch": t_rate, "ratio": n_rate / t_rate}
+    out = {"workload": workload, "needle": n_rate, "torch": t_rate, "ratio": n_rate / t_rate}
+    if c_step is not None:
+        c_rate = items * steps / statistics.median(c_times)
+        out.update(compiled=c_rate, compiled_ratio=c_rate / t_rate)
+    return out
 
 
 UNITS = {"mlp": "examples/s", "resnet9": "images/s", "lstm": "tokens/s"}
@@ -217,6 +240,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default=None, help="needle device (default: cpu if built)")
     p.add_argument("--quick", action="store_true", help="3 steps × 3 repeats")
     p.add_argument("--as-avx2", action="store_true", help="both sides restricted to AVX2")
+    p.add_argument("--compiled", action="store_true",
+                   help="add the needle step under ndl.compile as a column")
     args = p.parse_args(argv)
     import needle.backend_ndarray as nd
 
@@ -231,11 +256,14 @@ def main(argv=None) -> int:
           f"{torch.backends.cpu.get_cpu_capability()}) with {args.threads} threads; "
           f"{repeats} x {steps} steps, medians; load average {os.getloadavg()[0]:.2f}",
           flush=True)
-    print(f"{'workload':44s} {'needle':>12s} {'pytorch':>12s} {'ratio':>7s}")
+    extra = f" {'compiled':>12s} {'comp/pt':>7s}" if args.compiled else ""
+    print(f"{'workload':44s} {'needle':>12s} {'pytorch':>12s} {'ratio':>7s}{extra}")
     for workload in args.only.split(","):
-        r = measure(workload, steps, repeats, args.threads, device)
+        r = measure(workload, steps, repeats, args.threads, device, args.compiled)
+        extra = (f" {r['compiled']:12,.0f} {r['compiled_ratio']:7.2f}" if args.compiled
+                 else "")
         print(f"{TITLES[workload]:44s} {r['needle']:12,.0f} {r['torch']:12,.0f} "
-              f"{r['ratio']:7.2f}  ({UNITS[workload]})", flush=True)
+              f"{r['ratio']:7.2f}{extra}  ({UNITS[workload]})", flush=True)
     return 0
 
 

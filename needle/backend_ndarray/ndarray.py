@@ -18,7 +18,6 @@ from __future__ import annotations
 import builtins
 import math
 import operator
-from functools import lru_cache
 
 import numpy as np
 
@@ -64,13 +63,27 @@ prod = math.prod
 USE_TILED_MATMUL = False
 
 
-@lru_cache(maxsize=4096)
+# shape -> (element count, compact strides): every kernel output needs both, and a model uses
+# few shapes, so a bounded cache turns two Python loops per allocation into one dict lookup
+_LAYOUTS: dict[tuple, tuple[int, tuple]] = {}
+_MAX_LAYOUTS = 4096
+
+
+def _layout(shape: tuple) -> tuple[int, tuple]:
+    layout = _LAYOUTS.get(shape)
+    if layout is None:
+        strides, stride = [], 1
+        for dim in reversed(shape):
+            strides.append(stride)
+            stride *= dim
+        layout = (stride, tuple(reversed(strides)))
+        if len(_LAYOUTS) < _MAX_LAYOUTS:
+            _LAYOUTS[shape] = layout
+    return layout
+
+
 def _compact_strides(shape: tuple) -> tuple:
-    strides, stride = [], 1
-    for dim in reversed(shape):
-        strides.append(stride)
-        stride *= dim
-    return tuple(reversed(strides))
+    return _layout(shape)[1]
 
 
 class NDArray:
@@ -561,7 +574,7 @@ def _alloc(shape: tuple, device: BackendDevice, dtype: str, op: str = "alloc") -
     ``shape`` must be a tuple of non-negative ints. Only the size limit is checked, and only
     exactly when the element count is large enough to matter (one comparison otherwise).
     """
-    size = math.prod(shape)
+    size, strides = _LAYOUTS.get(shape) or _layout(shape)
     if size > FAST_ALLOC_ELEMENTS:
         check_alloc(op, shape, _itemsize(dtype), dtype)
     try:
@@ -572,7 +585,7 @@ def _alloc(shape: tuple, device: BackendDevice, dtype: str, op: str = "alloc") -
         raise out_of_memory(op, shape, dtype, device, exc) from exc
     array = _new_ndarray(NDArray)
     array._shape = shape
-    array._strides = _compact_strides(shape)
+    array._strides = strides
     array._offset = 0
     array._device = device
     array._handle = handle
