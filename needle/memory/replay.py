@@ -15,6 +15,10 @@ A request whose size differs from the trace, or one more than were traced, raise
 :class:`MemoryPlanError`: the call is not repeatable (e.g. ``.grad`` accumulating into an
 existing gradient, or an optimiser creating its state on the first step only).
 
+On ``cuda`` the backend asks ``fn(nbytes)`` for a buffer owner; the run installs one that
+wraps the arena's pieces (:class:`~needle.memory.cuda_allocator.DeviceBlock` over an
+:class:`ArenaBlock`, whose ``ptr()`` is the arena's address plus the offset).
+
 On ``cpu`` the C++ allocator itself serves the plan (``allocator_plan_begin``/``_end`` of
 ``ndarray_backend_cpu``, see src/allocator.h): the same sequence, checked the same way; a run
 that leaves the trace there is served from the pools from that request on (its results stay
@@ -63,6 +67,10 @@ class ArenaBlock:
                 f"{self.size} bytes{' (released)' if self.free else ''}")
         return self.allocator.data[self.offset:self.offset + nbytes].view(dtype)
 
+    def ptr(self) -> int:
+        """Address of the first byte (what the CUDA backend's buffer owner reads)."""
+        return self.allocator.block.ptr() + self.offset
+
     def release(self) -> None:
         self.allocator.release(self)
 
@@ -84,7 +92,10 @@ class ArenaAllocator:
         self.live = 0
         self.finished = False
         self.block = real.allocate(plan.peak_bytes, category="activation")
-        self.data = self.block.view("uint8", plan.peak_bytes)
+        # host bytes for backends that view blocks as NumPy arrays; device ones use ptr()
+        segment = getattr(self.block, "segment", None)
+        on_host = isinstance(getattr(segment, "data", None), np.ndarray)
+        self.data = self.block.view("uint8", plan.peak_bytes) if on_host else None
 
     def _diverge(self, message: str) -> None:
         if self.strict:
@@ -187,11 +198,19 @@ def run_plan(plan, *inputs, strict: bool = True, fn=None):
             raise MemoryPlanError(f"run: {reason} (is the traced call repeatable?)")
         return result
     arena = ArenaAllocator(plan, real, strict)
-    mod.set_allocator(arena)
+    if getattr(mod, "__device_name__", None) == "cuda":
+        # the CUDA backend asks fn(nbytes) for an owner of the buffer (cuda_allocator.py)
+        from .cuda_allocator import DeviceBlock
+
+        previous = mod.get_allocator()
+        mod.set_allocator(lambda nbytes: DeviceBlock(arena.allocate(nbytes)))
+    else:
+        previous = real
+        mod.set_allocator(arena)
     try:
         result = call(*inputs)
     finally:
-        mod.set_allocator(real)
+        mod.set_allocator(previous)
         arena.finish()
     if arena.diverged is None and arena.count != len(arena.sequence):
         arena._diverge(f"fewer allocations than traced, expected {len(arena.sequence)}, got "

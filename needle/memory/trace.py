@@ -165,7 +165,10 @@ class _Tracer(Observer):
                     continue
                 block_id, requested = handle.block_id, handle.size * handle.itemsize
             else:
+                # numpy backend: the Array keeps its block; cuda: its owner (a DeviceBlock) does
                 block = getattr(handle, "_block", None)
+                if block is None:
+                    block = getattr(getattr(handle, "_owner", None), "block", None)
                 if block is None or getattr(block, "allocator", None) is not self.alloc:
                     continue
                 block_id, requested = block.id, block.requested
