@@ -206,6 +206,13 @@ inline T apply_bin(T a, T b) {
   if constexpr (OP == BinOp::power) return std::pow(a, b);
   if constexpr (OP == BinOp::eq) return a == b ? T(1) : T(0);
   if constexpr (OP == BinOp::ge) return a >= b ? T(1) : T(0);
+  // rounded as the composed kernels round (t*t, then 1 - that, then g * that)
+  if constexpr (OP == BinOp::tanh_grad) {
+    const T square = b * b;
+    const T slope = T(1) - square;
+    return a * slope;
+  }
+  if constexpr (OP == BinOp::relu_grad) return a * (b > T(0) ? T(1) : (b < T(0) ? T(-1) : b));
 }
 
 template <UnOp OP, class T>
@@ -392,7 +399,8 @@ void run_unary(DType t, const void* a, void* out, std::size_t n) {
 }
 
 #define NEEDLE_BIN_CASES(CALL) \
-  CALL(add) CALL(sub) CALL(mul) CALL(div) CALL(maximum) CALL(minimum) CALL(power) CALL(eq) CALL(ge)
+  CALL(add) CALL(sub) CALL(mul) CALL(div) CALL(maximum) CALL(minimum) CALL(power) CALL(eq) CALL(ge) \
+  CALL(tanh_grad) CALL(relu_grad)
 
 void binary(BinOp op, DType t, const void* a, const void* b, void* out, std::size_t n) {
   switch (op) {

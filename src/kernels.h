@@ -10,7 +10,9 @@
 
 namespace needle {
 
-enum class BinOp : int { add, sub, mul, div, maximum, minimum, power, eq, ge };
+// tanh_grad(g, t) = g * (1 - t * t) and relu_grad(g, r) = g * sign(r): the backward of tanh and
+// relu from their saved outputs in one pass (three and two kernels composed).
+enum class BinOp : int { add, sub, mul, div, maximum, minimum, power, eq, ge, tanh_grad, relu_grad };
 enum class UnOp : int { neg, log, exp, tanh, sqrt, abs, sign, sigmoid };
 enum class RedOp : int { sum, max, min };
 

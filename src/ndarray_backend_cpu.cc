@@ -361,6 +361,7 @@ PYBIND11_MODULE(ndarray_backend_cpu, m) {
     nd::binary(BinOp::name, "ewise_" #name, a, b, out); });
   NEEDLE_EWISE(add) NEEDLE_EWISE(sub) NEEDLE_EWISE(mul) NEEDLE_EWISE(div)
   NEEDLE_EWISE(maximum) NEEDLE_EWISE(minimum) NEEDLE_EWISE(power) NEEDLE_EWISE(eq) NEEDLE_EWISE(ge)
+  NEEDLE_EWISE(tanh_grad) NEEDLE_EWISE(relu_grad)
 #undef NEEDLE_EWISE
 
 #define NEEDLE_SCALAR(pyname, op, reversed) \

@@ -462,6 +462,28 @@ class NDArray:
     def sigmoid(self):
         return self._unary(self._device.ewise_sigmoid)
 
+    # ---- fused backward steps: one kernel where the backend has it, else composed ------
+    def tanh_grad(self, t) -> "NDArray":
+        """``self * (1 - t * t)``: tanh's backward from its output ``t`` (same shape).
+
+        Example:
+            >>> from needle.backend_ndarray import array, cpu_numpy
+            >>> g = array([1.0, 2.0], device=cpu_numpy())
+            >>> g.tanh_grad(array([0.5, 0.0], device=cpu_numpy())).numpy().tolist()
+            [0.75, 2.0]
+        """
+        kernel = getattr(self._device.mod, "ewise_tanh_grad", None)
+        if kernel is None:
+            return self * (1 - t * t)
+        return self._ewise(t, kernel, None, "tanh_grad")
+
+    def relu_grad(self, r) -> "NDArray":
+        """``self * sign(r)``: relu's backward from its output ``r >= 0`` (same shape)."""
+        kernel = getattr(self._device.mod, "ewise_relu_grad", None)
+        if kernel is None:
+            return self * r.sign()
+        return self._ewise(r, kernel, None, "relu_grad")
+
     # ---- matmul -----------------------------------------------------------------------
     def __matmul__(self, other: "NDArray") -> "NDArray":
         """2-D matrix product (batched products live in :func:`matmul`)."""

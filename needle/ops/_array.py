@@ -95,6 +95,12 @@ if ND:
     def sign(a):
         return a.sign()
 
+    def tanh_grad(g, t):
+        return g.tanh_grad(t)
+
+    def relu_grad(g, r):
+        return g.relu_grad(r)
+
     def maximum(a, b):
         return a.maximum(b)
 
@@ -179,6 +185,12 @@ else:
 
     def sign(a):
         return numpy.sign(a)
+
+    def tanh_grad(g, t):
+        return g * (1 - t * t)
+
+    def relu_grad(g, r):
+        return g * numpy.sign(r)
 
     def sigmoid(a):
         # split by sign so exp never overflows
