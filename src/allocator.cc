@@ -9,6 +9,7 @@
 #include <new>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <unordered_map>
 
 #if defined(__linux__)
@@ -118,7 +119,7 @@ class CachingAllocator {
  public:
   Block* allocate(std::size_t requested, Category cat) {
     std::lock_guard<std::mutex> lock(mu_);
-    if (plan_active_ && cat != Category::workspace) {
+    if (plan_active_ && cat != Category::workspace && std::this_thread::get_id() == plan_thread_) {
       Block* v = plan_next_locked(requested, cat);
       if (v != nullptr) return v;
     }
@@ -151,6 +152,7 @@ class CachingAllocator {
     plan_diverged_ = -1;
     plan_reason_.clear();
     cur_views_.clear();
+    plan_thread_ = std::this_thread::get_id();
     plan_active_ = true;
   }
   mem::PlanResult plan_end() {
@@ -403,6 +405,7 @@ class CachingAllocator {
 
   // the planned run (mem::plan_begin .. plan_end)
   bool plan_active_ = false;
+  std::thread::id plan_thread_;  // only this thread's requests follow the plan
   std::vector<mem::PlanEntry> plan_;
   std::size_t plan_count_ = 0;
   std::int64_t plan_diverged_ = -1;

@@ -112,8 +112,10 @@ std::vector<LiveBlock> live_blocks();
 
 // ---- planned runs (needle.memory's Plan.run on cpu) -----------------------------------
 //
-// Between plan_begin and plan_end the k-th request of a category other than "workspace"
-// (kernel scratch, allocated from worker threads in no fixed order) is served by entry k: at
+// Between plan_begin and plan_end the k-th request made by the thread that called plan_begin
+// (others, e.g. data loaders, are served from the pools), of a category other than
+// "workspace" (kernel scratch, allocated by worker threads in no fixed order), is served by
+// entry k: at
 // `offset` in one arena block allocated by plan_begin (`size` bytes, released as a no-op), or
 // from the pools when `offset` is -1 (a buffer that outlives the run). A request whose size
 // differs from its entry, one past the last entry, or a planned buffer whose bytes are still

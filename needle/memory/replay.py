@@ -39,6 +39,8 @@ Example:
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from ._errors import MemoryArgumentError, MemoryPlanError
@@ -82,6 +84,7 @@ class ArenaAllocator:
     def __init__(self, plan, real, strict: bool = True):
         graph = plan.graph
         self.strict = strict
+        self.thread = threading.get_ident()  # only this thread's requests follow the plan
         self.diverged: str | None = None
         self.views: list[ArenaBlock] = []
         self.real = real
@@ -103,6 +106,8 @@ class ArenaAllocator:
         self.diverged = message
 
     def allocate(self, nbytes: int, dtype=None, category: str | None = None):
+        if threading.get_ident() != self.thread:  # another thread (a data loader): not planned
+            return self.real.allocate(nbytes, dtype, category)
         j = self.count
         if self.diverged is not None:
             self.count += 1

@@ -188,3 +188,30 @@ def test_bad_arguments_are_refused(kw):
         ndl.compile(lambda x: x, **kw)
     with pytest.raises(ndl.CompileError, match="callable"):
         ndl.compile(3)
+
+
+def test_other_threads_allocating_during_a_replay_do_not_break_the_plan(dev):
+    import threading
+
+    model = chain(dev, depth=2)
+    made = []
+
+    def loader():  # a data-loader thread making a batch while the step runs
+        made.append(ndl.Tensor(np.ones((3, 5)), device=dev) * 2)
+
+    @ndl.compile
+    def step(x):
+        with ndl.no_grad():
+            h = model(x)
+            if step.stats()["traces"]:  # from the first replay on: not during the trace
+                t = threading.Thread(target=loader)
+                t.start()
+                t.join()
+            return model(h)
+
+    x = tensor(dev)
+    want = model(model(x)).numpy()
+    for _ in range(4):
+        np.testing.assert_array_equal(step(x).numpy(), want)
+    assert step.stats()["replays"] == 2 and step.stats()["divergences"] == 0
+    assert len(made) == 2 and made[0].numpy().tolist() == [[2.0] * 5] * 3
