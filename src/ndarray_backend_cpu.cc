@@ -338,7 +338,14 @@ PYBIND11_MODULE(ndarray_backend_cpu, m) {
            }),
            py::arg("size"), py::arg("dtype") = "float32", py::arg("category") = py::none())
       .def_property_readonly("size", &Array::size)
-      .def_property_readonly("dtype", [](const Array& a) { return dtype_name(a.dtype()); })
+      .def_property_readonly("dtype", [](const Array& a) {
+        // read on every NDArray op (dtype checks): hand out one interned str per dtype
+        // instead of decoding a new one each time (leaked on purpose: no GIL at exit)
+        static PyObject* const names[3] = {PyUnicode_InternFromString(dtype_name(DType::f32)),
+                                           PyUnicode_InternFromString(dtype_name(DType::f64)),
+                                           PyUnicode_InternFromString(dtype_name(DType::f16))};
+        return py::reinterpret_borrow<py::object>(names[int(a.dtype())]);
+      })
       .def_property_readonly("itemsize", [](const Array& a) { return itemsize(a.dtype()); })
       .def("ptr", [](const Array& a) { return reinterpret_cast<std::uintptr_t>(a.data()); })
       .def("__repr__", [](const Array& a) {
