@@ -34,6 +34,7 @@ While a compiled step runs, reading tensor values on the host (``loss.numpy()``)
 """
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 
 from needle._core.errors import CompileError
@@ -44,6 +45,10 @@ from .guard import refuse_host_reads
 from .signature import signature
 
 __all__ = ["CompiledStep", "compile"]
+
+# A compiled step called inside another one runs eagerly (inside the outer one's trace or
+# plan): one allocator plan at a time per device, and the outer plan covers the inner calls.
+_ACTIVE = threading.local()
 
 
 class _Entry:
@@ -105,6 +110,17 @@ class CompiledStep:
         return entry
 
     def __call__(self, *args, **kwargs):
+        if getattr(_ACTIVE, "depth", 0):
+            self._counts["calls"] += 1
+            self._counts["eager_calls"] += 1
+            return self.fn(*args, **kwargs)
+        _ACTIVE.depth = 1
+        try:
+            return self._call(args, kwargs)
+        finally:
+            _ACTIVE.depth = 0
+
+    def _call(self, args, kwargs):
         key = signature(args, kwargs)
         entry = self._entry(key)
         self._last = entry

@@ -215,3 +215,21 @@ def test_other_threads_allocating_during_a_replay_do_not_break_the_plan(dev):
         np.testing.assert_array_equal(step(x).numpy(), want)
     assert step.stats()["replays"] == 2 and step.stats()["divergences"] == 0
     assert len(made) == 2 and made[0].numpy().tolist() == [[2.0] * 5] * 3
+
+
+def test_a_compiled_step_inside_another_runs_eagerly(dev):
+    model = chain(dev, depth=2)
+    inner = ndl.compile(lambda h: model(h) * 2)
+
+    @ndl.compile
+    def outer(x):
+        with ndl.no_grad():
+            return inner(model(x)).sum()
+
+    x = tensor(dev)
+    with ndl.no_grad():
+        want = (model(model(x)) * 2).sum().numpy()
+    for _ in range(4):
+        np.testing.assert_array_equal(outer(x).numpy(), want)
+    assert outer.stats()["replays"] == 2 and outer.stats()["divergences"] == 0
+    assert inner.stats()["eager_calls"] == 4 and inner.stats()["traces"] == 0
