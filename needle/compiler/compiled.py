@@ -38,7 +38,7 @@ import threading
 from collections import OrderedDict
 
 from needle._core.errors import CompileError
-from needle.memory import get_allocator, plan, trace
+from needle.memory import plan, trace
 from needle.memory.replay import run_plan
 
 from .guard import refuse_host_reads
@@ -63,11 +63,6 @@ class _Entry:
         self.eager = False
         self.last_divergence = None
         self.eager_peak_bytes = None
-
-
-def _stats_of(device):
-    alloc = get_allocator(device)
-    return alloc.stats()
 
 
 class CompiledStep:
@@ -151,14 +146,9 @@ class CompiledStep:
         def keep(*a):
             box.append(call(*a))  # the result outlives the call: its buffers are outputs
 
-        before = _stats_of(self.device or _device_of(args))
-        device = self.device or _device_of(args)
-        from needle.memory import reset_peak
-
-        reset_peak(device)
-        graph = trace(keep, *args, device=device)
-        after = _stats_of(device)
-        entry.eager_peak_bytes = after["peak_requested_bytes"] - before["requested_bytes"]
+        # the trace's own event count gives the eager peak: no reset of the user's peaks
+        graph = trace(keep, *args, device=self.device or _device_of(args))
+        entry.eager_peak_bytes = graph.eager_peak_bytes
         entry.graph, entry.plan = graph, plan(graph)
         self._counts["traces"] += 1
         return box[0]

@@ -60,7 +60,8 @@ class TracedGraph(Graph):
     step after the call returned; ``outside_deltas``: in event order, the change of requested
     bytes of every allocation and release that is not a planned intermediate (outputs made,
     buffers from before released, also those no op read), from which
-    :meth:`planned_peak_bytes` follows.
+    :meth:`planned_peak_bytes` follows; ``eager_peak_bytes``: the peak of requested bytes above
+    those live before the call, during the traced (eager) call itself.
     """
 
     fn: object = field(default=None, compare=False, repr=False)
@@ -68,6 +69,7 @@ class TracedGraph(Graph):
     allocations: tuple[tuple[int, int], ...] = field(default=(), repr=False)
     end_index: int = 0
     outside_deltas: tuple[int, ...] = field(default=(), repr=False)
+    eager_peak_bytes: int = 0
 
     def planned_peak_bytes(self, plan) -> int:
         """Peak requested bytes above those live before the call, for a run of ``plan``: the
@@ -234,9 +236,13 @@ class _Tracer(Observer):
         ops = tuple(sorted(self.ops, key=lambda n: n.index))
         planned = {s.id for s in specs if s.kind == "intermediate"}
         outside = tuple(d for b, d in self.deltas if b not in planned)
+        level = top = 0
+        for _, delta in self.deltas:
+            level += delta
+            top = max(top, level)
         return TracedGraph(tuple(specs), ops, fn=fn, device=device,
                            allocations=tuple(self.order), end_index=end,
-                           outside_deltas=outside)
+                           outside_deltas=outside, eager_peak_bytes=top)
 
 
 def _device_of(inputs, device):

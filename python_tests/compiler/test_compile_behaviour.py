@@ -233,3 +233,17 @@ def test_a_compiled_step_inside_another_runs_eagerly(dev):
         np.testing.assert_array_equal(outer(x).numpy(), want)
     assert outer.stats()["replays"] == 2 and outer.stats()["divergences"] == 0
     assert inner.stats()["eager_calls"] == 4 and inner.stats()["traces"] == 0
+
+
+def test_tracing_leaves_the_users_peak_statistics_alone(dev):
+    model = chain(dev, depth=2)
+    step = ndl.compile(lambda x: model(x).sum())
+    mem.reset_peak(dev)
+    big = ndl.Tensor(np.ones((256, 1024)), device=dev)  # 1 MiB: far above the step's bytes
+    del big
+    peak = mem.stats(dev)["peak_requested_bytes"]
+    step(tensor(dev))
+    step(tensor(dev))  # the trace
+    assert step.stats()["traces"] == 1
+    assert mem.stats(dev)["peak_requested_bytes"] == peak
+    assert 0 < step.memory()["eager_peak_bytes"] < 256 * 1024 * 4
