@@ -164,6 +164,16 @@ class Job:
     def running(self) -> list[int]:
         return [r for r in self.ranks if r not in self.outcomes]
 
+    def lingering(self) -> list[int]:
+        """Ranks that reported how they ended but whose process is still alive."""
+        out = []
+        for rank in self.outcomes:
+            proc = self.by_rank.get(rank)
+            pid = self.pid_of(rank)
+            if (proc.poll() is None) if proc is not None else (pid is not None and alive(pid)):
+                out.append(rank)
+        return sorted(out)
+
     # ----- stopping ---------------------------------------------------------------------
     def _tree(self) -> list[int]:
         roots = [p.pid for p in self.procs if p.poll() is None]

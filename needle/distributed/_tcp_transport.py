@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import sys
 import threading
 import time
 from collections import Counter
@@ -89,6 +90,7 @@ class ZmqSendRequest(Request):
 class TcpTransport(MailboxTransportMixin):
     backend = "tcp"
     DISCONNECT_GRACE = 1.0  # seconds between a closed connection and "the peer is gone"
+    SHUTDOWN_GRACE = 10.0   # seconds close() waits for the receiver thread and for libzmq
 
     def __init__(self, rank: int, size: int, master_addr: str, master_port: int, timeout: float,
                  security: Security | None = None):
@@ -252,26 +254,57 @@ class TcpTransport(MailboxTransportMixin):
 
     # ----- shutdown ---------------------------------------------------------------------
     def close(self) -> None:
+        zmq = _zmq()
         bye = _FRAME.pack(self._job, _BYE, 0, self.rank, 0)
         for peer, sock in self.push.items():
             if self.mailbox.gone(peer) is None:
                 with self.locks[peer]:
-                    sock.send(bye)
+                    try:  # never block shutdown on a peer that no longer reads
+                        sock.send(bye, zmq.NOBLOCK)
+                    except zmq.ZMQError:
+                        pass
         self._closing = True
         if self._thread is not None:
-            self._thread.join(timeout=5.0)
+            self._thread.join(timeout=self.SHUTDOWN_GRACE)
         self._teardown()
 
     def _teardown(self) -> None:
         self._closing = True
+        if self._thread is not None and self._thread.is_alive():
+            # The receiver still polls these sockets; closing them under it is undefined in
+            # libzmq. Leave them (and the context) to the end of the process.
+            self._warn("its receiver thread did not stop")
+            return
+        # libzmq can block in a socket's close or in the context's term (queued messages,
+        # zero-copy buffers it still holds); the rank's work is done, so bound the wait and
+        # leave a stuck shutdown to process exit, saying so.
+        done = threading.Event()
+
+        def shut() -> None:
+            self._close_sockets()
+            done.set()
+
+        threading.Thread(target=shut, name=f"needle-tcp-close-{self.rank}", daemon=True).start()
+        if not done.wait(self.SHUTDOWN_GRACE):
+            self._warn("libzmq did not release its sockets and context")
+
+    def _close_sockets(self) -> None:
+        # Stop every monitor before closing its reading end: an I/O thread that emits an
+        # event into a monitor nobody reads blocks for ever while holding the socket's
+        # monitor lock, and a later disable_monitor() or close() then waits on that lock.
+        for sock in self.push.values():
+            sock.disable_monitor()
         for monitor in self._monitors:
             monitor.close(0)
         for sock in self.push.values():
-            sock.disable_monitor()
-            # Short linger: flush to live peers, but do not wait long for dead ones.
-            sock.close(linger=1000)
+            sock.close(linger=1000)  # flush to live peers, do not wait long for dead ones
         if getattr(self, "pull", None) is not None:
             self.pull.close(0)
         if self.zap is not None:
             self.zap.close()
         self.ctx.term()
+
+    def _warn(self, what: str) -> None:
+        print(f"needle.distributed: rank {self.rank}: the tcp transport did not shut down "
+              f"within {self.SHUTDOWN_GRACE:g} s ({what}); leaving it to process exit",
+              file=sys.stderr, flush=True)

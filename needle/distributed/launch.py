@@ -11,7 +11,9 @@ The launcher owns its ranks. When one fails it names the rank that failed first 
 code, signal, or exception with that rank's traceback), says which ranks failed only because of
 it, stops the rest and exits with the first failure's code. On SIGINT or SIGTERM it stops every
 process of the job (SIGKILL after a bounded wait), removes its temporary files and exits with
-130 or 143. ``--timeout`` bounds the whole job (exit 124).
+130 or 143. ``--timeout`` bounds the whole job (exit 124). A rank that reported success but
+does not exit within ``$NEEDLE_LAUNCH_EXIT_GRACE`` seconds (default 30) is stopped and named;
+the verdict is then the ranks' own.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from ._tcp_security import JOB_ENV, SECRET_ENV
 
 FAILURE_GRACE = 3.0  # seconds to let the other ranks report after the first failure
 STOP_GRACE = 5.0     # seconds between the first signal and SIGKILL when stopping
+EXIT_GRACE_ENV = "NEEDLE_LAUNCH_EXIT_GRACE"  # seconds a rank that reported may take to exit
 
 
 def find_mpiexec() -> str:
@@ -108,6 +111,10 @@ def _job_env(backend: str, nodes: Nodes, status_dir: str) -> dict:
     return env
 
 
+def _exit_grace() -> float:
+    return float(os.environ.get(EXIT_GRACE_ENV, "30"))
+
+
 class _Signals:
     """SIGINT/SIGTERM received while the job runs (main thread only; elsewhere none)."""
 
@@ -129,13 +136,19 @@ class _Signals:
 def _watch(job: Job, signals: _Signals, deadline: float | None) -> str:
     """Wait until the job is done, failed (plus a grace to hear from the others), timed out
     or interrupted; return which."""
-    failed_at = None
+    failed_at = reported_at = None
     while True:
         job.poll()
         if signals.received:
             return "interrupted"
         if job.done():
             return "done"
+        if not job.running() and not job.failed():
+            # Every rank reported success but a process lives on (stuck in interpreter
+            # shutdown): the work is done, so do not let it run into the job's timeout.
+            reported_at = reported_at or time.monotonic()
+            if time.monotonic() - reported_at > _exit_grace():
+                return "lingering"
         if job.failed():
             failed_at = failed_at or time.monotonic()
             if not job.running() or time.monotonic() - failed_at > FAILURE_GRACE:
@@ -158,6 +171,13 @@ def _finish(job: Job, state: str, signals: _Signals, timeout: float | None) -> i
         code = 124
         lines = [f"launch: timed out after {timeout:g} s; ranks {running} were still running "
                  "and have been stopped"]
+    elif state == "lingering":
+        stuck = job.lingering()
+        job.stop(signal.SIGTERM, STOP_GRACE)
+        code, lines = verdict(job.outcomes)
+        lines.append(f"launch: ranks {stuck} reported success but had not exited "
+                     f"{_exit_grace():g} s later (stuck in interpreter shutdown); they were "
+                     "stopped")
     else:
         if state == "failed":
             job.stop(signal.SIGTERM, STOP_GRACE)
