@@ -58,3 +58,10 @@ def test_a_name_that_does_not_exist_is_reported():
     text = ("`ndl.memory.stats(ndl.cpu())`, `needle.distributed.pipeline.make_plan`, "
             "`ndl.checkpoint.measure_layer_costs(model, x)`, `ndl.nn.NoSuchLayer`")
     assert unresolved(text) == ["ndl.checkpoint.measure_layer_costs", "ndl.nn.NoSuchLayer"]
+
+
+def test_the_readme_links_every_guide():
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    guides = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
+    assert guides and [g for g in guides if f"(docs/{g})" not in readme] == []
