@@ -97,8 +97,11 @@ class ParameterServer:
             self.optimizer = opt
             self._role = ServerRole(self, mine, opt)
         else:
+            from .._run_rank import declare_expendable
             from .worker import WorkerRole
 
+            if world.backend == "tcp":  # the launcher may restart it or go on without it
+                declare_expendable(world.p2p.global_rank(self.rank))
             self.optimizer = None
             self._role = WorkerRole(self)
 

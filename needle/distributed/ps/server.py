@@ -169,6 +169,9 @@ class ServerRole:
     def _handle(self, w: WorkerState, fields: np.ndarray) -> None:
         op = int(fields[0])
         if op == wire.JOIN:
+            if w.joined:  # restarted faster than its death was noticed
+                self.rejoined += 1
+                self.events.append(f"worker rank {w.rank} restarted and rejoined")
             self._on_join(w)
         elif op == wire.PUSH:
             self._on_push(w, int(fields[2]), int(fields[3]), float(fields[4]), int(fields[5]),
