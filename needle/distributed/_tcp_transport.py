@@ -207,17 +207,20 @@ class TcpTransport(MailboxTransportMixin):
     def _on_rejoin(self, peer: int, address: str) -> None:
         """``peer`` was restarted and listens at ``address`` now (receiver thread)."""
         with self.locks[peer]:
+            old = self.push.pop(peer)
+            old.disable_monitor()  # before closing its reader (see _teardown)
             for monitor, who in list(self._monitors.items()):
                 if who == peer:
                     self._poller.unregister(monitor)
                     del self._monitors[monitor]
                     monitor.close(0)
-            old = self.push.pop(peer)
-            old.disable_monitor()
             old.close(linger=0)
             self._connected.discard(peer)
             self._suspects.pop(peer, None)
             self.push[peer] = self._push_socket(peer, address, self._timeout)
+        # receives still waiting on the dead incarnation fail (also when its death was not
+        # noticed yet), then the rank is an ordinary peer again
+        self.mailbox.mark_gone(peer, f"rank {peer} was restarted: its previous process is gone")
         self.mailbox.revive(peer)
 
     @property
@@ -348,10 +351,14 @@ class TcpTransport(MailboxTransportMixin):
 
     def _teardown(self) -> None:
         self._closing = True
+        # Stop each monitor while its reader is still open: stopping sends a last event to
+        # the reader, and that send blocks forever once the reader is closed (seen as a hang
+        # at exit of a rank that outlived a killed peer).
+        for sock in self.push.values():
+            sock.disable_monitor()
         for monitor in self._monitors:
             monitor.close(0)
         for sock in self.push.values():
-            sock.disable_monitor()
             # Short linger: flush to live peers, but do not wait long for dead ones.
             sock.close(linger=1000)
         if getattr(self, "pull", None) is not None:

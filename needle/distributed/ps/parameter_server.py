@@ -134,7 +134,9 @@ class ParameterServer:
     @property
     def clock(self) -> int:
         """Worker: gradients pushed so far (a restarted worker starts at the server's clock)."""
-        return self._worker("clock").clock
+        role = self._worker("clock")
+        role.join()
+        return role.clock
 
     def pull(self) -> int:
         """Load the servers' current weights into the model; returns their version. Blocks

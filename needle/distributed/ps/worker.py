@@ -32,6 +32,14 @@ class WorkerRole:
             self._beat = threading.Thread(target=self._heartbeat, daemon=True,
                                           name=f"needle-ps-heartbeat-{ps.rank}")
             self._beat.start()
+        self.joined = False
+
+    def join(self) -> None:
+        """Introduce this worker to every server (on first use, not in the constructor, so
+        that collective calls right after constructing cannot deadlock with it)."""
+        if self.joined:
+            return
+        self.joined = True
         replies = self._request(wire.request(wire.JOIN), with_weights=False, op="join")
         self.clock = min(int(r[2]) for r in replies)
         self.versions = [int(r[1]) for r in replies]
@@ -113,6 +121,7 @@ class WorkerRole:
 
     # ----- the API ----------------------------------------------------------------------------
     def pull(self) -> int:
+        self.join()
         replies = self._request(wire.request(wire.PULL, self.clock), with_weights=True,
                                 op="pull")
         self.versions = [int(r[1]) for r in replies]
@@ -121,6 +130,7 @@ class WorkerRole:
         return min(self.versions)
 
     def push(self, examples: int, loss_sum: float, correct: int) -> Work:
+        self.join()
         self._reap("push")
         reqs = []
         for k, shard in enumerate(self.ps.shards):
@@ -160,6 +170,7 @@ class WorkerRole:
         return PolledWork(test, complete)
 
     def finish(self) -> None:
+        self.join()
         self._request(wire.request(wire.FINISH, self.clock), with_weights=False, op="finish")
         self._reap("finish")
         self.stop()
