@@ -147,7 +147,7 @@ class TcpTransport(MailboxTransportMixin):
             self.security.make_server(self.pull, rank)
             self.pull.bind_to_random_port(f"tcp://{local_address(master_ip)}")
             self.address = self.pull.getsockopt(zmq.LAST_ENDPOINT).decode()
-            rejoin = os.environ.get(REJOIN_ENV) and rank != 0
+            rejoin = bool(os.environ.get(REJOIN_ENV))
             if rejoin:
                 table = self._saved_addresses(size)
                 table[rank] = self.address
@@ -165,7 +165,7 @@ class TcpTransport(MailboxTransportMixin):
             raise
         self.locks = {r: threading.Lock() for r in range(size)}
         if rejoin:
-            for peer, sock in self.push.items():
+            for sock in self.push.values():
                 sock.send_multipart([pack_header(self.security.job_id, _REJOIN, 0, rank, 0),
                                      self.address.encode()])
         self._thread = threading.Thread(target=self._serve, name=f"needle-tcp-rx-{rank}")

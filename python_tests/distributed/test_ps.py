@@ -237,7 +237,7 @@ def test_ssp_blocks_fast_worker_and_bounds_staleness():
 def test_sync_weights_by_examples():
     def script(w, me, shared):
         seen = [me.pull()]
-        for step in range(2):
+        for _ in range(2):
             me.push(n=1 if w == 0 else 3)
             seen.append(me.pull())
         return seen

@@ -82,3 +82,25 @@ def test_dead_server_is_a_comm_error_on_every_worker():
                 f"{rank}: parameter server 1 (rank 1) is gone") in out.stdout or (
                 f"[rank {rank}] WORKER CAUGHT PeerError: ParameterServer.push: worker rank "
                 f"{rank}: parameter server 1 (rank 1) is gone") in out.stdout, out.stdout
+
+
+def test_restarted_server_resumes_from_its_snapshot(tmp_path):
+    """The server snapshots every 2 updates and is SIGKILLed at update 5; the launcher restarts
+    it, it resumes from update 4, the workers wait for it and redo steps 5.. from the restored
+    clock, and the final weights equal 8 plain sync steps computed in one process."""
+    cmd = [sys.executable, "-m", "needle.distributed.launch", "-n", "3", "--backend", "tcp",
+           "--timeout", "120", "--restart-workers", "1", str(SCRIPTS / "check_ps.py"),
+           "server_restart"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd=ROOT,
+                         env={**os.environ, "CHECK_PS_DIR": str(tmp_path)})
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    assert "launch: rank 0 killed by signal 9 (SIGKILL); restarting it" in out.stderr
+    stats = _stats(out)
+    assert stats["restored_from"] == str(tmp_path / "ps_server0.ndl")
+    assert stats["version"] == 8 and stats["worker_clocks"] == [8, 8]
+    assert stats["snapshots_written"] == 2  # at updates 6 and 8, after the restore at 4
+    for rank in (1, 2):
+        line = next(x for x in out.stdout.splitlines() if f"[rank {rank}] WORKER RESUMED" in x)
+        assert line.endswith("restarts 1")
+        clocks = [int(c) for c in line.split("clocks [")[1].split("]")[0].split(",")]
+        assert clocks[:5] == [0, 1, 2, 3, 4] and clocks[-4:] == [4, 5, 6, 7]

@@ -39,6 +39,9 @@ class ParameterServerStrategy(Strategy):
                                 "(default W - 1)")
         group.add_argument("--dead-after", type=float, default=10.0,
                            help="seconds without a heartbeat before a worker is dead")
+        group.add_argument("--ps-eval-every", type=int, default=0, metavar="K",
+                           help="with one server: evaluate the held-out accuracy every K "
+                                "updates (summary ps.accuracy_timeline; 0: off)")
         group.add_argument("--restart-workers", type=int, default=0, metavar="N",
                            help="restart a killed worker up to N times (tcp); it rejoins")
 
@@ -149,7 +152,16 @@ class ParameterServerStrategy(Strategy):
         from ..loop import History
         from ..summary import build_summary
 
-        stats = self.ps.serve()
+        timeline: list[list[float]] = []
+        eval_every = int(self.cfg.extra.get("ps_eval_every", 0) or 0)
+
+        def on_update(updates: int) -> None:
+            if updates % eval_every == 0:
+                _, acc = self._local_evaluate(Xt, yt)
+                timeline.append([time.perf_counter() - self.started, updates, acc])
+
+        hook = on_update if eval_every > 0 and self.servers == 1 else None
+        stats = self.ps.serve(on_update=hook)
         wall = time.perf_counter() - self.started
         role = self.ps.server
         if self.rank != 0:
@@ -181,6 +193,8 @@ class ParameterServerStrategy(Strategy):
                                 X.shape[0], Xt.shape[0],
                                 steps_per_epoch(X.shape[0], self.cfg.batch_size))
         summary["ps"] = self._block(every, steps)
+        summary["ps"]["accuracy_timeline"] = timeline + [[wall, stats["updates_applied"],
+                                                         test_acc]]
         summary["state_sha256"] = None
         return summary
 

@@ -33,6 +33,10 @@ class ParameterServer:
         rejoin_wait: seconds a server keeps waiting for a dead worker to rejoin (restart)
             once every other worker has finished; 0: do not wait.
         timeout: seconds any single wait may last (default: the group's timeout).
+        snapshot_dir, snapshot_every: every K updates each server writes its shard, optimizer
+            state and clocks to ``snapshot_dir``; a server restarted by the launcher (tcp,
+            ``--restart-workers``) resumes from its snapshot, and workers wait for it to come
+            back instead of failing (they continue from the restored clock).
 
     Example:
         >>> import numpy as np, needle as ndl, needle.distributed as dist
@@ -56,7 +60,8 @@ class ParameterServer:
                  optimizer: Callable[[list[Any]], Any] | None = None, staleness: int = 0,
                  wait_for: int | None = None, heartbeat: float | None = 0.5,
                  dead_after: float = 10.0, rejoin_wait: float = 0.0,
-                 timeout: float | None = None, group: Any = None):
+                 timeout: float | None = None, group: Any = None,
+                 snapshot_dir: str | None = None, snapshot_every: int = 0):
         import needle.distributed as dist
 
         world = resolve(group, "ParameterServer")
@@ -76,6 +81,13 @@ class ParameterServer:
         mpi = world.backend == "mpi"
         self.heartbeat = 0.0 if mpi or not heartbeat else float(heartbeat)
         self.dead_after, self.rejoin_wait = float(dead_after), float(rejoin_wait)
+        if snapshot_every < 0 or (snapshot_every and not snapshot_dir):
+            raise ParameterServerConfigError(
+                f"ParameterServer: snapshot_every must be >= 0 and needs snapshot_dir, got "
+                f"{snapshot_every} and {snapshot_dir!r}")
+        self.snapshot_dir, self.snapshot_every = snapshot_dir, int(snapshot_every)
+        # servers that snapshot may be restarted: workers then wait for them to come back
+        self.server_restarts = bool(snapshot_every) and world.backend == "tcp"
         self.timeout = world.timeout if timeout is None else float(timeout)
         # A private group: its two channels carry requests/payloads and heartbeats, apart
         # from every other message of the job.
@@ -96,6 +108,16 @@ class ParameterServer:
             opt = optimizer(mine) if optimizer is not None else SGD(mine, lr=0.01)
             self.optimizer = opt
             self._role = ServerRole(self, mine, opt)
+            if self.server_restarts:
+                import os
+
+                from .._run_rank import declare_expendable
+                from .._tcp_transport import REJOIN_ENV
+                from . import snapshot
+
+                declare_expendable(world.p2p.global_rank(self.rank))
+                if os.environ.get(REJOIN_ENV):
+                    snapshot.load(self._role, snapshot_dir)
         else:
             from .._run_rank import declare_expendable
             from .worker import WorkerRole
@@ -163,12 +185,15 @@ class ParameterServer:
                 "pushes": w.pushes, "pulls": w.pulls}
 
     # ----- server API -------------------------------------------------------------------------
-    def serve(self) -> dict:
+    def serve(self, on_update: Callable[[int], None] | None = None) -> dict:
         """Server: run until every worker has finished or left; returns this server's
-        counters (updates, drops, lost and rejoined workers, staleness histogram, bytes)."""
+        counters (updates, drops, lost and rejoined workers, staleness histogram, bytes).
+        ``on_update(updates)`` runs after every update (evaluation, logging; keep it short:
+        it runs on the serving thread)."""
         if not self.is_server:
             raise CommError(f"ParameterServer.serve: rank {self.rank} is a worker, expected a "
                             f"server rank (one of {self.server_ranks})")
+        self._role.on_update = on_update
         return self._role.serve()
 
     @property

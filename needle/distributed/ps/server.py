@@ -65,6 +65,9 @@ class ServerRole:
         self._sending: list[tuple[Any, Any, WorkerState]] = []
         self._last_clock = 0
         self.events: list[str] = []
+        self.on_update = None  # called with the update count after every update
+        self.restored_from: str | None = None
+        self.snapshots = 0
 
     # ----- the loop ---------------------------------------------------------------------------
     def serve(self) -> dict:
@@ -235,6 +238,7 @@ class ServerRole:
         self.staleness[staleness] += 1
         self.delay[pending_delay] += 1
         self._apply([(1, grads)])
+        self._after_update()
 
     def _needed(self) -> int:
         live = sum(1 for w in self.workers if w.active)
@@ -257,6 +261,7 @@ class ServerRole:
         self._apply(contributions)
         self.round = {}
         self.version += 1
+        self._after_update()
 
     def _apply(self, contributions: list[tuple[int, list[np.ndarray]]]) -> None:
         """One optimizer step with sum_w n_w g_w / sum_w n_w over ``contributions``."""
@@ -277,6 +282,17 @@ class ServerRole:
         self.optimizer.step()
         self.optimizer.reset_grad()
         self.updates += 1
+        if self.on_update is not None:
+            self.on_update(self.updates)
+
+    def _after_update(self) -> None:
+        """Every ``snapshot_every`` updates, with the state consistent: write a snapshot."""
+        every, folder = self.ps.snapshot_every, self.ps.snapshot_dir
+        if folder and every and self.updates % every == 0:
+            from . import snapshot
+
+            snapshot.save(self, folder)
+            self.snapshots += 1
 
     # ----- pulls ------------------------------------------------------------------------------
     def global_clock(self) -> int:
@@ -348,4 +364,5 @@ class ServerRole:
                 "update_delay_histogram": {int(k): int(v) for k, v in sorted(self.delay.items())},
                 "bytes_pushed": self.bytes_in,
                 "bytes_pulled": self.bytes_out, "version": self.served_version(),
-                "worker_clocks": [w.clock for w in self.workers], "events": list(self.events)}
+                "worker_clocks": [w.clock for w in self.workers], "events": list(self.events),
+                "snapshots_written": self.snapshots, "restored_from": self.restored_from}

@@ -26,6 +26,7 @@ class WorkerRole:
         self.pulls = 0
         self.pushes = 0
         self._inflight: list[tuple[Any, Any, int]] = []
+        self.server_restarts_seen = 0
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
         if ps.heartbeat:
@@ -43,6 +44,29 @@ class WorkerRole:
         replies = self._request(wire.request(wire.JOIN), with_weights=False, op="join")
         self.clock = min(int(r[2]) for r in replies)
         self.versions = [int(r[1]) for r in replies]
+
+    def _recover(self, exc: PeerError, op: str) -> None:
+        """A server died. Without snapshots that is the end (re-raise). With them, wait
+        until the launcher's restart of it has rejoined, introduce this worker to it again
+        and take the clock its snapshot restored (the caller redoes from there)."""
+        ranks = self.ps.server_ranks
+        if not (self.ps.server_restarts and exc.peer in ranks and exc.reason == "gone"):
+            raise exc
+        k = ranks.index(exc.peer)
+        gone = self.ps.transport.mailbox.gone
+        deadline = time.monotonic() + self.ps.timeout
+        while gone(exc.peer) is not None:
+            if time.monotonic() > deadline:
+                raise PeerError(f"ParameterServer.{op}: worker rank {self.ps.rank}: parameter "
+                                f"server {k} (rank {exc.peer}) is gone and did not come back "
+                                f"within {self.ps.timeout:g} s: {exc}", exc.peer, "gone")
+            time.sleep(0.05)
+        self._inflight = [(r, b, j) for r, b, j in self._inflight if j != k]
+        replies = self._request(wire.request(wire.JOIN), with_weights=False, op="join",
+                                only=[k])
+        self.clock = int(replies[0][2])
+        self.versions[k] = int(replies[0][1])
+        self.server_restarts_seen += 1
 
     # ----- helpers ----------------------------------------------------------------------------
     def _server_error(self, op: str, k: int, exc: BaseException) -> CommError:
@@ -82,11 +106,15 @@ class WorkerRole:
                 raise self._server_error(op, k, exc) from None
         self._inflight = keep
 
-    def _request(self, head: np.ndarray, with_weights: bool, op: str) -> list[np.ndarray]:
-        """Send ``head`` to every server and wait for each reply (and its weights)."""
+    def _request(self, head: np.ndarray, with_weights: bool, op: str,
+                 only: list[int] | None = None) -> list[np.ndarray]:
+        """Send ``head`` to every server (or those in ``only``) and wait for each reply (and
+        its weights)."""
         self._reap(op)
         replies, pending = [], []
         for k, rank in enumerate(self.ps.server_ranks):
+            if only is not None and k not in only:
+                continue
             self._send(head.copy(), k, wire.T_REQUEST, op)
             reply = wire.header()
             recvs = [self.ps.chan.irecv(reply, rank, wire.T_REPLY)]
@@ -122,6 +150,13 @@ class WorkerRole:
     # ----- the API ----------------------------------------------------------------------------
     def pull(self) -> int:
         self.join()
+        while True:
+            try:
+                return self._pull()
+            except PeerError as exc:
+                self._recover(exc, "pull")
+
+    def _pull(self) -> int:
         replies = self._request(wire.request(wire.PULL, self.clock), with_weights=True,
                                 op="pull")
         self.versions = [int(r[1]) for r in replies]
@@ -131,6 +166,13 @@ class WorkerRole:
 
     def push(self, examples: int, loss_sum: float, correct: int) -> Work:
         self.join()
+        try:
+            return self._push(examples, loss_sum, correct)
+        except PeerError as exc:  # lost with its server; the restored clock says what to redo
+            self._recover(exc, "push")
+            return Work.completed()
+
+    def _push(self, examples: int, loss_sum: float, correct: int) -> Work:
         self._reap("push")
         reqs = []
         for k, shard in enumerate(self.ps.shards):
@@ -160,18 +202,29 @@ class WorkerRole:
                 try:
                     done = req.test() and done
                 except CommError as exc:
+                    if self.ps.server_restarts:
+                        continue  # complete() recovers
                     raise self._server_error("push", k, exc) from None
             return done
 
         def complete() -> None:
             for req, k in reqs:
-                self._wait(req, "push", k, deadline, "sending the gradient")
+                try:
+                    self._wait(req, "push", k, deadline, "sending the gradient")
+                except PeerError as exc:
+                    self._recover(exc, "push")
 
         return PolledWork(test, complete)
 
     def finish(self) -> None:
         self.join()
-        self._request(wire.request(wire.FINISH, self.clock), with_weights=False, op="finish")
+        while True:
+            try:
+                self._request(wire.request(wire.FINISH, self.clock), with_weights=False,
+                              op="finish")
+                break
+            except PeerError as exc:
+                self._recover(exc, "finish")
         self._reap("finish")
         self.stop()
 
@@ -190,4 +243,4 @@ class WorkerRole:
                         continue  # the previous beat is still on its way
                     last[k] = self.ps.hb_chan.isend(beat, rank, wire.T_HEARTBEAT)
                 except CommError:
-                    return  # the main thread reports a dead server at its next request
+                    last.pop(k, None)  # the main thread reports (or waits out) a dead server

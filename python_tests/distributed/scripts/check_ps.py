@@ -19,8 +19,8 @@ import time
 
 import numpy as np
 
-import needle.autograd  # noqa: F401 - before needle.nn: works around a circular import
 import needle as ndl  # noqa: E402
+import needle.autograd  # noqa: F401 - before needle.nn: works around a circular import
 import needle.distributed as dist  # noqa: E402
 from needle import nn  # noqa: E402
 
@@ -120,6 +120,55 @@ elif mode in ("kill", "restart"):
             ps.pull()
         ps.finish()
         print(f"WORKER DONE rank {rank} clock {ps.clock}")
+
+elif mode == "server_restart":
+    # launched with --restart-workers 1: the server snapshots every 2 updates and SIGKILLs
+    # itself at update 5; restarted, it resumes from update 4 and the workers redo from there
+    net = model()
+    ps = dist.ParameterServer(net, servers=1, mode="sync", optimizer=sgd, heartbeat=0.2,
+                              snapshot_dir=os.environ["CHECK_PS_DIR"], snapshot_every=2)
+    if ps.is_server:
+        if not rejoining:
+            def killer():
+                while ps.server.updates < 5:
+                    time.sleep(0.002)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            threading.Thread(target=killer, daemon=True).start()
+        stats = ps.serve()
+        print("PS STATS " + json.dumps(stats))
+    else:
+        w = ps.worker_index
+        clocks = []
+        ps.pull()
+        while ps.clock < 8:
+            clocks.append(ps.clock)
+            X, y = batch(w, ps.clock + 1)
+            for p in net.parameters():
+                p.grad = None
+            grads(net, X, y)
+            ps.push(examples=len(y)).wait()
+            ps.pull()
+        ps.finish()
+        # the reference: 8 plain sync steps on the same batches, in one process
+        ref = model()
+        for step in range(1, 9):
+            total, acc = 0, None
+            for v in (0, 1):
+                X, y = batch(v, step)
+                for p in ref.parameters():
+                    p.grad = None
+                grads(ref, X, y)
+                g = [p.grad.numpy() * len(y) for p in ref.parameters()]
+                acc = g if acc is None else [a + b for a, b in zip(acc, g, strict=True)]
+                total += len(y)
+            for p, g in zip(ref.parameters(), acc, strict=True):
+                p.data = ndl.Tensor(p.numpy() - LR * g / total)
+        for a, b in zip([p.numpy() for p in net.parameters()], [p.numpy() for p in
+                                                                 ref.parameters()], strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        print(f"WORKER RESUMED rank {rank} clocks {clocks} restarts "
+              f"{ps._role.server_restarts_seen}")
 
 elif mode == "dead_server":
     net = model()
