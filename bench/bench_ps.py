@@ -66,15 +66,17 @@ def throughput(opts) -> list[dict]:
                 args += ["--slow-worker", f"{slow_rank(extra, opts.workers)}:{delay}"]
             s = run(args, opts.timeout)
             ps = s.get("ps")
-            updates = ps["updates_applied"] if ps else s["steps"]
-            examples = s["steps"] * opts.batch if not ps else None
             row = {"delay_ms": delay, "mode": name, "wall_s": s["wall_s"],
-                   "updates_per_s": updates / s["wall_s"], "accuracy": s["accuracy"],
-                   "steps": s["steps"]}
+                   "accuracy": s["accuracy"], "steps": s["steps"]}
             if ps:
+                # while every worker runs: a fixed shard per worker means that, at the end,
+                # async modes wait for the straggler to finish its own shard alone
+                window = ps["all_active"]
                 pushes = sum(ps["worker_clocks"])
                 m = ps["bytes_predicted"]["per_worker_step"] // 2
-                row.update(examples_per_s=s["examples_per_s"], dropped=ps["gradients_dropped"],
+                row.update(updates_per_s=window["updates_per_s"],
+                           examples_per_s=window["examples_per_s"],
+                           dropped=ps["gradients_dropped"],
                            max_staleness=ps["max_staleness"],
                            bytes_per_worker_step_predicted=2 * m,
                            bytes_per_worker_step_measured=(ps["bytes_pushed"]
@@ -82,7 +84,8 @@ def throughput(opts) -> list[dict]:
             else:
                 traffic = s.get("traffic", {})
                 sent = traffic.get("sent", 0)
-                row.update(examples_per_s=examples / s["wall_s"],
+                row.update(updates_per_s=s["steps"] / s["wall_s"],
+                           examples_per_s=s["steps"] * opts.batch / s["wall_s"],
                            bytes_per_worker_step_measured=sent / max(s["steps"], 1),
                            bytes_per_worker_step_predicted=traffic.get("predicted_sent", 0)
                            / max(s["steps"], 1))
@@ -95,6 +98,12 @@ def throughput(opts) -> list[dict]:
         for r in rows:
             if r["delay_ms"] == delay:
                 r["examples_per_s_vs_ddp"] = r["examples_per_s"] / anchor["examples_per_s"]
+    print("\nexamples/s relative to ddp ring allreduce in this run (1.00 = ddp):")
+    names = [name for name, _ in modes(opts.workers)]
+    print("delay ms  " + "  ".join(f"{n:>14s}" for n in names))
+    for delay in opts.delays:
+        ratios = {r["mode"]: r["examples_per_s_vs_ddp"] for r in rows if r["delay_ms"] == delay}
+        print(f"{delay:8d}  " + "  ".join(f"{ratios[n]:14.2f}" for n in names))
     return rows
 
 

@@ -221,6 +221,7 @@ class ParameterServerStrategy(Strategy):
                            "M each way; server s receives W x M_s per step (W x M / S when "
                            "balanced)"},
             "shard_bytes": [s.nbytes for s in self.ps.shards],
+            "all_active": first["all_active"],
             "worker_clocks": first["worker_clocks"],
             "events": [e for s in every for e in s["events"]],
         }

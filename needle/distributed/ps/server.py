@@ -67,10 +67,13 @@ class ServerRole:
         self.events: list[str] = []
         self.on_update = None  # called with the update count after every update
         self.restored_from: str | None = None
+        self.started_at = time.perf_counter()
+        self.window: tuple[float, int, int] | None = None
         self.snapshots = 0
 
     # ----- the loop ---------------------------------------------------------------------------
     def serve(self) -> dict:
+        self.started_at = time.perf_counter()
         for w in self.workers:
             self._post(w)
         while not self._done():
@@ -182,6 +185,9 @@ class ServerRole:
         elif op == wire.PULL:
             w.pull_waiting = True
         elif op == wire.FINISH:
+            if self.window is None:  # the first worker is done: the all-active window closes
+                self.window = (time.perf_counter() - self.started_at,
+                               sum(entry[2] for entry in self.loss_log), self.updates)
             w.finished = True
             w.pull_waiting = False
             self._send(w, wire.reply(self.served_version(), w.clock, self.updates), [])
@@ -365,4 +371,14 @@ class ServerRole:
                 "bytes_pushed": self.bytes_in,
                 "bytes_pulled": self.bytes_out, "version": self.served_version(),
                 "worker_clocks": [w.clock for w in self.workers], "events": list(self.events),
-                "snapshots_written": self.snapshots, "restored_from": self.restored_from}
+                "snapshots_written": self.snapshots, "restored_from": self.restored_from,
+                "all_active": self._window()}
+
+    def _window(self) -> dict:
+        """Throughput while every worker was still running (until the first finished)."""
+        seconds, examples, updates = self.window or (
+            time.perf_counter() - self.started_at,
+            sum(entry[2] for entry in self.loss_log), self.updates)
+        return {"seconds": seconds, "examples": examples, "updates": updates,
+                "examples_per_s": examples / max(seconds, 1e-9),
+                "updates_per_s": updates / max(seconds, 1e-9)}
