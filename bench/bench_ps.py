@@ -11,8 +11,12 @@ epochs with the straggler at the first nonzero delay, evaluating the held-out ac
 few updates, and writes accuracy against wall-clock (``bench/out/ps_accuracy_vs_time.png``):
 the price of staleness, seen rather than assumed.
 
-Throughput here includes process start-up of nothing: ``wall_s`` in summary.json is the
-training loop only. Numbers from a loaded 2-core machine are noisy; compare ratios.
+Throughput counts the training loop only (no process start-up). For the parameter server it
+is measured while every worker still runs (``ps.all_active``: until the first worker has done
+its shard), since afterwards async modes leave the straggler finishing its own shard alone.
+``updates/s`` counts optimizer steps: async and ssp apply every gradient on its own (W per
+round), sync and backup one per round. Numbers from a loaded 2-core machine are noisy;
+compare the ratios to DDP printed at the end.
 """
 from __future__ import annotations
 

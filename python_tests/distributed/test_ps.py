@@ -365,3 +365,38 @@ def test_no_workers_is_a_clear_error():
         return True
 
     assert dist.spawn_threads(job, 2, timeout=30)
+
+
+def test_silent_worker_is_declared_dead_by_heartbeat_timeout():
+    """Worker 1 stops its heartbeats and goes quiet (a hung process the transport cannot see):
+    after dead_after it is declared dead, sync rounds go on with worker 0 alone."""
+    done = threading.Event()
+
+    def job(rank):
+        p = _param()
+        ps = dist.ParameterServer([p], servers=1, mode="sync", heartbeat=0.05, dead_after=0.5,
+                                  optimizer=lambda ps_: ndl.optim.SGD(ps_, lr=LR))
+        if ps.is_server:
+            stats = ps.serve()
+            done.set()
+            return stats
+        me = Worker(ps, rank - 1, p)
+        if rank == 2:
+            me.pull()
+            ps.close()              # no more heartbeats, no more requests
+            done.wait(30)
+            return None
+        me.pull()
+        for _ in range(3):
+            me.push()
+            me.pull()
+        ps.finish()
+        return me.theta
+
+    stats, theta, _ = dist.spawn_threads(job, 3, timeout=60)
+    assert stats["workers_lost"] == 1 and stats["updates_applied"] == 3
+    assert "no heartbeat" in stats["events"][0] and "rank 2" in stats["events"][0]
+    ref = THETA0.copy()
+    for _ in range(3):  # worker 0 alone: denominators count the live workers only
+        ref = ref - LR * (ref - TARGETS[0])
+    np.testing.assert_allclose(theta, ref, rtol=1e-12)
