@@ -400,3 +400,24 @@ def test_silent_worker_is_declared_dead_by_heartbeat_timeout():
     for _ in range(3):  # worker 0 alone: denominators count the live workers only
         ref = ref - LR * (ref - TARGETS[0])
     np.testing.assert_allclose(theta, ref, rtol=1e-12)
+
+
+def test_worker_with_another_layout_is_refused_by_the_server():
+    def job(rank):
+        shape = (3,) if rank != 2 else (4,)  # rank 2 built a different model
+        p = ndl.Tensor(np.zeros(shape, np.float32), requires_grad=True)
+        ps = dist.ParameterServer([p], servers=1, mode="async", heartbeat=None, timeout=20)
+        if ps.is_server:
+            with pytest.raises(ParameterServerConfigError, match="worker rank 2 disagrees"):
+                ps.serve()
+            return "refused"
+        try:
+            ps.pull()
+            ps.finish()
+        except dist.CommError as exc:
+            return str(exc)
+        return "ok"
+
+    results = dist.spawn_threads(job, 3, timeout=60)
+    assert results[0] == "refused"
+    assert "parameter server 0 (rank 0)" in results[2]

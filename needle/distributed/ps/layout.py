@@ -29,6 +29,15 @@ class Shard:
     groups: list[tuple[str, list[int]]] = field(default_factory=list)
     nbytes: int = 0
 
+    def key(self, shapes: list[tuple[int, ...]]) -> int:
+        """A 32-bit digest of the shard's keys (parameter indices, shapes, dtypes): it travels
+        with every request, so a worker and a server that disagree on the layout fail loudly
+        instead of mixing up parameters."""
+        import zlib
+
+        text = repr([(d, [(i, tuple(shapes[i])) for i in idx]) for d, idx in self.groups])
+        return zlib.crc32(text.encode())
+
     def sizes(self, shapes: list[tuple[int, ...]]) -> list[int]:
         """Elements of each wire group."""
         return [int(sum(int(np.prod(shapes[i], dtype=np.int64)) for i in idx))

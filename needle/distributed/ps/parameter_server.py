@@ -77,6 +77,7 @@ class ParameterServer:
         self.mode, self.staleness = mode, int(staleness)
         self.wait_for = len(self.worker_ranks) if wait_for is None else int(wait_for)
         self.shards = plan_shards(self.shapes, dtypes, len(self.server_ranks))
+        self.shard_keys = [s.key(self.shapes) for s in self.shards]
         self.transport = world.transport
         mpi = world.backend == "mpi"
         self.heartbeat = 0.0 if mpi or not heartbeat else float(heartbeat)

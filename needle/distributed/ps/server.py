@@ -174,6 +174,15 @@ class ServerRole:
     # ----- requests ---------------------------------------------------------------------------
     def _handle(self, w: WorkerState, fields: np.ndarray) -> None:
         op = int(fields[0])
+        mine = self.ps.shard_keys[self.shard.server]
+        if int(fields[wire.KEY]) != mine:
+            from .layout import ParameterServerConfigError
+
+            raise ParameterServerConfigError(
+                f"ParameterServer.serve: worker rank {w.rank} disagrees on server "
+                f"{self.shard.server}'s parameters (keys, shapes, dtypes), expected shard key "
+                f"{mine:#010x}, got {int(fields[wire.KEY]):#010x}: build the same model on "
+                "every rank")
         if op == wire.JOIN:
             if w.joined:  # restarted faster than its death was noticed
                 self.rejoined += 1

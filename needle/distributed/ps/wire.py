@@ -17,7 +17,9 @@ T_REQUEST, T_PUSH_DATA, T_REPLY, T_PULL_DATA, T_HEARTBEAT, T_SERVERS = 1, 2, 3, 
 PUSH, PULL, FINISH, JOIN = 1, 2, 3, 4
 OP_NAMES = {PUSH: "push", PULL: "pull", FINISH: "finish", JOIN: "join"}
 
-REQUEST = ("op", "clock", "version", "examples", "loss_sum", "correct", "updates_seen", "spare")
+REQUEST = ("op", "clock", "version", "examples", "loss_sum", "correct", "updates_seen",
+           "shard_key")
+KEY = REQUEST.index("shard_key")
 REPLY = ("status", "version", "clock", "updates", "spare0", "spare1", "spare2", "spare3")
 FIELDS = 8
 HEADER_BYTES = FIELDS * 8

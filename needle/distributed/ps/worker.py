@@ -115,7 +115,9 @@ class WorkerRole:
         for k, rank in enumerate(self.ps.server_ranks):
             if only is not None and k not in only:
                 continue
-            self._send(head.copy(), k, wire.T_REQUEST, op)
+            mine = head.copy()
+            mine[wire.KEY] = self.ps.shard_keys[k]
+            self._send(mine, k, wire.T_REQUEST, op)
             reply = wire.header()
             recvs = [self.ps.chan.irecv(reply, rank, wire.T_REPLY)]
             bufs = []
@@ -178,6 +180,7 @@ class WorkerRole:
         for k, shard in enumerate(self.ps.shards):
             head = wire.request(wire.PUSH, self.clock, self.versions[k], examples, loss_sum,
                                 correct, self.updates_seen[k])
+            head[wire.KEY] = self.ps.shard_keys[k]
             payload = []
             for dtype, members in shard.groups:
                 parts = []

@@ -14,7 +14,6 @@ import json
 import os
 import signal
 import sys
-import threading
 import time
 
 import numpy as np
@@ -128,14 +127,11 @@ elif mode == "server_restart":
     ps = dist.ParameterServer(net, servers=1, mode="sync", optimizer=sgd, heartbeat=0.2,
                               snapshot_dir=os.environ["CHECK_PS_DIR"], snapshot_every=2)
     if ps.is_server:
-        if not rejoining:
-            def killer():
-                while ps.server.updates < 5:
-                    time.sleep(0.002)
+        def die_at_5(updates):  # on the serving thread, right after update 5 is applied
+            if updates == 5 and not rejoining:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-            threading.Thread(target=killer, daemon=True).start()
-        stats = ps.serve()
+        stats = ps.serve(on_update=die_at_5)
         print("PS STATS " + json.dumps(stats))
     else:
         w = ps.worker_index
@@ -174,14 +170,11 @@ elif mode == "dead_server":
     net = model()
     ps = dist.ParameterServer(net, servers=2, mode="sync", optimizer=sgd, heartbeat=0.2)
     if ps.is_server:
-        if rank == 1:
-            def killer():
-                while ps.server.updates < 2:
-                    time.sleep(0.01)
+        def die_at_2(updates):
+            if updates == 2 and rank == 1:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-            threading.Thread(target=killer, daemon=True).start()
-        ps.serve()
+        ps.serve(on_update=die_at_2)
     else:
         try:
             ps.pull()
