@@ -38,8 +38,8 @@ def test_sigkilled_worker_is_lost_and_training_finishes(mode, updates):
     assert stats["worker_clocks"] == [6, 2, 6]  # rank 2 died before its third push
     if mode == "backup":  # rounds of k = 2 gradients (the last one may hold fewer); which
         # arrive late is up to the scheduler, so count: 14 pushes = accepted + dropped
+        # (none may be dropped: a worker that starts late joins at the current version)
         accepted = 14 - stats["gradients_dropped"]
-        assert stats["gradients_dropped"] >= 1  # round 0 had three live workers
         assert 2 * stats["updates_applied"] - 1 <= accepted <= 2 * stats["updates_applied"]
     else:
         assert stats["updates_applied"] == updates
