@@ -230,6 +230,7 @@ def test_ssp_blocks_fast_worker_and_bounds_staleness():
     # the blocked pull came back at version 1, with worker 1's gradient in it
     assert s0[2][1] == 1
     assert stats["max_staleness"] == 1 <= 1
+    assert stats["max_lead"] == 1  # worker 0's pulls were answered one clock ahead, never two
     assert stats["staleness_histogram"] == ref.staleness == {0: 4, 1: 1}
     assert stats["update_delay_histogram"] == ref.delay == {0: 3, 1: 1, 2: 1}
 

@@ -209,6 +209,7 @@ class ParameterServerStrategy(Strategy):
             "workers_lost": first["workers_lost"], "workers_rejoined": first["workers_rejoined"],
             "staleness_histogram": first["staleness_histogram"],
             "max_staleness": max(s["max_staleness"] for s in every),
+            "max_lead": max(s["max_lead"] for s in every),
             "update_delay_histogram": first["update_delay_histogram"],
             "bytes_pushed": sum(s["bytes_pushed"] for s in every),
             "bytes_pulled": sum(s["bytes_pulled"] for s in every),

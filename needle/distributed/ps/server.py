@@ -69,6 +69,7 @@ class ServerRole:
         self.restored_from: str | None = None
         self.started_at = time.perf_counter()
         self.window: tuple[float, int, int] | None = None
+        self.max_lead = 0
         self.snapshots = 0
 
     # ----- the loop ---------------------------------------------------------------------------
@@ -331,6 +332,8 @@ class ServerRole:
         for w in self.workers:
             if w.alive and w.pull_waiting and self._ready(w):
                 w.pull_waiting = False
+                # how far ahead of the slowest live worker a pull let this one run
+                self.max_lead = max(self.max_lead, w.clock - self.global_clock())
                 self._send(w, wire.reply(self.served_version(), w.clock, self.updates),
                            self.weights())
                 answered = True
@@ -381,7 +384,7 @@ class ServerRole:
                 "bytes_pulled": self.bytes_out, "version": self.served_version(),
                 "worker_clocks": [w.clock for w in self.workers], "events": list(self.events),
                 "snapshots_written": self.snapshots, "restored_from": self.restored_from,
-                "all_active": self._window()}
+                "all_active": self._window(), "max_lead": self.max_lead}
 
     def _window(self) -> dict:
         """Throughput while every worker was still running (until the first finished)."""
