@@ -13,7 +13,9 @@ it, stops the rest and exits with the first failure's code. On SIGINT or SIGTERM
 process of the job (SIGKILL after a bounded wait), removes its temporary files and exits with
 130 or 143. ``--timeout`` bounds the whole job (exit 124). A rank that reported success but
 does not exit within ``$NEEDLE_LAUNCH_EXIT_GRACE`` seconds (default 30) is stopped and named;
-the verdict is then the ranks' own.
+the verdict is then the ranks' own. An expendable rank (a parameter-server
+worker) that is killed does not fail the job: ``--restart-workers N`` restarts it up to N times
+(tcp), and it rejoins the running job; otherwise it is reported lost and the others go on.
 """
 from __future__ import annotations
 
@@ -194,7 +196,8 @@ def _finish(job: Job, state: str, signals: _Signals, timeout: float | None) -> i
 
 
 def run(nproc: int, script: str, args: list[str] | None = None, backend: str = "mpi",
-        timeout: float | None = None, nodes: Nodes | None = None) -> int:
+        timeout: float | None = None, nodes: Nodes | None = None,
+        restart_workers: int = 0) -> int:
     """Run ``script`` on ``nproc`` ranks and return the job's exit code (0 when all succeed).
 
     Example (not run here: it starts processes):
@@ -204,7 +207,7 @@ def run(nproc: int, script: str, args: list[str] | None = None, backend: str = "
         raise ValueError(f"launch: unknown backend, expected 'mpi' or 'tcp', got {backend!r}")
     nodes = nodes or Nodes(nproc)
     status_dir = tempfile.mkdtemp(prefix="needle-launch-")
-    job = Job(backend, nodes.ranks(), status_dir)
+    job = Job(backend, nodes.ranks(), status_dir, restarts=restart_workers)
     try:
         with _Signals() as signals:
             env = _job_env(backend, nodes, status_dir)
@@ -225,7 +228,8 @@ def run(nproc: int, script: str, args: list[str] | None = None, backend: str = "
         shutil.rmtree(status_dir, ignore_errors=True)
 
 
-def relaunch(nproc: int, backend: str | None = None, timeout: float | None = None) -> None:
+def relaunch(nproc: int, backend: str | None = None, timeout: float | None = None,
+             restart_workers: int = 0) -> None:
     """For scripts with an ``--nproc N`` flag: when called in the user's own process with
     ``nproc > 1``, re-run this same command line on ``nproc`` ranks and exit with the job's code.
     Inside a rank (or with nproc == 1) it returns and the script carries on.
@@ -236,7 +240,8 @@ def relaunch(nproc: int, backend: str | None = None, timeout: float | None = Non
     if nproc <= 1 or "NEEDLE_LAUNCH_RANK" in os.environ or "PMI_RANK" in os.environ:
         return
     backend = backend or os.environ.get("NEEDLE_DIST_BACKEND", "mpi")
-    sys.exit(run(nproc, sys.argv[0], sys.argv[1:], backend, timeout))
+    sys.exit(run(nproc, sys.argv[0], sys.argv[1:], backend, timeout,
+                 restart_workers=restart_workers))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -258,6 +263,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--secret-file", default=None,
                    help=f"tcp: file holding the job secret (else ${SECRET_ENV}, else a fresh "
                         "one for a one-node job)")
+    p.add_argument("--restart-workers", type=int, default=0, metavar="N",
+                   help="tcp: restart an expendable rank (a parameter-server worker) that is "
+                        "killed, up to N times; it rejoins the running job")
     p.add_argument("script")
     p.add_argument("args", nargs=argparse.REMAINDER)
     return p
@@ -281,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
                       opts.master_port, opts.local_addr, opts.hostfile)
     except ValueError as exc:
         parser.error(str(exc))
-    return run(opts.nproc, opts.script, opts.args, opts.backend, opts.timeout, nodes)
+    return run(opts.nproc, opts.script, opts.args, opts.backend, opts.timeout, nodes,
+               restart_workers=opts.restart_workers)
 
 
 if __name__ == "__main__":
