@@ -125,6 +125,7 @@ class Job:
             except OSError:
                 pass
         self._pids.pop(rank, None)
+        assert self._started is not None, "_restart before _start"
         supervisor, env, rank_env, kw = self._started
         print(f"launch: rank {rank} {describe(outcome)}; restarting it (restart "
               f"{self.restarted[rank]}), it rejoins the job", file=sys.stderr, flush=True)

@@ -100,7 +100,7 @@ class ParameterServer:
         self.server_index = self.server_ranks.index(self.rank) if self.is_server else None
         self.worker_index = None if self.is_server else self.worker_ranks.index(self.rank)
         self._role: Any
-        if self.is_server:
+        if self.server_index is not None:
             from needle.optim import SGD
 
             from .server import ServerRole
@@ -117,7 +117,7 @@ class ParameterServer:
                 from . import snapshot
 
                 declare_expendable(world.p2p.global_rank(self.rank))
-                if os.environ.get(REJOIN_ENV):
+                if os.environ.get(REJOIN_ENV) and snapshot_dir:
                     snapshot.load(self._role, snapshot_dir)
         else:
             from .._run_rank import declare_expendable

@@ -94,7 +94,8 @@ class ServerRole:
         for w in self.workers:
             if w.active:
                 return False
-            if not w.alive and self.ps.rejoin_wait and now - w.dead_at < self.ps.rejoin_wait:
+            if (not w.alive and self.ps.rejoin_wait and w.dead_at is not None
+                    and now - w.dead_at < self.ps.rejoin_wait):
                 return False
         return True
 
@@ -286,8 +287,9 @@ class ServerRole:
         total = sum(n for n, _ in contributions)
         weights = [n / total if total else 1.0 / len(contributions) for n, _ in contributions]
         for g, (dtype, members) in enumerate(self.shard.groups):
-            flat = sum(wt * grads[g].astype(np.float64)
-                       for wt, (_, grads) in zip(weights, contributions, strict=True))
+            flat = np.zeros(contributions[0][1][g].shape, np.float64)
+            for wt, (_, grads) in zip(weights, contributions, strict=True):
+                flat += wt * grads[g].astype(np.float64)
             offset = 0
             for i in members:
                 p = self.ps.params_all[i]
