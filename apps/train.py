@@ -62,17 +62,22 @@ def _start_ranks(cfg: Config) -> tuple[int, int]:
     """With a distributed strategy: in the user's process, run this command on ``--nproc``
     ranks and exit with the job's status; inside a rank, join the process group and return
     (rank, world size)."""
-    if not STRATEGIES[cfg.strategy](cfg).distributed:
+    cls = STRATEGIES[cfg.strategy]
+    if not cls(cfg).distributed:
         return 0, 1
     from needle.distributed.launch import relaunch
 
-    relaunch(cfg.nproc)  # returns only inside a rank
+    ranks = cls.ranks(cfg)
+    # returns only inside a rank
+    # the parameter server runs on tcp by default: it survives dead and restarted workers
+    backend = os.environ.get("NEEDLE_DIST_BACKEND") or ("tcp" if cfg.strategy == "ps" else None)
+    relaunch(ranks, backend, restart_workers=(cfg.extra or {}).get("restart_workers", 0))
     import needle.distributed as dist
 
     dist.init_process_group(timeout=300)
-    if dist.get_world_size() != cfg.nproc:
-        raise UsageError(f"--nproc {cfg.nproc} but the process group has "
-                         f"{dist.get_world_size()} ranks")
+    if dist.get_world_size() != ranks:
+        raise UsageError(f"--strategy {cfg.strategy} --nproc {cfg.nproc} needs {ranks} ranks "
+                         f"but the process group has {dist.get_world_size()}")
     return dist.get_rank(), dist.get_world_size()
 
 

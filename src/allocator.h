@@ -14,7 +14,7 @@
 //    empty_cache() returns the segments that are entirely free.
 //
 // Segments are 2 MiB-aligned anonymous mappings; large ones are advised MADV_HUGEPAGE (first
-// touch of fresh pages costs ~10x a refill, PERF_NOTES). All functions are thread-safe (one
+// touch of a fresh 40 MB buffer was measured at 25-34 ms against 2.5 ms to refill one). All functions are thread-safe (one
 // mutex); none of them touches Python.
 #pragma once
 

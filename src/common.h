@@ -123,7 +123,8 @@ static inline half_bits float_to_half(float f) { return double_to_half(double(f)
 // ---- threading --------------------------------------------------------------------------
 
 // Element counts below which a kernel stays on the calling thread: forking a team costs
-// microseconds and a second core only helps large work (PERF_NOTES).
+// microseconds and, on the 2-core machines measured, a second core pays off only above
+// ~1e5-1e6 elements or ~1e7 flop (docs/performance.md).
 constexpr std::size_t kParallelMinElements = 100000;      // memory-bound loops
 constexpr std::size_t kParallelMinHeavyElements = 16384;  // exp/tanh/log/pow: compute-bound
 constexpr double kParallelMinFlops = 2e6;                 // matmul

@@ -31,7 +31,9 @@ class Faults:
         """Apply the faults that concern ``rank`` before step ``step`` (1-based) runs."""
         if self.die_step is not None and step == self.die_step and self.die_micro is None:
             _sigkill_self(f"--die-at-step {step}")
-        if self.kill_rank == rank and step == self.kill_step:
+        # a worker restarted by the launcher does not die again at the same step
+        if self.kill_rank == rank and step == self.kill_step and not os.environ.get(
+                "NEEDLE_DIST_REJOIN"):
             _sigkill_self(f"--kill-worker {rank}@{step}")
         if self.slow_rank == rank and self.slow_ms > 0:
             time.sleep(self.slow_ms / 1000.0)

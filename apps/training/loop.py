@@ -85,11 +85,14 @@ def run(cfg, strategy, rank: int = 0, world_size: int = 1) -> dict | None:
     classes = int(max(y.max(), yt.max())) + 1
     faults = parse_faults(cfg, world_size)
     strategy.setup(RunContext(cfg, device, X.shape[1], classes, rank, world_size))
+    if strategy.serving:
+        return strategy.run_server(X, Xt, yt, device)
     ledger = _start_ledger(cfg, rank)
     checkpoints = RunCheckpoints(cfg, strategy, rank, world_size, ledger)
     cursor = checkpoints.restore() or Cursor()
-    history = History(**cursor.history) if cursor.history else History()
     replicas, index = strategy.data_shard()
+    _skip_to(cursor, strategy.start_step(), X.shape[0], cfg, replicas)
+    history = History(**cursor.history) if cursor.history else History()
     started = time.perf_counter()
     max_steps = cfg.max_steps if cfg.max_steps is not None else math.inf
     while cursor.epoch <= cfg.epochs and cursor.steps < max_steps:
@@ -135,6 +138,18 @@ def run(cfg, strategy, rank: int = 0, world_size: int = 1) -> dict | None:
                             steps_per_epoch(X.shape[0], cfg.batch_size))
     summary["state_sha256"] = state_digest
     return summary
+
+
+def _skip_to(cursor, steps: int, n: int, cfg, replicas: int) -> None:
+    """Advance ``cursor`` by whole steps, without running them, until ``steps`` are done."""
+    while cursor.steps < steps and cursor.epoch <= cfg.epochs:
+        count = len([b for b in global_batches(n, cfg.batch_size, cfg.seed, cursor.epoch)
+                     if len(b) >= replicas])
+        take = min(count - cursor.batch_index, steps - cursor.steps)
+        cursor.steps += take
+        cursor.batch_index += take
+        if cursor.batch_index >= count:
+            cursor.epoch, cursor.batch_index = cursor.epoch + 1, 0
 
 
 def ledger_path(base: str, rank: int, world_size: int) -> str:

@@ -639,7 +639,7 @@ def empty_checked(op: str, shape, device: BackendDevice, dtype: str) -> NDArray:
     return _alloc(check_dims(op, shape), device, dtype, op)
 
 
-from .ndarray_functions import *  # noqa: E402,F401,F403 - the module functions of §3.1
+from .ndarray_functions import *  # noqa: E402,F401,F403 - the course's module functions
 from .ndarray_functions import __all__ as _function_names  # noqa: E402
 
 __all__ += list(_function_names)

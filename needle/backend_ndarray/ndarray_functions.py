@@ -1,4 +1,4 @@
-"""Module-level NDArray functions (NEEDLE_API §3.1): constructors, math, stacking, matmul.
+"""Module-level NDArray functions of the course API: constructors, math, stacking, matmul.
 
 Example:
     >>> from needle.backend_ndarray import array, stack, cpu_numpy

@@ -1,6 +1,7 @@
 """Image transforms on H×W×C NumPy arrays.
 
-Each transform consumes NumPy's global RNG in a fixed way (NEEDLE_API §9, §11): the course's
+Each transform consumes NumPy's global RNG in a fixed way (``RandomFlipHorizontal``: one
+``np.random.rand()``; ``RandomCrop``: one ``np.random.randint(size=2)``): the course's
 golden arrays depend on the exact draws.
 
 Example:

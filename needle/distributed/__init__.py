@@ -61,6 +61,11 @@ def __getattr__(name: str):
         from .equivalence import check_equivalence
 
         return check_equivalence
+    if name in ("ParameterServer", "ps"):
+        import importlib
+
+        ps = importlib.import_module(".ps", __name__)
+        return ps if name == "ps" else ps.ParameterServer
     if name in ("ZeroDataParallel", "zero"):
         import importlib
 

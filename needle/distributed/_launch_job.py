@@ -4,6 +4,12 @@ tcp: one supervisor (``_run_rank``) per rank, each our child in its own session,
 prefixed here. mpi: one ``mpiexec`` (own session); Hydra puts every rank in a session of its
 own, so stopping the job signals every process group of the job's process tree, not only
 mpiexec's, and finishes with SIGKILL after a bounded wait.
+
+Expendable ranks (tcp): a rank that wrote ``rank<k>.expendable`` to the status directory (a
+parameter-server worker does) may be killed without failing the job: it is restarted, up to
+``restarts`` times, with ``NEEDLE_DIST_REJOIN`` set so that it rejoins the running job, and
+after that it is recorded as lost while the others go on. An expendable rank that raises or
+exits with an error still fails the job: only a killed or vanished process is tolerated.
 """
 from __future__ import annotations
 
@@ -80,8 +86,11 @@ def alive(pid: int) -> bool:
 class Job:
     """The running job on this node: ``ranks`` are the global ranks started here."""
 
-    def __init__(self, backend: str, ranks: list[int], status_dir: str):
+    def __init__(self, backend: str, ranks: list[int], status_dir: str, restarts: int = 0):
         self.backend, self.ranks, self.status_dir = backend, ranks, status_dir
+        self.restarts_left = {r: int(restarts) for r in ranks}
+        self.restarted: dict[int, int] = {}
+        self._started: tuple | None = None
         self.procs: list[subprocess.Popen] = []
         self.by_rank: dict[int, subprocess.Popen] = {}  # tcp: rank -> its supervisor
         self.pumps: list[threading.Thread] = []
@@ -97,10 +106,37 @@ class Job:
             cmd = [sys.executable, SUPERVISOR, "--exec", *mpiexec, *supervisor]
             self._add(subprocess.Popen(cmd, env=env, **kw), "")
             return
+        self._started = (supervisor, env, rank_env, kw)
         for rank in self.ranks:
             proc = subprocess.Popen(supervisor, env={**env, **rank_env[rank]}, **kw)
             self.by_rank[rank] = proc
             self._add(proc, f"[rank {rank}] ")
+
+    def _restart(self, rank: int, outcome: Outcome) -> None:
+        """Start ``rank`` again (it rejoins the running job; see the module doc)."""
+        from ._launch_report import describe
+        from ._tcp_transport import REJOIN_ENV
+
+        self.restarts_left[rank] -= 1
+        self.restarted[rank] = self.restarted.get(rank, 0) + 1
+        for name in ("json", "exit", "pid", "expendable"):
+            try:
+                os.remove(os.path.join(self.status_dir, f"rank{rank}.{name}"))
+            except OSError:
+                pass
+        self._pids.pop(rank, None)
+        assert self._started is not None, "_restart before _start"
+        supervisor, env, rank_env, kw = self._started
+        print(f"launch: rank {rank} {describe(outcome)}; restarting it (restart "
+              f"{self.restarted[rank]}), it rejoins the job", file=sys.stderr, flush=True)
+        proc = subprocess.Popen(supervisor, env={**env, **rank_env[rank], REJOIN_ENV: str(
+            self.restarted[rank])}, **kw)
+        self.by_rank[rank] = proc
+        self._add(proc, f"[rank {rank}] ")
+
+    def _expendable(self, rank: int) -> bool:
+        return self.backend == "tcp" and os.path.exists(
+            os.path.join(self.status_dir, f"rank{rank}.expendable"))
 
     def _add(self, proc: subprocess.Popen, prefix: str) -> None:
         self.procs.append(proc)
@@ -127,8 +163,14 @@ class Job:
             if rank in self.outcomes:
                 continue
             outcome = self._records(rank) or self._silent_end(rank)
-            if outcome is not None:
-                self.outcomes[rank] = outcome
+            if outcome is None:
+                continue
+            if outcome.kind in ("signal", "vanished") and self._expendable(rank):
+                if self.restarts_left[rank] > 0:
+                    self._restart(rank, outcome)
+                    continue
+                outcome.kind, outcome.detail = "lost", f"{outcome.kind}: {outcome.detail}"
+            self.outcomes[rank] = outcome
 
     def _silent_end(self, rank: int) -> Outcome | None:
         """The outcome of a rank whose process ended without records, else None."""
@@ -156,13 +198,23 @@ class Job:
         return all(p.poll() is not None for p in self.procs)
 
     def failed(self) -> bool:
-        return any(o.kind not in ("ok", "stopped") for o in self.outcomes.values())
+        return any(o.kind not in ("ok", "stopped", "lost") for o in self.outcomes.values())
 
     def done(self) -> bool:
         return self.processes_done() and len(self.outcomes) == len(self.ranks)
 
     def running(self) -> list[int]:
         return [r for r in self.ranks if r not in self.outcomes]
+
+    def lingering(self) -> list[int]:
+        """Ranks that reported how they ended but whose process is still alive."""
+        out = []
+        for rank in self.outcomes:
+            proc = self.by_rank.get(rank)
+            pid = self.pid_of(rank)
+            if (proc.poll() is None) if proc is not None else (pid is not None and alive(pid)):
+                out.append(rank)
+        return sorted(out)
 
     # ----- stopping ---------------------------------------------------------------------
     def _tree(self) -> list[int]:

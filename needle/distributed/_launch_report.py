@@ -105,14 +105,19 @@ def describe(o: Outcome) -> str:
         return f"failed because peer rank {o.peer} {phrase}: {o.detail}"
     if o.kind == "stopped":
         return o.detail or "was stopped by the launcher"
+    if o.kind == "lost":
+        return (f"was lost ({o.detail}); it was expendable (a parameter-server worker), so "
+                "the job went on without it")
     return "succeeded"
 
 
 def verdict(outcomes: dict[int, Outcome]) -> tuple[int, list[str]]:
     """(exit code of the job, lines for the launcher to print). 0 only when every rank is ok."""
-    failed = [o for o in outcomes.values() if o.kind not in ("ok", "stopped")]
+    lost = [f"launch: rank {o.rank} {describe(o)}" for o in sorted(
+        outcomes.values(), key=lambda o: o.rank) if o.kind == "lost"]
+    failed = [o for o in outcomes.values() if o.kind not in ("ok", "stopped", "lost")]
     if not failed:
-        return 0, []
+        return 0, lost
     own = [o for o in failed if o.kind in OWN]
     first = min(own or failed, key=lambda o: (o.at, o.rank))
     if first.kind == "peer":
@@ -123,7 +128,7 @@ def verdict(outcomes: dict[int, Outcome]) -> tuple[int, list[str]]:
         lines += ["launch: traceback of rank %d:" % first.rank]
         lines += ["    " + line for line in first.traceback.rstrip().splitlines()]
     for o in sorted(outcomes.values(), key=lambda o: o.rank):
-        if o is first or o.kind == "ok":
+        if o is first or o.kind in ("ok", "lost"):
             continue
         if o.kind == "vanished" and o.at >= first.at:
             lines.append(f"launch: rank {o.rank} ended without reporting after rank "
@@ -132,4 +137,4 @@ def verdict(outcomes: dict[int, Outcome]) -> tuple[int, list[str]]:
             lines.append(f"launch: rank {o.rank} {describe(o)}")
         else:
             lines.append(f"launch: rank {o.rank} also failed: {describe(o)}")
-    return first.code or 1, lines
+    return first.code or 1, lines + lost

@@ -48,14 +48,20 @@ def prefix_lines(text: str, prefix: str) -> tuple[str, str]:
     """Split ``text`` after each newline or carriage return, prefix every complete piece;
     return (what to write now, the incomplete rest).
 
+    A bare carriage return (how progress bars begin each redraw) gets no prefix of its own:
+    the redrawn line that follows carries it, so a log shows one prefix per bar, not two.
+
     Example:
         >>> prefix_lines("a\\nb\\rc", "> ")
         ('> a\\n> b\\r', 'c')
+        >>> prefix_lines("\\rbar 1\\rbar 2", "> ")
+        ('\\r> bar 1\\r', 'bar 2')
     """
     out, start = [], 0
     for i, ch in enumerate(text):
         if ch in "\n\r":
-            out.append(prefix + text[start:i + 1])
+            piece = text[start:i + 1]
+            out.append(piece if piece == "\r" else prefix + piece)
             start = i + 1
     return "".join(out), text[start:]
 

@@ -73,6 +73,11 @@ def write_record(status_dir: str | None, name: str, record: dict) -> None:
         pass
 
 
+def declare_expendable(rank: int) -> None:
+    """Tell the launcher (if any) that this rank may be killed without failing the job."""
+    write_record(os.environ.get(STATUS_DIR_ENV), f"rank{rank}.expendable", {"rank": rank})
+
+
 def die_with_parent(sig: int) -> bool:
     """Ask the kernel to send ``sig`` when our parent dies (Linux; kept across exec). False
     when the parent is already gone."""

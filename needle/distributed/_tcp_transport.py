@@ -11,11 +11,21 @@ other than its connection's is dropped and counted in ``stats``. Peers that go a
 at once: a rank that shuts down sends a goodbye, and a connection that closes without one (the
 peer was killed or crashed) or fails authentication marks that peer gone, so that receives from
 it and sends to it raise a PeerError naming it instead of waiting for the timeout.
+
+Rejoining: a rank restarted by the launcher (``--restart-workers``; environment
+``NEEDLE_DIST_REJOIN``) skips the rendezvous, which is over: it reads the receive addresses that
+rank 0 wrote to the launcher's status directory, binds a fresh receive socket, and sends every
+peer a REJOIN frame carrying its new address. A peer then connects to the new address, forgets
+that the rank was gone and drops what the dead incarnation left unreceived, so the restarted
+rank is an ordinary peer again (the parameter server relies on this for restarted workers).
 """
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import struct
+import sys
 import threading
 import time
 from collections import Counter
@@ -43,7 +53,28 @@ from ._transport import (
 )
 
 _FRAME = struct.Struct("<QBiiq")  # job hash, kind, channel id, source rank, tag
-_DATA, _BYE = 0, 1
+_DATA, _BYE, _REJOIN = 0, 1, 2
+REJOIN_ENV = "NEEDLE_DIST_REJOIN"
+ADDRESSES_FILE = "tcp_addresses.json"
+
+
+def _addresses_path() -> str | None:
+    from ._run_rank import STATUS_DIR_ENV
+
+    folder = os.environ.get(STATUS_DIR_ENV)
+    return os.path.join(folder, ADDRESSES_FILE) if folder else None
+
+
+def _write_addresses(table: list[str]) -> None:
+    path = _addresses_path()
+    if path is None:
+        return
+    try:
+        with open(path + f".tmp{os.getpid()}", "w") as f:
+            json.dump(table, f)
+        os.replace(path + f".tmp{os.getpid()}", path)
+    except OSError:
+        pass
 
 
 def _zmq() -> Any:
@@ -89,6 +120,7 @@ class ZmqSendRequest(Request):
 class TcpTransport(MailboxTransportMixin):
     backend = "tcp"
     DISCONNECT_GRACE = 1.0  # seconds between a closed connection and "the peer is gone"
+    SHUTDOWN_GRACE = 10.0   # seconds close() waits for the receiver thread and for libzmq
 
     def __init__(self, rank: int, size: int, master_addr: str, master_port: int, timeout: float,
                  security: Security | None = None):
@@ -105,6 +137,8 @@ class TcpTransport(MailboxTransportMixin):
         self._suspects: dict[int, float] = {}  # peer -> when its connection closed
         self._closing = False
         self._thread: threading.Thread | None = None
+        self._poller: Any = None
+        self.rendezvous: Any = None
         self.zap = None
         try:
             self.zap = self.security.start_handler(self.ctx)
@@ -115,29 +149,81 @@ class TcpTransport(MailboxTransportMixin):
             self.security.make_server(self.pull, rank)
             self.pull.bind_to_random_port(f"tcp://{local_address(master_ip)}")
             self.address = self.pull.getsockopt(zmq.LAST_ENDPOINT).decode()
-            self.rendezvous = Rendezvous(self.ctx, self.security, rank, size, master_ip,
-                                         int(master_port), timeout)
-            self._connect(self.rendezvous.run(self.address), timeout)
+            rejoin = bool(os.environ.get(REJOIN_ENV))
+            if rejoin:
+                table = self._saved_addresses(size)
+                table[rank] = self.address
+                _write_addresses(table)
+            else:
+                self.rendezvous = Rendezvous(self.ctx, self.security, rank, size, master_ip,
+                                             int(master_port), timeout)
+                table = self.rendezvous.run(self.address)
+                if rank == 0:
+                    _write_addresses(table)
+            self._timeout = timeout
+            self._connect(table, timeout)
         except BaseException:
             self._teardown()
             raise
         self.locks = {r: threading.Lock() for r in range(size)}
+        if rejoin:
+            for sock in self.push.values():
+                sock.send_multipart([pack_header(self.security.job_id, _REJOIN, 0, rank, 0),
+                                     self.address.encode()])
         self._thread = threading.Thread(target=self._serve, name=f"needle-tcp-rx-{rank}")
         self._thread.daemon = True
         self._thread.start()
 
+    @staticmethod
+    def _saved_addresses(size: int) -> list[str]:
+        path = _addresses_path()
+        try:
+            with open(path or "") as f:
+                table = json.load(f)
+        except (OSError, ValueError):
+            table = None
+        if not isinstance(table, list) or len(table) != size:
+            raise PeerError(f"init_process_group: {REJOIN_ENV} is set but the job's address "
+                            f"table ({path}) is missing or malformed: only a rank restarted "
+                            "by needle's launcher can rejoin", 0, "gone")
+        return table
+
     def _connect(self, table: list[str], timeout: float) -> None:
-        zmq = _zmq()
         for peer, address in enumerate(table):
-            if peer == self.rank:
-                continue
-            sock = self.ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.LINGER, int(min(timeout, 10.0) * 1000))
-            self.security.make_client(sock, self.rank, peer)
-            self._monitors[sock.get_monitor_socket(monitored_events())] = peer
-            sock.connect(address)
-            self.push[peer] = sock
+            if peer != self.rank:
+                self.push[peer] = self._push_socket(peer, address, timeout)
+
+    def _push_socket(self, peer: int, address: str, timeout: float) -> Any:
+        zmq = _zmq()
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.LINGER, int(min(timeout, 10.0) * 1000))
+        self.security.make_client(sock, self.rank, peer)
+        monitor = sock.get_monitor_socket(monitored_events())
+        self._monitors[monitor] = peer
+        if self._poller is not None:
+            self._poller.register(monitor, _zmq().POLLIN)
+        sock.connect(address)
+        return sock
+
+    def _on_rejoin(self, peer: int, address: str) -> None:
+        """``peer`` was restarted and listens at ``address`` now (receiver thread)."""
+        with self.locks[peer]:
+            old = self.push.pop(peer)
+            old.disable_monitor()  # before closing its reader (see _teardown)
+            for monitor, who in list(self._monitors.items()):
+                if who == peer:
+                    self._poller.unregister(monitor)
+                    del self._monitors[monitor]
+                    monitor.close(0)
+            old.close(linger=0)
+            self._connected.discard(peer)
+            self._suspects.pop(peer, None)
+            self.push[peer] = self._push_socket(peer, address, self._timeout)
+        # receives still waiting on the dead incarnation fail (also when its death was not
+        # noticed yet), then the rank is an ordinary peer again
+        self.mailbox.mark_gone(peer, f"rank {peer} was restarted: its previous process is gone")
+        self.mailbox.revive(peer)
 
     @property
     def stats(self) -> dict:
@@ -145,13 +231,14 @@ class TcpTransport(MailboxTransportMixin):
         connections (failed authentication), peak bytes of messages waiting for a receive."""
         return {"dropped_frames": sum(self.drops.values()), "drop_reasons": dict(self.drops),
                 "refused_connections": self.zap.rejected if self.zap else 0,
-                "refused_hellos": self.rendezvous.strangers if self.rank == 0 else 0,
+                "refused_hellos": (self.rendezvous.strangers
+                                   if self.rank == 0 and self.rendezvous else 0),
                 "peak_unexpected_bytes": self.mailbox.peak_held_bytes}
 
     # ----- receiving --------------------------------------------------------------------
     def _serve(self) -> None:
         zmq = _zmq()
-        poller = zmq.Poller()
+        poller = self._poller = zmq.Poller()
         poller.register(self.pull, zmq.POLLIN)
         for monitor in self._monitors:
             poller.register(monitor, zmq.POLLIN)
@@ -160,7 +247,7 @@ class TcpTransport(MailboxTransportMixin):
                 events = dict(poller.poll(50))
                 if self.pull in events:
                     self._drain()  # goodbyes first, then the closed connections they explain
-                for monitor, peer in self._monitors.items():
+                for monitor, peer in list(self._monitors.items()):
                     if monitor in events:
                         self._on_event(monitor, peer)
                 self._judge_suspects()
@@ -183,6 +270,8 @@ class TcpTransport(MailboxTransportMixin):
             _, kind, channel_id, src, tag = _FRAME.unpack(frames[0].bytes)
             if kind == _BYE:
                 self.mailbox.mark_gone(src, f"rank {src} left the process group (exited)")
+            elif kind == _REJOIN:
+                self._on_rejoin(src, frames[1].bytes.decode())
             else:
                 self.mailbox.deliver((channel_id, src, tag), frames[1].buffer)
 
@@ -193,7 +282,7 @@ class TcpTransport(MailboxTransportMixin):
         job, kind, channel_id, src, tag = _FRAME.unpack(frames[0].bytes)
         if job != self._job:
             return "frame of another job"
-        if kind not in (_DATA, _BYE) or len(frames) != (2 if kind == _DATA else 1):
+        if kind not in (_DATA, _BYE, _REJOIN) or len(frames) != (1 if kind == _BYE else 2):
             return f"malformed frame (kind {kind} with {len(frames)} parts)"
         if not 0 <= src < self.size or src == self.rank or channel_id < 0 or tag < 0:
             return f"malformed frame (source {src}, channel {channel_id}, tag {tag})"
@@ -252,26 +341,57 @@ class TcpTransport(MailboxTransportMixin):
 
     # ----- shutdown ---------------------------------------------------------------------
     def close(self) -> None:
+        zmq = _zmq()
         bye = _FRAME.pack(self._job, _BYE, 0, self.rank, 0)
         for peer, sock in self.push.items():
             if self.mailbox.gone(peer) is None:
                 with self.locks[peer]:
-                    sock.send(bye)
+                    try:  # never block shutdown on a peer that no longer reads
+                        sock.send(bye, zmq.NOBLOCK)
+                    except zmq.ZMQError:
+                        pass
         self._closing = True
         if self._thread is not None:
-            self._thread.join(timeout=5.0)
+            self._thread.join(timeout=self.SHUTDOWN_GRACE)
         self._teardown()
 
     def _teardown(self) -> None:
         self._closing = True
+        if self._thread is not None and self._thread.is_alive():
+            # The receiver still polls these sockets; closing them under it is undefined in
+            # libzmq. Leave them (and the context) to the end of the process.
+            self._warn("its receiver thread did not stop")
+            return
+        # libzmq can block in a socket's close or in the context's term (queued messages,
+        # zero-copy buffers it still holds); the rank's work is done, so bound the wait and
+        # leave a stuck shutdown to process exit, saying so.
+        done = threading.Event()
+
+        def shut() -> None:
+            self._close_sockets()
+            done.set()
+
+        threading.Thread(target=shut, name=f"needle-tcp-close-{self.rank}", daemon=True).start()
+        if not done.wait(self.SHUTDOWN_GRACE):
+            self._warn("libzmq did not release its sockets and context")
+
+    def _close_sockets(self) -> None:
+        # Stop every monitor before closing its reading end: an I/O thread that emits an
+        # event into a monitor nobody reads blocks for ever while holding the socket's
+        # monitor lock, and a later disable_monitor() or close() then waits on that lock.
+        for sock in self.push.values():
+            sock.disable_monitor()
         for monitor in self._monitors:
             monitor.close(0)
         for sock in self.push.values():
-            sock.disable_monitor()
-            # Short linger: flush to live peers, but do not wait long for dead ones.
-            sock.close(linger=1000)
+            sock.close(linger=1000)  # flush to live peers, do not wait long for dead ones
         if getattr(self, "pull", None) is not None:
             self.pull.close(0)
         if self.zap is not None:
             self.zap.close()
         self.ctx.term()
+
+    def _warn(self, what: str) -> None:
+        print(f"needle.distributed: rank {self.rank}: the tcp transport did not shut down "
+              f"within {self.SHUTDOWN_GRACE:g} s ({what}); leaving it to process exit",
+              file=sys.stderr, flush=True)

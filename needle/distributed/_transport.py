@@ -247,6 +247,15 @@ class Mailbox:
                     posted.popleft().fill(gone)
         self.cond.notify_all()
 
+    def revive(self, src: int) -> None:
+        """``src`` was restarted and rejoined: receives from it work again, and what its dead
+        incarnation sent but nobody received is dropped."""
+        with self.cond:
+            self._gone.pop(src, None)
+            for key in [k for k in self._unexpected if k[1] == src]:
+                del self._unexpected[key]
+            self._held[src] = 0
+
     def gone(self, src: int) -> _Gone | None:
         with self.cond:
             return self._gone.get(src)

@@ -11,7 +11,11 @@ The launcher owns its ranks. When one fails it names the rank that failed first 
 code, signal, or exception with that rank's traceback), says which ranks failed only because of
 it, stops the rest and exits with the first failure's code. On SIGINT or SIGTERM it stops every
 process of the job (SIGKILL after a bounded wait), removes its temporary files and exits with
-130 or 143. ``--timeout`` bounds the whole job (exit 124).
+130 or 143. ``--timeout`` bounds the whole job (exit 124). A rank that reported success but
+does not exit within ``$NEEDLE_LAUNCH_EXIT_GRACE`` seconds (default 30) is stopped and named;
+the verdict is then the ranks' own. An expendable rank (a parameter-server
+worker) that is killed does not fail the job: ``--restart-workers N`` restarts it up to N times
+(tcp), and it rejoins the running job; otherwise it is reported lost and the others go on.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ from ._tcp_security import JOB_ENV, SECRET_ENV
 
 FAILURE_GRACE = 3.0  # seconds to let the other ranks report after the first failure
 STOP_GRACE = 5.0     # seconds between the first signal and SIGKILL when stopping
+EXIT_GRACE_ENV = "NEEDLE_LAUNCH_EXIT_GRACE"  # seconds a rank that reported may take to exit
 
 
 def find_mpiexec() -> str:
@@ -108,6 +113,10 @@ def _job_env(backend: str, nodes: Nodes, status_dir: str) -> dict:
     return env
 
 
+def _exit_grace() -> float:
+    return float(os.environ.get(EXIT_GRACE_ENV, "30"))
+
+
 class _Signals:
     """SIGINT/SIGTERM received while the job runs (main thread only; elsewhere none)."""
 
@@ -129,13 +138,19 @@ class _Signals:
 def _watch(job: Job, signals: _Signals, deadline: float | None) -> str:
     """Wait until the job is done, failed (plus a grace to hear from the others), timed out
     or interrupted; return which."""
-    failed_at = None
+    failed_at = reported_at = None
     while True:
         job.poll()
         if signals.received:
             return "interrupted"
         if job.done():
             return "done"
+        if not job.running() and not job.failed():
+            # Every rank reported success but a process lives on (stuck in interpreter
+            # shutdown): the work is done, so do not let it run into the job's timeout.
+            reported_at = reported_at or time.monotonic()
+            if time.monotonic() - reported_at > _exit_grace():
+                return "lingering"
         if job.failed():
             failed_at = failed_at or time.monotonic()
             if not job.running() or time.monotonic() - failed_at > FAILURE_GRACE:
@@ -158,6 +173,13 @@ def _finish(job: Job, state: str, signals: _Signals, timeout: float | None) -> i
         code = 124
         lines = [f"launch: timed out after {timeout:g} s; ranks {running} were still running "
                  "and have been stopped"]
+    elif state == "lingering":
+        stuck = job.lingering()
+        job.stop(signal.SIGTERM, STOP_GRACE)
+        code, lines = verdict(job.outcomes)
+        lines.append(f"launch: ranks {stuck} reported success but had not exited "
+                     f"{_exit_grace():g} s later (stuck in interpreter shutdown); they were "
+                     "stopped")
     else:
         if state == "failed":
             job.stop(signal.SIGTERM, STOP_GRACE)
@@ -174,7 +196,8 @@ def _finish(job: Job, state: str, signals: _Signals, timeout: float | None) -> i
 
 
 def run(nproc: int, script: str, args: list[str] | None = None, backend: str = "mpi",
-        timeout: float | None = None, nodes: Nodes | None = None) -> int:
+        timeout: float | None = None, nodes: Nodes | None = None,
+        restart_workers: int = 0) -> int:
     """Run ``script`` on ``nproc`` ranks and return the job's exit code (0 when all succeed).
 
     Example (not run here: it starts processes):
@@ -184,7 +207,7 @@ def run(nproc: int, script: str, args: list[str] | None = None, backend: str = "
         raise ValueError(f"launch: unknown backend, expected 'mpi' or 'tcp', got {backend!r}")
     nodes = nodes or Nodes(nproc)
     status_dir = tempfile.mkdtemp(prefix="needle-launch-")
-    job = Job(backend, nodes.ranks(), status_dir)
+    job = Job(backend, nodes.ranks(), status_dir, restarts=restart_workers)
     try:
         with _Signals() as signals:
             env = _job_env(backend, nodes, status_dir)
@@ -205,7 +228,8 @@ def run(nproc: int, script: str, args: list[str] | None = None, backend: str = "
         shutil.rmtree(status_dir, ignore_errors=True)
 
 
-def relaunch(nproc: int, backend: str | None = None, timeout: float | None = None) -> None:
+def relaunch(nproc: int, backend: str | None = None, timeout: float | None = None,
+             restart_workers: int = 0) -> None:
     """For scripts with an ``--nproc N`` flag: when called in the user's own process with
     ``nproc > 1``, re-run this same command line on ``nproc`` ranks and exit with the job's code.
     Inside a rank (or with nproc == 1) it returns and the script carries on.
@@ -216,7 +240,8 @@ def relaunch(nproc: int, backend: str | None = None, timeout: float | None = Non
     if nproc <= 1 or "NEEDLE_LAUNCH_RANK" in os.environ or "PMI_RANK" in os.environ:
         return
     backend = backend or os.environ.get("NEEDLE_DIST_BACKEND", "mpi")
-    sys.exit(run(nproc, sys.argv[0], sys.argv[1:], backend, timeout))
+    sys.exit(run(nproc, sys.argv[0], sys.argv[1:], backend, timeout,
+                 restart_workers=restart_workers))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -238,6 +263,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--secret-file", default=None,
                    help=f"tcp: file holding the job secret (else ${SECRET_ENV}, else a fresh "
                         "one for a one-node job)")
+    p.add_argument("--restart-workers", type=int, default=0, metavar="N",
+                   help="tcp: restart an expendable rank (a parameter-server worker) that is "
+                        "killed, up to N times; it rejoins the running job")
     p.add_argument("script")
     p.add_argument("args", nargs=argparse.REMAINDER)
     return p
@@ -261,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
                       opts.master_port, opts.local_addr, opts.hostfile)
     except ValueError as exc:
         parser.error(str(exc))
-    return run(opts.nproc, opts.script, opts.args, opts.backend, opts.timeout, nodes)
+    return run(opts.nproc, opts.script, opts.args, opts.backend, opts.timeout, nodes,
+               restart_workers=opts.restart_workers)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Layer L5 initialisers (NEEDLE_API §6): every draw is one NumPy global-RNG call.
+"""Layer L5 initialisers of the course API: every draw is one NumPy global-RNG call.
 
 Example:
     >>> import numpy as np

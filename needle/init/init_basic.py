@@ -1,7 +1,8 @@
 """Basic tensor factories: random (uniform, normal, Bernoulli), constant, one-hot.
 
 Every random factory draws once, with the full shape, through :mod:`needle.random` (whose
-host stream is NumPy's global generator, NEEDLE_API §11): course goldens depend on it.
+host stream is NumPy's global generator, ``np.random.seed`` reproduces it): the course's
+golden values depend on that exact sequence of draws.
 
 Example:
     >>> from needle import init

@@ -1,4 +1,8 @@
-"""Xavier (Glorot) and Kaiming (He) initialisers, formulas of NEEDLE_API §6.
+"""Xavier (Glorot) and Kaiming (He) initialisers with the course's formulas.
+
+Xavier scales by ``fan_in + fan_out`` and a ``gain`` argument (default 1); Kaiming scales by
+``fan_in`` with the gain of ``nonlinearity`` (√2 for ``"relu"``). Each function's docstring
+gives its formula; each makes exactly one draw of the full shape.
 
 Example:
     >>> import numpy as np

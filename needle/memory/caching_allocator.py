@@ -321,7 +321,8 @@ class CachingAllocator:
 
     # ---- private: the work, with the lock held --------------------------------------------
     # The hot paths (_allocate, _release) are written out flat: they run once per NDArray and
-    # small models are dispatch-bound (PERF_NOTES), so every attribute lookup counts.
+    # small models are dispatch-bound (an MLPResNet step is 150+ primitive ops), so every
+    # attribute lookup counts.
     def _leave(self) -> None:
         self._depth -= 1
         if self._pending and not self._depth:

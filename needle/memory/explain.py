@@ -119,7 +119,7 @@ def explain(step_fn, *args, device=None, top: int = 12, **kwargs) -> Explanation
     with profile(device) as prof:
         step_fn(*args, **kwargs)
     counts = {name: sum(r.device == name for r in prof.records) for name in prof.start_stats}
-    name = max(counts, key=counts.get) if device is None else next(iter(prof.start_stats))
+    name = max(counts, key=lambda n: counts[n]) if device is None else next(iter(prof.start_stats))
     recs = [r for r in prof.records if r.device == name]
     rows = _lifetimes(recs, prof.baseline.get(name, {}))
     before = sum(r["requested"] for r in rows if r["start"] is None)

@@ -29,7 +29,7 @@ Example:
     >>> import numpy as np, needle as ndl
     >>> x = ndl.Tensor(np.ones((4, 4)), device=ndl.cpu_numpy())
     >>> with offload_saved_tensors() as off:
-    ...     y = ((x * 2).exp() * 3).sum()
+    ...     y = (ndl.exp(x * 2) * 3).sum()
     >>> y.backward(); off.packed, x.grad.shape
     (1, (4, 4))
 """

@@ -59,6 +59,23 @@ class Rec:
     __slots__ = ("index", "t", "device", "kind", "nbytes", "requested", "category",
                  "prev_category", "block", "allocated", "op", "op_index", "phase", "line",
                  "user_line", "shape", "dtype")
+    index: int                 # position in the profile's records
+    t: float                   # seconds since the profile started
+    device: str
+    kind: str                  # "alloc", "free", "retag", ...
+    nbytes: int                # allocator block bytes
+    requested: int             # bytes asked for (before rounding)
+    category: str
+    prev_category: str | None  # a retag's previous category
+    block: int                 # allocator block id
+    allocated: int             # the device's allocated bytes after the event
+    op: str | None             # the innermost running op, if any
+    op_index: int | None
+    phase: str                 # "forward", "backward", "optimizer", "other" or yours
+    line: str | None           # the op's call site
+    user_line: str | None      # the first call site outside needle
+    shape: tuple | None
+    dtype: str | None
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__slots__}
@@ -241,7 +258,7 @@ class Profile(Observer):
                 "dtype": rec.dtype}
 
     # ---- what L3 and L5 report (memory.observers protocol) ------------------------------
-    def _push_op(self, name: str, line, user) -> tuple:
+    def _push_op(self, name: str, line, user) -> int:
         self._sync()
         ctx = self._ctx
         index = len(self.ops)

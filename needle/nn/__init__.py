@@ -1,4 +1,4 @@
-"""Layer L5 neural-network modules (NEEDLE_API §7).
+"""Layer L5 neural-network modules of the course API (Module, Linear, Conv, RNN/LSTM, ...).
 
 Example:
     >>> import numpy as np

@@ -1,6 +1,7 @@
 """Basic layers of the course: Linear, activations, containers, losses, norms, dropout.
 
-Creation order of parameters is the order of random draws (NEEDLE_API §7, §11): keep it.
+Creation order of parameters is the order of random draws (weight before bias, each one
+NumPy global-RNG draw of the full shape): the course's golden values depend on it, keep it.
 
 Example:
     >>> import numpy as np

@@ -1,7 +1,8 @@
 """Array helpers the ops need, written once per backend (NumPy in np mode, NDArray in nd).
 
 Op ``compute`` methods call only these and the operators common to both array types, so
-the op files stay free of ``if BACKEND`` branches (NEEDLE_API §2.1).
+the op files stay free of ``if BACKEND`` branches (``NEEDLE_BACKEND=np`` computes on
+``numpy.ndarray``, ``nd`` on :class:`needle.backend_ndarray.NDArray`).
 
 Example:
     >>> from needle.ops import _array as A

@@ -1,17 +1,21 @@
 """The backend's fused convolution kernels, where a device has them (array level, no graph).
 
 ``ops_conv`` asks these first and falls back to im2col + matmul when they return ``None``:
-NumPy mode, devices without the kernels (``cpu_numpy()``, ``cuda()``) and float16. The kernels
+NumPy mode, devices without the kernels (``cuda()``) and float16. The kernels
 (``conv2d_forward``, ``conv2d_weight_grad``, ``conv2d_input_grad`` of the C++ backend) build
 im2col rows chunk by chunk in cache instead of materialising the whole patch matrix; see
-``src/conv_impl.h``.
+``src/conv_impl.h``. The NumPy reference device ``cpu_numpy()`` has the same kernels
+(``ndarray_backend_numpy_fused.py``), the oracle the C++ ones are tested against.
 
 Example:
     >>> import numpy as np
     >>> from needle.backend_ndarray import NDArray, cpu_numpy
     >>> x = NDArray(np.ones((1, 4, 4, 2)), device=cpu_numpy())
     >>> w = NDArray(np.ones((3, 3, 2, 5)), device=cpu_numpy())
-    >>> forward(x, w, 1, 1) is None  # the NumPy reference backend has no fused kernel
+    >>> y = forward(x, w, 1, 1)  # stride 1, padding 1: an interior output sums 3·3·2 ones
+    >>> y.shape, float(y.numpy()[0, 1, 1, 0]), float(y.numpy()[0, 0, 0, 0])
+    ((1, 4, 4, 5), 18.0, 8.0)
+    >>> forward(x.astype("float16"), w.astype("float16"), 1, 1) is None  # no float16 kernel
     True
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Elementwise, scalar and matrix ops (NEEDLE_API §5) with their gradients.
+"""Elementwise, scalar and matrix ops of the course API, with their gradients.
 
 Binary elementwise ops follow NumPy broadcasting (incompatible shapes raise
 :class:`ShapeError`); gradients are summed back to each input's shape. In nd mode both

@@ -98,8 +98,14 @@ def test_job_notices_a_rank_whose_supervisor_vanished(tmp_path: Path) -> None:
 
 
 def test_prefix_lines_passes_carriage_returns_through() -> None:
-    assert prefix_lines("a\nb\r\rc", "[rank 1] ") == ("[rank 1] a\n[rank 1] b\r[rank 1] \r",
-                                                      "c")
+    assert prefix_lines("a\nb\r\rc", "[rank 1] ") == ("[rank 1] a\n[rank 1] b\r\r", "c")
+
+
+def test_a_progress_bar_redraw_gets_one_prefix() -> None:
+    """tqdm starts each redraw with a carriage return: one prefix per redraw, not two."""
+    out, rest = prefix_lines("\rstep 1/3\rstep 2/3\r", "[rank 0] ")
+    assert out == "\r[rank 0] step 1/3\r[rank 0] step 2/3\r" and rest == ""
+    assert "[rank 0] [rank 0]" not in out.replace("\r", "")
 
 
 @pytest.mark.parametrize("env,want", [

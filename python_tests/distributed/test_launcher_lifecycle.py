@@ -226,3 +226,17 @@ def test_many_nodes_need_a_shared_secret(tmp_path: Path) -> None:
                   "--master-port", str(free_port()), str(SCRIPTS / "env_report.py"))
     assert out.returncode != 0
     assert "--nnodes > 1 needs the job secret" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("backend", ["mpi", "tcp"])
+def test_rank_stuck_after_reporting_success_is_stopped_not_timed_out(tmp_path: Path,
+                                                                      backend: str) -> None:
+    """A rank that reported success but never exits (stuck in interpreter shutdown) is stopped
+    after the exit grace and named; the job's work is done, so the verdict is success, not the
+    job timeout's 124."""
+    env = _env(tmp_path, NEEDLE_LAUNCH_EXIT_GRACE="2")
+    out = _launch(env, "-n", "2", "--backend", backend, str(SCRIPTS / "hang_at_exit.py"), "1",
+                  timeout=150)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr
+    assert "[rank 0] WORK DONE rank 0" in out.stdout and "[rank 1] WORK DONE rank 1" in out.stdout
+    assert "launch: ranks [1] reported success but had not exited 2 s later" in out.stderr

@@ -1,4 +1,4 @@
-"""Initialisers: values re-derived from NumPy's RNG and the NEEDLE_API §6 formulas."""
+"""Initialisers: values re-derived from NumPy's RNG and the course's initialiser formulas."""
 from __future__ import annotations
 
 import math

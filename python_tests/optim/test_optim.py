@@ -1,4 +1,4 @@
-"""Optimisers against hand-written NumPy updates (NEEDLE_API §8)."""
+"""Optimisers against hand-written NumPy updates (the course's SGD/Adam formulas)."""
 from __future__ import annotations
 
 import numpy as np

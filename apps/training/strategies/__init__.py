@@ -9,6 +9,7 @@ from .base import StepResult, Strategy
 from .ddp import DataParallel
 from .mesh3d import Mesh3D
 from .pipeline import Pipeline
+from .ps import ParameterServerStrategy
 from .single import SingleProcess
 from .tp import TensorParallel
 from .zero import Zero
@@ -20,6 +21,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "tp": TensorParallel,
     "3d": Mesh3D,
     "zero": Zero,
+    "ps": ParameterServerStrategy,
 }
 
 __all__ = ["STRATEGIES", "Strategy", "StepResult"]

@@ -121,6 +121,19 @@ class Strategy:
         """Whether this strategy needs a process group (then --nproc starts the ranks)."""
         return False
 
+    @classmethod
+    def ranks(cls, cfg) -> int:
+        """How many ranks the job starts (``--nproc``; the parameter server adds servers)."""
+        return cfg.nproc
+
+    # A strategy whose rank does not run the step loop sets ``serving`` and provides
+    # ``run_server(X, Xt, yt, device)`` (the parameter server's server ranks).
+    serving = False
+
+    def start_step(self) -> int:
+        """Steps already done when this rank starts (a restarted worker's clock)."""
+        return 0
+
     # ---- the run -------------------------------------------------------------------------
     @property
     def mixed(self) -> bool:

@@ -94,7 +94,7 @@ extern "C" __global__ void __launch_bounds__(NEEDLE_THREADS)
   gemm_body<double, 64, 64, 8, 4, 4>(a, b, out, m, n, p);
 }
 
-// The course's tiled layout (NEEDLE_API §3.2, matmul_tiled):
+// The course's tiled layout (the backend protocol's matmul_tiled, docs/backend_protocol.md):
 // a is (m/T, n/T, T, T), b is (n/T, p/T, T, T), out is (m/T, p/T, T, T), all compact.
 // One thread per output element; out arrives uninitialised and every element is written.
 template <typename T>

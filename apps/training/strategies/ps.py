@@ -1,0 +1,244 @@
+"""``--strategy ps``: a parameter server (``needle.distributed.ParameterServer``).
+
+The job has ``--servers S`` server ranks (0..S-1) and ``--nproc W`` worker ranks (S..S+W-1).
+Workers run the usual step loop on their share of each global batch: pull the weights, forward
+and backward, push the gradients (with their example count, loss and correct count). Servers
+hold the parameters, sharded by bytes, and the optimizer state of their shard, and apply
+updates by ``--ps-mode`` (sync, async, ssp with ``--staleness``, backup with ``--wait-for``;
+docs/parameter_server.md). Server 0 reports: it collects the other servers' shards and
+counters, evaluates the final weights and writes ``summary.json`` with a ``ps`` block.
+
+A worker killed by ``--kill-worker`` is declared dead by the servers and training finishes
+without it; with ``--restart-workers N`` the launcher restarts it, and it continues its data
+shard from the servers' clock.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+
+from .base import StepResult, Strategy
+
+
+class ParameterServerStrategy(Strategy):
+    name = "ps"
+    mixed_precision_and_accumulation = False
+
+    @staticmethod
+    def add_arguments(group) -> None:
+        group.add_argument("--servers", type=int, default=1,
+                           help="server ranks (the --nproc workers come after them)")
+        group.add_argument("--ps-mode", default="sync",
+                           help="sync | async | ssp | backup (docs/parameter_server.md)")
+        group.add_argument("--staleness", type=int, default=1,
+                           help="ssp: how many clocks a worker may run ahead of the slowest")
+        group.add_argument("--wait-for", type=int, default=None,
+                           help="backup: a round proceeds with the first k gradients "
+                                "(default W - 1)")
+        group.add_argument("--dead-after", type=float, default=10.0,
+                           help="seconds without a heartbeat before a worker is dead")
+        group.add_argument("--ps-eval-every", type=int, default=0, metavar="K",
+                           help="with one server: evaluate the held-out accuracy every K "
+                                "updates (summary ps.accuracy_timeline; 0: off)")
+        group.add_argument("--restart-workers", type=int, default=0, metavar="N",
+                           help="restart a killed worker up to N times (tcp); it rejoins")
+
+    @classmethod
+    def validate(cls, cfg) -> None:
+        from needle.distributed.ps import MODES
+
+        from ..config import UsageError
+
+        x = cfg.extra
+        if x.get("servers", 1) < 1:
+            raise UsageError(f"--servers must be >= 1, got {x.get('servers')}")
+        if x.get("ps_mode", "sync") not in MODES:
+            raise UsageError(f"unknown --ps-mode {x.get('ps_mode')!r}, expected one of "
+                             f"{', '.join(MODES)}")
+        if x.get("staleness", 1) < 0:
+            raise UsageError(f"--staleness must be >= 0, got {x.get('staleness')}")
+        k = x.get("wait_for")
+        if k is not None and not 1 <= k <= cfg.nproc:
+            raise UsageError(f"--wait-for must be in [1, --nproc {cfg.nproc}], got {k}")
+        if x.get("dead_after", 10.0) <= 0 or x.get("restart_workers", 0) < 0:
+            raise UsageError("--dead-after must be > 0 and --restart-workers >= 0")
+
+    @classmethod
+    def ranks(cls, cfg) -> int:
+        return cfg.nproc + cfg.extra.get("servers", 1)
+
+    @property
+    def distributed(self) -> bool:
+        return True
+
+    # ---- roles -----------------------------------------------------------------------------
+    @property
+    def servers(self) -> int:
+        return int(self.cfg.extra.get("servers", 1))
+
+    @property
+    def serving(self) -> bool:
+        return self.rank < self.servers
+
+    @property
+    def is_reporter(self) -> bool:
+        return self.rank == 0
+
+    def setup(self, ctx) -> None:
+        from needle import nn
+        from needle.distributed import ParameterServer
+
+        self.ctx = ctx
+        self.model = ctx.new_model()
+        self.loss_fn = nn.SoftmaxLoss()
+        x = self.cfg.extra
+        workers = self.world_size - self.servers
+        mode = x.get("ps_mode", "sync")
+        wait_for = x.get("wait_for") or max(1, workers - 1)
+        self.ps = ParameterServer(
+            self.model, servers=self.servers, mode=mode, optimizer=ctx.new_optimizer,
+            staleness=x.get("staleness", 1), wait_for=wait_for if mode == "backup" else None,
+            dead_after=x.get("dead_after", 10.0),
+            rejoin_wait=30.0 if x.get("restart_workers", 0) else 0.0)
+        self.optimizer = self.ps.optimizer
+        self.started = time.perf_counter()
+
+    def data_shard(self) -> tuple[int, int]:
+        return self.world_size - self.servers, max(self.rank - self.servers, 0)
+
+    def start_step(self) -> int:
+        """A restarted worker continues its data shard at the servers' clock."""
+        return 0 if self.serving else self.ps.clock
+
+    def train_step(self, X: np.ndarray, y: np.ndarray) -> StepResult | None:
+        self.ps.pull()
+        self.model.train()
+        for p in self.model.parameters():
+            p.grad = None
+        Xb, yb = self._tensors(X, y)
+        logits = self.model(Xb)
+        loss = self.loss_fn(logits, yb)
+        loss.backward()
+        n = int(y.shape[0])
+        correct = int((logits.numpy().argmax(axis=1) == y.astype(np.int64)).sum())
+        self.ps.push(examples=n, loss_sum=float(loss.numpy()) * n, correct=correct).wait()
+        return None
+
+    def evaluate(self, X, y):
+        return None
+
+    def full_parameters(self):
+        return None
+
+    def state_sha256(self) -> str | None:
+        return None
+
+    def collect_reports(self) -> None:
+        self.ps.finish()
+
+    def close(self) -> None:
+        ps = getattr(self, "ps", None)
+        if ps is not None:
+            ps.close()
+
+    # ---- servers -----------------------------------------------------------------------------
+    def run_server(self, X, Xt, yt, device) -> dict | None:
+        """Serve until the workers are done; on server 0, the summary (collective among the
+        servers only: server k > 0 sends its shard and counters to server 0)."""
+        import needle.distributed as dist
+
+        from ..loop import History
+        from ..summary import build_summary
+
+        timeline: list[list[float]] = []
+        eval_every = int(self.cfg.extra.get("ps_eval_every", 0) or 0)
+
+        def on_update(updates: int) -> None:
+            if updates % eval_every == 0:
+                _, acc = self._local_evaluate(Xt, yt)
+                timeline.append([time.perf_counter() - self.started, updates, acc])
+
+        hook = on_update if eval_every > 0 and self.servers == 1 else None
+        stats = self.ps.serve(on_update=hook)
+        wall = time.perf_counter() - self.started
+        role = self.ps.server
+        if self.rank != 0:
+            blob = np.frombuffer(json.dumps(stats).encode(), np.uint8).copy()
+            dist.send(np.array([blob.size], np.int64), 0, tag=71)
+            dist.send(blob, 0, tag=72)
+            for i in self.ps.shards[self.rank].params:
+                dist.send(self.ps.params_all[i], 0, tag=73)
+            return None
+        every = [stats]
+        for k in range(1, self.servers):
+            size = np.zeros(1, np.int64)
+            dist.recv(size, k, tag=71)
+            blob = np.zeros(int(size[0]), np.uint8)
+            dist.recv(blob, k, tag=72)
+            every.append(json.loads(blob.tobytes().decode()))
+            for i in self.ps.shards[k].params:
+                dist.recv(self.ps.params_all[i], k, tag=73)
+        losses, examples, loss_sum, correct = _losses(role.loss_log)
+        test_loss, test_acc = self._local_evaluate(Xt, yt)
+        history = History(epoch=[self.cfg.epochs], train_loss=[loss_sum / max(examples, 1)],
+                          train_acc=[correct / max(examples, 1)], test_loss=[test_loss],
+                          test_acc=[test_acc], examples_per_s=[examples / max(wall, 1e-9)])
+        steps = max(stats["worker_clocks"] or [0])
+        params = [p.numpy() for p in self.model.parameters()]
+        from ..data import steps_per_epoch
+
+        summary = build_summary(self.cfg, self, device, history, losses, steps, wall, params,
+                                X.shape[0], Xt.shape[0],
+                                steps_per_epoch(X.shape[0], self.cfg.batch_size))
+        summary["ps"] = self._block(every, steps)
+        summary["ps"]["accuracy_timeline"] = timeline + [[wall, stats["updates_applied"],
+                                                         test_acc]]
+        summary["state_sha256"] = None
+        return summary
+
+    def _block(self, every: list[dict], steps: int) -> dict:
+        first = every[0]
+        workers = self.world_size - self.servers
+        model_bytes = sum(s.nbytes for s in self.ps.shards)
+        return {
+            "mode": first["mode"], "servers": self.servers, "workers": workers,
+            "updates_applied": first["updates_applied"],
+            "gradients_dropped": first["gradients_dropped"],
+            "workers_lost": first["workers_lost"], "workers_rejoined": first["workers_rejoined"],
+            "staleness_histogram": first["staleness_histogram"],
+            "max_staleness": max(s["max_staleness"] for s in every),
+            "max_lead": max(s["max_lead"] for s in every),
+            "update_delay_histogram": first["update_delay_histogram"],
+            "bytes_pushed": sum(s["bytes_pushed"] for s in every),
+            "bytes_pulled": sum(s["bytes_pulled"] for s in every),
+            "bytes_predicted": {
+                "pushed": workers * steps * model_bytes,
+                "pulled": workers * steps * model_bytes,
+                "per_worker_step": 2 * model_bytes,
+                "server_ingress_per_step": [workers * s.nbytes for s in self.ps.shards],
+                "formula": "each worker step pulls and pushes the model (M bytes): W x steps x "
+                           "M each way; server s receives W x M_s per step (W x M / S when "
+                           "balanced)"},
+            "shard_bytes": [s.nbytes for s in self.ps.shards],
+            "all_active": first["all_active"],
+            "worker_clocks": first["worker_clocks"],
+            "events": [e for s in every for e in s["events"]],
+        }
+
+
+def _losses(log) -> tuple[list[float], int, float, int]:
+    """Per clock t: the example-weighted mean loss of the gradients pushed at clock t."""
+    by_clock: dict[int, list[float]] = {}
+    examples = correct = 0
+    loss_sum = 0.0
+    for _, clock, n, ls, c in log:
+        entry = by_clock.setdefault(clock, [0.0, 0.0])
+        entry[0] += ls
+        entry[1] += n
+        examples += n
+        loss_sum += ls
+        correct += c
+    losses = [by_clock[t][0] / max(by_clock[t][1], 1) for t in sorted(by_clock)]
+    return losses, examples, loss_sum, correct

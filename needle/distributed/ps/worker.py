@@ -1,0 +1,249 @@
+"""The worker role: join, pull weights into the model, push its gradients, finish; a
+heartbeat thread tells the servers it is alive while it computes."""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from .._buffers import borrow
+from .._errors import CommError, PeerError
+from .._transport import poll_until
+from .._work import PolledWork, Work
+from . import wire
+
+
+class WorkerRole:
+    def __init__(self, ps: Any):
+        self.ps = ps
+        self.clock = 0
+        self.versions = [0] * len(ps.server_ranks)
+        self.updates_seen = [0] * len(ps.server_ranks)
+        self.bytes_pushed = 0
+        self.bytes_pulled = 0
+        self.pulls = 0
+        self.pushes = 0
+        self._inflight: list[tuple[Any, Any, int]] = []
+        self.server_restarts_seen = 0
+        self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
+        if ps.heartbeat:
+            self._beat = threading.Thread(target=self._heartbeat, daemon=True,
+                                          name=f"needle-ps-heartbeat-{ps.rank}")
+            self._beat.start()
+        self.joined = False
+
+    def join(self) -> None:
+        """Introduce this worker to every server (on first use, not in the constructor, so
+        that collective calls right after constructing cannot deadlock with it)."""
+        if self.joined:
+            return
+        self.joined = True
+        replies = self._request(wire.request(wire.JOIN), with_weights=False, op="join")
+        self.clock = min(int(r[2]) for r in replies)
+        self.versions = [int(r[1]) for r in replies]
+
+    def _recover(self, exc: PeerError, op: str) -> None:
+        """A server died. Without snapshots that is the end (re-raise). With them, wait
+        until the launcher's restart of it has rejoined, introduce this worker to it again
+        and take the clock its snapshot restored (the caller redoes from there)."""
+        ranks = self.ps.server_ranks
+        if not (self.ps.server_restarts and exc.peer in ranks and exc.reason == "gone"):
+            raise exc
+        k = ranks.index(exc.peer)
+        gone = self.ps.transport.mailbox.gone
+        deadline = time.monotonic() + self.ps.timeout
+        while gone(exc.peer) is not None:
+            if time.monotonic() > deadline:
+                raise PeerError(f"ParameterServer.{op}: worker rank {self.ps.rank}: parameter "
+                                f"server {k} (rank {exc.peer}) is gone and did not come back "
+                                f"within {self.ps.timeout:g} s: {exc}", exc.peer, "gone")
+            time.sleep(0.05)
+        self._inflight = [(r, b, j) for r, b, j in self._inflight if j != k]
+        replies = self._request(wire.request(wire.JOIN), with_weights=False, op="join",
+                                only=[k])
+        self.clock = int(replies[0][2])
+        self.versions[k] = int(replies[0][1])
+        self.server_restarts_seen += 1
+
+    # ----- helpers ----------------------------------------------------------------------------
+    def _server_error(self, op: str, k: int, exc: BaseException) -> CommError:
+        rank = self.ps.server_ranks[k]
+        why = "is gone" if isinstance(exc, PeerError) and exc.reason == "gone" else "failed"
+        return PeerError(f"ParameterServer.{op}: worker rank {self.ps.rank}: parameter server "
+                         f"{k} (rank {rank}) {why}: {exc}", rank,
+                         exc.reason if isinstance(exc, PeerError) else "gone")
+
+    def _wait(self, req: Any, op: str, k: int, deadline: float, what: str) -> None:
+        try:
+            done = poll_until(req.test, deadline)
+        except CommError as exc:
+            raise self._server_error(op, k, exc) from None
+        if not done:
+            req.cancel()
+            rank = self.ps.server_ranks[k]
+            raise PeerError(f"ParameterServer.{op}: worker rank {self.ps.rank} timed out after "
+                            f"{self.ps.timeout:g} s waiting for parameter server {k} (rank "
+                            f"{rank}) ({what})", rank, "timeout")
+
+    def _send(self, buf: np.ndarray, k: int, tag: int, op: str) -> Any:
+        try:
+            req = self.ps.chan.isend(buf, self.ps.server_ranks[k], tag)
+        except CommError as exc:
+            raise self._server_error(op, k, exc) from None
+        self._inflight.append((req, buf, k))
+        return req
+
+    def _reap(self, op: str) -> None:
+        keep = []
+        for req, buf, k in self._inflight:
+            try:
+                if not req.test():
+                    keep.append((req, buf, k))
+            except CommError as exc:
+                raise self._server_error(op, k, exc) from None
+        self._inflight = keep
+
+    def _request(self, head: np.ndarray, with_weights: bool, op: str,
+                 only: list[int] | None = None) -> list[np.ndarray]:
+        """Send ``head`` to every server (or those in ``only``) and wait for each reply (and
+        its weights)."""
+        self._reap(op)
+        replies, pending = [], []
+        for k, rank in enumerate(self.ps.server_ranks):
+            if only is not None and k not in only:
+                continue
+            mine = head.copy()
+            mine[wire.KEY] = self.ps.shard_keys[k]
+            self._send(mine, k, wire.T_REQUEST, op)
+            reply = wire.header()
+            recvs = [self.ps.chan.irecv(reply, rank, wire.T_REPLY)]
+            bufs = []
+            if with_weights:
+                shard = self.ps.shards[k]
+                for (dtype, _), n in zip(shard.groups, shard.sizes(self.ps.shapes), strict=True):
+                    bufs.append(np.empty(n, dtype))
+                    recvs.append(self.ps.chan.irecv(bufs[-1], rank, wire.T_PULL_DATA))
+            replies.append(reply)
+            pending.append((k, recvs, bufs))
+        deadline = time.monotonic() + self.ps.timeout
+        for k, recvs, bufs in pending:
+            for req in recvs:
+                self._wait(req, op, k, deadline, "reply")
+            if with_weights:
+                self._install(k, bufs)
+        return replies
+
+    def _install(self, k: int, bufs: list[np.ndarray]) -> None:
+        shard = self.ps.shards[k]
+        for (_, members), flat in zip(shard.groups, bufs, strict=True):
+            offset = 0
+            for i in members:
+                p = self.ps.params_all[i]
+                n = int(np.prod(p.shape, dtype=np.int64))
+                target = borrow(p, "ParameterServer.pull")
+                target.arr[...] = flat[offset:offset + n].reshape(target.arr.shape)
+                target.commit()
+                offset += n
+            self.bytes_pulled += flat.nbytes
+
+    # ----- the API ----------------------------------------------------------------------------
+    def pull(self) -> int:
+        self.join()
+        while True:
+            try:
+                return self._pull()
+            except PeerError as exc:
+                self._recover(exc, "pull")
+
+    def _pull(self) -> int:
+        replies = self._request(wire.request(wire.PULL, self.clock), with_weights=True,
+                                op="pull")
+        self.versions = [int(r[1]) for r in replies]
+        self.updates_seen = [int(r[3]) for r in replies]
+        self.pulls += 1
+        return min(self.versions)
+
+    def push(self, examples: int, loss_sum: float, correct: int) -> Work:
+        self.join()
+        try:
+            return self._push(examples, loss_sum, correct)
+        except PeerError as exc:  # lost with its server; the restored clock says what to redo
+            self._recover(exc, "push")
+            return Work.completed()
+
+    def _push(self, examples: int, loss_sum: float, correct: int) -> Work:
+        self._reap("push")
+        reqs = []
+        for k, shard in enumerate(self.ps.shards):
+            head = wire.request(wire.PUSH, self.clock, self.versions[k], examples, loss_sum,
+                                correct, self.updates_seen[k])
+            head[wire.KEY] = self.ps.shard_keys[k]
+            payload = []
+            for dtype, members in shard.groups:
+                parts = []
+                for i in members:
+                    p = self.ps.params_all[i]
+                    if p.grad is None:
+                        parts.append(np.zeros(int(np.prod(p.shape, dtype=np.int64)), dtype))
+                    else:
+                        parts.append(p.grad.numpy().astype(dtype, copy=False).reshape(-1))
+                payload.append(np.ascontiguousarray(np.concatenate(parts)))
+            reqs.append((self._send(head, k, wire.T_REQUEST, "push"), k))
+            for buf in payload:
+                reqs.append((self._send(buf, k, wire.T_PUSH_DATA, "push"), k))
+                self.bytes_pushed += buf.nbytes
+        self.clock += 1
+        self.pushes += 1
+        deadline = time.monotonic() + self.ps.timeout
+
+        def test() -> bool:
+            done = True
+            for req, k in reqs:
+                try:
+                    done = req.test() and done
+                except CommError as exc:
+                    if self.ps.server_restarts:
+                        continue  # complete() recovers
+                    raise self._server_error("push", k, exc) from None
+            return done
+
+        def complete() -> None:
+            for req, k in reqs:
+                try:
+                    self._wait(req, "push", k, deadline, "sending the gradient")
+                except PeerError as exc:
+                    self._recover(exc, "push")
+
+        return PolledWork(test, complete)
+
+    def finish(self) -> None:
+        self.join()
+        while True:
+            try:
+                self._request(wire.request(wire.FINISH, self.clock), with_weights=False,
+                              op="finish")
+                break
+            except PeerError as exc:
+                self._recover(exc, "finish")
+        self._reap("finish")
+        self.stop()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._beat is not None:
+            self._beat.join(timeout=2.0)
+
+    def _heartbeat(self) -> None:
+        beat = wire.header()
+        last: dict[int, Any] = {}
+        while not self._stop.wait(self.ps.heartbeat):
+            for k, rank in enumerate(self.ps.server_ranks):
+                try:
+                    if k in last and not last[k].test():
+                        continue  # the previous beat is still on its way
+                    last[k] = self.ps.hb_chan.isend(beat, rank, wire.T_HEARTBEAT)
+                except CommError:
+                    last.pop(k, None)  # the main thread reports (or waits out) a dead server
