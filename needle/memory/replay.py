@@ -67,7 +67,11 @@ class ArenaBlock:
             raise MemoryArgumentError(
                 f"view: expected a live arena block of at least {nbytes} bytes, got "
                 f"{self.size} bytes{' (released)' if self.free else ''}")
-        return self.allocator.data[self.offset:self.offset + nbytes].view(dtype)
+        data = self.allocator.data
+        if data is None:  # a device arena: its bytes are reached through ptr(), not here
+            raise MemoryArgumentError("view: expected an arena in host memory, got a device "
+                                      "arena (read it through ptr())")
+        return data[self.offset:self.offset + nbytes].view(dtype)
 
     def ptr(self) -> int:
         """Address of the first byte (what the CUDA backend's buffer owner reads)."""
