@@ -111,3 +111,20 @@ class CompileError(NeedleError, RuntimeError):
 
 class SerializationError(NeedleError, ValueError):
     """A file that ``ndl.load`` cannot read back, or an object ``ndl.save`` cannot write."""
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """Attach ``note`` to ``exc`` as ``BaseException.add_note`` does (Python 3.11+).
+
+    On Python 3.10 the note is kept in ``exc.__notes__`` all the same, so code that reads
+    the notes works on every supported version; only 3.11+ tracebacks print them.
+
+    >>> e = ValueError("bad")
+    >>> add_note(e, "in a hook")
+    >>> e.__notes__
+    ['in a hook']
+    """
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    else:
+        exc.__notes__ = [*getattr(exc, "__notes__", []), note]  # type: ignore[attr-defined]

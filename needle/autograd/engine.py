@@ -23,7 +23,7 @@ import threading
 from functools import reduce
 from operator import add
 
-from .._core.errors import DeviceError, DTypeError, GraphError, ShapeError
+from .._core.errors import DeviceError, DTypeError, GraphError, ShapeError, add_note
 from .._core.versions import LAST as _LAST_CHANGE
 from ..backend_ndarray import NDArray as _NDArray
 from ..backend_selection import BACKEND
@@ -95,7 +95,7 @@ def _run_tensor_hooks(node, grad):
         try:
             new = fn(grad)
         except Exception as exc:
-            exc.add_note(f"in a hook registered on {describe(node)}")
+            add_note(exc, f"in a hook registered on {describe(node)}")
             raise
         if new is not None:
             grad = new
@@ -122,7 +122,7 @@ def _finish_leaf(leaf, grad, accumulate: bool) -> None:
             try:
                 fn(leaf)
             except Exception as exc:
-                exc.add_note(f"in a post-accumulate-grad hook on {describe(leaf)}")
+                add_note(exc, f"in a post-accumulate-grad hook on {describe(leaf)}")
                 raise
 
 

@@ -106,6 +106,19 @@ def test_hook_exception_propagates_naming_tensor():
     assert any("Tensor(shape=(2, 3)" in note for note in info.value.__notes__)
 
 
+def test_hook_note_is_kept_where_exceptions_have_no_add_note():
+    """Python 3.10 exceptions lack add_note; the note must still land in __notes__."""
+    from needle._core.errors import add_note
+
+    class OldStyleError:  # stands in for a 3.10 exception: no add_note attribute
+        pass
+
+    exc = OldStyleError()
+    add_note(exc, "first")  # type: ignore[arg-type]
+    add_note(exc, "second")  # type: ignore[arg-type]
+    assert exc.__notes__ == ["first", "second"]
+
+
 def test_register_hook_on_constant_raises():
     with pytest.raises(GraphError, match="does not require grad"):
         _t((2,), requires_grad=False).register_hook(lambda g: g)
