@@ -47,7 +47,14 @@ from ._core.errors import NeedleError
 from .autograd import Tensor
 from .autograd.grad_mode import STATE
 from .memory import attribute as _attribute
-from .ops import ops_conv, ops_logarithmic, ops_mathematic, ops_shape
+from .ops import (
+    ops_batch_norm,
+    ops_conv,
+    ops_logarithmic,
+    ops_mathematic,
+    ops_shape,
+    ops_softmax_xent,
+)
 from .ops.ops_shape import Cast
 
 __all__ = ["autocast", "GradScaler", "cast_parameters", "RULES", "rule_of", "is_autocast_enabled"]
@@ -68,6 +75,8 @@ RULES: dict[type, str] = {
     ops_mathematic.PowerScalar: FLOAT32,
     ops_mathematic.EWisePow: FLOAT32,
     ops_mathematic.Sqrt: FLOAT32,
+    ops_batch_norm.FusedBatchNorm: FLOAT32,  # statistics, as when composed from reductions
+    ops_softmax_xent.SoftmaxCrossEntropy: FLOAT32,  # the loss, as logsumexp
     # a cast is what the policy itself emits: never re-cast it
     Cast: "none",
 }

@@ -60,6 +60,22 @@ struct KernelTable {
   void (*lstm_backward)(DType t, const void* gates, const void* tc, const void* c,
                         const void* dh, const void* dc, void* dz, void* dc_prev,
                         std::size_t batch, std::size_t hidden);
+  // Batch normalisation, training mode (float32/float64, compact; see batchnorm_impl.h):
+  // x (N, C, S) -> y, and per channel the batch mean, biased variance and 1/sqrt(var + eps);
+  // backward: dx, dw, db from dy, x, w and the saved mean and invstd.
+  void (*bn_forward)(DType t, const void* x, const void* w, const void* b, void* y, void* mean,
+                     void* var, void* invstd, std::size_t n, std::size_t c, std::size_t s,
+                     double eps);
+  void (*bn_backward)(DType t, const void* dy, const void* x, const void* w, const void* mean,
+                      const void* invstd, void* dx, void* dw, void* db, std::size_t n,
+                      std::size_t c, std::size_t s);
+  // Softmax cross-entropy over rows (float32/float64; see softmax_xent_impl.h): z (n x k) and
+  // labels (n class ids, z's dtype, checked in [0, k) by the caller) -> loss and lse (n);
+  // backward: dz (n x k) from z, labels, lse and the loss gradient g (n).
+  void (*xent_forward)(DType t, const void* z, const void* labels, void* loss, void* lse,
+                       std::size_t n, std::size_t k);
+  void (*xent_backward)(DType t, const void* z, const void* labels, const void* lse,
+                        const void* g, void* dz, std::size_t n, std::size_t k);
   // Names of the float32 and float64 matmul micro-kernels (printed by the benchmarks).
   const char* sgemm_name;
   const char* dgemm_name;

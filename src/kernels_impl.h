@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -24,10 +25,13 @@ namespace NEEDLE_ISA {
 #include "matmul_impl.h"
 #include "conv_impl.h"
 #include "lstm_impl.h"
+#include "batchnorm_impl.h"
+#include "softmax_xent_impl.h"
 
 extern const KernelTable table = {
     NEEDLE_ISA_NAME, binary, scalar, unary, cast, reduce, matmul, matmul_strided,
     conv_forward, conv_weight_grad, conv_input_grad, lstm_forward, lstm_backward,
+    bn_forward, bn_backward, xent_forward, xent_backward,
     GemmConfig<float>::name, GemmConfig<double>::name,
 };
 

@@ -3,6 +3,7 @@
 // aliasing), release the GIL and run the kernel of the current table.
 #include "ndarray_backend_fused.h"
 
+#include <cmath>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -72,9 +73,13 @@ ConvGeom make_geom(const char* op, std::int64_t n, std::int64_t h, std::int64_t 
 }  // namespace
 
 void bind_lstm(py::module_& m, const KernelTable* const* kernels);
+void bind_batch_norm(py::module_& m, const KernelTable* const* kernels);
+void bind_softmax_xent(py::module_& m, const KernelTable* const* kernels);
 
 void bind_fused(py::module_& m, const KernelTable* const* kernels) {
   bind_lstm(m, kernels);
+  bind_batch_norm(m, kernels);
+  bind_softmax_xent(m, kernels);
   m.def("conv2d_forward", [kernels](const Array& x, const Array& wt, Array& out,
                                     NEEDLE_GEOM_ARGS) {
     const char* op = "conv2d_forward";
@@ -181,6 +186,172 @@ void bind_lstm(py::module_& m, const KernelTable* const* kernels) {
     (*kernels)->lstm_backward(gates.dtype(), gates.data(), tanh_c.data(), c.data(), dh.data(),
                               dc.data(), dz_out.data(), dc_prev_out.data(), rows, h);
   });
+}
+
+namespace {
+
+// (N, C, S) from Python ints: each >= 0 and N*C*S without overflow (an Array never holds more
+// than 2**62 bytes, so a product past that is refused before any size check reads it).
+void bn_dims(const char* op, std::int64_t n, std::int64_t c, std::int64_t s, std::size_t* count) {
+  std::int64_t nc = 0, total = 0;
+  if (n < 0 || c < 0 || s < 0 || __builtin_mul_overflow(n, c, &nc) ||
+      __builtin_mul_overflow(nc, s, &total)) {
+    throw std::invalid_argument(std::string(op) + ": expected sizes n, c, s >= 0 whose product "
+                                "fits in 64 bits, got " + std::to_string(n) + ", " +
+                                std::to_string(c) + ", " + std::to_string(s));
+  }
+  *count = std::size_t(total);
+}
+
+}  // namespace
+
+void bind_batch_norm(py::module_& m, const KernelTable* const* kernels) {
+  m.def("batch_norm_forward", [kernels](const Array& x, const Array& w, const Array& b,
+                                        Array& y, Array& mean, Array& var, Array& invstd,
+                                        std::int64_t n, std::int64_t c, std::int64_t s,
+                                        double eps) {
+    const char* op = "batch_norm_forward";
+    std::size_t total = 0;
+    bn_dims(op, n, c, s, &total);
+    if (!(eps >= 0.0)) {
+      throw std::invalid_argument(std::string(op) + ": expected eps >= 0, got " +
+                                  std::to_string(eps));
+    }
+    check_float(op, x);
+    for (const Array* a : {&w, &b, static_cast<const Array*>(&y),
+                           static_cast<const Array*>(&mean), static_cast<const Array*>(&var),
+                           static_cast<const Array*>(&invstd)}) {
+      check_same(op, *a, x);
+    }
+    const std::size_t ch = std::size_t(c);
+    check_size(op, "x", x, total);
+    check_size(op, "y", y, total);
+    check_size(op, "w", w, ch);
+    check_size(op, "b", b, ch);
+    check_size(op, "mean", mean, ch);
+    check_size(op, "var", var, ch);
+    check_size(op, "invstd", invstd, ch);
+    check_distinct(op, y, x, w);
+    if (y.data() == b.data()) {
+      throw std::invalid_argument(std::string(op) + ": out must not share memory with an input");
+    }
+    if (total == 0) return;
+    py::gil_scoped_release release;
+    (*kernels)->bn_forward(x.dtype(), x.data(), w.data(), b.data(), y.data(), mean.data(),
+                           var.data(), invstd.data(), std::size_t(n), ch, std::size_t(s), eps);
+  }, py::arg("x"), py::arg("w"), py::arg("b"), py::arg("y"), py::arg("mean"), py::arg("var"),
+     py::arg("invstd"), py::arg("n"), py::arg("c"), py::arg("s"), py::arg("eps"));
+  m.def("batch_norm_backward", [kernels](const Array& dy, const Array& x, const Array& w,
+                                         const Array& mean, const Array& invstd, Array& dx,
+                                         Array& dw, Array& db, std::int64_t n, std::int64_t c,
+                                         std::int64_t s) {
+    const char* op = "batch_norm_backward";
+    std::size_t total = 0;
+    bn_dims(op, n, c, s, &total);
+    check_float(op, x);
+    for (const Array* a : {&dy, &w, &mean, &invstd, static_cast<const Array*>(&dx),
+                           static_cast<const Array*>(&dw), static_cast<const Array*>(&db)}) {
+      check_same(op, *a, x);
+    }
+    const std::size_t ch = std::size_t(c);
+    check_size(op, "dy", dy, total);
+    check_size(op, "x", x, total);
+    check_size(op, "dx", dx, total);
+    check_size(op, "w", w, ch);
+    check_size(op, "mean", mean, ch);
+    check_size(op, "invstd", invstd, ch);
+    check_size(op, "dw", dw, ch);
+    check_size(op, "db", db, ch);
+    check_distinct(op, dx, dy, x);
+    if (total == 0) {
+      return;
+    }
+    py::gil_scoped_release release;
+    (*kernels)->bn_backward(x.dtype(), dy.data(), x.data(), w.data(), mean.data(),
+                            invstd.data(), dx.data(), dw.data(), db.data(), std::size_t(n), ch,
+                            std::size_t(s));
+  }, py::arg("dy"), py::arg("x"), py::arg("w"), py::arg("mean"), py::arg("invstd"),
+     py::arg("dx"), py::arg("dw"), py::arg("db"), py::arg("n"), py::arg("c"), py::arg("s"));
+}
+
+namespace {
+
+// (n, k) checked as for batch norm, then every label an integer in [0, k): the kernels index
+// rows with them, so a bad one must be refused before they run.
+template <class T>
+void check_labels(const char* op, const T* labels, std::size_t n, std::size_t k) {
+  for (std::size_t i = 0; i < n; ++i) {
+    const T v = labels[i];
+    if (!(v >= T(0) && v < T(k)) || v != std::floor(v)) {
+      throw py::index_error(std::string(op) + ": class label out of range at row " +
+                            std::to_string(i) + ", expected an integer in [0, " +
+                            std::to_string(k) + "), got " +
+                            std::string(py::repr(py::float_(double(v)))));
+    }
+  }
+}
+
+void xent_dims(const char* op, const Array& labels, std::int64_t n, std::int64_t k,
+               std::size_t* total) {
+  bn_dims(op, n, k, 1, total);
+  if (k == 0 && n > 0) {
+    throw std::invalid_argument(std::string(op) + ": expected at least one class, got k = 0");
+  }
+  check_size(op, "labels", labels, std::size_t(n));
+  if (labels.dtype() == DType::f32) {
+    check_labels(op, static_cast<const float*>(labels.data()), std::size_t(n), std::size_t(k));
+  } else if (labels.dtype() == DType::f64) {
+    check_labels(op, static_cast<const double*>(labels.data()), std::size_t(n),
+                 std::size_t(k));
+  }
+}
+
+}  // namespace
+
+void bind_softmax_xent(py::module_& m, const KernelTable* const* kernels) {
+  m.def("softmax_xent_forward", [kernels](const Array& z, const Array& labels, Array& loss,
+                                          Array& lse, std::int64_t n, std::int64_t k) {
+    const char* op = "softmax_xent_forward";
+    check_float(op, z);
+    for (const Array* a : {&labels, static_cast<const Array*>(&loss),
+                           static_cast<const Array*>(&lse)}) {
+      check_same(op, *a, z);
+    }
+    std::size_t total = 0;
+    xent_dims(op, labels, n, k, &total);
+    check_size(op, "z", z, total);
+    check_size(op, "loss", loss, std::size_t(n));
+    check_size(op, "lse", lse, std::size_t(n));
+    check_distinct(op, loss, z, labels);
+    check_distinct(op, lse, z, labels);
+    if (n == 0) return;
+    py::gil_scoped_release release;
+    (*kernels)->xent_forward(z.dtype(), z.data(), labels.data(), loss.data(), lse.data(),
+                             std::size_t(n), std::size_t(k));
+  }, py::arg("z"), py::arg("labels"), py::arg("loss"), py::arg("lse"), py::arg("n"),
+     py::arg("k"));
+  m.def("softmax_xent_backward", [kernels](const Array& z, const Array& labels,
+                                           const Array& lse, const Array& g, Array& dz,
+                                           std::int64_t n, std::int64_t k) {
+    const char* op = "softmax_xent_backward";
+    check_float(op, z);
+    for (const Array* a : {&labels, &lse, &g, static_cast<const Array*>(&dz)}) {
+      check_same(op, *a, z);
+    }
+    std::size_t total = 0;
+    xent_dims(op, labels, n, k, &total);
+    check_size(op, "z", z, total);
+    check_size(op, "dz", dz, total);
+    check_size(op, "lse", lse, std::size_t(n));
+    check_size(op, "g", g, std::size_t(n));
+    check_distinct(op, dz, z, labels);
+    check_distinct(op, dz, lse, g);
+    if (n == 0) return;
+    py::gil_scoped_release release;
+    (*kernels)->xent_backward(z.dtype(), z.data(), labels.data(), lse.data(), g.data(),
+                              dz.data(), std::size_t(n), std::size_t(k));
+  }, py::arg("z"), py::arg("labels"), py::arg("lse"), py::arg("g"), py::arg("dz"),
+     py::arg("n"), py::arg("k"));
 }
 
 }  // namespace needle

@@ -66,10 +66,18 @@ class Op:
     one recorded-op dispatch per step. Its default is ``gradient``. An op that overrides it
     must give the same values as ``gradient`` (python_tests/ops/test_plain_gradient.py runs
     both for every op).
+
+    ``held_arrays()`` names the arrays an op object itself keeps for its backward besides the
+    saved tensors (a fused op's intermediates: batch statistics, gate activations), so that
+    memory accounting counts them among what the graph saves.
     """
 
     save_inputs: tuple[int, ...] | None = None
     save_output = False
+
+    def held_arrays(self) -> tuple:
+        """Arrays kept on the op for backward beyond ``saved_tensors`` (none by default)."""
+        return ()
 
     def __call__(self, *args):
         raise NotImplementedError()

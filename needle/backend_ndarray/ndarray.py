@@ -103,8 +103,11 @@ class NDArray:
     """
 
     __array_priority__ = 1000
-    # Cached answer of is_compact(): True/False once known, None = not yet computed.
-    _compact = None
+    # Slots, not a __dict__: every kernel makes one NDArray, and slot stores and loads are
+    # the cheaper ones on that path. ``_compact`` caches is_compact(): True/False once known,
+    # None = not yet computed (every constructor sets it).
+    __slots__ = ("_shape", "_strides", "_offset", "_device", "_handle", "_compact",
+                 "__weakref__")
 
     def __init__(self, other, device=None, dtype=None):
         if isinstance(other, NDArray):
@@ -240,6 +243,56 @@ class NDArray:
                 and math.prod(self._shape) == self._handle.size)
         return compact
 
+    def is_dense(self) -> bool:
+        """True for a layout that is a permutation of a compact one over the whole buffer
+        (offset 0, each element once), e.g. the NCHW view of an NHWC convolution output.
+        Elementwise ops run on such a buffer as it lies and keep its layout, instead of
+        copying it into row-major order first.
+
+        Example:
+            >>> from needle.backend_ndarray import NDArray, cpu_numpy
+            >>> a = NDArray([[1.0, 2.0], [3.0, 4.0]], device=cpu_numpy())
+            >>> a.permute((1, 0)).is_dense(), a[0:1].is_dense()
+            (True, False)
+        """
+        if self._offset != 0 or math.prod(self._shape) != self._handle.size:
+            return False
+        expect = 1
+        for stride, n in sorted((s, n) for n, s in zip(self._shape, self._strides, strict=True)
+                                if n != 1):
+            if stride != expect:
+                return False
+            expect *= n
+        return True
+
+    def _memory_order(self) -> tuple:
+        """Axes from the largest stride to the smallest: permuting by them lists a dense
+        array's elements in buffer order."""
+        return tuple(sorted(range(len(self._shape)), key=lambda d: -self._strides[d]))
+
+    def _in_layout(self, like: "NDArray", op: str) -> "NDArray":
+        """This array's values in ``like``'s buffer order (``like`` dense): self when the
+        strides already agree, else a copy of the permuted view."""
+        if self._strides == like._strides and self._offset == 0 and self.is_dense():
+            return self
+        return self.permute(like._memory_order())._copy(op)
+
+    def swap_last_axes(self) -> "NDArray":
+        """A view with the last two axes swapped (a matrix transpose per batch element).
+
+        Example:
+            >>> from needle.backend_ndarray import NDArray, cpu_numpy
+            >>> NDArray([[1.0, 2.0]], device=cpu_numpy()).swap_last_axes().numpy().tolist()
+            [[1.0], [2.0]]
+        """
+        shape, strides = self._shape, self._strides
+        if len(shape) < 2:
+            raise ShapeError(f"swap_last_axes: expected at least 2 dims, got shape {shape}")
+        # a permutation of a valid view is valid: no bounds check needed
+        return _view(shape[:-2] + (shape[-1], shape[-2]), strides[:-2] + (strides[-1],
+                                                                          strides[-2]),
+                     self._offset, self._device, self._handle)
+
     def compact(self) -> "NDArray":
         """Self if compact, else a compact copy."""
         if self._compact or self.is_compact():
@@ -352,7 +405,12 @@ class NDArray:
 
     # ---- elementwise ------------------------------------------------------------------
     def _ewise(self, other, ewise, scalar, op: str) -> "NDArray":
-        a = self if self._compact or self.is_compact() else self._copy(op)
+        # Kernels run on flat buffers. A dense non-compact operand (a permuted layout, such
+        # as the NCHW view of an NHWC convolution output) is computed as it lies in memory,
+        # the other operand brought into its order (free when the layouts agree), and the
+        # result keeps that layout; otherwise both run on row-major copies.
+        compact = self._compact or self.is_compact()
+        layout = self if not compact and self.is_dense() else None
         out = _alloc(self._shape, self._device, self._handle.dtype, op)
         if isinstance(other, NDArray):
             if other._device is not self._device or other._handle.dtype != out._handle.dtype:
@@ -360,14 +418,32 @@ class NDArray:
             if other._shape != self._shape:
                 raise ShapeError(f"{op}: shapes differ, expected {self._shape}, "
                                  f"got {other._shape} (broadcast explicitly)")
-            b = other if other._compact or other.is_compact() else other._copy(op)
+            other_compact = other._compact or other.is_compact()
+            if layout is None and not compact and not other_compact and other.is_dense():
+                layout = other  # self must be copied anyway: copy it into other's order
+            if layout is not None:
+                a, b = self._in_layout(layout, op), other._in_layout(layout, op)
+            else:
+                a = self if compact else self._copy(op)
+                b = other if other_compact else other._copy(op)
             ewise(a._handle, b._handle, out._handle)
         else:
+            a = self if compact or layout is not None else self._copy(op)
             scalar(a._handle, scalar_value(other, op), out._handle)
-        return out
+        if layout is None:
+            return out
+        return _view(self._shape, layout._strides, 0, self._device, out._handle)
 
     def _unary(self, kernel) -> "NDArray":
-        a = self if self._compact else self.compact()
+        if self._compact or self.is_compact():
+            out = _alloc(self._shape, self._device, self._handle.dtype)
+            kernel(self._handle, out._handle)
+            return out
+        if self.is_dense():  # computed in place of memory order, the layout kept
+            out = _alloc(self._shape, self._device, self._handle.dtype)
+            kernel(self._handle, out._handle)
+            return _view(self._shape, self._strides, 0, self._device, out._handle)
+        a = self.compact()
         out = _alloc(self._shape, self._device, self._handle.dtype)
         kernel(a._handle, out._handle)
         return out
@@ -520,26 +596,70 @@ class NDArray:
     # ---- reductions -------------------------------------------------------------------
     def _reduce(self, axis, keepdims: bool, kernel, op: str) -> "NDArray":
         axes = normalize_axes(axis, self.ndim, op)
-        keep = [a for a in range(self.ndim) if a not in axes]
-        view = self.permute(tuple(keep) + axes)
+        keep = tuple(a for a in range(self.ndim) if a not in axes)
+        view = self.permute(keep + axes)
+        kept_order = keep  # the order of the kept axes in the kernel's output buffer
         if not view.is_compact():
-            view = view._copy(op)
+            if self.is_dense():
+                # a permuted layout: reduce in memory order when the reduced axes lie
+                # innermost there (an NCHW view of NHWC summed over N, H, W), no copy
+                by_stride = self._memory_order()
+                kept_order = tuple(a for a in by_stride if a in keep)
+                view = self.permute(kept_order + tuple(a for a in by_stride if a in axes))
+                if not view.is_compact() and op == "sum":
+                    cols = self._column_sum(by_stride, keep, axes)
+                    if cols is not None:
+                        kept_order, summed = cols
+                        return self._reduced_view(summed, kept_order, keep, keepdims)
+            if not view.is_compact():
+                kept_order = keep
+                view = self.permute(keep + axes)._copy(op)
         reduce_size = math.prod(self._shape[a] for a in axes)
         if keepdims:
             out_shape = tuple(1 if a in axes else n for a, n in enumerate(self._shape))
         else:
             out_shape = tuple(self._shape[a] for a in keep)
-        out = _alloc(out_shape, self._device, self._handle.dtype, op)
-        if out.size == 0:
-            return out
-        if reduce_size == 0:
+        reordered = kept_order != keep
+        buf_shape = tuple(self._shape[a] for a in kept_order) if reordered else out_shape
+        out = _alloc(buf_shape, self._device, self._handle.dtype, op)
+        if out.size and reduce_size == 0:
             if op != "sum":
                 raise ShapeError(f"{op}: zero-size reduction has no identity, expected a "
                                  f"non-empty axis, got shape {self._shape} axis {axis}")
             out._fill(0.0)
+        elif out.size:
+            kernel(view._handle, out._handle, reduce_size)
+        if not reordered:
             return out
-        kernel(view._handle, out._handle, reduce_size)
-        return out
+        return self._reduced_view(out, kept_order, keep, keepdims)
+
+    def _reduced_view(self, out: "NDArray", kept_order: tuple, keep: tuple,
+                      keepdims: bool) -> "NDArray":
+        """``out`` (the kept axes compact in ``kept_order``) viewed in the caller's order."""
+        strides = dict(zip(kept_order, _compact_strides(tuple(self._shape[a]
+                                                              for a in kept_order)),
+                           strict=True))
+        dims = range(self.ndim) if keepdims else keep
+        shape = tuple(self._shape[a] if a in strides else 1 for a in dims)
+        return _view(shape, tuple(strides.get(a, 0) for a in dims), 0, self._device,
+                     out._handle)
+
+    def _column_sum(self, by_stride: tuple, keep: tuple, axes: tuple):
+        """A dense array whose summed axes are outermost in memory is an (M, K) matrix to
+        sum over its rows: ``ones(1, M) @ it``, one matmul instead of a transposing copy
+        (the bias gradient of an NCHW view of NHWC data). None when not of this kind."""
+        order = [a for a in by_stride if self._shape[a] != 1]
+        summed = [a for a in order if a in axes]
+        if not summed or order[:len(summed)] != summed:
+            return None
+        kept_order = tuple(a for a in by_stride if a in keep)
+        m = math.prod(self._shape[a] for a in axes)
+        k = math.prod(self._shape[a] for a in keep)
+        rows = _view((m, k), (k, 1), 0, self._device, self._handle)
+        one = _alloc((1,), self._device, self._handle.dtype, "sum")
+        one._fill(1.0)
+        ones = _view((1, m), (0, 0), 0, self._device, one._handle)
+        return kept_order, (ones @ rows).reshape((k,))
 
     def sum(self, axis=None, keepdims: bool = False) -> "NDArray":
         return self._reduce(axis, keepdims, self._device.reduce_sum, "sum")

@@ -1,7 +1,9 @@
-"""The NumPy reference of the fused kernels (convolution, LSTM cell): docs/backend_protocol.md.
+"""The NumPy reference of the fused kernels (convolution, LSTM cell, batch normalisation,
+softmax cross-entropy): docs/backend_protocol.md.
 
-Straight formulas on flat buffers, the oracle the C++ backend's ``conv2d_*`` and
-``lstm_cell_*`` kernels are tested against. Re-exported by ``ndarray_backend_numpy``.
+Straight formulas on flat buffers, the oracle the C++ backend's ``conv2d_*``,
+``lstm_cell_*``, ``batch_norm_*`` and ``softmax_xent_*`` kernels are tested against.
+Re-exported by ``ndarray_backend_numpy``.
 
 Example:
     >>> import numpy as np
@@ -18,7 +20,8 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = ["conv2d_forward", "conv2d_weight_grad", "conv2d_input_grad", "lstm_cell_forward",
-           "lstm_cell_backward"]
+           "lstm_cell_backward", "batch_norm_forward", "batch_norm_backward",
+           "softmax_xent_forward", "softmax_xent_backward"]
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
@@ -95,3 +98,75 @@ def lstm_cell_backward(gates, tanh_c, c, dh, dc, dz_out, dc_prev_out, batch, hid
                    dh_ * t * o * (1 - o)], axis=1)
     dz_out.array[:batch * 4 * hidden] = dz.reshape(-1)
     dc_prev_out.array[:batch * hidden] = (dct * f).reshape(-1)
+
+
+def batch_norm_forward(x, w, b, y, mean, var, invstd, n, c, s, eps) -> None:
+    """Training-mode batch norm of ``x`` viewed as (N, C, S): per-channel batch statistics
+    (biased variance) and ``y = w (x - mean) / sqrt(var + eps) + b``."""
+    if n * c * s == 0:
+        return
+    xs = x.array[:n * c * s].reshape(n, c, s)
+    acc = np.float64
+    m = xs.mean(axis=(0, 2), dtype=acc)
+    v = ((xs.astype(acc) - m[None, :, None]) ** 2).mean(axis=(0, 2))
+    inv = 1.0 / np.sqrt(v + eps)
+    dt = xs.dtype
+    mean.array[:c], var.array[:c], invstd.array[:c] = m.astype(dt), v.astype(dt), inv.astype(dt)
+    scale = (w.array[:c].astype(acc) * inv).astype(dt)
+    out = (xs - m.astype(dt)[None, :, None]) * scale[None, :, None] + b.array[:c][None, :, None]
+    y.array[:n * c * s] = out.reshape(-1)
+
+
+def batch_norm_backward(dy, x, w, mean, invstd, dx, dw, db, n, c, s) -> None:
+    """``dx, dw, db`` of :func:`batch_norm_forward` from ``dy`` and the saved statistics."""
+    if n * c * s == 0:
+        return
+    acc = np.float64
+    g = dy.array[:n * c * s].reshape(n, c, s).astype(acc)
+    xs = x.array[:n * c * s].reshape(n, c, s).astype(acc)
+    m, inv = mean.array[:c].astype(acc), invstd.array[:c].astype(acc)
+    count = n * s
+    xhat = (xs - m[None, :, None]) * inv[None, :, None]
+    sum_dy = g.sum(axis=(0, 2))
+    sum_dy_xhat = (g * xhat).sum(axis=(0, 2))
+    dt = dx.array.dtype
+    db.array[:c], dw.array[:c] = sum_dy.astype(dt), sum_dy_xhat.astype(dt)
+    k1 = w.array[:c].astype(acc) * inv
+    grad = k1[None, :, None] * (g - sum_dy[None, :, None] / count
+                                - xhat * sum_dy_xhat[None, :, None] / count)
+    dx.array[:n * c * s] = grad.astype(dt).reshape(-1)
+
+
+def _labels(op: str, labels, n: int, k: int) -> np.ndarray:
+    y = labels.array[:n]
+    bad = ~((y >= 0) & (y < k) & (y == np.floor(y)))
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise IndexError(f"{op}: class label out of range at row {i}, expected an integer in "
+                         f"[0, {k}), got {float(y[i])}")
+    return y.astype(np.int64)
+
+
+def softmax_xent_forward(z, labels, loss, lse, n, k) -> None:
+    """Per row of ``z`` (n, k): ``lse = logsumexp(z)`` and ``loss = lse - z[label]``."""
+    y = _labels("softmax_xent_forward", labels, n, k)
+    if n == 0:
+        return
+    zs = z.array[:n * k].reshape(n, k).astype(np.float64)
+    m = zs.max(axis=1)
+    out = m + np.log(np.exp(zs - m[:, None]).sum(axis=1))
+    dt = loss.array.dtype
+    lse.array[:n] = out.astype(dt)
+    loss.array[:n] = (out - zs[np.arange(n), y]).astype(dt)
+
+
+def softmax_xent_backward(z, labels, lse, g, dz, n, k) -> None:
+    """``dz = g (softmax(z) - onehot(label))`` per row, from the saved ``lse``."""
+    y = _labels("softmax_xent_backward", labels, n, k)
+    if n == 0:
+        return
+    zs = z.array[:n * k].reshape(n, k).astype(np.float64)
+    grad = np.exp(zs - lse.array[:n].astype(np.float64)[:, None])
+    grad[np.arange(n), y] -= 1.0
+    grad *= g.array[:n].astype(np.float64)[:, None]
+    dz.array[:n * k] = grad.astype(dz.array.dtype).reshape(-1)

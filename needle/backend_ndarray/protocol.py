@@ -120,7 +120,9 @@ class Backend(Protocol[A]):
 
 
 OPTIONAL = ("matmul_tiled", "matmul_strided", "conv2d_forward", "conv2d_weight_grad",
-            "conv2d_input_grad", "lstm_cell_forward", "lstm_cell_backward")
+            "conv2d_input_grad", "lstm_cell_forward", "lstm_cell_backward",
+            "batch_norm_forward", "batch_norm_backward", "softmax_xent_forward",
+            "softmax_xent_backward")
 
 
 def missing(module: object) -> list[str]:

@@ -84,7 +84,14 @@ def one_hot(n, i, device=None, dtype="float32", requires_grad=False):
     10k-word vocabulary would need 800 MB for ``np.eye``).
     """
     device = _device(device)
-    indices = np.asarray(i.numpy() if isinstance(i, Tensor) else i).astype(np.int64)
+    raw = np.asarray(i.numpy() if isinstance(i, Tensor) else i)
+    if raw.dtype.kind in "fc" and raw.size:
+        whole = raw == np.floor(raw)  # False for NaN too: nothing is truncated silently
+        if not whole.all():
+            at = int(np.argmin(whole.reshape(-1)))
+            raise IndexOutOfRange(f"one_hot: expected integer class ids, got "
+                                  f"{float(raw.reshape(-1)[at])} at flat position {at}")
+    indices = raw.astype(np.int64)
     if indices.size and (indices.min() < 0 or indices.max() >= n):
         raise IndexOutOfRange(
             f"one_hot: index out of range, expected values in [0, {n}), got "

@@ -170,7 +170,8 @@ def declared_saved(root, exclude=()) -> tuple[dict, dict, int]:
     """Buffers the recorded graph behind ``root`` holds, before backward.
 
     Returns ``(saved, unsaved, largest)``: ``saved`` maps buffer key -> requested bytes for the
-    buffers some op declares it saves (``save_inputs``/``save_output``) plus ``root`` itself;
+    buffers some op declares it saves (``save_inputs``/``save_output``, and the arrays the op
+    object holds, ``Op.held_arrays``) plus ``root`` itself;
     ``unsaved`` the other non-leaf buffers the graph still holds (not released: under
     autograd's release threshold, or still named); ``largest`` the largest rounded block of any
     non-leaf output, released ones included. The buffers in ``exclude`` (parameters, the input
@@ -213,6 +214,10 @@ def declared_saved(root, exclude=()) -> tuple[dict, dict, int]:
                     buf = _buffer(array)
                     if buf is not None:
                         saved[buf[0]] = buf[1]
+            for array in op.held_arrays() if hasattr(op, "held_arrays") else ():
+                buf = _buffer(array)  # a fused op's own intermediates (Op.held_arrays)
+                if buf is not None:
+                    saved[buf[0]] = buf[1]
         stack.extend(node.inputs)
     saved = {k: v for k, v in saved.items() if k not in exclude}
     unsaved = {k: v for k, v in held.items() if k not in saved and k not in leaves}

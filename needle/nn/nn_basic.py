@@ -136,6 +136,9 @@ class SoftmaxLoss(Module):
             raise ShapeError(f"SoftmaxLoss: logits must be (batch, classes), expected 2 "
                              f"dimensions, got shape {logits.shape}")
         n, k = logits.shape
+        if ops.softmax_xent_has_kernel(logits) and y.shape == (n,):
+            # one node and two kernels, no one-hot targets (ops.softmax_cross_entropy)
+            return ops.summation(ops.softmax_cross_entropy(logits, y)) / n
         with _kept_for(logits):
             y_one_hot = init.one_hot(k, y, device=logits.device, dtype=logits.dtype)
         lse = ops.logsumexp(logits, axes=(1,))
@@ -173,6 +176,8 @@ class BatchNorm1d(Module):
             raise ShapeError(f"BatchNorm1d: expected input (batch, {self.dim}), got shape "
                              f"{x.shape}")
         n, d = x.shape
+        if self.training and ops.batch_norm_has_kernel(x):
+            return self._fused(x)
         if self.training:
             mean = ops.summation(x, axes=(0,)) / n
             xc = x - ops.broadcast_to(ops.reshape(mean, (1, d)), x.shape)
@@ -186,6 +191,13 @@ class BatchNorm1d(Module):
         b = ops.broadcast_to(ops.reshape(self.bias, (1, d)), x.shape)
         return w * (xc / std) + b
 
+    def _fused(self, x: Tensor) -> Tensor:
+        # one graph node and two kernels (ops.batch_norm) instead of ~12 nodes and ~30 kernels;
+        # the same statistics and running-average update as the composed path above
+        y, mean, var = ops.batch_norm(x, self.weight, self.bias, self.eps)
+        self._update_running(mean, var)
+        return y
+
 
 class BatchNorm2d(BatchNorm1d):
     """BatchNorm over channels of an NCHW input (N·H·W rows of C features)."""
@@ -196,6 +208,11 @@ class BatchNorm2d(BatchNorm1d):
     def forward(self, x: Tensor) -> Tensor:
         if x.ndim != 4:
             raise ShapeError(f"BatchNorm2d: expected an NCHW input, got shape {x.shape}")
+        if self.training and ops.batch_norm_has_kernel(x):
+            if x.shape[1] != self.dim:
+                raise ShapeError(f"BatchNorm2d: expected {self.dim} channels (axis 1), got "
+                                 f"shape {x.shape}")
+            return self._fused(x)  # statistics over N, H, W straight from NCHW: no transposes
         s = x.shape
         rows = ops.transpose(ops.transpose(x, (1, 2)), (2, 3))  # N, H, W, C
         y = super().forward(ops.reshape(rows, (s[0] * s[2] * s[3], s[1])))

@@ -10,12 +10,14 @@ import sys
 
 from ..autograd import Op, Tensor, TensorOp, TensorTuple, TensorTupleOp, Value  # noqa: F401
 from ..autograd.tensor import register_operator_ops
+from .ops_batch_norm import *  # noqa: F401,F403
 from .ops_conv import *  # noqa: F401,F403
 from .ops_embedding import *  # noqa: F401,F403
 from .ops_fused import *  # noqa: F401,F403
 from .ops_logarithmic import *  # noqa: F401,F403
 from .ops_mathematic import *  # noqa: F401,F403
 from .ops_mathematic import _ADD, _MATMUL, _MUL, _NEG, as_scalar  # noqa: F401
+from .ops_softmax_xent import *  # noqa: F401,F403
 from .ops_tuple import *  # noqa: F401,F403
 
 

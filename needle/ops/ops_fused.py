@@ -137,6 +137,9 @@ class FusedLSTMCell(TensorTupleOp):
     def __init__(self):
         self.gates = self.tanh_c = None
 
+    def held_arrays(self) -> tuple:
+        return tuple(a for a in (self.gates, self.tanh_c) if a is not None)
+
     def compute(self, x, h, c, w_ih, w_hh, *biases):
         _check(x, h, c, w_ih, w_hh, biases)
         z = A.matmul(x, w_ih) + A.matmul(h, w_hh)

@@ -93,6 +93,14 @@ class EWiseAdd(TensorOp):
         a, b = node.inputs
         return sum_to_shape(out_grad, a.shape), sum_to_shape(out_grad, b.shape)
 
+    def plain_gradient(self, out_grad, node):
+        # the common case (same shapes) passes the gradient on: no op dispatch at all
+        a, b = node.inputs
+        shape = out_grad.cached_data.shape
+        if a.shape == shape and b.shape == shape:
+            return out_grad, out_grad
+        return self.gradient(out_grad, node)
+
 
 def add(a, b):
     return _ADD(a, b)

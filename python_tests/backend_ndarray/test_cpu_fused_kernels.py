@@ -1,4 +1,5 @@
-"""The C++ backend's matmul, convolution and LSTM-cell kernels against the NumPy reference.
+"""The C++ backend's matmul, convolution, LSTM-cell, batch-norm and softmax cross-entropy
+kernels against the NumPy reference.
 
 Every case runs on each kernel build the CPU can execute (``_available_isas()``: avx512,
 avx2, baseline), so an AVX-512 machine checks both vector families and an AVX2 one its own;
@@ -257,6 +258,145 @@ def test_lstm_cell_kernels_refuse_bad_input():
     with pytest.raises(ValueError, match="lstm_cell_backward: expected float32 or float64"):
         half = [cpu.Array(8, "float16")] * 7
         cpu.lstm_cell_backward(*half, 1, 2)
+
+
+# ---- batch normalisation ---------------------------------------------------------------------
+
+def _batch_norm_both(n, c, s, dtype, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(n * c * s) * 4 + 3  # a mean far from zero: the centring matters
+    w, b = rng.standard_normal(c), rng.standard_normal(c)
+    dy = rng.standard_normal(n * c * s)
+    results = {}
+    for backend, dt in ((cpu, dtype), (ref, "float64")):
+        stats = [backend.Array(c, dt) for _ in range(3)]
+        y = backend.Array(n * c * s, dt)
+        xa, wa = put(backend, x, dt), put(backend, w, dt)
+        backend.batch_norm_forward(xa, wa, put(backend, b, dt), y, *stats, n, c, s, 1e-5)
+        grads = [backend.Array(n * c * s, dt), backend.Array(c, dt), backend.Array(c, dt)]
+        backend.batch_norm_backward(put(backend, dy, dt), xa, wa, stats[0], stats[2], *grads,
+                                    n, c, s)
+        results[backend] = [flat(backend, a) for a in [y] + stats + grads]
+    for got, want in zip(results[cpu], results[ref], strict=True):
+        assert_close(got, want, dtype, scale=float(n * s))
+    # the reference itself against the textbook formulas (float64)
+    xs = x.reshape(n, c, s)
+    mean, var = xs.mean(axis=(0, 2)), xs.var(axis=(0, 2))
+    xhat = (xs - mean[None, :, None]) / np.sqrt(var[None, :, None] + 1e-5)
+    y_ref = w[None, :, None] * xhat + b[None, :, None]
+    np.testing.assert_allclose(results[ref][0], y_ref.reshape(-1), rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(results[ref][1], mean, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(results[ref][2], var, rtol=1e-10, atol=1e-12)
+    g = dy.reshape(n, c, s)
+    np.testing.assert_allclose(results[ref][6], g.sum(axis=(0, 2)), rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(results[ref][5], (g * xhat).sum(axis=(0, 2)), rtol=1e-9,
+                               atol=1e-9)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 40), c=st.integers(1, 40), s=st.sampled_from([1, 2, 7, 16, 33]),
+       dtype=st.sampled_from(["float32", "float64"]), isa=st.sampled_from(ISAS),
+       threads=st.sampled_from([1, 2]))
+def test_batch_norm_kernels_match_reference(n, c, s, dtype, isa, threads):
+    cpu._set_isa(isa)
+    cpu.set_num_threads(threads)
+    _batch_norm_both(n, c, s, dtype, seed=n * 1000 + c * 10 + s)
+
+
+@pytest.mark.parametrize("n,c,s", [(128, 16, 1024), (100000, 3, 1)],
+                         ids=["resnet9-layer", "long-rows"])
+def test_batch_norm_kernels_on_threads_equal_one_thread(n, c, s):
+    """Large enough for the parallel path: each channel is summed by one thread in a fixed
+    order, so 1 and 2 threads give the same bits."""
+    rng = np.random.default_rng(3)
+    x, dy = rng.standard_normal(n * c * s), rng.standard_normal(n * c * s)
+    outs = []
+    for threads in (1, 2):
+        cpu.set_num_threads(threads)
+        stats = [cpu.Array(c) for _ in range(3)]
+        y, xa, wa = cpu.Array(n * c * s), put(cpu, x, "float32"), put(cpu, np.ones(c), "float32")
+        cpu.batch_norm_forward(xa, wa, put(cpu, np.zeros(c), "float32"), y, *stats, n, c, s,
+                               1e-5)
+        grads = [cpu.Array(n * c * s), cpu.Array(c), cpu.Array(c)]
+        cpu.batch_norm_backward(put(cpu, dy, "float32"), xa, wa, stats[0], stats[2], *grads,
+                                n, c, s)
+        outs.append([flat(cpu, a) for a in [y] + stats + grads])
+    for one, two in zip(*outs, strict=True):
+        np.testing.assert_array_equal(one, two)
+
+
+def test_batch_norm_kernels_refuse_bad_input():
+    a = [cpu.Array(8) for _ in range(7)]
+    with pytest.raises(ValueError, match="batch_norm_forward: x too small"):
+        cpu.batch_norm_forward(*a, 3, 2, 2, 1e-5)
+    with pytest.raises(ValueError, match="fits in 64 bits"):
+        cpu.batch_norm_forward(*a, 2**40, 2**40, 2**40, 1e-5)
+    with pytest.raises(ValueError, match="expected sizes n, c, s >= 0"):
+        cpu.batch_norm_backward(*a, cpu.Array(8), -1, 2, 2)
+    with pytest.raises(ValueError, match="eps >= 0"):
+        cpu.batch_norm_forward(*a, 1, 2, 2, -1.0)
+    with pytest.raises(ValueError, match="expected float32 or float64"):
+        cpu.batch_norm_forward(*[cpu.Array(8, "float16") for _ in range(7)], 2, 2, 2, 1e-5)
+    with pytest.raises(TypeError, match="dtypes differ"):
+        cpu.batch_norm_backward(*a[:5], cpu.Array(8, "float64"), a[5], a[6], 2, 2, 2)
+    with pytest.raises(ValueError, match="share memory"):
+        cpu.batch_norm_forward(a[0], a[1], a[2], a[0], a[3], a[4], a[5], 2, 2, 2, 1e-5)
+
+
+# ---- softmax cross-entropy -------------------------------------------------------------------
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 30), k=st.sampled_from([1, 2, 7, 16, 33, 200]),
+       dtype=st.sampled_from(["float32", "float64"]), isa=st.sampled_from(ISAS),
+       threads=st.sampled_from([1, 2]), spread=st.sampled_from([1.0, 30.0]))
+def test_softmax_xent_kernels_match_reference(n, k, dtype, isa, threads, spread):
+    cpu._set_isa(isa)
+    cpu.set_num_threads(threads)
+    rng = np.random.default_rng(n * 1000 + k)
+    z = rng.standard_normal(n * k) * spread  # spread 30: exp under- and overflows unshifted
+    y = rng.integers(0, k, n).astype(np.float64)
+    g = rng.standard_normal(n)
+    results = {}
+    for backend, dt in ((cpu, dtype), (ref, "float64")):
+        za, ya = put(backend, z, dt), put(backend, y, dt)
+        loss, lse, dz = backend.Array(n, dt), backend.Array(n, dt), backend.Array(n * k, dt)
+        backend.softmax_xent_forward(za, ya, loss, lse, n, k)
+        backend.softmax_xent_backward(za, ya, lse, put(backend, g, dt), dz, n, k)
+        results[backend] = [flat(backend, a) for a in (loss, lse, dz)]
+    for got, want in zip(results[cpu], results[ref], strict=True):
+        assert_close(got, want, dtype, scale=spread)
+    # the reference against the textbook formulas
+    zs = z.reshape(n, k)
+    lse = np.log(np.exp(zs - zs.max(axis=1, keepdims=True)).sum(axis=1)) + zs.max(axis=1)
+    np.testing.assert_allclose(results[ref][1], lse, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(results[ref][0], lse - zs[np.arange(n), y.astype(int)],
+                               rtol=1e-12, atol=1e-10)
+    soft = np.exp(zs - lse[:, None])
+    soft[np.arange(n), y.astype(int)] -= 1
+    np.testing.assert_allclose(results[ref][2], (soft * g[:, None]).reshape(-1), rtol=1e-10,
+                               atol=1e-12)
+
+
+def test_softmax_xent_kernels_refuse_bad_labels_and_sizes():
+    z, loss, lse = put(cpu, np.zeros(6), "float32"), cpu.Array(2), cpu.Array(2)
+    for bad, name in ((3.0, "3.0"), (-1.0, "-1.0"), (1.5, "1.5"), (float("nan"), "nan")):
+        labels = put(cpu, np.array([0.0, bad]), "float32")
+        with pytest.raises(IndexError, match=f"label out of range at row 1, expected an "
+                                             f"integer in \\[0, 3\\), got {name}"):
+            cpu.softmax_xent_forward(z, labels, loss, lse, 2, 3)
+        with pytest.raises(IndexError, match="at row 1"):
+            ref.softmax_xent_forward(put(ref, np.zeros(6), "float32"),
+                                     put(ref, np.array([0.0, bad]), "float32"),
+                                     ref.Array(2), ref.Array(2), 2, 3)
+    ok = put(cpu, np.array([0.0, 2.0]), "float32")
+    with pytest.raises(ValueError, match="z too small"):
+        cpu.softmax_xent_forward(z, ok, loss, lse, 2, 4)
+    with pytest.raises(ValueError, match="fits in 64 bits"):
+        cpu.softmax_xent_backward(z, ok, lse, loss, cpu.Array(6), 2**40, 2**40)
+    with pytest.raises(ValueError, match="share memory"):
+        cpu.softmax_xent_backward(z, ok, lse, loss, z, 2, 3)
+    with pytest.raises(TypeError, match="dtypes differ"):
+        cpu.softmax_xent_forward(z, put(cpu, np.zeros(2), "float64"), loss, lse, 2, 3)
 
 
 # ---- elementwise outputs large enough for streaming stores (>= 16 MiB) ----------------------

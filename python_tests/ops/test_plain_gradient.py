@@ -40,6 +40,12 @@ def _extra_cases(device):
         ("lstm_cell", lambda *t: ops.FusedLSTMCell()(*t),
          [rng.standard_normal(s) for s in ((2, 3), (2, 2), (2, 2), (3, 8), (2, 8), (8,))],
          [True] * 6),
+        ("batch_norm", lambda *t: ops.FusedBatchNorm(1e-5)(*t),
+         [rng.standard_normal(s) for s in ((3, 2, 2, 2), (2,), (2,))], [True] * 3),
+        ("softmax_xent", lambda z, y: ops.SoftmaxCrossEntropy()(z, y),
+         [rng.standard_normal((4, 5)), np.array([0.0, 4.0, 2.0, 2.0])], [True, False]),
+        ("batch_norm_rows", lambda *t: ops.FusedBatchNorm(1e-5)(*t),
+         [rng.standard_normal(s) for s in ((5, 3), (3,), (3,))], [True, False, True]),
     ]
     other = _other_device(device)
     if other is not None:

@@ -1,0 +1,227 @@
+"""Batch normalisation in training mode as one graph node: ``batch_norm``.
+
+``BatchNorm1d``/``BatchNorm2d`` composed from ops record ~12 nodes per call (two reductions,
+broadcasts, a subtraction, a power, products) and, for an NCHW input, two transposes that copy
+the activation each way; their backward runs ~20 kernels more. ``batch_norm`` records one node:
+the C++ backend's ``batch_norm_forward`` computes the per-channel batch mean, biased variance
+and ``1/sqrt(var + eps)`` and writes ``y = w (x - mean) / sqrt(var + eps) + b`` in two reads
+of ``x``; the plain backward is one ``batch_norm_backward`` kernel. Channels are axis 1: ``x``
+is ``(N, C)`` or ``(N, C, d1, ...)`` (NCHW), statistics are over every other axis.
+
+Devices without the kernels (CUDA), float16 and NumPy mode compute the same formulas with
+array ops. With ``create_graph`` the gradient is built from differentiable ops that recompute
+the statistics from ``x``, so gradients of gradients are exact.
+
+Example:
+    >>> import numpy as np
+    >>> import needle as ndl
+    >>> from needle import ops
+    >>> x = ndl.Tensor(np.array([[1.0, 10.0], [3.0, 30.0]]))
+    >>> w, b = ndl.Tensor(np.ones(2)), ndl.Tensor(np.zeros(2))
+    >>> y, mean, var = ops.batch_norm(x, w, b, eps=0.0)
+    >>> y.numpy().tolist(), mean.numpy().tolist(), var.numpy().tolist()
+    ([[-1.0, -1.0], [1.0, 1.0]], [2.0, 20.0], [1.0, 100.0])
+"""
+from __future__ import annotations
+
+import math
+
+from .._core.errors import ShapeError
+from ..autograd import TensorOp
+from ..autograd.tensor import const as _leaf
+from ..backend_selection import BACKEND
+from . import _array as A
+from .ops_shape import broadcast_to, reshape, summation
+
+__all__ = ["FusedBatchNorm", "batch_norm", "batch_norm_has_kernel"]
+
+_ND = BACKEND == "nd"
+
+
+def _layout(op: str, shape, channels: int) -> tuple:
+    """(N, C, S) of an input of ``shape`` with channels on axis 1, validated."""
+    shape = tuple(shape)
+    if len(shape) < 2:
+        raise ShapeError(f"{op}: expected an input of at least 2 dims (batch, channels, ...), "
+                         f"got shape {shape}")
+    n, c, s = shape[0], shape[1], math.prod(shape[2:])
+    if c != channels:
+        raise ShapeError(f"{op}: weight and bias must have one value per channel, expected "
+                         f"{c} (axis 1 of the input), got {channels}")
+    if n * s == 0:
+        raise ShapeError(f"{op}: expected at least one value per channel, got input shape "
+                         f"{shape}")
+    return n, c, s
+
+
+def _kernel_module(x):
+    """The backend module when it has the batch-norm kernels for ``x``'s dtype, else None."""
+    if not _ND:
+        return None
+    mod = getattr(x.device, "mod", None)
+    if mod is None or not hasattr(mod, "batch_norm_forward"):
+        return None
+    return mod if x.dtype in ("float32", "float64") else None
+
+
+def batch_norm_has_kernel(x) -> bool:
+    """True when ``x`` (a Tensor) would run the fused kernels, not the composed array ops."""
+    return _kernel_module(x.realize_cached_data()) is not None
+
+
+def _channels_last(x) -> tuple | None:
+    """The axes listing ``x`` (N, C, d1, ...) as (N, d1, ..., C) when that is how its buffer
+    is laid out (the NCHW view of an NHWC convolution output), else None."""
+    if len(x.shape) < 3 or x.is_compact() or not x.is_dense():
+        return None
+    axes = (0,) + tuple(range(2, len(x.shape))) + (1,)
+    return axes if x.permute(axes).is_compact() else None
+
+
+def _like(flat, x):
+    """``flat`` (a fresh buffer holding values in ``x``'s memory order) viewed as ``x`` is."""
+    from ..backend_ndarray.ndarray import NDArray
+
+    return NDArray.make(tuple(x.shape), strides=tuple(x.strides), device=x.device,
+                        handle=flat._handle)
+
+
+def _forward_arrays(x, w, b, n, c, s, eps):
+    """(y, mean, var, invstd) as arrays, by the kernel or composed from array ops."""
+    mod = _kernel_module(x)
+    if mod is not None:
+        from ..backend_ndarray.ndarray import NDArray
+
+        make, dev, dt = NDArray.make, x.device, x.dtype
+        # A channels-last buffer is (N*d1*..., C) rows: the kernel's S = 1 case, no copy,
+        # and y keeps that layout (the next convolution reads it without a transpose).
+        last = _channels_last(x)
+        rows = (n * s, c, 1) if last is not None else (n, c, s)
+        if last is None:
+            x = x.compact()
+        y = make((n * c * s,), device=dev, dtype=dt)
+        mean, var, invstd = (make((c,), device=dev, dtype=dt) for _ in range(3))
+        mod.batch_norm_forward(x._handle, A.compact(w)._handle, A.compact(b)._handle, y._handle,
+                               mean._handle, var._handle, invstd._handle, *rows, float(eps))
+        return _like(y, x), mean, var, invstd
+    count = n * s
+    xs = A.reshape(A.compact(x), (n, c, s))
+    mean = A.reduce_sum(xs, (0, 2)) / count
+    xc = xs - A.broadcast_to(A.reshape(mean, (1, c, 1)), (n, c, s))
+    var = A.reduce_sum(xc * xc, (0, 2)) / count
+    invstd = 1 / A.sqrt(var + eps)
+    scale = A.reshape(A.reshape(A.compact(w), (c,)) * invstd, (1, c, 1))
+    shift = A.reshape(A.compact(b), (1, c, 1))
+    y = xc * A.broadcast_to(scale, (n, c, s)) + A.broadcast_to(shift, (n, c, s))
+    return A.reshape(y, tuple(x.shape)), mean, var, invstd
+
+
+def _backward_arrays(dy, x, w, mean, invstd, n, c, s):
+    """(dx, dw, db) as arrays, by the kernel or composed from array ops; dx has ``x``'s
+    layout."""
+    mod = _kernel_module(x)
+    if mod is not None:
+        from ..backend_ndarray.ndarray import NDArray
+
+        make, dev, dt = NDArray.make, x.device, x.dtype
+        last = _channels_last(x)
+        if last is not None:
+            rows = (n * s, c, 1)
+            dy = dy.permute(last).compact()  # no copy when dy has x's layout
+        else:
+            rows = (n, c, s)
+            x, dy = x.compact(), dy.compact()
+        dx = make((n * c * s,), device=dev, dtype=dt)
+        dw, db = make((c,), device=dev, dtype=dt), make((c,), device=dev, dtype=dt)
+        mod.batch_norm_backward(dy._handle, x._handle, A.compact(w)._handle, mean._handle,
+                                invstd._handle, dx._handle, dw._handle, db._handle, *rows)
+        return _like(dx, x), dw, db
+    full, per = (n, c, s), (1, c, 1)
+    count = n * s
+    g = A.reshape(A.compact(dy), full)
+    xhat = (A.reshape(A.compact(x), full) - A.broadcast_to(A.reshape(mean, per), full)) \
+        * A.broadcast_to(A.reshape(invstd, per), full)
+    db = A.reduce_sum(g, (0, 2))
+    dw = A.reduce_sum(g * xhat, (0, 2))
+    k1 = A.broadcast_to(A.reshape(A.reshape(A.compact(w), (c,)) * invstd, per), full)
+    dx = k1 * (g - A.broadcast_to(A.reshape(db / count, per), full)
+               - xhat * A.broadcast_to(A.reshape(dw / count, per), full))
+    return A.reshape(dx, tuple(x.shape)), dw, db
+
+
+class FusedBatchNorm(TensorOp):
+    """``y`` of training-mode batch norm from ``x, weight, bias`` (module docstring).
+
+    The batch statistics of the last call are kept on the op (``mean``, ``var``, ``invstd``,
+    arrays of C values; :func:`batch_norm` hands ``var`` to its caller and drops it): the
+    plain backward reads ``mean`` and ``invstd`` instead of reducing ``x`` again, and the
+    module updates its running statistics from ``mean`` and ``var``.
+    """
+
+    save_inputs = (0, 1)
+
+    def __init__(self, eps: float = 1e-5):
+        self.eps = float(eps)
+        self.mean = self.var = self.invstd = None
+
+    def compute(self, x, w, b):
+        n, c, s = _layout("batch_norm", x.shape, A.size_of(w.shape))
+        if A.size_of(b.shape) != c:
+            raise ShapeError(f"batch_norm: bias must have one value per channel, expected {c}, "
+                             f"got shape {tuple(b.shape)}")
+        y, self.mean, self.var, self.invstd = _forward_arrays(x, w, b, n, c, s, self.eps)
+        return y
+
+    def held_arrays(self) -> tuple:
+        return tuple(a for a in (self.mean, self.var, self.invstd) if a is not None)
+
+    def plain_gradient(self, out_grad, node):
+        x, w = node.saved_tensors
+        xd = x.cached_data
+        n, c, s = _layout("batch_norm", xd.shape, A.size_of(w.shape))
+        dx, dw, db = _backward_arrays(out_grad.cached_data, xd, w.cached_data, self.mean,
+                                      self.invstd, n, c, s)
+        need = [t.requires_grad for t in node.inputs]
+        b_shape = tuple(node.inputs[2].shape)
+        return (_leaf(dx) if need[0] else None,
+                _leaf(A.reshape(dw, tuple(w.shape))) if need[1] else None,
+                _leaf(A.reshape(db, b_shape)) if need[2] else None)
+
+    def gradient(self, out_grad, node):
+        # create_graph: differentiable ops, the statistics recomputed from x
+        x, w, b = node.inputs
+        shape = tuple(x.shape)
+        n, c, s = _layout("batch_norm", shape, A.size_of(w.shape))
+        count = n * s
+        per = (1, c) + (1,) * (len(shape) - 2)
+        axes = (0,) + tuple(range(2, len(shape)))
+
+        def spread(v):
+            return broadcast_to(reshape(v, per), shape)
+
+        mean = summation(x, axes) / count
+        xc = x - spread(mean)
+        invstd = (summation(xc * xc, axes) / count + self.eps) ** -0.5
+        xhat = xc * spread(invstd)
+        db = summation(out_grad, axes)
+        dw = summation(out_grad * xhat, axes)
+        dx = spread(reshape(w, (c,)) * invstd / count) * (
+            out_grad * count - spread(db) - xhat * spread(dw))
+        return dx, reshape(dw, tuple(w.shape)), reshape(db, tuple(b.shape))
+
+
+def batch_norm(x, weight, bias, eps: float = 1e-5):
+    """Training-mode batch norm over axis 1: ``(y, batch_mean, batch_var)``.
+
+    ``x`` is ``(N, C)`` or ``(N, C, ...)``; ``weight`` and ``bias`` hold C values. The
+    statistics are over every axis but 1, the variance biased (divided by the count), and
+    come back as constant Tensors of shape ``(C,)`` (for running averages).
+
+    Raises:
+        ShapeError: fewer than 2 dims, no values per channel, or weight/bias sizes that are
+            not C.
+    """
+    op = FusedBatchNorm(eps)
+    y = op(x, weight, bias)
+    var, op.var = op.var, None  # backward needs mean and invstd only: the caller owns var
+    return y, _leaf(op.mean), _leaf(var)
