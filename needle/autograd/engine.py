@@ -90,7 +90,13 @@ def _sum(parts):
     return grad
 
 
+# How many times any tensor or post-accumulate hook ran: needle.compile compares it around
+# a recorded step (a hook is Python that a kernel replay would not run).
+HOOK_CALLS = [0]
+
+
 def _run_tensor_hooks(node, grad):
+    HOOK_CALLS[0] += 1
     for fn in list(node._hooks.values()):
         try:
             new = fn(grad)
@@ -118,6 +124,7 @@ def _finish_leaf(leaf, grad, accumulate: bool) -> None:
     else:
         leaf.grad = grad
     if leaf._post_hooks:
+        HOOK_CALLS[0] += 1
         for fn in list(leaf._post_hooks.values()):
             try:
                 fn(leaf)

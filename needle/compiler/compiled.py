@@ -8,12 +8,20 @@ Per call signature (:func:`~needle.compiler.signature.signature`) a cache entry 
    buffer of the forward, the backward and the optimiser update with its lifetime;
    :func:`needle.memory.plan` then places all intermediates in one arena (liveness, best of
    greedy-by-size / first-fit / two-sided).
-3. *replay*: every later call runs with the device's allocator serving the k-th request at its
-   planned arena offset (``cpu()``: the C++ allocator itself; ``cpu_numpy()``/``cuda()``: an
-   arena swapped into the backend module). The same kernels run in the same order on the same
-   inputs, so the results are bitwise the eager ones; random ops draw from the
-   ``needle.random`` streams as eagerly (fresh masks every step), checkpoint regions recompute,
-   hooks (DDP's included) fire.
+3. *recorded replays* (two calls): the step's Python runs with the device's allocator serving
+   the k-th request at its planned arena offset (``cpu()``: the C++ allocator itself;
+   ``cpu_numpy()``/``cuda()``: an arena swapped into the backend module) while its kernel
+   calls are recorded (:mod:`needle.compiler.recorder`); two equal recordings make the
+   signature's kernel program (:mod:`needle.compiler.program`).
+4. *kernel replays*: the program runs the recorded kernels in the same arena, without the
+   step's Python, after a guard found the step's state as the program left it
+   (:mod:`needle.compiler.state`). A step whose Python does more than the kernels show (a
+   host read, hooks, a checkpoint region's RNG replay, a Python counter such as Adam's)
+   stays on plan-following Python replays; :meth:`CompiledStep.replay_mode` says why.
+
+The same kernels run in the same order on the same inputs, so the results are bitwise the
+eager ones; random ops draw from the ``needle.random`` streams as eagerly (fresh masks every
+step), checkpoint regions recompute, hooks (DDP's included) fire.
 
 A replay that leaves the traced program (another allocation size or count, or a buffer that
 lives longer than traced) is served from the pools from that request on, so it still computes
@@ -26,8 +34,8 @@ releases as traced). That can exceed the eager peak by up to the outputs made wh
 is held (a gradient or a new parameter made while eagerly some intermediates were already
 gone): the arena does not shrink during the call.
 
-What it does not do yet: the replay still runs the step's Python (op dispatch, autograd);
-the kernel list is not replayed from C++ and elementwise chains are not fused by it.
+What it does not do yet: the kernel program is a Python function (one call per kernel), not
+a list run from C++, and elementwise chains are not fused in it.
 
 While a compiled step runs, reading tensor values on the host (``loss.numpy()``) raises
 :class:`~needle.CompileError` naming the line (:mod:`needle.compiler.guard`).
@@ -42,7 +50,10 @@ from needle.memory import plan, trace
 from needle.memory.replay import run_plan
 
 from .guard import refuse_host_reads
+from .program import Before, NotReplayable, build_program, flat_arguments
+from .recorder import record_kernels
 from .signature import signature
+from .state import WalkTooLarge, discover, snapshot
 
 __all__ = ["CompiledStep", "compile"]
 
@@ -53,7 +64,7 @@ _ACTIVE = threading.local()
 
 class _Entry:
     __slots__ = ("calls", "graph", "plan", "divergences", "eager", "last_divergence",
-                 "eager_peak_bytes")
+                 "eager_peak_bytes", "program", "candidate", "python_reason")
 
     def __init__(self):
         self.calls = 0
@@ -63,13 +74,21 @@ class _Entry:
         self.eager = False
         self.last_divergence = None
         self.eager_peak_bytes = None
+        self.program = None  # the verified kernel program: replays run it
+        self.candidate = None  # a recorded program waiting for a second, equal recording
+        self.python_reason = None  # why replays run the step's Python, or None
+
+    def forget_plan(self) -> None:
+        self.plan = self.graph = self.program = self.candidate = None
 
 
 class CompiledStep:
     """The callable :func:`compile` returns (see the module docstring)."""
 
+    _needle_opaque_state = True  # not part of any step's state (needle.compiler.state)
+
     def __init__(self, fn, *, max_cache: int = 8, warmup: int = 1, max_retraces: int = 2,
-                 device=None):
+                 device=None, kernels: bool = True):
         if not callable(fn):
             raise CompileError(f"compile: expected a callable step, got {fn!r}")
         for name, value, low in (("max_cache", max_cache, 1), ("warmup", warmup, 0),
@@ -82,9 +101,10 @@ class CompiledStep:
         self.warmup = warmup
         self.max_retraces = max_retraces
         self.device = device
+        self.kernels = kernels
         self._cache: OrderedDict[tuple, _Entry] = OrderedDict()
-        self._counts = {"calls": 0, "traces": 0, "replays": 0, "divergences": 0,
-                        "evictions": 0, "eager_calls": 0}
+        self._counts = {"calls": 0, "traces": 0, "replays": 0, "kernel_replays": 0,
+                        "divergences": 0, "evictions": 0, "eager_calls": 0}
         self._last = None
         self.__wrapped__ = fn
         self.__doc__ = getattr(fn, "__doc__", None)
@@ -129,16 +149,76 @@ class CompiledStep:
             entry.calls += 1
             if entry.plan is None:
                 return self._trace(entry, call, args)
-            result, divergence = run_plan(entry.plan, *args, strict=False, fn=call)
+            if entry.program is not None:
+                result, divergence = self._run_program(entry, args, kwargs)
+            elif self.kernels and entry.python_reason is None:
+                result, divergence = self._record(entry, call, args, kwargs)
+            else:
+                result, divergence = run_plan(entry.plan, *args, strict=False, fn=call)
         if divergence is None:
             self._counts["replays"] += 1
         else:
             self._counts["divergences"] += 1
             entry.divergences += 1
             entry.last_divergence = divergence
-            entry.plan = entry.graph = None
+            entry.forget_plan()
             entry.eager = entry.divergences > self.max_retraces
         return result
+
+    # ---- kernel programs ----------------------------------------------------------------
+    def _record(self, entry: _Entry, call, args, kwargs):
+        """A replay that runs the step's Python while recording its kernels; two equal
+        recordings in a row make the kernel program that later replays run."""
+        try:
+            roots = discover(self.fn, args, kwargs)
+            tensors = flat_arguments(args, kwargs)
+            before = Before(snapshot(roots, tensors), tensors)
+        except (NotReplayable, WalkTooLarge) as exc:
+            entry.python_reason = str(exc)
+            return run_plan(entry.plan, *args, strict=False, fn=call)
+        recordings = []
+
+        def recorded(*a):
+            with record_kernels(entry.graph.device) as rec:
+                recordings.append(rec)
+                return call(*a)
+
+        result, divergence = run_plan(entry.plan, *args, strict=False, fn=recorded)
+        rec = recordings[0]
+        if divergence is not None:
+            return result, divergence
+        try:
+            program = build_program(rec, before, snapshot(roots, tensors), args, kwargs,
+                                    result)
+        except (NotReplayable, WalkTooLarge) as exc:
+            entry.python_reason = str(exc)
+            entry.candidate = None
+            return result, None
+        previous, entry.candidate = entry.candidate, program
+        if previous is not None:
+            if previous.shape() == program.shape():
+                entry.program, entry.candidate = program, None
+            else:
+                entry.python_reason = ("two calls of the step ran different kernels or "
+                                       "arguments (its Python depends on more than the "
+                                       "signature and the state the compiler guards)")
+                entry.candidate = None
+        return result, None
+
+    def _run_program(self, entry: _Entry, args, kwargs):
+        program = entry.program
+        handles = program.bind(args, kwargs)
+        if isinstance(handles, str):  # the state changed: run the Python, then trace anew
+            call = self.fn if not kwargs else (lambda *a: self.fn(*a, **kwargs))
+            result, _ = run_plan(entry.plan, *args, strict=False, fn=call)
+            return result, handles
+        tensors = flat_arguments(args, kwargs)
+        made: list = []
+        _, divergence = run_plan(entry.plan, *args, strict=False,
+                                 fn=lambda *a: made.append(program.execute(handles, tensors)))
+        result = program.finish(made.pop(), tensors)
+        self._counts["kernel_replays"] += 1
+        return result, divergence
 
     def _trace(self, entry: _Entry, call, args):
         box = []
@@ -176,6 +256,26 @@ class CompiledStep:
                 "lower_bound_bytes": p.lower_bound_bytes, "strategy": p.strategy,
                 "intermediates": len(p.assignments), "ops": len(g.ops)}
 
+    def replay_mode(self) -> dict:
+        """How the signature called last replays: ``mode`` is ``"kernels"`` (the recorded
+        kernel program, no Python), ``"recording"`` (its Python runs while the kernels are
+        recorded, before a program is trusted), ``"python"`` (the step's Python under the
+        plan; ``reason`` says why), or ``"eager"``/``"warm-up"``; ``kernels``: the program's
+        kernel count."""
+        entry = self._last
+        if entry is None:
+            return {"mode": "none"}
+        if entry.eager:
+            return {"mode": "eager", "reason": entry.last_divergence}
+        if entry.program is not None:
+            return {"mode": "kernels", "kernels": entry.program.n_kernels}
+        if entry.plan is None:
+            return {"mode": "warm-up"}
+        if not self.kernels or entry.python_reason is not None:
+            return {"mode": "python",
+                    "reason": entry.python_reason or "compiled with kernels=False"}
+        return {"mode": "recording"}
+
     def reset(self) -> None:
         """Forget every trace (the next call of each signature warms up again)."""
         self._cache.clear()
@@ -188,7 +288,7 @@ def _device_of(args):
 
 
 def compile(fn=None, *, max_cache: int = 8, warmup: int = 1, max_retraces: int = 2,
-            device=None):
+            device=None, kernels: bool = True):
     """Capture ``fn`` (a training or inference step) once per call signature and replay it
     with every intermediate buffer in one planned arena.
 
@@ -211,6 +311,7 @@ def compile(fn=None, *, max_cache: int = 8, warmup: int = 1, max_retraces: int =
     """
     if fn is None:
         return lambda f: CompiledStep(f, max_cache=max_cache, warmup=warmup,
-                                      max_retraces=max_retraces, device=device)
+                                      max_retraces=max_retraces, device=device,
+                                      kernels=kernels)
     return CompiledStep(fn, max_cache=max_cache, warmup=warmup, max_retraces=max_retraces,
-                        device=device)
+                        device=device, kernels=kernels)

@@ -61,6 +61,44 @@ def test_compiled_steps_equal_eager_steps_on_emulated_cuda(dev):
     assert peaks[-1] == peaks[-2] == step.memory()["planned_peak_bytes"]
 
 
+def test_kernel_replays_equal_eager_steps_on_emulated_cuda(dev):
+    """With a loss the CUDA backend computes without host reads (SoftmaxLoss builds its
+    one-hot on the host there), the step becomes a kernel program."""
+
+    def run_kernels(compiled):
+        np.random.seed(0)
+        model = nn.Sequential(nn.Linear(8, 16, device=dev), nn.ReLU(), nn.Dropout(0.3),
+                              nn.Linear(16, 4, device=dev))
+        opt = ndl.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+
+        def step(x, y):
+            opt.reset_grad()
+            loss = ((model(x) - y) ** 2).sum()
+            loss.backward()
+            opt.step()
+            return loss
+
+        step = ndl.compile(step) if compiled else step
+        rng = np.random.default_rng(1)
+        np.random.seed(2)
+        losses, peaks = [], []
+        for _ in range(6):  # warm-up, trace, two recorded replays, two kernel replays
+            x = ndl.Tensor(rng.standard_normal((4, 8)), device=dev, requires_grad=False)
+            y = ndl.Tensor(rng.standard_normal((4, 4)), device=dev, requires_grad=False)
+            before = mem.stats(dev)["requested_bytes"]
+            mem.reset_peak(dev)
+            losses.append(step(x, y).numpy())
+            peaks.append(mem.stats(dev)["peak_requested_bytes"] - before)
+        return [p.numpy() for p in model.parameters()] + losses, step, peaks
+
+    want, _, _ = run_kernels(False)
+    got, step, peaks = run_kernels(True)
+    assert step.stats()["kernel_replays"] == 2 and step.replay_mode()["mode"] == "kernels"
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert peaks[-1] == peaks[-2] == step.memory()["planned_peak_bytes"]
+
+
 def test_plan_run_on_emulated_cuda(dev):
     w = ndl.Tensor(np.ones((16, 16)), device=dev)
 

@@ -1,0 +1,434 @@
+"""A step as a kernel program: the recorded kernel calls, replayed without the step's Python.
+
+:func:`build_program` turns a :class:`~needle.compiler.recorder.Recording` of one call, the
+state locations before and after it (:mod:`needle.compiler.state`) and what the call
+returned into a :class:`KernelProgram`, or says why it cannot:
+
+* every buffer the kernels read that existed before the call must be found again: a tensor
+  argument of the step, or a location of its state (a parameter's ``cached_data``, an
+  optimiser's moment in a dict, a ``grad``);
+* every location the call changed must now hold a buffer the kernels made (a new weight, a
+  new moment, a new gradient tensor) or ``None``; a changed Python value (a step counter, a
+  list that grew) means the step's Python has effects a replay would lose.
+
+The program is one generated Python function: one line per kernel call with its buffers in
+local variables, ``del`` after a buffer's last use (so the planned arena serves the same
+requests as the traced call), no op dispatch, no autograd. After it ran, the new buffers are
+installed where the traced call put them, and the step's result is rebuilt as constant
+tensors (a replayed result has no graph: ``backward`` belongs inside the step).
+
+Example:
+    >>> import numpy as np, needle as ndl
+    >>> from needle.compiler.recorder import record_kernels
+    >>> x = ndl.Tensor(np.ones(3), device=ndl.cpu_numpy())
+    >>> with record_kernels(ndl.cpu_numpy()) as rec:
+    ...     y = x * 2 + 1
+    >>> prog = build_program(rec, Before({}, [x]), {}, (x,), {}, y)
+    >>> prog.run((ndl.Tensor(np.arange(3.0), device=ndl.cpu_numpy()),), {}).numpy().tolist()
+    [1.0, 3.0, 5.0]
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from needle import random as _random
+from needle.autograd import Tensor
+from needle.autograd.versions import note_replaced
+from needle.backend_ndarray import NDArray, device_by_name
+from needle.backend_ndarray.ndarray import _view
+
+from .recorder import Alloc, Call, Const, RandomFill, Recording, Ref
+from .state import Guard, bare, token, unchanged
+
+__all__ = ["KernelProgram", "Before", "build_program", "flat_arguments", "NotReplayable"]
+
+
+class NotReplayable(Exception):
+    """The recorded call cannot become a kernel program (the message says why)."""
+
+
+def _meta(array: NDArray) -> tuple:
+    return (array._shape, array._strides, array._offset, array._handle.dtype,
+            array._handle.size)
+
+
+def flat_arguments(args: tuple, kwargs: dict) -> list:
+    """The tensors among a step's arguments, in a fixed order; raises NotReplayable for an
+    argument whose content would be baked into the program (a NumPy array)."""
+    out: list = []
+
+    def walk(value, path: str) -> None:
+        if isinstance(value, Tensor):
+            out.append(value)
+        elif isinstance(value, (tuple, list)):
+            for i, v in enumerate(value):
+                walk(v, f"{path}[{i}]")
+        elif isinstance(value, dict):
+            for k in sorted(value, key=repr):
+                walk(value[k], f"{path}[{k!r}]")
+        elif not isinstance(value, (int, float, str, bool, type(None))):
+            raise NotReplayable(f"argument {path} is a {type(value).__name__}, whose values "
+                                "the program could not take anew (pass a Tensor)")
+
+    walk(tuple(args), "args")
+    walk(dict(kwargs), "kwargs")
+    return out
+
+
+class Before:
+    """The state before a recorded call, kept without keeping its values alive: a token per
+    location (:func:`~needle.compiler.state.token`) and, for every buffer the state or the
+    arguments hold, where it is and its layout (keyed by the buffer's ``id``)."""
+
+    def __init__(self, locations: dict, tensors: list):
+        self.tokens = {ident: token(loc.value) for ident, loc in locations.items()}
+        self.locations = {ident: bare(loc) for ident, loc in locations.items()}
+        self.by_handle: dict[int, tuple] = {}
+        for i, t in enumerate(tensors):
+            data = t.cached_data
+            if isinstance(data, NDArray):
+                self.by_handle.setdefault(id(data._handle), (i, None, False, _meta(data)))
+        for loc in locations.values():
+            v = loc.value
+            if isinstance(v, NDArray):
+                self.by_handle.setdefault(id(v._handle), (-1, bare(loc), False, _meta(v)))
+            elif isinstance(v, Tensor) and loc.key == "grad" \
+                    and isinstance(v.cached_data, NDArray):
+                self.by_handle.setdefault(id(v.cached_data._handle),
+                                          (-1, bare(loc), True, _meta(v.cached_data)))
+        self.arg_grads = [(bare(loc), loc.value is None) for loc in locations.values()
+                          if loc.arg >= 0 and loc.key == "grad"]
+
+
+class _Binder:
+    """Finds one external buffer at replay time: argument ``index``, or a state location
+    (holding the array itself, or a tensor holding it)."""
+
+    __slots__ = ("slot", "index", "loc", "through_tensor", "meta")
+
+    def __init__(self, slot, index, loc, through_tensor, meta):
+        self.slot, self.index, self.loc = slot, index, loc
+        self.through_tensor, self.meta = through_tensor, meta
+
+
+class _Setter:
+    """Puts a buffer the program made (or None) where the traced call put one."""
+
+    __slots__ = ("loc", "slot", "view", "as_tensor", "requires_grad", "device", "out_index")
+
+    def __init__(self, loc, slot, view, as_tensor, requires_grad, device):
+        self.loc, self.slot, self.view = loc, slot, view
+        self.as_tensor, self.requires_grad, self.device = as_tensor, requires_grad, device
+        self.out_index = -1
+
+
+class KernelProgram:
+    """A replayable kernel list (see the module docstring). ``run(args, kwargs)`` executes it
+    and returns the step's result; :meth:`bind` and :meth:`finish` split that for callers
+    that run the kernels inside a memory plan."""
+
+    def __init__(self, fn, source: str, binders, setters, result, guard, n_kernels: int,
+                 device, arg_grads=(), ops=()):
+        self._fn = fn
+        self.ops = list(ops)
+        # (location, traced value was None) of the tensor arguments' grad: a replay needs
+        # the same (a gradient accumulating into x.grad takes another path than a first one)
+        self.arg_locations = list(arg_grads)
+        self.source = source
+        self.binders = binders
+        self.setters = setters
+        self.result = result
+        self.guard = guard
+        self.n_kernels = n_kernels
+        self.device = device
+
+    def bind(self, args: tuple, kwargs: dict):
+        """The external buffers for a call, or a string saying why this call cannot replay
+        (the state changed, an argument has another layout)."""
+        if self.guard is not None:
+            failure = self.guard.failure()
+            if failure is not None:
+                return failure
+        tensors = flat_arguments(args, kwargs)
+        for loc, was_none in self.arg_locations:
+            if (loc.get(tensors) is None) != was_none:
+                return f"argument {loc.arg}'s grad is {'not ' if was_none else ''}None, " \
+                       "unlike the traced call's"
+        handles = []
+        for b in self.binders:
+            if b.index >= 0:
+                value = tensors[b.index].cached_data
+            else:
+                value = b.loc.get(tensors)
+                if b.through_tensor:
+                    value = getattr(value, "cached_data", None)
+            if not isinstance(value, NDArray) or _meta(value) != b.meta:
+                where = f"argument {b.index}" if b.index >= 0 else \
+                    f"{type(b.loc.container).__name__}.{b.loc.key}"
+                return f"the buffer at {where} has another layout than traced"
+            handles.append(value._handle)
+        return handles
+
+    def execute(self, handles: list, tensors: list) -> tuple:
+        """Run the kernels on the bound buffers (``handles`` is emptied: the program frees
+        each buffer after its last use, as the step would); returns the buffers it made.
+
+        The locations the program will set are cleared first, so that a replaced buffer
+        (an old weight, an old gradient) is freed at its last use, not at the end. If a
+        kernel raises, they stay cleared: the step's state is then as undefined as after an
+        eager step that raised halfway."""
+        for s in self.setters:
+            s.loc.set(None, tensors)
+        return self._fn(handles)
+
+    def finish(self, made: tuple, tensors: list):
+        """Install what the program made into the state (``tensors``: the call's tensor
+        arguments) and rebuild the result."""
+
+        def buffer(slot):
+            return made[slot]
+
+        for s in self.setters:
+            if s.slot is None:
+                value = None
+            else:
+                shape, strides, offset = s.view
+                value = _view(shape, strides, offset, s.device, buffer(s.slot))
+                if s.as_tensor:
+                    value = Tensor.make_const(value, requires_grad=s.requires_grad)
+            s.loc.set(value, tensors)
+            if s.loc.key == "cached_data" and s.loc.kind == "attr":
+                owner = tensors[s.loc.arg] if s.loc.arg >= 0 else s.loc.container
+                if isinstance(owner, Tensor):
+                    note_replaced(owner)
+            if self.guard is not None and s.loc.arg < 0:
+                self.guard.expect(s.loc, value)
+        return _rebuild(self.result, buffer, self.device)
+
+    def shape(self) -> tuple:
+        """Everything that decides what the program does, comparable between two recordings
+        of the same step (kernels and their arguments, where buffers come from and go)."""
+        return (self.ops,
+                [(b.slot, b.index, None if b.loc is None else b.loc.ident, b.through_tensor,
+                  b.meta) for b in self.binders],
+                [(s.loc.ident, s.slot, s.view, s.as_tensor, s.requires_grad)
+                 for s in self.setters],
+                self.result)
+
+    def run(self, args: tuple, kwargs: dict):
+        """Bind, execute and finish in one (no memory plan around the kernels)."""
+        handles = self.bind(args, kwargs)
+        if isinstance(handles, str):
+            raise NotReplayable(handles)
+        tensors = flat_arguments(args, kwargs)
+        return self.finish(self.execute(handles, tensors), tensors)
+
+
+def _rebuild(spec, buffer, device):
+    kind = spec[0]
+    if kind == "tensor":
+        _, slot, (shape, strides, offset), requires_grad = spec
+        return Tensor.make_const(_view(shape, strides, offset, device, buffer(slot)),
+                                 requires_grad=requires_grad)
+    if kind in ("tuple", "list"):
+        items = [_rebuild(s, buffer, device) for s in spec[1]]
+        return tuple(items) if kind == "tuple" else items
+    return spec[1]
+
+
+def build_program(rec: Recording, before: Before, after: dict, args: tuple, kwargs: dict,
+                  result, guard: bool = True) -> KernelProgram:
+    """Make a :class:`KernelProgram` of a recorded call (see the module docstring).
+
+    Raises:
+        NotReplayable: the call has effects or inputs a kernel program cannot reproduce.
+    """
+    if rec.problems:
+        raise NotReplayable("; ".join(rec.problems))
+    device = _device_of(rec, args, kwargs, result)
+    binders = _binders(rec, before)
+    outputs: dict[int, int] = {}
+    setters = _setters(rec, before, after, set(rec.external), outputs, device)
+    result_spec = _describe_result(rec, result, outputs, set(rec.external))
+    made = sorted(outputs, key=outputs.__getitem__)
+    fn, source, n_kernels = _generate(rec, [b.slot for b in binders], made)
+    return KernelProgram(fn, source, binders, setters, result_spec,
+                         Guard(after) if guard else None, n_kernels, device,
+                         before.arg_grads, rec.ops)
+
+
+def _device_of(rec, args, kwargs, result):
+    for t in flat_arguments(args, kwargs) + _result_tensors(result):
+        return t.cached_data.device
+    for handle in rec.handles.values():
+        for name in ("cpu", "cpu_numpy", "cuda"):
+            dev = device_by_name(name)
+            if dev.enabled() and isinstance(handle, dev.mod.Array):
+                return dev
+    raise NotReplayable("the step touches no device buffer")
+
+
+def _result_tensors(result) -> list:
+    if isinstance(result, Tensor):
+        return [result]
+    if isinstance(result, (tuple, list)):
+        return [t for r in result for t in _result_tensors(r)]
+    return []
+
+
+def _binders(rec: Recording, before: Before) -> list:
+    binders = []
+    for slot in rec.external:
+        found = before.by_handle.get(rec.handles[slot])
+        if found is None:
+            raise NotReplayable("a kernel reads a buffer that is neither a tensor argument "
+                                "nor reachable from the step's state")
+        index, loc, through_tensor, meta = found
+        binders.append(_Binder(slot, index, loc, through_tensor, meta))
+    return binders
+
+
+def _setters(rec: Recording, before: Before, after: dict, externals: set, outputs: dict,
+             device) -> list:
+    setters = []
+
+    def slot_of(array: NDArray) -> int:
+        slot = rec.slot_of.get(id(array._handle))
+        if slot is None or slot in externals:
+            raise NotReplayable("the step stores a buffer that it did not make")
+        outputs.setdefault(slot, len(outputs))
+        return outputs[slot]
+
+    for key in before.tokens.keys() | after.keys():
+        new = after.get(key)
+        if key not in before.tokens or new is None:
+            loc = new or before.locations[key]
+            raise NotReplayable(f"the step adds or removes state "
+                                f"({type(loc.container).__name__}.{loc.key})")
+        if unchanged(before.tokens[key], new.value):
+            continue
+        value, loc = new.value, bare(new)
+        if value is None:
+            setters.append(_Setter(loc, None, None, False, False, device))
+        elif isinstance(value, NDArray):
+            setters.append(_Setter(loc, slot_of(value), value_view(value), False, False,
+                                   device))
+        elif isinstance(value, Tensor) and loc.key == "grad" \
+                and isinstance(value.cached_data, NDArray):
+            setters.append(_Setter(loc, slot_of(value.cached_data),
+                                   value_view(value.cached_data), True, value.requires_grad,
+                                   device))
+        else:
+            raise NotReplayable(f"the step changes {type(loc.container).__name__}."
+                                f"{loc.key} to a {type(value).__name__} (Python state a "
+                                "replay would not update)")
+    return setters
+
+
+def value_view(array: NDArray) -> tuple:
+    return (array._shape, array._strides, array._offset)
+
+
+def _describe_result(rec: Recording, result, outputs: dict, externals: set):
+    if isinstance(result, Tensor):
+        data = result.cached_data
+        slot = rec.slot_of.get(id(data._handle)) if isinstance(data, NDArray) else None
+        if slot is None or slot in externals:
+            raise NotReplayable("the step returns a tensor it did not compute")
+        outputs.setdefault(slot, len(outputs))
+        return ("tensor", outputs[slot], value_view(data), False)
+    if isinstance(result, (tuple, list)):
+        return (type(result).__name__,
+                [_describe_result(rec, r, outputs, externals) for r in result])
+    if isinstance(result, (int, float, str, bool, type(None))):
+        return ("const", result)
+    raise NotReplayable(f"the step returns a {type(result).__name__}")
+
+
+# ---- code generation ----------------------------------------------------------------------
+def _generate(rec: Recording, external_slots: list, made: list):
+    """The program as Python source and its compiled function ``fn(*external_handles)``."""
+    names: dict[str, object] = {"_asarray": np.asarray}
+    keep = set(made)
+    last: dict[int, int] = {}
+    for i, op in enumerate(rec.ops):
+        for slot in _slots_of(op):
+            last[slot] = i
+    lines = ["def _program(H):"]
+    if external_slots:
+        lines.append("    " + ", ".join(f"s{s}" for s in external_slots)
+                     + ", = H")
+        lines.append("    H.clear()")  # the locals alone hold the buffers: freed at last use
+    n_kernels = 0
+    for i, op in enumerate(rec.ops):
+        if isinstance(op, Alloc):
+            names[f"A{i}"] = rec.array_type
+            lines.append(f"    s{op.slot} = A{i}({op.size}, {op.dtype!r})")
+        elif isinstance(op, Call):
+            names[f"k{i}"] = op.fn
+            rendered = ", ".join(_render(a, names, f"c{i}_{j}") for j, a in enumerate(op.args))
+            lines.append(f"    k{i}({rendered})")
+            n_kernels += 1
+        elif isinstance(op, RandomFill):
+            names[f"k{i}"] = op.fn
+            names[f"d{i}"] = _draw(op)
+            lines.append(f"    k{i}(_asarray(d{i}(), {op.dtype!r}, order='C'), s{op.slot})")
+            n_kernels += 1
+        dead = [s for s in _slots_of(op) if last[s] == i and s not in keep]
+        if dead:
+            lines.append("    del " + ", ".join(f"s{s}" for s in sorted(set(dead))))
+    lines.append("    return (" + "".join(f"s{s}, " for s in made) + ")")
+    source = "\n".join(lines) + "\n"
+    code = compile(source, "<needle kernel program>", "exec")
+    exec(code, names)  # noqa: S102 - our own generated source, built from recorded calls
+    return names["_program"], source, n_kernels
+
+
+def _slots_of(op) -> list:
+    if isinstance(op, Alloc):
+        return [op.slot]
+    if isinstance(op, RandomFill):
+        return [op.slot]
+    out: list = []
+
+    def walk(a):
+        if isinstance(a, Ref):
+            out.append(a.slot)
+        elif isinstance(a, (tuple, list)):
+            for x in a:
+                walk(x)
+
+    walk(op.args)
+    return out
+
+
+def _render(arg, names: dict, name: str) -> str:
+    if isinstance(arg, Ref):
+        return f"s{arg.slot}"
+    if isinstance(arg, bool) or arg is None or (type(arg) is int):
+        return repr(arg)
+    if type(arg) is float and math.isfinite(arg):
+        return repr(arg)
+    if isinstance(arg, str):
+        return repr(arg)
+    if isinstance(arg, (tuple, list)) and any(isinstance(a, Ref) for a in _flatten(arg)):
+        inner = ", ".join(_render(a, names, f"{name}_{j}") for j, a in enumerate(arg))
+        return f"({inner},)" if isinstance(arg, tuple) else f"[{inner}]"
+    names[name] = arg.array if isinstance(arg, Const) else arg
+    return name
+
+
+def _flatten(items):
+    for a in items:
+        if isinstance(a, (tuple, list)):
+            yield from _flatten(a)
+        else:
+            yield a
+
+
+def _draw(op: RandomFill):
+    device = None if op.stream == _random.HOST else device_by_name(op.stream)
+    return functools.partial(getattr(_random, op.kind), *op.shape, device=device)

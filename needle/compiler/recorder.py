@@ -1,0 +1,261 @@
+"""Record every kernel call a step makes on a device: the raw material of a kernel program.
+
+While :func:`record_kernels` is active, the device's backend module is replaced by a proxy
+(:class:`_RecordingModule`) through which the NDArray layer reaches every kernel
+(``device.ewise_add``, ``device.mod.matmul_strided``, ``device.Array``). Each call made by
+the recording thread is written down with its arguments, a buffer handle replaced by a
+:class:`Ref` to a *slot*:
+
+* a handle made during the recording (``Array(size, dtype)``) is an internal slot, numbered
+  in allocation order (the order the memory plan of the same call uses);
+* a handle that existed before is an *external* slot (a parameter, an input, optimiser
+  state), to be found again at replay time through the step's arguments or state.
+
+A host-to-device copy (``from_numpy``) of a value drawn from :mod:`needle.random` during the
+step becomes a :class:`RandomFill`: the replay draws again from the same stream, so dropout
+masks are fresh each step, exactly as eagerly. Any other copied host array is kept as a
+constant. Calls that return a value (a host read) or take arguments the recorder cannot
+describe make the recording unreplayable: ``Recording.problems`` says why, and the compiled
+step keeps running its Python instead.
+
+Example:
+    >>> import numpy as np, needle as ndl
+    >>> x = ndl.Tensor(np.ones((2, 2)), device=ndl.cpu_numpy())
+    >>> with record_kernels(ndl.cpu_numpy()) as rec:
+    ...     y = (x * 3).sum()
+    >>> [op.name for op in rec.ops if isinstance(op, Call)]
+    ['scalar_mul', 'reduce_sum']
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import numpy as np
+
+from needle import random as _random
+from needle.autograd.engine import HOOK_CALLS
+
+__all__ = ["Ref", "Const", "Alloc", "Call", "RandomFill", "Recording", "record_kernels"]
+
+_LITERALS = (int, float, str, bool, type(None), np.integer, np.floating)
+
+
+@dataclass(frozen=True)
+class Ref:
+    """An argument that is a buffer: slot ``slot`` of the recording."""
+
+    slot: int
+
+
+@dataclass(frozen=True, eq=False)
+class Const:
+    """A host array copied to the device that is not a random draw (kept as recorded)."""
+
+    array: np.ndarray
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, Const) and self.array.dtype == other.array.dtype
+                and self.array.shape == other.array.shape
+                and bool(np.array_equal(self.array, other.array)))
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+@dataclass(frozen=True)
+class Alloc:
+    """``Array(size, dtype)``: internal slot ``slot`` comes to life."""
+
+    slot: int
+    size: int
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Call:
+    """A kernel call: ``fn(*args)`` with every :class:`Ref` bound to its slot's buffer."""
+
+    name: str
+    fn: Any = field(compare=False, repr=False)
+    args: tuple = ()
+
+
+@dataclass(frozen=True)
+class RandomFill:
+    """``from_numpy(asarray(needle.random.<kind>(*shape), dtype), slot)``: a fresh draw."""
+
+    kind: str
+    shape: tuple
+    stream: str
+    dtype: str
+    slot: int
+    fn: Any = field(compare=False, repr=False)
+
+
+class Recording:
+    """What :func:`record_kernels` saw: ``ops`` in call order, ``external`` (the slots of
+    handles that existed before) and ``problems`` (why
+    it cannot be replayed; empty when it can), ``handles`` (the ``id`` of each external
+    slot's buffer, valid against a lookup made before the call: buffers alive together have
+    distinct ids).
+
+    Buffers made during the call are known by ``id`` only: holding them would keep them
+    alive past their last use, and a planned run would then see a buffer outlive its plan.
+    Every buffer made on the device goes through the recorded ``Array``, which registers its
+    id when it is made, so an id that a dead buffer had is registered afresh when reused."""
+
+    def __init__(self, array_type):
+        self.array_type = array_type
+        self.ops: list = []
+        self.n_slots = 0
+        self.handles: dict[int, int] = {}  # external slot -> id of its handle
+        self.slot_of: dict[int, int] = {}
+        self.external: list[int] = []
+        self.problems: list[str] = []
+        self.draws: list[tuple[str, str, np.ndarray]] = []
+
+    def problem(self, message: str) -> None:
+        if len(self.problems) < 8:
+            self.problems.append(message)
+
+    def slot(self, handle) -> int:
+        slot = self.slot_of.get(id(handle))
+        if slot is None:  # a buffer from before the step
+            slot = self._new_slot(handle)
+            self.handles[slot] = id(handle)
+            self.external.append(slot)
+        return slot
+
+    def _new_slot(self, handle) -> int:
+        slot = self.n_slots
+        self.n_slots += 1
+        self.slot_of[id(handle)] = slot
+        return slot
+
+    # ---- arguments ------------------------------------------------------------------------
+    def describe(self, value, name: str):
+        if isinstance(value, self.array_type):
+            return Ref(self.slot(value))
+        if isinstance(value, _LITERALS):
+            return value
+        if isinstance(value, (tuple, list)):
+            items = tuple(self.describe(v, name) for v in value)
+            return items if isinstance(value, tuple) else list(items)
+        if isinstance(value, np.ndarray):
+            return Const(value.copy())
+        self.problem(f"{name} takes an argument of type {type(value).__name__}")
+        return value
+
+    def from_numpy(self, fn, src, out) -> None:
+        src = np.asarray(src)
+        for i, (kind, stream, value) in enumerate(self.draws):
+            if value.shape == src.shape and np.array_equal(np.asarray(value, src.dtype), src):
+                del self.draws[i]
+                self.ops.append(RandomFill(kind, tuple(value.shape), stream, str(src.dtype),
+                                           self.slot(out), fn))
+                return
+        self.ops.append(Call("from_numpy", fn, (Const(src.copy()), Ref(self.slot(out)))))
+
+
+class _Alloc:
+    """Stands in for the backend's ``Array`` class: records each buffer made; ``isinstance``
+    checks against it see the real class."""
+
+    def __init__(self, real, rec: Recording, thread: int):
+        self.real, self.rec, self.thread = real, rec, thread
+
+    def __instancecheck__(self, instance) -> bool:
+        return isinstance(instance, self.real)
+
+    def __call__(self, size, dtype="float32", *rest):
+        handle = self.real(size, dtype, *rest)
+        if threading.get_ident() == self.thread:
+            slot = self.rec._new_slot(handle)
+            self.rec.ops.append(Alloc(slot, int(size), str(dtype)))
+        return handle
+
+
+class _RecordingModule:
+    """A backend module whose callables record themselves (see the module docstring)."""
+
+    def __init__(self, real, rec: Recording):
+        self._real, self._rec = real, rec
+        self._thread = threading.get_ident()
+
+    def __getattr__(self, name):
+        value = getattr(self._real, name)
+        if name == "Array":
+            wrapped: Any = _Alloc(value, self._rec, self._thread)
+        elif callable(value) and not isinstance(value, type) and not name.startswith("_"):
+            wrapped = self._wrap(name, value)
+        else:
+            wrapped = value
+        self.__dict__[name] = wrapped
+        return wrapped
+
+    def _wrap(self, name: str, fn):
+        rec, thread = self._rec, self._thread
+
+        def recorded(*args, **kwargs):
+            if threading.get_ident() != thread:
+                return fn(*args, **kwargs)
+            if kwargs:
+                rec.problem(f"{name} is called with keyword arguments")
+            if name == "from_numpy" and len(args) == 2 and not kwargs:
+                rec.from_numpy(fn, args[0], args[1])
+                return fn(*args)
+            described = tuple(rec.describe(a, name) for a in args)
+            result = fn(*args, **kwargs)
+            if result is not None:
+                rec.problem(f"{name} returns a value to Python (a host read)")
+            rec.ops.append(Call(name, fn, described))
+            return result
+
+        recorded.__name__ = name
+        return recorded
+
+
+@contextlib.contextmanager
+def record_kernels(device) -> Iterator[Recording]:
+    """Record the kernel calls made on ``device`` by this thread while the block runs."""
+    real = device.mod
+    rec = Recording(real.Array)
+    saved = dict(device.__dict__)
+    for name in list(device.__dict__):
+        if name not in ("name", "mod"):
+            del device.__dict__[name]  # cached kernels: looked up again, through the proxy
+    device.__dict__["mod"] = _RecordingModule(real, rec)
+
+    def on_draw(kind, stream, value):
+        if threading.get_ident() != thread:
+            return
+        if kind in ("rand", "randn") and isinstance(value, np.ndarray):
+            rec.draws.append((kind, stream, value))
+        else:
+            rec.problem(f"the step draws {kind} from needle.random for use on the host")
+
+    real_set_state = _random.set_state
+
+    def set_state(*args, **kwargs):
+        if threading.get_ident() == thread:
+            # a checkpoint region replaying its draws: a replay drawing afresh would differ
+            rec.problem("the step sets a needle.random state (a checkpoint region)")
+        return real_set_state(*args, **kwargs)
+
+    thread = threading.get_ident()
+    hooks_before = HOOK_CALLS[0]
+    handle = _random.add_draw_observer(on_draw)
+    _random.set_state = set_state
+    try:
+        yield rec
+    finally:
+        _random.set_state = real_set_state
+        handle.remove()
+        device.__dict__.clear()
+        device.__dict__.update(saved)
+    if HOOK_CALLS[0] != hooks_before:
+        rec.problem("autograd hooks ran during the step (Python a replay would not run)")
+    for kind, _, _ in rec.draws:
+        rec.problem(f"a {kind} draw of the step is not copied to the device as drawn")

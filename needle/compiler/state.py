@@ -1,0 +1,282 @@
+"""The Python state a step reads and writes: where its buffers live, and what must not change.
+
+A kernel program replays a step without running its Python, so everything the Python would
+have looked up must be found again by other means. :func:`discover` walks from the step
+function (its closure, the globals its code names, a bound method's object, default
+arguments, functions it can reach) through modules, optimisers, user objects, dicts, lists and
+tuples, and lists every *location*: an attribute of an object or an item of a container,
+with its current value. A :class:`Tensor` found on the way contributes its ``cached_data``
+and ``grad`` locations (a ``grad`` tensor is not walked: the step replaces it).
+
+Comparing the locations before and after a traced call tells the compiler where each buffer
+the kernels read comes from (a parameter's ``cached_data``, an optimiser's moment in a dict)
+and where each buffer the step leaves behind goes. A :class:`Guard` made from the locations
+after a call checks, before the next replay, that nothing changed them since (a learning
+rate set, ``model.eval()``, a parameter loaded, a layer swapped): if anything did, the step
+runs its Python again.
+
+Example:
+    >>> class Box:
+    ...     def __init__(self): self.lr = 0.1
+    >>> box = Box()
+    >>> snap = snapshot(discover(lambda: box.lr, (), {}))
+    >>> [(type(loc.container).__name__, loc.key) for loc in snap.values()]
+    [('Box', 'lr')]
+"""
+from __future__ import annotations
+
+import dis
+import types
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+
+from needle.autograd import Tensor
+from needle.backend_ndarray import NDArray
+
+__all__ = ["Location", "discover", "snapshot", "Guard", "token", "unchanged", "bare",
+           "MAX_OBJECTS", "WalkTooLarge"]
+
+MAX_OBJECTS = 50_000  # a walk that reaches more gives up (the step keeps running its Python)
+_SCALARS = (int, float, complex, str, bytes, bool, type(None))
+_OPAQUE = (types.ModuleType, type, types.BuiltinFunctionType, np.ndarray, NDArray,
+           types.CodeType, types.FrameType, types.GeneratorType)
+
+
+class WalkTooLarge(Exception):
+    """The state reachable from the step is larger than :data:`MAX_OBJECTS`."""
+
+
+@dataclass
+class Location:
+    """``container.key`` (``kind == "attr"``) or ``container[key]`` (``"item"``); a tuple's
+    items (``"tuple"``) can be read but not set. ``value`` is what it held when walked."""
+
+    container: object
+    key: object
+    kind: str
+    value: object
+    arg: int = -1  # >= 0: an attribute of the step's arg-th tensor argument (per call)
+
+    def get(self, tensors=()):
+        container = tensors[self.arg] if self.arg >= 0 else self.container
+        if self.kind == "attr":
+            return getattr(container, self.key, _MISSING)
+        try:
+            return container[self.key]  # type: ignore[index]
+        except (KeyError, IndexError):
+            return _MISSING
+
+    def set(self, value, tensors=()) -> None:
+        container = tensors[self.arg] if self.arg >= 0 else self.container
+        if self.kind == "attr":
+            setattr(container, self.key, value)
+        else:
+            container[self.key] = value  # type: ignore[index]
+
+    @property
+    def ident(self) -> tuple:
+        if self.arg >= 0:
+            return ("arg", self.arg, self.key)
+        key = id(self.key) if isinstance(self.key, Tensor) else self.key
+        return (id(self.container), self.kind, key)
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+_MISSING = _Missing()
+
+
+def _roots(fn, seen_fns: set) -> list:
+    """The objects a step function can reach without arguments."""
+    out: list = []
+    stack = [fn]
+    while stack:
+        f = stack.pop()
+        if id(f) in seen_fns:
+            continue
+        seen_fns.add(id(f))
+        if isinstance(f, types.MethodType):
+            out.append(f.__self__)
+            stack.append(f.__func__)
+            continue
+        if not isinstance(f, types.FunctionType):
+            if callable(f) and hasattr(f, "__dict__") and not isinstance(f, type):
+                out.append(f)  # a callable object (a Module, a functools.partial...)
+                for extra in (getattr(f, "func", None), getattr(f, "__wrapped__", None)):
+                    if extra is not None:
+                        stack.append(extra)
+                out.extend(getattr(f, "args", ()) or ())
+            continue
+        out.extend(c.cell_contents for c in (f.__closure__ or ()) if _filled(c))
+        out.extend(f.__defaults__ or ())
+        out.extend((f.__kwdefaults__ or {}).values())
+        names = _global_names(f.__code__)
+        g = f.__globals__
+        for name in sorted(names):
+            if name in g:
+                value = g[name]
+                if isinstance(value, (types.FunctionType, types.MethodType)):
+                    stack.append(value)
+                elif not isinstance(value, _OPAQUE):
+                    out.append(value)
+    return out
+
+
+def _global_names(code) -> set:
+    """The globals a code object (and the code nested in it) loads: ``co_names`` alone
+    would also list attribute names (``opt.step`` names ``step``)."""
+    names: set = set()
+    codes = [code]
+    while codes:
+        c = codes.pop()
+        for ins in dis.get_instructions(c):
+            if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+                names.add(ins.argval)
+        codes.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+    return names
+
+
+def _filled(cell) -> bool:
+    try:
+        _ = cell.cell_contents
+    except ValueError:  # an empty cell (a name bound later in the enclosing function)
+        return False
+    return True
+
+
+def discover(fn, args: tuple, kwargs: dict) -> list:
+    """The roots of the state ``fn(*args, **kwargs)`` can reach (see the module docstring)."""
+    return _roots(fn, set())
+
+
+def snapshot(roots: list, arguments: list = ()) -> dict[tuple, Location]:
+    """Every location reachable from ``roots``, keyed by :attr:`Location.ident`, and the
+    ``cached_data``/``grad`` locations of the tensor ``arguments`` (relative to the call).
+
+    Raises:
+        WalkTooLarge: more than :data:`MAX_OBJECTS` objects are reachable.
+    """
+    out: dict[tuple, Location] = {}
+    for i, t in enumerate(arguments):
+        for key in ("cached_data", "grad"):
+            loc = Location(t, key, "attr", t.__dict__.get(key), i)
+            out[loc.ident] = loc
+    seen: set[int] = {id(t) for t in arguments}
+    stack = list(roots)
+    count = 0
+
+    def add(container, key, kind, value):
+        loc = Location(container, key, kind, value)
+        out[loc.ident] = loc
+        stack.append(value)
+
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, _SCALARS) or isinstance(obj, _OPAQUE) or id(obj) in seen:
+            continue
+        if callable(obj) and isinstance(obj, (types.FunctionType, types.MethodType,
+                                              types.BuiltinMethodType)):
+            continue
+        if getattr(type(obj), "_needle_opaque_state", False):
+            continue  # e.g. a compiled step: its own counters are not the step's state
+        seen.add(id(obj))
+        count += 1
+        if count > MAX_OBJECTS:
+            raise WalkTooLarge(f"more than {MAX_OBJECTS} objects reachable from the step")
+        if isinstance(obj, Tensor):
+            out_key = (id(obj), "attr", "cached_data")
+            out[out_key] = Location(obj, "cached_data", "attr", obj.__dict__.get("cached_data"))
+            out[(id(obj), "attr", "grad")] = Location(obj, "grad", "attr",
+                                                      obj.__dict__.get("grad"))
+            continue
+        if isinstance(obj, dict):
+            for key, value in list(obj.items()):
+                add(obj, key, "item", value)
+                stack.append(key)
+        elif isinstance(obj, list):
+            for i, value in enumerate(obj):
+                add(obj, i, "item", value)
+        elif isinstance(obj, tuple):
+            for i, value in enumerate(obj):
+                add(obj, i, "tuple", value)
+        elif isinstance(obj, (set, frozenset)):
+            stack.extend(obj)
+        else:
+            attrs = getattr(obj, "__dict__", None)
+            if isinstance(attrs, dict):
+                for key, value in list(attrs.items()):
+                    add(obj, key, "attr", value)
+    return out
+
+
+def _same(a, b) -> bool:
+    if a is b:
+        return True
+    if type(a) is type(b) and isinstance(a, _SCALARS):
+        return a == b or (a != a and b != b)  # NaN equals NaN here
+    return False
+
+
+def token(value):
+    """What identifies ``value`` without keeping it alive when it can be weakly referenced
+    (a replaced buffer must be freed as it would be eagerly): a weak reference, the value
+    itself for plain scalars and for objects without weak references (containers)."""
+    if isinstance(value, _SCALARS):
+        return ("value", value)
+    try:
+        return weakref.ref(value)
+    except TypeError:
+        return ("value", value)
+
+
+def unchanged(tok, value) -> bool:
+    """``value`` is what ``tok`` (from :func:`token`) identifies."""
+    if isinstance(tok, weakref.ref):
+        return tok() is value
+    return _same(tok[1], value)
+
+
+def bare(loc: Location) -> Location:
+    """``loc`` without its value (a lookup that must not keep the value alive)."""
+    return Location(loc.container, loc.key, loc.kind, None, loc.arg)
+
+
+class Guard:
+    """Checks that every location still holds what it held (identity; equality for plain
+    scalars), and that no container grew or shrank."""
+
+    def __init__(self, locations: dict[tuple, Location]):
+        state = [loc for loc in locations.values() if loc.arg < 0]
+        self.checks = [(bare(loc), token(loc.value)) for loc in state]
+        self.index = {loc.ident: i for i, loc in enumerate(state)}
+        sizes: dict[int, tuple] = {}
+        for loc in state:
+            if loc.kind == "attr" and not isinstance(loc.container, Tensor):
+                attrs = getattr(loc.container, "__dict__", None)
+                if isinstance(attrs, dict):
+                    sizes[id(loc.container)] = (attrs, len(attrs))
+            elif loc.kind == "item":
+                sizes[id(loc.container)] = (loc.container, len(loc.container))  # type: ignore
+        self.sizes = list(sizes.values())
+
+    def failure(self) -> str | None:
+        """None when nothing changed, else what did (the first difference found)."""
+        for container, size in self.sizes:
+            if len(container) != size:
+                return f"a container of the step's state changed size ({size} -> " \
+                       f"{len(container)})"
+        for loc, tok in self.checks:
+            if not unchanged(tok, loc.get()):
+                return f"{type(loc.container).__name__}.{loc.key} changed since the last call"
+        return None
+
+    def expect(self, loc: Location, value) -> None:
+        """After a replay set ``loc`` to ``value``: check for that from now on."""
+        i = self.index.get(loc.ident)
+        if i is not None:
+            self.checks[i] = (self.checks[i][0], token(value))

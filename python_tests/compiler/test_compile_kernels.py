@@ -1,0 +1,233 @@
+"""ndl.compile's kernel programs: replays that run the recorded kernels and no step Python.
+
+A signature goes warm-up (eager), trace (eager, planned), two recorded replays (the step's
+Python under the plan, kernels recorded and compared), then kernel replays. Each test checks
+values against eager steps bitwise, that the replays really skipped the Python, or that a
+step the program cannot reproduce keeps running its Python and says why.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+import needle as ndl
+import needle.memory as mem
+from needle import nn
+
+sys.path.append(os.path.dirname(__file__))
+from test_compile_models import make, step_for  # noqa: E402 - the shared model zoo
+
+FIRST_KERNEL_CALL = 4  # warm-up, trace, two recordings
+
+
+@pytest.fixture(params=["cpu_numpy", "cpu"])
+def dev(request):
+    return getattr(ndl, request.param)()
+
+
+def train(kind, dev, compiled, steps, optimizer="sgd"):
+    np.random.seed(11)
+    model, opt, data = make(kind, dev)
+    if optimizer == "sgd":
+        opt = ndl.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, weight_decay=1e-4)
+    model.train()
+    step = step_for(model, opt)
+    if compiled:
+        step = ndl.compile(step)
+    np.random.seed(3)
+    # the batches do not require grad here: a fresh x.grad each call is the common case
+    batches = [(ndl.Tensor(x, requires_grad=False), ndl.Tensor(y, requires_grad=False))
+               for x, y in data]
+    results = [step(*batches[i % len(batches)]) for i in range(steps)]
+    return [p.numpy() for p in model.parameters()], [r.numpy() for r in results], step
+
+
+@pytest.mark.parametrize("kind", ["mlp", "transformer", "resnet9"])
+def test_kernel_replays_equal_eager_steps_bitwise(kind, dev):
+    steps = 6 if kind != "resnet9" else 5
+    want_params, want_losses, _ = train(kind, dev, False, steps)
+    params, losses, step = train(kind, dev, True, steps)
+    assert step.replay_mode()["mode"] == "kernels"
+    assert step.stats()["kernel_replays"] == steps - FIRST_KERNEL_CALL
+    for got, want in zip(losses, want_losses, strict=True):
+        np.testing.assert_array_equal(got, want)
+    for got, want in zip(params, want_params, strict=True):
+        np.testing.assert_array_equal(got, want)
+    # each call returned its own loss: a later replay did not overwrite an earlier result
+    assert len({float(x) for x in losses}) == steps
+
+
+def test_a_kernel_replay_runs_no_op_or_module_python(dev):
+    _, _, step = train("mlp", dev, True, FIRST_KERNEL_CALL)
+    np.random.seed(11)
+    x = ndl.Tensor(np.random.standard_normal((16, 20)), device=dev, requires_grad=False)
+    y = ndl.Tensor(np.random.randint(0, 10, 16), device=dev, requires_grad=False)
+    called = set()
+    roots = tuple(os.path.join(os.path.dirname(ndl.__file__), d) for d in ("ops", "nn"))
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(roots):
+            called.add(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        step(x, y)
+    finally:
+        sys.setprofile(None)
+    assert step.stats()["kernel_replays"] == 1
+    assert called == set()
+    # the same profile sees the Python of an uncompiled step
+    sys.setprofile(profile)
+    try:
+        step.__wrapped__(x, y)
+    finally:
+        sys.setprofile(None)
+    assert {"forward", "compute"} <= called
+
+
+def test_dropout_masks_are_fresh_on_every_kernel_replay(dev):
+    x = ndl.Tensor(np.ones((64, 64)), device=dev, requires_grad=False)
+    drop = nn.Dropout(0.5)
+    step = ndl.compile(lambda a: drop(a) * 1.0)
+    masks = [step(x).numpy() != 0 for _ in range(7)]
+    assert step.stats()["kernel_replays"] == 3
+    assert len({m.tobytes() for m in masks}) == 7
+
+
+def test_kernel_replay_measured_peak_is_the_planned_peak(dev):
+    np.random.seed(0)
+    model = nn.Sequential(nn.Linear(32, 32, device=dev), nn.ReLU(),
+                          nn.Linear(32, 32, device=dev))
+    opt = ndl.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    @ndl.compile
+    def step(x):
+        opt.reset_grad()
+        model(x).sum().backward()
+        opt.step()
+
+    x = ndl.Tensor(np.ones((8, 32)), device=dev, requires_grad=False)
+    for _ in range(FIRST_KERNEL_CALL):
+        step(x)
+    for _ in range(2):
+        before = mem.stats(dev)["requested_bytes"]
+        mem.reset_peak(dev)
+        step(x)
+        peak = mem.stats(dev)["peak_requested_bytes"] - before
+        assert step.replay_mode()["mode"] == "kernels"
+        assert peak == step.memory()["planned_peak_bytes"]
+
+
+def _lr_run(dev, compiled):
+    np.random.seed(0)
+    model = nn.Sequential(nn.Linear(8, 8, device=dev), nn.Dropout(0.5))
+    opt = ndl.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x):
+        opt.reset_grad()
+        model(x).sum().backward()
+        opt.step()
+
+    step = ndl.compile(step) if compiled else step
+    x = ndl.Tensor(np.ones((4, 8)), device=dev, requires_grad=False)
+    np.random.seed(1)
+    for i in range(12):
+        if i == 6:
+            opt.lr = 0.5  # a scheduler's change: baked into the program as a scalar
+        if i == 9:
+            model.eval()  # dropout off: another program
+        step(x)
+    return [p.numpy() for p in model.parameters()], step
+
+
+def test_state_changed_between_calls_runs_the_python_and_records_again(dev):
+    want, _ = _lr_run(dev, False)
+    got, step = _lr_run(dev, True)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert step.stats()["divergences"] == 2  # the lr, then eval()
+
+
+def test_parameters_replaced_between_calls_are_read_anew(dev):
+    np.random.seed(0)
+    model = nn.Linear(4, 3, device=dev)
+    opt = ndl.optim.SGD(model.parameters(), lr=0.1)
+
+    @ndl.compile
+    def step(x):
+        opt.reset_grad()
+        loss = model(x).sum()
+        loss.backward()
+        opt.step()
+        return loss
+
+    x = ndl.Tensor(np.ones((2, 4)), device=dev, requires_grad=False)
+    for _ in range(FIRST_KERNEL_CALL + 1):
+        step(x)
+    model.load_state_dict({k: np.zeros(v.shape, "float32")
+                           for k, v in model.state_dict().items()})
+    assert float(step(x).numpy()) == 0.0  # the loss of the zero weights, not the old ones
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("adam", "Adam.t"),
+    ("checkpoint", "random state"),
+    ("hook", "hooks ran"),
+    ("host_read", "host read"),
+])
+def test_steps_a_program_cannot_replay_keep_their_python_and_say_why(case, reason, dev):
+    np.random.seed(0)
+    model = nn.Sequential(nn.Linear(6, 6, device=dev), nn.ReLU(), nn.Dropout(0.2),
+                          nn.Linear(6, 3, device=dev))
+    opt = (ndl.optim.Adam if case == "adam" else ndl.optim.SGD)(model.parameters(), lr=0.1)
+    if case == "hook":
+        model.parameters()[0].register_hook(lambda g: g * 2)
+    labels_np = np.array([0, 1, 2, 1])
+
+    def step(x, y):
+        opt.reset_grad()
+        out = ndl.checkpoint(model, x) if case == "checkpoint" else model(x)
+        if case == "host_read":
+            y = ndl.Tensor(y.numpy() + 0, device=dev)  # a leaf read on the host
+        loss = nn.SoftmaxLoss()(out, y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    def run(fn):
+        np.random.seed(5)
+        x = ndl.Tensor(np.linspace(-1, 1, 24).reshape(4, 6), device=dev, requires_grad=False)
+        y = ndl.Tensor(labels_np, device=dev, requires_grad=False)
+        return [float(fn(x, y).numpy()) for _ in range(7)]
+
+    snapshot = [p.numpy() for p in model.parameters()]
+    want = run(step)
+    for p, v in zip(model.parameters(), snapshot, strict=True):
+        p.data = ndl.Tensor(v, device=dev)
+    opt = (ndl.optim.Adam if case == "adam" else ndl.optim.SGD)(model.parameters(), lr=0.1)
+    compiled = ndl.compile(step)
+    assert run(compiled) == want
+    mode = compiled.replay_mode()
+    assert mode["mode"] == "python" and reason in mode["reason"]
+    assert compiled.stats()["kernel_replays"] == 0
+
+
+def test_a_numpy_argument_is_not_baked_into_a_program(dev):
+    w = ndl.Tensor(np.ones((3, 3)), device=dev)
+    step = ndl.compile(lambda a: ndl.Tensor(a, device=dev) @ w)
+    outs = [step(np.full((2, 3), float(i), "float32")).numpy()[0, 0] for i in range(6)]
+    assert outs == [0.0, 3.0, 6.0, 9.0, 12.0, 15.0]
+    assert "argument" in step.replay_mode()["reason"]
+
+
+def test_compile_without_kernels_never_records(dev):
+    w = ndl.Tensor(np.ones((3, 3)), device=dev)
+    step = ndl.compile(lambda a: a @ w, kernels=False)
+    x = ndl.Tensor(np.ones((2, 3)), device=dev, requires_grad=False)
+    for _ in range(6):
+        step(x)
+    assert step.stats()["kernel_replays"] == 0
+    assert step.replay_mode() == {"mode": "python", "reason": "compiled with kernels=False"}
