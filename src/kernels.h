@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 #include "common.h"
 
@@ -15,6 +16,10 @@ namespace needle {
 enum class BinOp : int { add, sub, mul, div, maximum, minimum, power, eq, ge, tanh_grad, relu_grad };
 enum class UnOp : int { neg, log, exp, tanh, sqrt, abs, sign, sigmoid };
 enum class RedOp : int { sum, max, min };
+
+// Instruction kinds of ewise_program (ewise_program_impl.h) and its register count.
+enum ProgramKind : int { kLoad = 0, kStore = 1, kBinary = 2, kScalar = 3, kRScalar = 4, kUnary = 5 };
+constexpr int kProgramRegisters = 16;
 
 // Geometry of a 2-D convolution over an NHWC input with a (KH, KW, Cin, Cout) kernel, the same
 // stride and zero padding on both spatial dims; the output is (N, HO, WO, Cout).
@@ -76,6 +81,11 @@ struct KernelTable {
                        std::size_t n, std::size_t k);
   void (*xent_backward)(DType t, const void* z, const void* labels, const void* lse,
                         const void* g, void* dz, std::size_t n, std::size_t k);
+  // A chain of elementwise ops in one pass over n elements (float32/float64; see
+  // ewise_program_impl.h): inputs `ins`, outputs `outs`, `ncode` five-int instructions.
+  void (*ewise_program)(DType t, const void* const* ins, void* const* outs,
+                        const std::int32_t* code, std::size_t ncode, const double* scalars,
+                        std::size_t n);
   // Names of the float32 and float64 matmul micro-kernels (printed by the benchmarks).
   const char* sgemm_name;
   const char* dgemm_name;

@@ -21,6 +21,7 @@ namespace NEEDLE_ISA {
 
 #include "simd_vec_impl.h"
 #include "elementwise_impl.h"
+#include "ewise_program_impl.h"
 #include "reductions_impl.h"
 #include "matmul_impl.h"
 #include "conv_impl.h"
@@ -31,7 +32,7 @@ namespace NEEDLE_ISA {
 extern const KernelTable table = {
     NEEDLE_ISA_NAME, binary, scalar, unary, cast, reduce, matmul, matmul_strided,
     conv_forward, conv_weight_grad, conv_input_grad, lstm_forward, lstm_backward,
-    bn_forward, bn_backward, xent_forward, xent_backward,
+    bn_forward, bn_backward, xent_forward, xent_backward, ewise_program,
     GemmConfig<float>::name, GemmConfig<double>::name,
 };
 

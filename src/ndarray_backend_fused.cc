@@ -3,8 +3,10 @@
 // aliasing), release the GIL and run the kernel of the current table.
 #include "ndarray_backend_fused.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -75,9 +77,13 @@ ConvGeom make_geom(const char* op, std::int64_t n, std::int64_t h, std::int64_t 
 void bind_lstm(py::module_& m, const KernelTable* const* kernels);
 void bind_batch_norm(py::module_& m, const KernelTable* const* kernels);
 void bind_softmax_xent(py::module_& m, const KernelTable* const* kernels);
+void bind_embedding(py::module_& m);
+void bind_ewise_program(py::module_& m, const KernelTable* const* kernels);
 
 void bind_fused(py::module_& m, const KernelTable* const* kernels) {
   bind_lstm(m, kernels);
+  bind_ewise_program(m, kernels);
+  bind_embedding(m);
   bind_batch_norm(m, kernels);
   bind_softmax_xent(m, kernels);
   m.def("conv2d_forward", [kernels](const Array& x, const Array& wt, Array& out,
@@ -352,6 +358,97 @@ void bind_softmax_xent(py::module_& m, const KernelTable* const* kernels) {
                               dz.data(), std::size_t(n), std::size_t(k));
   }, py::arg("z"), py::arg("labels"), py::arg("lse"), py::arg("g"), py::arg("dz"),
      py::arg("n"), py::arg("k"));
+}
+
+// ---- embedding: rows of a table picked by ids held on the device ----------------------------
+// ids are class-id floats of the table's dtype (what needle's tensors hold). Reading them here,
+// not on the host, keeps a training step free of host round trips (and replayable as a kernel
+// program). Every id is checked before any row is written.
+namespace {
+
+template <class T>
+void check_ids(const T* ids, std::size_t n, std::size_t num) {
+  for (std::size_t i = 0; i < n; ++i) {
+    const T v = ids[i];
+    if (!(v >= T(0) && v < T(num)) || v != std::floor(v)) {
+      throw py::index_error("embedding: id out of range at position " + std::to_string(i) +
+                            ", expected an integer in [0, " + std::to_string(num) + "), got " +
+                            std::string(py::repr(py::float_(double(v)))));
+    }
+  }
+}
+
+template <class T>
+void gather_rows(const T* table, const T* ids, T* out, std::size_t n, std::size_t dim) {
+  for (std::size_t i = 0; i < n; ++i) {
+    std::memcpy(out + i * dim, table + std::size_t(ids[i]) * dim, dim * sizeof(T));
+  }
+}
+
+// Repeated ids add up in position order: the same sums as numpy.add.at, bit for bit.
+template <class T>
+void scatter_add_rows(const T* g, const T* ids, T* table, std::size_t num, std::size_t n,
+                      std::size_t dim) {
+  std::fill(table, table + num * dim, T(0));
+  for (std::size_t i = 0; i < n; ++i) {
+    T* row = table + std::size_t(ids[i]) * dim;
+    const T* src = g + i * dim;
+    for (std::size_t j = 0; j < dim; ++j) row[j] += src[j];
+  }
+}
+
+void embedding_dims(const char* op, const Array& table, const Array& ids, const Array& rows,
+                    std::int64_t num, std::int64_t dim, std::int64_t n) {
+  if (num < 0 || dim < 0 || n < 0) {
+    throw std::invalid_argument(std::string(op) + ": expected num, dim, n >= 0, got " +
+                                std::to_string(num) + ", " + std::to_string(dim) + ", " +
+                                std::to_string(n));
+  }
+  check_float(op, table);
+  check_same(op, ids, table);
+  check_same(op, rows, table);
+  check_size(op, "table", table, std::size_t(num) * std::size_t(dim));
+  check_size(op, "ids", ids, std::size_t(n));
+  check_size(op, "rows", rows, std::size_t(n) * std::size_t(dim));
+  check_distinct(op, table, ids, rows);
+  check_distinct(op, rows, ids, ids);
+}
+
+template <class F>
+void by_dtype(DType t, F&& f) {
+  if (t == DType::f32) f(float(0));
+  else f(double(0));
+}
+
+}  // namespace
+
+void bind_embedding(py::module_& m) {
+  m.def("embedding_forward", [](const Array& table, const Array& ids, Array& out,
+                                std::int64_t num, std::int64_t dim, std::int64_t n) {
+    embedding_dims("embedding_forward", table, ids, out, num, dim, n);
+    by_dtype(table.dtype(), [&](auto zero) {
+      using T = decltype(zero);
+      const T* id = static_cast<const T*>(ids.data());
+      check_ids(id, std::size_t(n), std::size_t(num));
+      py::gil_scoped_release release;
+      gather_rows(static_cast<const T*>(table.data()), id, static_cast<T*>(out.data()),
+                  std::size_t(n), std::size_t(dim));
+    });
+  }, py::arg("table"), py::arg("ids"), py::arg("out"), py::arg("num"), py::arg("dim"),
+     py::arg("n"));
+  m.def("embedding_backward", [](const Array& g, const Array& ids, Array& dtable,
+                                 std::int64_t num, std::int64_t dim, std::int64_t n) {
+    embedding_dims("embedding_backward", dtable, ids, g, num, dim, n);
+    by_dtype(dtable.dtype(), [&](auto zero) {
+      using T = decltype(zero);
+      const T* id = static_cast<const T*>(ids.data());
+      check_ids(id, std::size_t(n), std::size_t(num));
+      py::gil_scoped_release release;
+      scatter_add_rows(static_cast<const T*>(g.data()), id, static_cast<T*>(dtable.data()),
+                       std::size_t(num), std::size_t(n), std::size_t(dim));
+    });
+  }, py::arg("g"), py::arg("ids"), py::arg("dtable"), py::arg("num"), py::arg("dim"),
+     py::arg("n"));
 }
 
 }  // namespace needle

@@ -1,5 +1,5 @@
 """The NumPy reference of the fused kernels (convolution, LSTM cell, batch normalisation,
-softmax cross-entropy): docs/backend_protocol.md.
+softmax cross-entropy, embedding rows, fused elementwise programs): docs/backend_protocol.md.
 
 Straight formulas on flat buffers, the oracle the C++ backend's ``conv2d_*``,
 ``lstm_cell_*``, ``batch_norm_*`` and ``softmax_xent_*`` kernels are tested against.
@@ -21,7 +21,8 @@ import numpy as np
 
 __all__ = ["conv2d_forward", "conv2d_weight_grad", "conv2d_input_grad", "lstm_cell_forward",
            "lstm_cell_backward", "batch_norm_forward", "batch_norm_backward",
-           "softmax_xent_forward", "softmax_xent_backward"]
+           "softmax_xent_forward", "softmax_xent_backward", "embedding_forward",
+           "embedding_backward", "ewise_program"]
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
@@ -170,3 +171,149 @@ def softmax_xent_backward(z, labels, lse, g, dz, n, k) -> None:
     grad[np.arange(n), y] -= 1.0
     grad *= g.array[:n].astype(np.float64)[:, None]
     dz.array[:n * k] = grad.astype(dz.array.dtype).reshape(-1)
+
+
+def _ids(ids, n: int, num: int) -> np.ndarray:
+    v = ids.array[:n]
+    bad = ~((v >= 0) & (v < num) & (v == np.floor(v)))
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise IndexError(f"embedding: id out of range at position {i}, expected an integer in "
+                         f"[0, {num}), got {float(v[i])}")
+    return v.astype(np.int64)
+
+
+def embedding_forward(table, ids, out, num, dim, n) -> None:
+    """``out[i] = table[ids[i]]``: rows of the (num, dim) ``table`` picked by ``n`` ids."""
+    rows = _ids(ids, n, num)
+    out.array[:n * dim] = table.array[:num * dim].reshape(num, dim)[rows].reshape(-1)
+
+
+def embedding_backward(g, ids, dtable, num, dim, n) -> None:
+    """``dtable = zeros; dtable[ids[i]] += g[i]`` in position order (repeated ids add up)."""
+    rows = _ids(ids, n, num)
+    total = np.zeros((num, dim), dtype=dtable.array.dtype)
+    np.add.at(total, rows, g.array[:n * dim].reshape(n, dim))
+    dtable.array[:num * dim] = total.reshape(-1)
+
+
+# ---- ewise_program: a chain of elementwise kernels in one call ------------------------------
+_REGISTERS = 16
+_LOAD, _STORE, _BINARY, _SCALAR, _RSCALAR, _UNARY = range(6)
+
+
+class _Buffer:
+    """Stands in for an Array around a plain NumPy array (no allocation through needle's
+    allocator: a fused call inside a planned run must not request buffers)."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array):
+        self.array = array
+
+
+def _kernels():
+    from . import ndarray_backend_numpy as B
+
+    binary = [B.ewise_add, B.ewise_sub, B.ewise_mul, B.ewise_div, B.ewise_maximum,
+              B.ewise_minimum, B.ewise_power, B.ewise_eq, B.ewise_ge, B.ewise_tanh_grad,
+              B.ewise_relu_grad]
+    scalar = {0: B.scalar_add, 1: B.scalar_sub, 2: B.scalar_mul, 3: B.scalar_div,
+              4: B.scalar_maximum, 5: B.scalar_minimum, 6: B.scalar_power, 7: B.scalar_eq,
+              8: B.scalar_ge}
+    rscalar = {0: B.scalar_add, 1: B.scalar_rsub, 2: B.scalar_mul, 3: B.scalar_rdiv,
+               4: B.scalar_maximum, 5: B.scalar_minimum, 6: B.scalar_rpower, 7: B.scalar_eq,
+               8: B.scalar_le}
+    unary = [B.ewise_neg, B.ewise_log, B.ewise_exp, B.ewise_tanh, B.ewise_sqrt, B.ewise_abs,
+             B.ewise_sign, B.ewise_sigmoid]
+    return binary, scalar, rscalar, unary
+
+
+def _check_program(code, n_in: int, n_out: int, n_scalars: int) -> None:
+    def bad(what):
+        raise ValueError(f"ewise_program: {what}")
+
+    if len(code) % 5:
+        bad(f"expected instructions of 5 ints, got {len(code)}")
+    ready = [False] * _REGISTERS
+
+    def reg(r, read):
+        if not 0 <= r < _REGISTERS:
+            bad(f"register {r} outside [0, {_REGISTERS})")
+        if read and not ready[r]:
+            bad(f"register {r} read before set")
+
+    for k in range(0, len(code), 5):
+        kind, op, dst, a, b = code[k:k + 5]
+        if kind == _LOAD:
+            if not 0 <= a < n_in:
+                bad(f"input {a} out of range")
+            reg(dst, False)
+        elif kind == _STORE:
+            if not 0 <= dst < n_out:
+                bad(f"output {dst} out of range")
+            reg(a, True)
+            continue
+        elif kind in (_BINARY, _SCALAR, _RSCALAR):
+            if not 0 <= op < 11:
+                bad(f"unknown binary op {op}")
+            if kind == _BINARY:
+                reg(b, True)
+            elif not 0 <= b < n_scalars:
+                bad(f"scalar {b} out of range")
+            reg(a, True)
+            reg(dst, False)
+        elif kind == _UNARY:
+            if not 0 <= op < 8:
+                bad(f"unknown unary op {op}")
+            reg(a, True)
+            reg(dst, False)
+        else:
+            bad(f"unknown instruction kind {kind}")
+        ready[dst] = True
+
+
+def ewise_program(ins, outs, code, scalars, n) -> None:
+    """Run a chain of elementwise ops over ``n`` elements (instruction format in
+    src/ewise_program_impl.h) with this backend's own kernels, op by op on whole arrays: the
+    oracle of the C++ backend's block-by-block ``ewise_program``."""
+    n = int(n)
+    if n < 0:
+        raise ValueError(f"ewise_program: expected n >= 0, got {n}")
+    if not outs:
+        raise ValueError("ewise_program: expected at least one output")
+    dtype = outs[0].array.dtype
+    if dtype == np.float16:
+        raise ValueError("ewise_program: expected float32 or float64, got float16")
+    for arr in (*ins, *outs):
+        if arr.array.dtype != dtype or arr.array.size < n:
+            raise ValueError(f"ewise_program: every input and output must be {dtype} with at "
+                             f"least {n} elements")
+    for o in outs:
+        if any(np.shares_memory(o.array, a.array) for a in ins):
+            raise ValueError("ewise_program: an output shares its buffer with an input")
+    _check_program(code, len(ins), len(outs), len(scalars))
+    binary, scalar, rscalar, unary = _kernels()
+    regs: list = [None] * _REGISTERS
+    for k in range(0, len(code), 5):
+        kind, op, dst, a, b = code[k:k + 5]
+        if kind == _LOAD:
+            regs[dst] = ins[a].array[:n]
+            continue
+        if kind == _STORE:
+            outs[dst].array[:n] = regs[a]
+            continue
+        result = _Buffer(np.empty(n, dtype))
+        if kind == _BINARY:
+            binary[op](_Buffer(regs[a]), _Buffer(regs[b]), result)
+        elif kind in (_SCALAR, _RSCALAR):
+            table = scalar if kind == _SCALAR else rscalar
+            if op in table:
+                table[op](_Buffer(regs[a]), scalars[b], result)
+            else:  # tanh_grad / relu_grad with a scalar: through the binary kernel
+                full = _Buffer(np.full(n, scalars[b], dtype))
+                pair = (_Buffer(regs[a]), full) if kind == _SCALAR else (full, _Buffer(regs[a]))
+                binary[op](*pair, result)
+        else:
+            unary[op](_Buffer(regs[a]), result)
+        regs[dst] = result.array

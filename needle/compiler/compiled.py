@@ -51,7 +51,7 @@ from needle.memory.replay import run_plan
 
 from .guard import refuse_host_reads
 from .program import Before, NotReplayable, build_program, flat_arguments
-from .recorder import record_kernels
+from .recorder import Alloc, record_kernels
 from .signature import signature
 from .state import WalkTooLarge, discover, snapshot
 
@@ -88,7 +88,7 @@ class CompiledStep:
     _needle_opaque_state = True  # not part of any step's state (needle.compiler.state)
 
     def __init__(self, fn, *, max_cache: int = 8, warmup: int = 1, max_retraces: int = 2,
-                 device=None, kernels: bool = True):
+                 device=None, kernels: bool = True, fusion: bool = True):
         if not callable(fn):
             raise CompileError(f"compile: expected a callable step, got {fn!r}")
         for name, value, low in (("max_cache", max_cache, 1), ("warmup", warmup, 0),
@@ -102,6 +102,7 @@ class CompiledStep:
         self.max_retraces = max_retraces
         self.device = device
         self.kernels = kernels
+        self.fusion = fusion
         self._cache: OrderedDict[tuple, _Entry] = OrderedDict()
         self._counts = {"calls": 0, "traces": 0, "replays": 0, "kernel_replays": 0,
                         "divergences": 0, "evictions": 0, "eager_calls": 0}
@@ -198,6 +199,8 @@ class CompiledStep:
         if previous is not None:
             if previous.shape() == program.shape():
                 entry.program, entry.candidate = program, None
+                if self.fusion:
+                    _fuse(program, entry.plan)
             else:
                 entry.python_reason = ("two calls of the step ran different kernels or "
                                        "arguments (its Python depends on more than the "
@@ -268,7 +271,8 @@ class CompiledStep:
         if entry.eager:
             return {"mode": "eager", "reason": entry.last_divergence}
         if entry.program is not None:
-            return {"mode": "kernels", "kernels": entry.program.n_kernels}
+            return {"mode": "kernels", "kernels": entry.program.n_kernels,
+                    "fused_runs": entry.program.fused_runs}
         if entry.plan is None:
             return {"mode": "warm-up"}
         if not self.kernels or entry.python_reason is not None:
@@ -281,6 +285,24 @@ class CompiledStep:
         self._cache.clear()
 
 
+def _fuse(program, plan) -> None:
+    """Fuse the program's elementwise runs where the backend has ``ewise_program``, keeping
+    apart buffers the plan lets share arena bytes."""
+    kernel = getattr(program.device.mod, "ewise_program", None)
+    if kernel is None:
+        return
+    allocs = [op for op in program.ops if isinstance(op, Alloc)]
+    sequence = plan.graph.allocations
+    if len(allocs) != len(sequence):
+        return  # the recording does not line up with the plan: leave the program as it is
+    arena = {}
+    for op, (tensor_id, _) in zip(allocs, sequence, strict=True):
+        offset = plan.assignments.get(tensor_id)
+        if offset is not None:
+            arena[op.slot] = (offset, plan.sizes[tensor_id])
+    program.fuse(kernel, arena)
+
+
 def _device_of(args):
     from needle.memory.trace import _device_of as first_device
 
@@ -288,7 +310,7 @@ def _device_of(args):
 
 
 def compile(fn=None, *, max_cache: int = 8, warmup: int = 1, max_retraces: int = 2,
-            device=None, kernels: bool = True):
+            device=None, kernels: bool = True, fusion: bool = True):
     """Capture ``fn`` (a training or inference step) once per call signature and replay it
     with every intermediate buffer in one planned arena.
 
@@ -312,6 +334,6 @@ def compile(fn=None, *, max_cache: int = 8, warmup: int = 1, max_retraces: int =
     if fn is None:
         return lambda f: CompiledStep(f, max_cache=max_cache, warmup=warmup,
                                       max_retraces=max_retraces, device=device,
-                                      kernels=kernels)
+                                      kernels=kernels, fusion=fusion)
     return CompiledStep(fn, max_cache=max_cache, warmup=warmup, max_retraces=max_retraces,
-                        device=device, kernels=kernels)
+                        device=device, kernels=kernels, fusion=fusion)

@@ -40,6 +40,7 @@ from needle.autograd.versions import note_replaced
 from needle.backend_ndarray import NDArray, device_by_name
 from needle.backend_ndarray.ndarray import _view
 
+from .fusion import FusedCall, _slots, fuse
 from .recorder import Alloc, Call, Const, RandomFill, Recording, Ref
 from .state import Guard, bare, token, unchanged
 
@@ -134,6 +135,7 @@ class KernelProgram:
                  device, arg_grads=(), ops=()):
         self._fn = fn
         self.ops = list(ops)
+        self.fused_runs = 0
         # (location, traced value was None) of the tensor arguments' grad: a replay needs
         # the same (a gradient accumulating into x.grad takes another path than a first one)
         self.arg_locations = list(arg_grads)
@@ -208,6 +210,31 @@ class KernelProgram:
                 self.guard.expect(s.loc, value)
         return _rebuild(self.result, buffer, self.device)
 
+    def fuse(self, kernel, arena: dict | None = None) -> int:
+        """Regenerate the program with its elementwise runs fused into ``kernel`` (the
+        backend's ``ewise_program``; :mod:`needle.compiler.fusion`). ``arena``: slot ->
+        (offset, size) of the buffers placed in a planned arena, so that runs never mix two
+        buffers sharing bytes. Returns how many kernel calls the fusion removed."""
+        rec, made = self._rec, self._made
+        sizes: dict = {op.slot: (op.size, op.dtype) for op in rec.ops if isinstance(op, Alloc)}
+        for b in self.binders:
+            shape, strides, offset, dtype, size = b.meta
+            sizes[b.slot] = (size, dtype)
+        arena = arena or {}
+
+        def overlaps(a: int, b: int) -> bool:
+            ra, rb = arena.get(a), arena.get(b)
+            return ra is not None and rb is not None and ra[0] < rb[0] + rb[1] \
+                and rb[0] < ra[0] + ra[1]
+
+        keep = set(made) | {b.slot for b in self.binders}
+        ops = fuse(rec.ops, sizes, keep, kernel, overlaps)
+        before = self.n_kernels
+        self._fn, self.source, self.n_kernels = _generate(
+            rec, [b.slot for b in self.binders], made, ops)
+        self.fused_runs = sum(isinstance(op, FusedCall) for op in ops)
+        return before - self.n_kernels
+
     def shape(self) -> tuple:
         """Everything that decides what the program does, comparable between two recordings
         of the same step (kernels and their arguments, where buffers come from and go)."""
@@ -255,9 +282,11 @@ def build_program(rec: Recording, before: Before, after: dict, args: tuple, kwar
     result_spec = _describe_result(rec, result, outputs, set(rec.external))
     made = sorted(outputs, key=outputs.__getitem__)
     fn, source, n_kernels = _generate(rec, [b.slot for b in binders], made)
-    return KernelProgram(fn, source, binders, setters, result_spec,
-                         Guard(after) if guard else None, n_kernels, device,
-                         before.arg_grads, rec.ops)
+    program = KernelProgram(fn, source, binders, setters, result_spec,
+                            Guard(after) if guard else None, n_kernels, device,
+                            before.arg_grads, rec.ops)
+    program._rec, program._made = rec, made
+    return program
 
 
 def _device_of(rec, args, kwargs, result):
@@ -349,13 +378,14 @@ def _describe_result(rec: Recording, result, outputs: dict, externals: set):
 
 
 # ---- code generation ----------------------------------------------------------------------
-def _generate(rec: Recording, external_slots: list, made: list):
-    """The program as Python source and its compiled function ``fn(*external_handles)``."""
+def _generate(rec: Recording, external_slots: list, made: list, ops=None):
+    """The program as Python source and its compiled function ``fn(handles)``."""
+    ops = rec.ops if ops is None else ops
     names: dict[str, object] = {"_asarray": np.asarray}
     keep = set(made)
     last: dict[int, int] = {}
-    for i, op in enumerate(rec.ops):
-        for slot in _slots_of(op):
+    for i, op in enumerate(ops):
+        for slot in _slots(op):
             last[slot] = i
     lines = ["def _program(H):"]
     if external_slots:
@@ -363,7 +393,7 @@ def _generate(rec: Recording, external_slots: list, made: list):
                      + ", = H")
         lines.append("    H.clear()")  # the locals alone hold the buffers: freed at last use
     n_kernels = 0
-    for i, op in enumerate(rec.ops):
+    for i, op in enumerate(ops):
         if isinstance(op, Alloc):
             names[f"A{i}"] = rec.array_type
             lines.append(f"    s{op.slot} = A{i}({op.size}, {op.dtype!r})")
@@ -372,12 +402,19 @@ def _generate(rec: Recording, external_slots: list, made: list):
             rendered = ", ".join(_render(a, names, f"c{i}_{j}") for j, a in enumerate(op.args))
             lines.append(f"    k{i}({rendered})")
             n_kernels += 1
+        elif isinstance(op, FusedCall):
+            names[f"k{i}"], names[f"c{i}"], names[f"v{i}"] = op.fn, list(op.code), \
+                list(op.scalars)
+            ins = ", ".join(f"s{x}" for x in op.ins)
+            outs = ", ".join(f"s{x}" for x in op.outs)
+            lines.append(f"    k{i}([{ins}], [{outs}], c{i}, v{i}, {op.n})")
+            n_kernels += 1
         elif isinstance(op, RandomFill):
             names[f"k{i}"] = op.fn
             names[f"d{i}"] = _draw(op)
             lines.append(f"    k{i}(_asarray(d{i}(), {op.dtype!r}, order='C'), s{op.slot})")
             n_kernels += 1
-        dead = [s for s in _slots_of(op) if last[s] == i and s not in keep]
+        dead = [s for s in _slots(op) if last[s] == i and s not in keep]
         if dead:
             lines.append("    del " + ", ".join(f"s{s}" for s in sorted(set(dead))))
     lines.append("    return (" + "".join(f"s{s}, " for s in made) + ")")
@@ -385,24 +422,6 @@ def _generate(rec: Recording, external_slots: list, made: list):
     code = compile(source, "<needle kernel program>", "exec")
     exec(code, names)  # noqa: S102 - our own generated source, built from recorded calls
     return names["_program"], source, n_kernels
-
-
-def _slots_of(op) -> list:
-    if isinstance(op, Alloc):
-        return [op.slot]
-    if isinstance(op, RandomFill):
-        return [op.slot]
-    out: list = []
-
-    def walk(a):
-        if isinstance(a, Ref):
-            out.append(a.slot)
-        elif isinstance(a, (tuple, list)):
-            for x in a:
-                walk(x)
-
-    walk(op.args)
-    return out
 
 
 def _render(arg, names: dict, name: str) -> str:

@@ -56,3 +56,51 @@ def test_id_out_of_range_names_op(device):
     _, _, tw, _ = _setup(device)
     with pytest.raises(IndexOutOfRange, match=r"embedding: id out of range.*\[0, 7\).*got 9"):
         ndl.ops.embedding(tw, Tensor([[9.0]], device=device, requires_grad=False))
+
+
+@pytest.mark.parametrize("bad", [-1.0, 2.5, float("nan")])
+def test_non_integer_and_negative_ids_are_refused_not_truncated(device, bad):
+    _, _, tw, _ = _setup(device)
+    with pytest.raises(IndexOutOfRange, match=r"embedding: id out of range"):
+        ndl.ops.embedding(tw, Tensor([[1.0, bad]], device=device, requires_grad=False))
+
+
+def test_an_id_checked_in_backward_too(device):
+    """The backward kernel checks the ids it scatters by, not only the forward."""
+    mod = device.mod
+    if not hasattr(mod, "embedding_backward"):
+        pytest.skip(f"{device} reads ids on the host (no embedding kernels)")
+    g, ids, out = mod.Array(6, "float32"), mod.Array(2, "float32"), mod.Array(9, "float32")
+    mod.from_numpy(np.array([0.0, 3.0], np.float32), ids)
+    with pytest.raises(IndexError, match="position 1"):
+        mod.embedding_backward(g, ids, out, 3, 3, 2)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_the_cpp_kernels_equal_the_numpy_reference_bitwise(dtype):
+    """Gather is exact; the scatter adds repeated ids in position order, as numpy.add.at."""
+    from needle.backend_ndarray import cpu, cpu_numpy
+
+    if not cpu().enabled():
+        pytest.skip("the C++ backend is not built")
+    rng = np.random.default_rng(3)
+    num, dim, n = 11, 5, 40
+    table = rng.standard_normal((num, dim)).astype(dtype)
+    ids = rng.integers(0, num, n).astype(dtype)  # many repeats
+    g = rng.standard_normal((n, dim)).astype(dtype)
+    results = []
+    for dev in (cpu(), cpu_numpy()):
+        mod = dev.mod
+        t, i, gg = (mod.Array(a.size, dtype) for a in (table, ids, g))
+        for src, dst in ((table, t), (ids, i), (g, gg)):
+            mod.from_numpy(src.reshape(-1), dst)
+        rows, dt = mod.Array(n * dim, dtype), mod.Array(num * dim, dtype)
+        mod.embedding_forward(t, i, rows, num, dim, n)
+        mod.embedding_backward(gg, i, dt, num, dim, n)
+        results.append([mod.to_numpy(rows, (n, dim), (dim, 1), 0),
+                        mod.to_numpy(dt, (num, dim), (dim, 1), 0)])
+    want = np.zeros((num, dim), dtype)
+    np.add.at(want, ids.astype(int), g)
+    for got in results:
+        np.testing.assert_array_equal(got[0], table[ids.astype(int)])
+        np.testing.assert_array_equal(got[1], want)
