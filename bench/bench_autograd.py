@@ -10,6 +10,10 @@ between forward and backward: backward then checks the saved tensors of every no
 version check's slow path, autograd/versions.py); plain ``needle`` shows the common case,
 where no write happened and the check is one integer comparison per node.
 
+The column ``compiled`` runs the forward+backward step under ``ndl.compile`` (a kernel program
+after its warm-up, trace and two recorded calls): what is left per op once op dispatch and
+autograd are gone. Below the table, its time per kernel call of the program.
+
 Run:  python bench/bench_autograd.py [--repeats 30] [--device cpu|cpu_numpy]
 """
 from __future__ import annotations
@@ -103,13 +107,18 @@ def main(argv=None) -> None:
     if not device.enabled():
         raise SystemExit(f"device {args.device}() not available")
     runs = {"needle": needle_chain(device), "needle chk": needle_chain(device, True)}
+    from needle import compile as ndl_compile
+
+    fwd, step = needle_chain(device)
+    compiled = ndl_compile(step)
+    runs["compiled"] = (fwd, compiled)
     try:
         runs["torch"] = torch_chain()
     except ImportError:
         print("torch not importable: needle column only")
     results = {name: {"fwd": [], "fwd+bwd": []} for name in runs}
-    for fwd, step in runs.values():  # warm-up
-        for _ in range(3):
+    for fwd, step in runs.values():  # warm-up (a compiled step: through its recorded calls)
+        for _ in range(5):
             fwd()
             step()
     for _ in range(args.repeats):
@@ -132,6 +141,15 @@ def main(argv=None) -> None:
             line += (f"   {med['needle'] / med['torch']:12.2f}x / "
                      f"{best['needle'] / best['torch']:.2f}x")
         print(line)
+    mode = compiled.replay_mode()
+    if mode["mode"] == "kernels":
+        per_step = statistics.median(results["compiled"]["fwd+bwd"]) * N_OPS
+        print(f"compiled fwd+bwd: a program of {mode['kernels']} kernel calls "
+              f"({mode['fused_runs']} fused runs): {per_step / mode['kernels']:.2f} µs per "
+              f"kernel call, kernel time included")
+    else:
+        print(f"compiled step replays as {mode}")
+
 
 if __name__ == "__main__":
     main()

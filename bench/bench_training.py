@@ -10,8 +10,10 @@ get ``OMP_WAIT_POLICY=passive`` unless set: with spinning workers, whichever sid
 keeps burning the cores the other side needs (an OpenMP kernel right after an OpenBLAS call
 was measured dropping from 35 to 4 GFLOP/s).
 
-``--compiled`` adds a column: the same needle step under ``ndl.compile`` (traced once, replayed
-with every intermediate in one planned arena), timed in the same alternation.
+``--compiled`` adds a column: the same needle step under ``ndl.compile`` (traced once, then
+replayed as a kernel program with its elementwise runs fused, every intermediate in one
+planned arena), timed in the same alternation; the last column says how it replayed
+(``kernels N/F``: N kernel calls per step, F of them fused runs; or ``python``).
 
 Usage:
     python bench/bench_training.py [--quick] [--only mlp,resnet9,lstm] [--device cpu]
@@ -91,6 +93,7 @@ def needle_step_fn(workload: str, device, compiled: bool = False):
     def step():
         return train_step(x, y).numpy()
 
+    step.compiled = train_step if compiled else None
     return step, items
 
 
@@ -205,7 +208,7 @@ def measure(workload: str, steps: int, repeats: int, threads: int, device,
     c_step = needle_step_fn(workload, device, compiled=True)[0] if compiled else None
     t_step, _ = torch_step_fn(workload)
     with threadpool_limits(limits=threads):
-        for _ in range(3):  # a compiled step warms up, traces, then replays
+        for _ in range(5):  # a compiled step warms up, traces, records twice, then replays
             n_step()
             if c_step is not None:
                 c_step()
@@ -223,7 +226,10 @@ def measure(workload: str, steps: int, repeats: int, threads: int, device,
     out = {"workload": workload, "needle": n_rate, "torch": t_rate, "ratio": n_rate / t_rate}
     if c_step is not None:
         c_rate = items * steps / statistics.median(c_times)
-        out.update(compiled=c_rate, compiled_ratio=c_rate / t_rate)
+        mode = c_step.compiled.replay_mode()
+        how = (f"kernels {mode['kernels']}/{mode['fused_runs']}" if mode["mode"] == "kernels"
+               else mode["mode"])
+        out.update(compiled=c_rate, compiled_ratio=c_rate / t_rate, replay=how)
     return out
 
 
@@ -261,8 +267,8 @@ def main(argv=None) -> int:
     print(f"{'workload':44s} {'needle':>12s} {'pytorch':>12s} {'ratio':>7s}{extra}")
     for workload in args.only.split(","):
         r = measure(workload, steps, repeats, args.threads, device, args.compiled)
-        extra = (f" {r['compiled']:12,.0f} {r['compiled_ratio']:7.2f}" if args.compiled
-                 else "")
+        extra = (f" {r['compiled']:12,.0f} {r['compiled_ratio']:7.2f}  {r['replay']}"
+                 if args.compiled else "")
         print(f"{TITLES[workload]:44s} {r['needle']:12,.0f} {r['torch']:12,.0f} "
               f"{r['ratio']:7.2f}{extra}  ({UNITS[workload]})", flush=True)
     return 0

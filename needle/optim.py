@@ -38,6 +38,7 @@ import numpy as np
 from ._core.errors import NeedleError, ShapeError
 from .autograd import Tensor
 from .autograd.versions import note_replaced
+from .compiler.effects import replayed
 from .memory import attribute as _attribute
 from .memory import framework_category as _framework_category
 from .memory.observers import phase as _phase
@@ -308,9 +309,10 @@ class Adam(Optimizer):
         self.t = 0
 
     def step(self) -> None:
-        self.t += 1
+        # the counter and its bias corrections through replayed(): a compiled step replaying
+        # as a kernel program advances them too, instead of reusing the traced step's numbers
+        c1, c2 = replayed(self._advance, self)
         b1, b2, wd = float(self.beta1), float(self.beta2), float(self.weight_decay)
-        c1, c2 = 1 - b1 ** self.t, 1 - b2 ** self.t
         lr, eps = float(self.lr), float(self.eps)
         for p, theta, g in self._decayed_grads(wd):
             # Each moment is stored as soon as it is made, so the old one is freed before the
@@ -321,6 +323,11 @@ class Adam(Optimizer):
             v = (g * g) * (1 - b2) if v is None else v * b2 + (g * g) * (1 - b2)
             self.v[p] = _state(v)
             self._assign(p, theta, (m / c1 * lr) / ((v / c2) ** 0.5 + eps))
+
+    def _advance(self) -> tuple:
+        """One more step: ``t += 1``, and the bias corrections ``(1 − β1^t, 1 − β2^t)``."""
+        self.t += 1
+        return 1 - float(self.beta1) ** self.t, 1 - float(self.beta2) ** self.t
 
     def _extra_state(self) -> dict:
         return {"t": self.t}

@@ -190,7 +190,7 @@ class CompiledStep:
             return result, divergence
         try:
             program = build_program(rec, before, snapshot(roots, tensors), args, kwargs,
-                                    result)
+                                    result, device=entry.graph.device)
         except (NotReplayable, WalkTooLarge) as exc:
             entry.python_reason = str(exc)
             entry.candidate = None

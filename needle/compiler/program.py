@@ -41,7 +41,7 @@ from needle.backend_ndarray import NDArray, device_by_name
 from needle.backend_ndarray.ndarray import _view
 
 from .fusion import FusedCall, _slots, fuse
-from .recorder import Alloc, Call, Const, RandomFill, Recording, Ref
+from .recorder import Alloc, Call, Const, PyCall, RandomFill, Recording, Ref, ScalarRef
 from .state import Guard, bare, token, unchanged
 
 __all__ = ["KernelProgram", "Before", "build_program", "flat_arguments", "NotReplayable"]
@@ -206,8 +206,6 @@ class KernelProgram:
                 owner = tensors[s.loc.arg] if s.loc.arg >= 0 else s.loc.container
                 if isinstance(owner, Tensor):
                     note_replaced(owner)
-            if self.guard is not None and s.loc.arg < 0:
-                self.guard.expect(s.loc, value)
         return _rebuild(self.result, buffer, self.device)
 
     def fuse(self, kernel, arena: dict | None = None) -> int:
@@ -231,7 +229,7 @@ class KernelProgram:
         ops = fuse(rec.ops, sizes, keep, kernel, overlaps)
         before = self.n_kernels
         self._fn, self.source, self.n_kernels = _generate(
-            rec, [b.slot for b in self.binders], made, ops)
+            rec, [b.slot for b in self.binders], made, ops, self.device.mod)
         self.fused_runs = sum(isinstance(op, FusedCall) for op in ops)
         return before - self.n_kernels
 
@@ -267,7 +265,7 @@ def _rebuild(spec, buffer, device):
 
 
 def build_program(rec: Recording, before: Before, after: dict, args: tuple, kwargs: dict,
-                  result, guard: bool = True) -> KernelProgram:
+                  result, guard: bool = True, device=None) -> KernelProgram:
     """Make a :class:`KernelProgram` of a recorded call (see the module docstring).
 
     Raises:
@@ -275,29 +273,30 @@ def build_program(rec: Recording, before: Before, after: dict, args: tuple, kwar
     """
     if rec.problems:
         raise NotReplayable("; ".join(rec.problems))
-    device = _device_of(rec, args, kwargs, result)
+    device = device if device is not None else _device_of(args, kwargs, result)
     binders = _binders(rec, before)
     outputs: dict[int, int] = {}
-    setters = _setters(rec, before, after, set(rec.external), outputs, device)
+    owned: set = set()
+    setters = _setters(rec, before, after, set(rec.external), outputs, device, owned)
     result_spec = _describe_result(rec, result, outputs, set(rec.external))
     made = sorted(outputs, key=outputs.__getitem__)
-    fn, source, n_kernels = _generate(rec, [b.slot for b in binders], made)
+    fn, source, n_kernels = _generate(rec, [b.slot for b in binders], made,
+                                      device_mod=device.mod)
+    # locations a program reads afresh (binders) or sets itself (setters) every call need
+    # no guard: a value put there between calls is what the program then uses or replaces
+    fresh = {b.loc.ident for b in binders if b.loc is not None} | {s.loc.ident for s in setters}
+    fresh |= owned
     program = KernelProgram(fn, source, binders, setters, result_spec,
-                            Guard(after) if guard else None, n_kernels, device,
+                            Guard(after, fresh) if guard else None, n_kernels, device,
                             before.arg_grads, rec.ops)
     program._rec, program._made = rec, made
     return program
 
 
-def _device_of(rec, args, kwargs, result):
+def _device_of(args, kwargs, result):
     for t in flat_arguments(args, kwargs) + _result_tensors(result):
         return t.cached_data.device
-    for handle in rec.handles.values():
-        for name in ("cpu", "cpu_numpy", "cuda"):
-            dev = device_by_name(name)
-            if dev.enabled() and isinstance(handle, dev.mod.Array):
-                return dev
-    raise NotReplayable("the step touches no device buffer")
+    raise NotReplayable("the step's device is unknown (no tensor argument or result)")
 
 
 def _result_tensors(result) -> list:
@@ -321,7 +320,7 @@ def _binders(rec: Recording, before: Before) -> list:
 
 
 def _setters(rec: Recording, before: Before, after: dict, externals: set, outputs: dict,
-             device) -> list:
+             device, owned: set) -> list:
     setters = []
 
     def slot_of(array: NDArray) -> int:
@@ -340,6 +339,9 @@ def _setters(rec: Recording, before: Before, after: dict, externals: set, output
         if unchanged(before.tokens[key], new.value):
             continue
         value, loc = new.value, bare(new)
+        if isinstance(value, (int, float)) and any(loc.container is o for o in rec.owners):
+            owned.add(key)  # a replayed() call's own counter: it runs again on every replay
+            continue
         if value is None:
             setters.append(_Setter(loc, None, None, False, False, device))
         elif isinstance(value, NDArray):
@@ -378,7 +380,7 @@ def _describe_result(rec: Recording, result, outputs: dict, externals: set):
 
 
 # ---- code generation ----------------------------------------------------------------------
-def _generate(rec: Recording, external_slots: list, made: list, ops=None):
+def _generate(rec: Recording, external_slots: list, made: list, ops=None, device_mod=None):
     """The program as Python source and its compiled function ``fn(handles)``."""
     ops = rec.ops if ops is None else ops
     names: dict[str, object] = {"_asarray": np.asarray}
@@ -392,11 +394,24 @@ def _generate(rec: Recording, external_slots: list, made: list, ops=None):
         lines.append("    " + ", ".join(f"s{s}" for s in external_slots)
                      + ", = H")
         lines.append("    H.clear()")  # the locals alone hold the buffers: freed at last use
+    # The C++ allocator asks a Python resolver for each new buffer's memory category unless
+    # the thread has one set: the program sets the recorded categories itself, once per
+    # change, and puts the thread's setting back however it ends.
+    set_category = getattr(device_mod, "allocator_set_category", None)
+    if set_category is not None:
+        names["_category"] = set_category
+        lines += ["    _before = _category(None)", "    _category(_before)", "    try:"]
+    indent = "        " if set_category is not None else "    "
+    body_start = len(lines)
+    category = None
     n_kernels = 0
     for i, op in enumerate(ops):
         if isinstance(op, Alloc):
-            names[f"A{i}"] = rec.array_type
-            lines.append(f"    s{op.slot} = A{i}({op.size}, {op.dtype!r})")
+            names["A"] = rec.array_type
+            if set_category is not None and op.category != category:
+                category = op.category
+                lines.append(f"    _category({category!r})")
+            lines.append(f"    s{op.slot} = A({op.size}, {op.dtype!r})")
         elif isinstance(op, Call):
             names[f"k{i}"] = op.fn
             rendered = ", ".join(_render(a, names, f"c{i}_{j}") for j, a in enumerate(op.args))
@@ -409,6 +424,9 @@ def _generate(rec: Recording, external_slots: list, made: list, ops=None):
             outs = ", ".join(f"s{x}" for x in op.outs)
             lines.append(f"    k{i}([{ins}], [{outs}], c{i}, v{i}, {op.n})")
             n_kernels += 1
+        elif isinstance(op, PyCall):
+            names[f"f{i}"] = op.fn
+            lines.append(f"    q{op.index} = f{i}()")
         elif isinstance(op, RandomFill):
             names[f"k{i}"] = op.fn
             names[f"d{i}"] = _draw(op)
@@ -418,6 +436,9 @@ def _generate(rec: Recording, external_slots: list, made: list, ops=None):
         if dead:
             lines.append("    del " + ", ".join(f"s{s}" for s in sorted(set(dead))))
     lines.append("    return (" + "".join(f"s{s}, " for s in made) + ")")
+    if set_category is not None:
+        lines[body_start:] = [indent + line[4:] for line in lines[body_start:]]
+        lines += ["    finally:", "        _category(_before)"]
     source = "\n".join(lines) + "\n"
     code = compile(source, "<needle kernel program>", "exec")
     exec(code, names)  # noqa: S102 - our own generated source, built from recorded calls
@@ -427,6 +448,8 @@ def _generate(rec: Recording, external_slots: list, made: list, ops=None):
 def _render(arg, names: dict, name: str) -> str:
     if isinstance(arg, Ref):
         return f"s{arg.slot}"
+    if isinstance(arg, ScalarRef):
+        return f"q{arg.call}" if arg.index < 0 else f"q{arg.call}[{arg.index}]"
     if isinstance(arg, bool) or arg is None or (type(arg) is int):
         return repr(arg)
     if type(arg) is float and math.isfinite(arg):

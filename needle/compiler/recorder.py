@@ -37,8 +37,12 @@ import numpy as np
 
 from needle import random as _random
 from needle.autograd.engine import HOOK_CALLS
+from needle.memory import categories as _categories
 
-__all__ = ["Ref", "Const", "Alloc", "Call", "RandomFill", "Recording", "record_kernels"]
+from . import effects as _effects
+
+__all__ = ["Ref", "Const", "Alloc", "Call", "RandomFill", "ScalarRef", "PyCall", "Recording",
+           "record_kernels"]
 
 _LITERALS = (int, float, str, bool, type(None), np.integer, np.floating)
 
@@ -66,11 +70,13 @@ class Const:
 
 @dataclass(frozen=True)
 class Alloc:
-    """``Array(size, dtype)``: internal slot ``slot`` comes to life."""
+    """``Array(size, dtype)``: internal slot ``slot`` comes to life, attributed to memory
+    ``category`` (what ``needle.memory`` resolved for it when recorded)."""
 
     slot: int
     size: int
     dtype: str
+    category: str | None = None
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,26 @@ class Call:
     name: str
     fn: Any = field(compare=False, repr=False)
     args: tuple = ()
+
+
+@dataclass(frozen=True)
+class ScalarRef:
+    """A kernel's scalar argument that is result ``index`` (-1: the whole result) of the
+    step's ``call``-th :func:`~needle.compiler.effects.replayed` call."""
+
+    call: int
+    index: int
+
+
+@dataclass(frozen=True)
+class PyCall:
+    """``replayed(fn, owner)`` (:mod:`needle.compiler.effects`): run again at each replay;
+    ``key`` (the function and its owner) is what two recordings compare."""
+
+    index: int
+    key: tuple
+    fn: Any = field(compare=False, repr=False)
+    owner: Any = field(compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -115,6 +141,22 @@ class Recording:
         self.external: list[int] = []
         self.problems: list[str] = []
         self.draws: list[tuple[str, str, np.ndarray]] = []
+        self.owners: list = []  # owners of replayed() calls: their numbers are theirs to change
+        self._scalars: dict[int, tuple] = {}  # id(float) -> (the float, its ScalarRef)
+
+    def python(self, fn, owner, value) -> None:
+        """A :func:`~needle.compiler.effects.replayed` call of the step."""
+        index = sum(isinstance(op, PyCall) for op in self.ops)
+        key = (getattr(fn, "__func__", fn), id(getattr(fn, "__self__", None)), id(owner))
+        self.ops.append(PyCall(index, key, fn, owner))
+        self.owners.append(owner)
+        values = value if isinstance(value, tuple) else (value,)
+        for j, v in enumerate(values):
+            if type(v) is not float:
+                self.problem(f"a replayed() call returns a {type(v).__name__}, not floats")
+                continue
+            # the float itself is kept: its id stays its own for the whole recording
+            self._scalars[id(v)] = (v, ScalarRef(index, j if isinstance(value, tuple) else -1))
 
     def problem(self, message: str) -> None:
         if len(self.problems) < 8:
@@ -138,6 +180,10 @@ class Recording:
     def describe(self, value, name: str):
         if isinstance(value, self.array_type):
             return Ref(self.slot(value))
+        if type(value) is float:
+            known = self._scalars.get(id(value))
+            if known is not None and known[0] is value:
+                return known[1]
         if isinstance(value, _LITERALS):
             return value
         if isinstance(value, (tuple, list)):
@@ -173,7 +219,7 @@ class _Alloc:
         handle = self.real(size, dtype, *rest)
         if threading.get_ident() == self.thread:
             slot = self.rec._new_slot(handle)
-            self.rec.ops.append(Alloc(slot, int(size), str(dtype)))
+            self.rec.ops.append(Alloc(slot, int(size), str(dtype), _categories.resolve(None)))
         return handle
 
 
@@ -248,9 +294,11 @@ def record_kernels(device) -> Iterator[Recording]:
     hooks_before = HOOK_CALLS[0]
     handle = _random.add_draw_observer(on_draw)
     _random.set_state = set_state
+    previous_listener = _effects.set_listener(rec.python)
     try:
         yield rec
     finally:
+        _effects.set_listener(previous_listener)
         _random.set_state = real_set_state
         handle.remove()
         device.__dict__.clear()

@@ -20,12 +20,16 @@ Example:
     ...     def __init__(self): self.lr = 0.1
     >>> box = Box()
     >>> snap = snapshot(discover(lambda: box.lr, (), {}))
-    >>> [(type(loc.container).__name__, loc.key) for loc in snap.values()]
-    [('Box', 'lr')]
+    >>> [(loc.kind, loc.key) for loc in snap.values()]  # the global ``box``, then its lr
+    [('global', 'box'), ('attr', 'lr')]
 """
 from __future__ import annotations
 
 import dis
+import functools
+import os
+import sys
+import sysconfig
 import types
 import weakref
 from dataclasses import dataclass
@@ -51,7 +55,8 @@ class WalkTooLarge(Exception):
 @dataclass
 class Location:
     """``container.key`` (``kind == "attr"``) or ``container[key]`` (``"item"``); a tuple's
-    items (``"tuple"``) can be read but not set. ``value`` is what it held when walked."""
+    items (``"tuple"``) can be read but not set; ``"global"`` is a module global (an item of
+    the module namespace, whose size is not guarded). ``value`` is what it held when walked."""
 
     container: object
     key: object
@@ -91,8 +96,30 @@ class _Missing:
 _MISSING = _Missing()
 
 
+class _Global:
+    """A module global a step function loads: walked as the location ``globals[name]``."""
+
+    __slots__ = ("namespace", "name")
+
+    def __init__(self, namespace: dict, name: str):
+        self.namespace, self.name = namespace, name
+
+
+_NEEDLE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_LIBRARY_DIRS = tuple({os.path.join(p, "") for p in (sys.prefix, sys.base_prefix,
+                                                     sysconfig.get_paths()["purelib"])})
+
+
+def _user_function(f) -> bool:
+    """A function of the user's code: its globals and closures are the step's state.
+    needle's own functions and those of installed libraries are not walked."""
+    path = os.path.abspath(f.__code__.co_filename)
+    return not path.startswith(_NEEDLE_DIR) and not path.startswith(_LIBRARY_DIRS)
+
+
 def _roots(fn, seen_fns: set) -> list:
-    """The objects a step function can reach without arguments."""
+    """The objects (and module globals, as :class:`_Global`) a step function can reach
+    without arguments."""
     out: list = []
     stack = [fn]
     while stack:
@@ -112,18 +139,25 @@ def _roots(fn, seen_fns: set) -> list:
                         stack.append(extra)
                 out.extend(getattr(f, "args", ()) or ())
             continue
-        out.extend(c.cell_contents for c in (f.__closure__ or ()) if _filled(c))
+        if not _user_function(f):
+            continue
+        for cell in f.__closure__ or ():
+            if _filled(cell):
+                value = cell.cell_contents
+                if isinstance(value, (types.FunctionType, types.MethodType)):
+                    stack.append(value)  # a helper defined around the step: its state too
+                else:
+                    out.append(value)
         out.extend(f.__defaults__ or ())
         out.extend((f.__kwdefaults__ or {}).values())
-        names = _global_names(f.__code__)
         g = f.__globals__
-        for name in sorted(names):
+        for name in sorted(_global_names(f.__code__)):
             if name in g:
                 value = g[name]
                 if isinstance(value, (types.FunctionType, types.MethodType)):
                     stack.append(value)
-                elif not isinstance(value, _OPAQUE):
-                    out.append(value)
+                elif not isinstance(value, (types.ModuleType, type)):
+                    out.append(_Global(g, name))
     return out
 
 
@@ -177,6 +211,9 @@ def snapshot(roots: list, arguments: list = ()) -> dict[tuple, Location]:
 
     while stack:
         obj = stack.pop()
+        if isinstance(obj, _Global):
+            add(obj.namespace, obj.name, "global", obj.namespace[obj.name])
+            continue
         if isinstance(obj, _SCALARS) or isinstance(obj, _OPAQUE) or id(obj) in seen:
             continue
         if callable(obj) and isinstance(obj, (types.FunctionType, types.MethodType,
@@ -248,14 +285,18 @@ def bare(loc: Location) -> Location:
 
 class Guard:
     """Checks that every location still holds what it held (identity; equality for plain
-    scalars), and that no container grew or shrank."""
+    scalars), and that no container grew or shrank. ``skip``: idents of locations not to
+    check (those a program reads afresh or sets itself on every call)."""
 
-    def __init__(self, locations: dict[tuple, Location]):
-        state = [loc for loc in locations.values() if loc.arg < 0]
-        self.checks = [(bare(loc), token(loc.value)) for loc in state]
-        self.index = {loc.ident: i for i, loc in enumerate(state)}
+    def __init__(self, locations: dict[tuple, Location], skip=()):
+        skip = set(skip)
+        state = [loc for loc in locations.values() if loc.arg < 0 and loc.ident not in skip]
+        self.names = [f"{type(loc.container).__name__}.{loc.key}" for loc in state]
+        self.checks = [(_getter(loc), token(loc.value)) for loc in state]
         sizes: dict[int, tuple] = {}
-        for loc in state:
+        for loc in locations.values():
+            if loc.arg >= 0:
+                continue
             if loc.kind == "attr" and not isinstance(loc.container, Tensor):
                 attrs = getattr(loc.container, "__dict__", None)
                 if isinstance(attrs, dict):
@@ -270,13 +311,23 @@ class Guard:
             if len(container) != size:
                 return f"a container of the step's state changed size ({size} -> " \
                        f"{len(container)})"
-        for loc, tok in self.checks:
-            if not unchanged(tok, loc.get()):
-                return f"{type(loc.container).__name__}.{loc.key} changed since the last call"
+        for i, (get, tok) in enumerate(self.checks):
+            value = get()
+            if tok.__class__ is weakref.ref:
+                if tok() is not value:
+                    return f"{self.names[i]} changed since the last call"
+            elif not _same(tok[1], value):
+                return f"{self.names[i]} changed since the last call"
         return None
 
-    def expect(self, loc: Location, value) -> None:
-        """After a replay set ``loc`` to ``value``: check for that from now on."""
-        i = self.index.get(loc.ident)
-        if i is not None:
-            self.checks[i] = (self.checks[i][0], token(value))
+
+def _getter(loc: Location):
+    """A fast ``loc.get`` (one C-level call where the container is a dict or has one)."""
+    container, key = loc.container, loc.key
+    if loc.kind == "attr":
+        attrs = getattr(container, "__dict__", None)
+        if isinstance(attrs, dict) and key in attrs:
+            return functools.partial(attrs.get, key, _MISSING)
+    elif isinstance(container, dict):
+        return functools.partial(container.get, key, _MISSING)
+    return loc.get

@@ -166,7 +166,16 @@ class ArenaAllocator:
 
 def cpp_entries(plan) -> list[tuple[int, int, int]]:
     """The traced allocation sequence as ``(requested, offset, size)`` for the C++ allocator
-    (offset -1: an output, served from the pools)."""
+    (offset -1: an output, served from the pools); made once per plan (a compiled step
+    replays the same plan every call)."""
+    cached = plan.__dict__.get("_cpp_entries")
+    if cached is None:
+        cached = _entries(plan)
+        object.__setattr__(plan, "_cpp_entries", cached)  # a frozen dataclass: a cache only
+    return cached
+
+
+def _entries(plan) -> list[tuple[int, int, int]]:
     out = []
     for tensor_id, nbytes in plan.graph.allocations:
         offset = plan.assignments.get(tensor_id)

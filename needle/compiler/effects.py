@@ -1,0 +1,46 @@
+"""Python that a kernel program runs on every replay: a step's own bookkeeping.
+
+A kernel program replays what a step did to device buffers and nothing else, so a step that
+also updates Python state (Adam's step counter ``t``) and feeds numbers derived from it to the
+kernels (the bias corrections ``1 - β^t``) would replay stale numbers. Code like that wraps
+the bookkeeping in :func:`replayed`: the function runs now, as always, and a kernel program
+recorded from this step calls it again at the same point of every replay, passing its new
+results wherever the recorded results went into a kernel (matched by identity: pass the
+returned floats on as they are). Changes it makes to plain numbers of ``owner`` are its own:
+the compiler neither refuses nor guards them.
+
+Example:
+    >>> class Counter:
+    ...     def __init__(self): self.t = 0
+    ...     def advance(self):
+    ...         self.t += 1
+    ...         return 0.5 ** self.t
+    >>> c = Counter(); replayed(c.advance, c), c.t
+    (0.5, 1)
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+__all__ = ["replayed", "set_listener"]
+
+_LOCAL = threading.local()
+
+
+def replayed(fn: Callable[[], Any], owner: object) -> Any:
+    """``fn()``, also run by every kernel replay of a step recorded around this call (see the
+    module docstring). ``fn`` returns a float or a tuple of floats."""
+    value = fn()
+    listener = getattr(_LOCAL, "listener", None)
+    if listener is not None:
+        listener(fn, owner, value)
+    return value
+
+
+def set_listener(fn) -> Any:
+    """Install ``fn(fn, owner, value)`` for this thread's :func:`replayed` calls (None: off);
+    returns the previous one. needle.compiler's recorder listens while it records a step."""
+    prev = getattr(_LOCAL, "listener", None)
+    _LOCAL.listener = fn
+    return prev
