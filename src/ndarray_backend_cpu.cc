@@ -9,12 +9,15 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "allocator.h"
 #include "allocator_py.h"
 #include "array.h"
 #include "dispatch.h"
+#include "ewise_program.h"
 #include "kernels.h"
 #include "ndarray_backend_fused.h"
 #include "strided.h"
@@ -315,6 +318,8 @@ void translate_check_errors(std::exception_ptr p) {
   }
 }
 
+#include "kernel_list_py.h"
+
 }  // namespace
 }  // namespace needle
 
@@ -407,6 +412,7 @@ PYBIND11_MODULE(ndarray_backend_cpu, m) {
   m.def("_get_isa", [] { return std::string(g_kernels->name); });
   m.def("_set_isa", [](const std::string& name) { g_kernels = &select_isa(name); });
   nd::bind_fused(m, &g_kernels);
+  nd::bind_kernel_list(m);
   m.def("_available_isas", &nd::available_isas);
   m.def("_kernel_info", [] {
     py::dict info;

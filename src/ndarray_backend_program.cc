@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "array.h"
+#include "ewise_program.h"
 #include "kernels.h"
 
 namespace py = pybind11;
@@ -25,8 +26,10 @@ constexpr int kUnOps = int(UnOp::sigmoid) + 1;
   throw std::invalid_argument("ewise_program: " + what);
 }
 
-void check_code(const std::vector<std::int32_t>& code, std::size_t n_in, std::size_t n_out,
-                std::size_t n_scalars) {
+}  // namespace
+
+void check_ewise_program(const std::vector<std::int32_t>& code, std::size_t n_in,
+                         std::size_t n_out, std::size_t n_scalars) {
   if (code.size() % 5) bad("expected instructions of 5 ints, got " + std::to_string(code.size()));
   std::vector<bool> set(kProgramRegisters, false);
   auto reg = [&](std::int32_t r, bool read) {
@@ -73,41 +76,48 @@ void check_code(const std::vector<std::int32_t>& code, std::size_t n_in, std::si
   }
 }
 
-}  // namespace
+void run_ewise_program(const KernelTable& kernels, const std::vector<const Array*>& ins,
+                       const std::vector<Array*>& outs, const std::vector<std::int32_t>& code,
+                       const std::vector<double>& scalars, std::int64_t n, bool checked) {
+  if (n < 0) bad("expected n >= 0, got " + std::to_string(n));
+  if (outs.empty()) bad("expected at least one output");
+  const DType t = outs[0]->dtype();
+  if (t == DType::f16) bad("expected float32 or float64, got float16");
+  const void* in_ptrs[64];
+  void* out_ptrs[64];
+  if (ins.size() > 64 || outs.size() > 64) bad("expected at most 64 inputs and 64 outputs");
+  for (std::size_t i = 0; i < ins.size(); ++i) {
+    const Array* a = ins[i];
+    if (a->dtype() != t || a->size() < std::size_t(n)) {
+      bad("every input must be " + std::string(dtype_name(t)) + " with at least " +
+          std::to_string(n) + " elements");
+    }
+    in_ptrs[i] = a->data();
+  }
+  for (std::size_t j = 0; j < outs.size(); ++j) {
+    Array* o = outs[j];
+    if (o->dtype() != t || o->size() < std::size_t(n)) {
+      bad("every output must be " + std::string(dtype_name(t)) + " with at least " +
+          std::to_string(n) + " elements");
+    }
+    for (const Array* a : ins) {
+      if (a->data() == o->data()) bad("an output shares its buffer with an input");
+    }
+    out_ptrs[j] = o->data();
+  }
+  if (!checked) check_ewise_program(code, ins.size(), outs.size(), scalars.size());
+  if (n == 0) return;
+  py::gil_scoped_release release;
+  kernels.ewise_program(t, in_ptrs, out_ptrs, code.data(), code.size() / 5, scalars.data(),
+                        std::size_t(n));
+}
 
 void bind_ewise_program(py::module_& m, const KernelTable* const* kernels) {
   m.def("ewise_program", [kernels](const std::vector<const Array*>& ins,
                                    const std::vector<Array*>& outs,
                                    const std::vector<std::int32_t>& code,
                                    const std::vector<double>& scalars, std::int64_t n) {
-    if (n < 0) bad("expected n >= 0, got " + std::to_string(n));
-    if (outs.empty()) bad("expected at least one output");
-    const DType t = outs[0]->dtype();
-    if (t == DType::f16) bad("expected float32 or float64, got float16");
-    std::vector<const void*> in_ptrs;
-    std::vector<void*> out_ptrs;
-    for (const Array* a : ins) {
-      if (a->dtype() != t || a->size() < std::size_t(n)) {
-        bad("every input must be " + std::string(dtype_name(t)) + " with at least " +
-            std::to_string(n) + " elements");
-      }
-      in_ptrs.push_back(a->data());
-    }
-    for (Array* o : outs) {
-      if (o->dtype() != t || o->size() < std::size_t(n)) {
-        bad("every output must be " + std::string(dtype_name(t)) + " with at least " +
-            std::to_string(n) + " elements");
-      }
-      for (const Array* a : ins) {
-        if (a->data() == o->data()) bad("an output shares its buffer with an input");
-      }
-      out_ptrs.push_back(o->data());
-    }
-    check_code(code, ins.size(), outs.size(), scalars.size());
-    if (n == 0) return;
-    py::gil_scoped_release release;
-    (*kernels)->ewise_program(t, in_ptrs.data(), out_ptrs.data(), code.data(), code.size() / 5,
-                              scalars.data(), std::size_t(n));
+    run_ewise_program(**kernels, ins, outs, code, scalars, n, false);
   }, py::arg("ins"), py::arg("outs"), py::arg("code"), py::arg("scalars"), py::arg("n"));
 }
 

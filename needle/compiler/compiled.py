@@ -88,7 +88,7 @@ class CompiledStep:
     _needle_opaque_state = True  # not part of any step's state (needle.compiler.state)
 
     def __init__(self, fn, *, max_cache: int = 8, warmup: int = 1, max_retraces: int = 2,
-                 device=None, kernels: bool = True, fusion: bool = True):
+                 device=None, kernels: bool = True, fusion: bool = True, native: bool = True):
         if not callable(fn):
             raise CompileError(f"compile: expected a callable step, got {fn!r}")
         for name, value, low in (("max_cache", max_cache, 1), ("warmup", warmup, 0),
@@ -103,6 +103,7 @@ class CompiledStep:
         self.device = device
         self.kernels = kernels
         self.fusion = fusion
+        self.native = native
         self._cache: OrderedDict[tuple, _Entry] = OrderedDict()
         self._counts = {"calls": 0, "traces": 0, "replays": 0, "kernel_replays": 0,
                         "divergences": 0, "evictions": 0, "eager_calls": 0}
@@ -199,8 +200,11 @@ class CompiledStep:
         if previous is not None:
             if previous.shape() == program.shape():
                 entry.program, entry.candidate = program, None
+                program.use_native = self.native
                 if self.fusion:
                     _fuse(program, entry.plan)
+                else:
+                    program._build_native(program.ops)
             else:
                 entry.python_reason = ("two calls of the step ran different kernels or "
                                        "arguments (its Python depends on more than the "
@@ -272,7 +276,8 @@ class CompiledStep:
             return {"mode": "eager", "reason": entry.last_divergence}
         if entry.program is not None:
             return {"mode": "kernels", "kernels": entry.program.n_kernels,
-                    "fused_runs": entry.program.fused_runs}
+                    "fused_runs": entry.program.fused_runs,
+                    "runner": "C++" if entry.program.native is not None else "Python"}
         if entry.plan is None:
             return {"mode": "warm-up"}
         if not self.kernels or entry.python_reason is not None:
@@ -310,7 +315,7 @@ def _device_of(args):
 
 
 def compile(fn=None, *, max_cache: int = 8, warmup: int = 1, max_retraces: int = 2,
-            device=None, kernels: bool = True, fusion: bool = True):
+            device=None, kernels: bool = True, fusion: bool = True, native: bool = True):
     """Capture ``fn`` (a training or inference step) once per call signature and replay it
     with every intermediate buffer in one planned arena.
 
@@ -319,6 +324,11 @@ def compile(fn=None, *, max_cache: int = 8, warmup: int = 1, max_retraces: int =
     shape, dtype or device of a tensor argument traces again; at most ``max_cache``
     signatures are kept (least recently used evicted). Usable as ``@compile`` or
     ``compile(fn, ...)``.
+
+    After two recorded replays a step whose Python only drives kernels replays as a kernel
+    program (``kernels=False``: never); its elementwise runs are fused (``fusion``) and on
+    ``cpu()`` it runs from C++ (``native``; False keeps the generated Python function).
+    ``replay_mode()`` says which, or why a step keeps running its Python.
 
     Example:
         >>> import numpy as np, needle as ndl
@@ -334,6 +344,6 @@ def compile(fn=None, *, max_cache: int = 8, warmup: int = 1, max_retraces: int =
     if fn is None:
         return lambda f: CompiledStep(f, max_cache=max_cache, warmup=warmup,
                                       max_retraces=max_retraces, device=device,
-                                      kernels=kernels, fusion=fusion)
+                                      kernels=kernels, fusion=fusion, native=native)
     return CompiledStep(fn, max_cache=max_cache, warmup=warmup, max_retraces=max_retraces,
-                        device=device, kernels=kernels, fusion=fusion)
+                        device=device, kernels=kernels, fusion=fusion, native=native)

@@ -41,6 +41,7 @@ from needle.backend_ndarray import NDArray, device_by_name
 from needle.backend_ndarray.ndarray import _view
 
 from .fusion import FusedCall, _slots, fuse
+from .native import build_kernel_list
 from .recorder import Alloc, Call, Const, PyCall, RandomFill, Recording, Ref, ScalarRef
 from .state import Guard, bare, token, unchanged
 
@@ -136,6 +137,10 @@ class KernelProgram:
         self._fn = fn
         self.ops = list(ops)
         self.fused_runs = 0
+        self.native = None  # the C++ kernel list, when the backend has one
+        self.use_native = True
+        self._external_slots = [b.slot for b in binders]
+        self._made: list = []
         # (location, traced value was None) of the tensor arguments' grad: a replay needs
         # the same (a gradient accumulating into x.grad takes another path than a first one)
         self.arg_locations = list(arg_grads)
@@ -184,6 +189,8 @@ class KernelProgram:
         eager step that raised halfway."""
         for s in self.setters:
             s.loc.set(None, tensors)
+        if self.native is not None:
+            return self.native.run(handles, self._external_slots, self._made)
         return self._fn(handles)
 
     def finish(self, made: tuple, tensors: list):
@@ -231,7 +238,13 @@ class KernelProgram:
         self._fn, self.source, self.n_kernels = _generate(
             rec, [b.slot for b in self.binders], made, ops, self.device.mod)
         self.fused_runs = sum(isinstance(op, FusedCall) for op in ops)
+        self._build_native(ops)
         return before - self.n_kernels
+
+    def _build_native(self, ops) -> None:
+        """The C++ kernel list of ``ops`` where the backend has one (needle.compiler.native)."""
+        self.native = build_kernel_list(ops, [b.slot for b in self.binders], set(self._made),
+                                        self.device.mod, _draw) if self.use_native else None
 
     def shape(self) -> tuple:
         """Everything that decides what the program does, comparable between two recordings
@@ -290,6 +303,7 @@ def build_program(rec: Recording, before: Before, after: dict, args: tuple, kwar
                             Guard(after, fresh) if guard else None, n_kernels, device,
                             before.arg_grads, rec.ops)
     program._rec, program._made = rec, made
+    program._build_native(rec.ops)
     return program
 
 

@@ -104,6 +104,7 @@ class PyCall:
 
     index: int
     key: tuple
+    n_values: int
     fn: Any = field(compare=False, repr=False)
     owner: Any = field(compare=False, repr=False)
 
@@ -148,9 +149,9 @@ class Recording:
         """A :func:`~needle.compiler.effects.replayed` call of the step."""
         index = sum(isinstance(op, PyCall) for op in self.ops)
         key = (getattr(fn, "__func__", fn), id(getattr(fn, "__self__", None)), id(owner))
-        self.ops.append(PyCall(index, key, fn, owner))
-        self.owners.append(owner)
         values = value if isinstance(value, tuple) else (value,)
+        self.ops.append(PyCall(index, key, len(values), fn, owner))
+        self.owners.append(owner)
         for j, v in enumerate(values):
             if type(v) is not float:
                 self.problem(f"a replayed() call returns a {type(v).__name__}, not floats")

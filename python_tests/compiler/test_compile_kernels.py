@@ -23,9 +23,20 @@ from test_compile_models import make, step_for  # noqa: E402 - the shared model 
 FIRST_KERNEL_CALL = 4  # warm-up, trace, two recordings
 
 
-@pytest.fixture(params=["cpu_numpy", "cpu"])
+@pytest.fixture(params=["cpu_numpy", "cpu", "cpu-python-runner"])
 def dev(request):
-    return getattr(ndl, request.param)()
+    """cpu() runs its programs from C++ (needle.compiler.native); "cpu-python-runner" is cpu()
+    with the generated Python function instead (both must give the eager numbers)."""
+    return getattr(ndl, request.param.split("-")[0])()
+
+
+@pytest.fixture(autouse=True)
+def _runner(request, monkeypatch):
+    """Compile with native=False on the "cpu-python-runner" variant of ``dev``."""
+    params = getattr(request.node, "callspec", None)
+    if params is not None and params.params.get("dev") == "cpu-python-runner":
+        real = ndl.compile
+        monkeypatch.setattr(ndl, "compile", lambda *a, **k: real(*a, native=False, **k))
 
 
 def train(kind, dev, compiled, steps, optimizer="sgd"):
@@ -56,6 +67,8 @@ def test_kernel_replays_equal_eager_steps_bitwise(kind, optimizer, dev):
     params, losses, step = train(kind, dev, True, steps, optimizer)
     mode = step.replay_mode()
     assert mode["mode"] == "kernels" and mode["fused_runs"] > 0
+    assert mode["runner"] == ("C++" if dev.name == "cpu" and ndl.compile.__name__ == "compile"
+                              else "Python")
     assert step.stats()["kernel_replays"] == steps - FIRST_KERNEL_CALL
     for got, want in zip(losses, want_losses, strict=True):
         np.testing.assert_array_equal(got, want)
