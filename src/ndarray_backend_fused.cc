@@ -284,17 +284,23 @@ namespace {
 
 // (n, k) checked as for batch norm, then every label an integer in [0, k): the kernels index
 // rows with them, so a bad one must be refused before they run.
+// Every one of the n values an integer in [0, k), else an IndexError "<what> <i>, expected
+// ..." naming the first bad one (class labels of the loss, ids of an embedding).
 template <class T>
-void check_labels(const char* op, const T* labels, std::size_t n, std::size_t k) {
+void check_class_ids(const std::string& what, const T* values, std::size_t n, std::size_t k) {
   for (std::size_t i = 0; i < n; ++i) {
-    const T v = labels[i];
+    const T v = values[i];
     if (!(v >= T(0) && v < T(k)) || v != std::floor(v)) {
-      throw py::index_error(std::string(op) + ": class label out of range at row " +
-                            std::to_string(i) + ", expected an integer in [0, " +
+      throw py::index_error(what + " " + std::to_string(i) + ", expected an integer in [0, " +
                             std::to_string(k) + "), got " +
                             std::string(py::repr(py::float_(double(v)))));
     }
   }
+}
+
+template <class T>
+void check_labels(const char* op, const T* labels, std::size_t n, std::size_t k) {
+  check_class_ids(std::string(op) + ": class label out of range at row", labels, n, k);
 }
 
 void xent_dims(const char* op, const Array& labels, std::int64_t n, std::int64_t k,
@@ -368,14 +374,7 @@ namespace {
 
 template <class T>
 void check_ids(const T* ids, std::size_t n, std::size_t num) {
-  for (std::size_t i = 0; i < n; ++i) {
-    const T v = ids[i];
-    if (!(v >= T(0) && v < T(num)) || v != std::floor(v)) {
-      throw py::index_error("embedding: id out of range at position " + std::to_string(i) +
-                            ", expected an integer in [0, " + std::to_string(num) + "), got " +
-                            std::string(py::repr(py::float_(double(v)))));
-    }
-  }
+  check_class_ids("embedding: id out of range at position", ids, n, num);
 }
 
 template <class T>

@@ -138,14 +138,19 @@ def batch_norm_backward(dy, x, w, mean, invstd, dx, dw, db, n, c, s) -> None:
     dx.array[:n * c * s] = grad.astype(dt).reshape(-1)
 
 
-def _labels(op: str, labels, n: int, k: int) -> np.ndarray:
-    y = labels.array[:n]
+def _class_ids(values, n: int, k: int, what: str) -> np.ndarray:
+    """The first ``n`` values as int64, each checked to be an integer in ``[0, k)``; else an
+    IndexError "<what> <i>, expected ..." naming the first bad one."""
+    y = values.array[:n]
     bad = ~((y >= 0) & (y < k) & (y == np.floor(y)))
     if bad.any():
         i = int(np.argmax(bad))
-        raise IndexError(f"{op}: class label out of range at row {i}, expected an integer in "
-                         f"[0, {k}), got {float(y[i])}")
+        raise IndexError(f"{what} {i}, expected an integer in [0, {k}), got {float(y[i])}")
     return y.astype(np.int64)
+
+
+def _labels(op: str, labels, n: int, k: int) -> np.ndarray:
+    return _class_ids(labels, n, k, f"{op}: class label out of range at row")
 
 
 def softmax_xent_forward(z, labels, loss, lse, n, k) -> None:
@@ -174,13 +179,7 @@ def softmax_xent_backward(z, labels, lse, g, dz, n, k) -> None:
 
 
 def _ids(ids, n: int, num: int) -> np.ndarray:
-    v = ids.array[:n]
-    bad = ~((v >= 0) & (v < num) & (v == np.floor(v)))
-    if bad.any():
-        i = int(np.argmax(bad))
-        raise IndexError(f"embedding: id out of range at position {i}, expected an integer in "
-                         f"[0, {num}), got {float(v[i])}")
-    return v.astype(np.int64)
+    return _class_ids(ids, n, num, "embedding: id out of range at position")
 
 
 def embedding_forward(table, ids, out, num, dim, n) -> None:

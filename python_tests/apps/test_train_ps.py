@@ -66,8 +66,12 @@ def test_ps_killed_worker_is_lost_and_training_finishes(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert "--kill-worker 2@3: sending SIGKILL" in proc.stdout + proc.stderr
     block = json.loads((tmp_path / "summary.json").read_text())["ps"]
-    assert block["workers_lost"] == 1 and block["worker_clocks"] == [8, 2, 8]
-    assert block["updates_applied"] == 18
+    # Worker 2 pushed steps 1 and 2 asynchronously and dies as step 3 starts: its second push
+    # may still sit in its socket's queue when SIGKILL lands (a real kill loses it), so the
+    # server saw 1 or 2 of its clocks; every push it saw was applied, no more.
+    lost = block["worker_clocks"][1]
+    assert block["workers_lost"] == 1 and block["worker_clocks"][::2] == [8, 8] and lost in (1, 2)
+    assert block["updates_applied"] == 16 + lost
     assert block["bytes_pushed"] < block["bytes_predicted"]["pushed"]
 
 
