@@ -150,7 +150,7 @@ class CompiledStep:
                 return call(*args)
             entry.calls += 1
             if entry.plan is None:
-                return self._trace(entry, call, args)
+                return self._trace(entry, call, args, kwargs)
             if entry.program is not None:
                 result, divergence = self._run_program(entry, args, kwargs)
             elif self.kernels and entry.python_reason is None:
@@ -227,14 +227,14 @@ class CompiledStep:
         self._counts["kernel_replays"] += 1
         return result, divergence
 
-    def _trace(self, entry: _Entry, call, args):
+    def _trace(self, entry: _Entry, call, args, kwargs):
         box = []
 
         def keep(*a):
             box.append(call(*a))  # the result outlives the call: its buffers are outputs
 
         # the trace's own event count gives the eager peak: no reset of the user's peaks
-        graph = trace(keep, *args, device=self.device or _device_of(args))
+        graph = trace(keep, *args, device=self.device or _device_of(args, kwargs))
         entry.eager_peak_bytes = graph.eager_peak_bytes
         entry.graph, entry.plan = graph, plan(graph)
         self._counts["traces"] += 1
@@ -308,9 +308,20 @@ def _fuse(program, plan) -> None:
     program.fuse(kernel, arena)
 
 
-def _device_of(args):
+def _device_of(args, kwargs):
+    """The device of the first tensor argument, looking inside lists, tuples and dicts (a
+    step taking a list of batches runs on their device, not on the default one)."""
     from needle.memory.trace import _device_of as first_device
 
+    try:
+        tensors = flat_arguments(args, kwargs)
+    except NotReplayable:  # a NumPy argument: the first tensor at the top level decides
+        tensors = []
+    from needle.backend_ndarray import NDArray
+
+    for t in tensors:
+        if isinstance(t.cached_data, NDArray):
+            return t.cached_data.device
     return first_device(args, None)
 
 

@@ -101,8 +101,22 @@ class Before:
                     and isinstance(v.cached_data, NDArray):
                 self.by_handle.setdefault(id(v.cached_data._handle),
                                           (-1, bare(loc), True, _meta(v.cached_data)))
+        self.arg_sharing = buffer_sharing(tensors)
         self.arg_grads = [(bare(loc), loc.value is None) for loc in locations.values()
                           if loc.arg >= 0 and loc.key == "grad"]
+
+
+def buffer_sharing(tensors: list) -> tuple:
+    """Which tensor arguments share a buffer: for each, the index of the first argument with
+    the same buffer (``step(x, x)`` gives (0, 0), ``step(x, y)`` (0, 1)). A program recorded
+    with one pattern reads one slot where another would need two, or the other way round."""
+    first: dict[int, int] = {}
+    out = []
+    for i, t in enumerate(tensors):
+        data = t.cached_data
+        key = id(data._handle) if isinstance(data, NDArray) else -1 - i
+        out.append(first.setdefault(key, i))
+    return tuple(out)
 
 
 class _Binder:
@@ -133,8 +147,9 @@ class KernelProgram:
     that run the kernels inside a memory plan."""
 
     def __init__(self, fn, source: str, binders, setters, result, guard, n_kernels: int,
-                 device, arg_grads=(), ops=()):
+                 device, arg_grads=(), ops=(), arg_sharing=()):
         self._fn = fn
+        self.arg_sharing = tuple(arg_sharing)
         self.ops = list(ops)
         self.fused_runs = 0
         self.native = None  # the C++ kernel list, when the backend has one
@@ -160,6 +175,8 @@ class KernelProgram:
             if failure is not None:
                 return failure
         tensors = flat_arguments(args, kwargs)
+        if buffer_sharing(tensors) != self.arg_sharing:
+            return "the tensor arguments share buffers otherwise than in the traced call"
         for loc, was_none in self.arg_locations:
             if (loc.get(tensors) is None) != was_none:
                 return f"argument {loc.arg}'s grad is {'not ' if was_none else ''}None, " \
@@ -177,6 +194,8 @@ class KernelProgram:
                     f"{type(b.loc.container).__name__}.{b.loc.key}"
                 return f"the buffer at {where} has another layout than traced"
             handles.append(value._handle)
+        if len({id(h) for h in handles}) != len(handles):
+            return "two buffers the traced call read apart are one buffer now"
         return handles
 
     def execute(self, handles: list, tensors: list) -> tuple:
@@ -301,7 +320,7 @@ def build_program(rec: Recording, before: Before, after: dict, args: tuple, kwar
     fresh |= owned
     program = KernelProgram(fn, source, binders, setters, result_spec,
                             Guard(after, fresh) if guard else None, n_kernels, device,
-                            before.arg_grads, rec.ops)
+                            before.arg_grads, rec.ops, before.arg_sharing)
     program._rec, program._made = rec, made
     program._build_native(rec.ops)
     return program

@@ -276,3 +276,35 @@ def test_a_global_the_step_reads_is_guarded(dev):
         assert float(step(x).numpy()[0, 0]) == 6.0
     finally:
         SCALE = 2.0
+
+
+def test_arguments_sharing_buffers_otherwise_than_traced_run_the_python(dev):
+    """A program recorded from step(x, x) reads one buffer for both; step(a, b) needs two."""
+    step = ndl.compile(lambda a, b: a * 2 + b)
+    x = ndl.Tensor(np.ones(4), device=dev, requires_grad=False)
+    for _ in range(5):
+        step(x, x)
+    assert step.replay_mode()["mode"] == "kernels"
+    a = ndl.Tensor(np.full(4, 3.0), device=dev, requires_grad=False)
+    b = ndl.Tensor(np.full(4, 10.0), device=dev, requires_grad=False)
+    assert step(a, b).numpy().tolist() == [16.0] * 4
+
+
+def test_results_arguments_and_structures_replay(dev):
+    """Keyword arguments, nested argument lists, tuple results with Python values."""
+    w = ndl.Tensor(np.eye(3), device=dev)
+
+    def step(xs, scale=1.0):
+        h = (xs[0] + xs[1]) @ w
+        return (h * scale, [h.sum(), None], "done")
+
+    compiled = ndl.compile(step)
+    for i in range(6):
+        xs = [ndl.Tensor(np.full((2, 3), float(i)), device=dev, requires_grad=False),
+              ndl.Tensor(np.ones((2, 3)), device=dev, requires_grad=False)]
+        got = compiled(xs, scale=2.0)
+        want = step(xs, scale=2.0)
+        np.testing.assert_array_equal(got[0].numpy(), want[0].numpy())
+        assert float(got[1][0].numpy()) == float(want[1][0].numpy())
+        assert got[1][1] is None and got[2] == "done" and isinstance(got[1], list)
+    assert compiled.stats()["kernel_replays"] == 2
