@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 from .recorder import Alloc, Call, Ref
 
-__all__ = ["FusedCall", "fuse", "FUSIBLE", "MAX_REGISTERS"]
+__all__ = ["FusedCall", "fuse", "slots_of", "FUSIBLE", "MAX_REGISTERS"]
 
 MAX_REGISTERS = 16  # kProgramRegisters in src/kernels.h
 LOAD, STORE, BINARY, SCALAR, RSCALAR, UNARY = range(6)  # ProgramKind in src/kernels.h
@@ -128,7 +128,7 @@ def fuse(ops: list, sizes: dict, keep: set, kernel, overlaps=None) -> list:
     overlaps = overlaps or (lambda a, b: False)
     last_use: dict[int, int] = {}
     for i, op in enumerate(ops):
-        for s in _slots(op):
+        for s in slots_of(op):
             last_use[s] = i
     out: list = []
     run: _Run | None = None
@@ -197,7 +197,8 @@ def _compile(run: _Run, end: int, last_use: dict, keep: set, kernel) -> FusedCal
                      tuple(m[0] for m in run.members), kernel)
 
 
-def _slots(op) -> list:
+def slots_of(op) -> list:
+    """The slots an op of a program touches (reads, writes or makes)."""
     if isinstance(op, Alloc):
         return [op.slot]
     if isinstance(op, FusedCall):

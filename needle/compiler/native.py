@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .fusion import BINARY, FUSIBLE, RSCALAR, SCALAR, UNARY, FusedCall, _slots
+from .fusion import BINARY, FUSIBLE, RSCALAR, SCALAR, UNARY, FusedCall, slots_of
 from .recorder import Alloc, Call, Const, PyCall, RandomFill, Ref, ScalarRef
 
 __all__ = ["build_kernel_list"]
@@ -46,7 +46,7 @@ def build_kernel_list(ops: list, external_slots: list, keep: set, mod, draw):
         return None
     last: dict[int, int] = {}
     for i, op in enumerate(ops):
-        for slot in _slots(op):
+        for slot in slots_of(op):
             last[slot] = i
     registers: dict[int, int] = {}
     n_regs = 0
@@ -61,7 +61,7 @@ def build_kernel_list(ops: list, external_slots: list, keep: set, mod, draw):
             _add(kl, op, registers, draw)
         except ValueError:
             return None  # an argument the list cannot pass: keep the Python program
-        dead = sorted({s for s in _slots(op) if last[s] == i and s not in keep})
+        dead = sorted({s for s in slots_of(op) if last[s] == i and s not in keep})
         for slot in dead:
             kl.free(slot)
     return kl

@@ -11,11 +11,13 @@ returned into a :class:`KernelProgram`, or says why it cannot:
   new moment, a new gradient tensor) or ``None``; a changed Python value (a step counter, a
   list that grew) means the step's Python has effects a replay would lose.
 
-The program is one generated Python function: one line per kernel call with its buffers in
-local variables, ``del`` after a buffer's last use (so the planned arena serves the same
-requests as the traced call), no op dispatch, no autograd. After it ran, the new buffers are
-installed where the traced call put them, and the step's result is rebuilt as constant
-tensors (a replayed result has no graph: ``backward`` belongs inside the step).
+The program runs as a C++ kernel list where the backend has one (:mod:`.native`), else as a
+generated Python function (:mod:`.codegen`); either frees each buffer after its last use (so
+the planned arena serves the same requests as the traced call), with no op dispatch and no
+autograd. :meth:`KernelProgram.fuse` merges its elementwise runs (:mod:`.fusion`). After it
+ran, the new buffers are installed where the traced call put them, and the step's result is
+rebuilt as constant tensors (a replayed result has no graph: ``backward`` belongs inside the
+step).
 
 Example:
     >>> import numpy as np, needle as ndl
@@ -29,20 +31,15 @@ Example:
 """
 from __future__ import annotations
 
-import functools
-import math
-
-import numpy as np
-
-from needle import random as _random
 from needle.autograd import Tensor
 from needle.autograd.versions import note_replaced
-from needle.backend_ndarray import NDArray, device_by_name
+from needle.backend_ndarray import NDArray
 from needle.backend_ndarray.ndarray import _view
 
-from .fusion import FusedCall, _slots, fuse
+from .codegen import draw, generate
+from .fusion import FusedCall, fuse
 from .native import build_kernel_list
-from .recorder import Alloc, Call, Const, PyCall, RandomFill, Recording, Ref, ScalarRef
+from .recorder import Alloc, Recording
 from .state import Guard, bare, token, unchanged
 
 __all__ = ["KernelProgram", "Before", "build_program", "flat_arguments", "NotReplayable"]
@@ -254,7 +251,7 @@ class KernelProgram:
         keep = set(made) | {b.slot for b in self.binders}
         ops = fuse(rec.ops, sizes, keep, kernel, overlaps)
         before = self.n_kernels
-        self._fn, self.source, self.n_kernels = _generate(
+        self._fn, self.source, self.n_kernels = generate(
             rec, [b.slot for b in self.binders], made, ops, self.device.mod)
         self.fused_runs = sum(isinstance(op, FusedCall) for op in ops)
         self._build_native(ops)
@@ -263,7 +260,7 @@ class KernelProgram:
     def _build_native(self, ops) -> None:
         """The C++ kernel list of ``ops`` where the backend has one (needle.compiler.native)."""
         self.native = build_kernel_list(ops, [b.slot for b in self.binders], set(self._made),
-                                        self.device.mod, _draw) if self.use_native else None
+                                        self.device.mod, draw) if self.use_native else None
 
     def shape(self) -> tuple:
         """Everything that decides what the program does, comparable between two recordings
@@ -312,7 +309,7 @@ def build_program(rec: Recording, before: Before, after: dict, args: tuple, kwar
     setters = _setters(rec, before, after, set(rec.external), outputs, device, owned)
     result_spec = _describe_result(rec, result, outputs, set(rec.external))
     made = sorted(outputs, key=outputs.__getitem__)
-    fn, source, n_kernels = _generate(rec, [b.slot for b in binders], made,
+    fn, source, n_kernels = generate(rec, [b.slot for b in binders], made,
                                       device_mod=device.mod)
     # locations a program reads afresh (binders) or sets itself (setters) every call need
     # no guard: a value put there between calls is what the program then uses or replaces
@@ -410,100 +407,3 @@ def _describe_result(rec: Recording, result, outputs: dict, externals: set):
     if isinstance(result, (int, float, str, bool, type(None))):
         return ("const", result)
     raise NotReplayable(f"the step returns a {type(result).__name__}")
-
-
-# ---- code generation ----------------------------------------------------------------------
-def _generate(rec: Recording, external_slots: list, made: list, ops=None, device_mod=None):
-    """The program as Python source and its compiled function ``fn(handles)``."""
-    ops = rec.ops if ops is None else ops
-    names: dict[str, object] = {"_asarray": np.asarray}
-    keep = set(made)
-    last: dict[int, int] = {}
-    for i, op in enumerate(ops):
-        for slot in _slots(op):
-            last[slot] = i
-    lines = ["def _program(H):"]
-    if external_slots:
-        lines.append("    " + ", ".join(f"s{s}" for s in external_slots)
-                     + ", = H")
-        lines.append("    H.clear()")  # the locals alone hold the buffers: freed at last use
-    # The C++ allocator asks a Python resolver for each new buffer's memory category unless
-    # the thread has one set: the program sets the recorded categories itself, once per
-    # change, and puts the thread's setting back however it ends.
-    set_category = getattr(device_mod, "allocator_set_category", None)
-    if set_category is not None:
-        names["_category"] = set_category
-        lines += ["    _before = _category(None)", "    _category(_before)", "    try:"]
-    indent = "        " if set_category is not None else "    "
-    body_start = len(lines)
-    category = None
-    n_kernels = 0
-    for i, op in enumerate(ops):
-        if isinstance(op, Alloc):
-            names["A"] = rec.array_type
-            if set_category is not None and op.category != category:
-                category = op.category
-                lines.append(f"    _category({category!r})")
-            lines.append(f"    s{op.slot} = A({op.size}, {op.dtype!r})")
-        elif isinstance(op, Call):
-            names[f"k{i}"] = op.fn
-            rendered = ", ".join(_render(a, names, f"c{i}_{j}") for j, a in enumerate(op.args))
-            lines.append(f"    k{i}({rendered})")
-            n_kernels += 1
-        elif isinstance(op, FusedCall):
-            names[f"k{i}"], names[f"c{i}"], names[f"v{i}"] = op.fn, list(op.code), \
-                list(op.scalars)
-            ins = ", ".join(f"s{x}" for x in op.ins)
-            outs = ", ".join(f"s{x}" for x in op.outs)
-            lines.append(f"    k{i}([{ins}], [{outs}], c{i}, v{i}, {op.n})")
-            n_kernels += 1
-        elif isinstance(op, PyCall):
-            names[f"f{i}"] = op.fn
-            lines.append(f"    q{op.index} = f{i}()")
-        elif isinstance(op, RandomFill):
-            names[f"k{i}"] = op.fn
-            names[f"d{i}"] = _draw(op)
-            lines.append(f"    k{i}(_asarray(d{i}(), {op.dtype!r}, order='C'), s{op.slot})")
-            n_kernels += 1
-        dead = [s for s in _slots(op) if last[s] == i and s not in keep]
-        if dead:
-            lines.append("    del " + ", ".join(f"s{s}" for s in sorted(set(dead))))
-    lines.append("    return (" + "".join(f"s{s}, " for s in made) + ")")
-    if set_category is not None:
-        lines[body_start:] = [indent + line[4:] for line in lines[body_start:]]
-        lines += ["    finally:", "        _category(_before)"]
-    source = "\n".join(lines) + "\n"
-    code = compile(source, "<needle kernel program>", "exec")
-    exec(code, names)  # noqa: S102 - our own generated source, built from recorded calls
-    return names["_program"], source, n_kernels
-
-
-def _render(arg, names: dict, name: str) -> str:
-    if isinstance(arg, Ref):
-        return f"s{arg.slot}"
-    if isinstance(arg, ScalarRef):
-        return f"q{arg.call}" if arg.index < 0 else f"q{arg.call}[{arg.index}]"
-    if isinstance(arg, bool) or arg is None or (type(arg) is int):
-        return repr(arg)
-    if type(arg) is float and math.isfinite(arg):
-        return repr(arg)
-    if isinstance(arg, str):
-        return repr(arg)
-    if isinstance(arg, (tuple, list)) and any(isinstance(a, Ref) for a in _flatten(arg)):
-        inner = ", ".join(_render(a, names, f"{name}_{j}") for j, a in enumerate(arg))
-        return f"({inner},)" if isinstance(arg, tuple) else f"[{inner}]"
-    names[name] = arg.array if isinstance(arg, Const) else arg
-    return name
-
-
-def _flatten(items):
-    for a in items:
-        if isinstance(a, (tuple, list)):
-            yield from _flatten(a)
-        else:
-            yield a
-
-
-def _draw(op: RandomFill):
-    device = None if op.stream == _random.HOST else device_by_name(op.stream)
-    return functools.partial(getattr(_random, op.kind), *op.shape, device=device)
