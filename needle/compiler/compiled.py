@@ -57,6 +57,10 @@ from .state import WalkTooLarge, discover, snapshot
 
 __all__ = ["CompiledStep", "compile"]
 
+# Programs dropped because a step's state changed between calls (a learning rate, eval()):
+# past this many, the signature keeps its Python replays (re-recording costs two calls).
+MAX_RERECORDS = 8
+
 # A compiled step called inside another one runs eagerly (inside the outer one's trace or
 # plan): one allocator plan at a time per device, and the outer plan covers the inner calls.
 _ACTIVE = threading.local()
@@ -64,7 +68,7 @@ _ACTIVE = threading.local()
 
 class _Entry:
     __slots__ = ("calls", "graph", "plan", "divergences", "eager", "last_divergence",
-                 "eager_peak_bytes", "program", "candidate", "python_reason")
+                 "eager_peak_bytes", "program", "candidate", "python_reason", "rerecords")
 
     def __init__(self):
         self.calls = 0
@@ -77,9 +81,11 @@ class _Entry:
         self.program = None  # the verified kernel program: replays run it
         self.candidate = None  # a recorded program waiting for a second, equal recording
         self.python_reason = None  # why replays run the step's Python, or None
+        self.rerecords = 0  # programs dropped because the step's state changed between calls
 
     def forget_plan(self) -> None:
         self.plan = self.graph = self.program = self.candidate = None
+        self.python_reason = None  # the next trace records and decides afresh
 
 
 class CompiledStep:
@@ -152,11 +158,18 @@ class CompiledStep:
             if entry.plan is None:
                 return self._trace(entry, call, args, kwargs)
             if entry.program is not None:
-                result, divergence = self._run_program(entry, args, kwargs)
-            elif self.kernels and entry.python_reason is None:
+                handles = entry.program.bind(args, kwargs)
+                if isinstance(handles, str):
+                    self._state_changed(entry, handles)
+                else:
+                    return self._run_program(entry, handles, args, kwargs)
+            if self.kernels and entry.python_reason is None:
                 result, divergence = self._record(entry, call, args, kwargs)
             else:
                 result, divergence = run_plan(entry.plan, *args, strict=False, fn=call)
+        return self._count(entry, result, divergence)
+
+    def _count(self, entry: _Entry, result, divergence):
         if divergence is None:
             self._counts["replays"] += 1
         else:
@@ -171,6 +184,12 @@ class CompiledStep:
     def _record(self, entry: _Entry, call, args, kwargs):
         """A replay that runs the step's Python while recording its kernels; two equal
         recordings in a row make the kernel program that later replays run."""
+        if entry.candidate is not None and entry.candidate.guard is not None:
+            changed = entry.candidate.guard.failure()
+            if changed is not None:  # the state moved between the two: record afresh
+                self._state_changed(entry, changed)
+                if entry.python_reason is not None:
+                    return run_plan(entry.plan, *args, strict=False, fn=call)
         try:
             roots = discover(self.fn, args, kwargs)
             tensors = flat_arguments(args, kwargs)
@@ -212,20 +231,27 @@ class CompiledStep:
                 entry.candidate = None
         return result, None
 
-    def _run_program(self, entry: _Entry, args, kwargs):
+    def _state_changed(self, entry: _Entry, reason: str) -> None:
+        """The guard or a binding refused the program (a learning rate set, ``eval()``, an
+        argument of another layout): this call and the next record anew, under the same
+        plan; a step whose state keeps changing gives up on programs after
+        ``MAX_RERECORDS`` such changes and keeps its Python replays."""
+        entry.program = entry.candidate = None
+        entry.rerecords += 1
+        entry.last_divergence = reason
+        if entry.rerecords > MAX_RERECORDS:
+            entry.python_reason = (f"the step's state changed between calls {entry.rerecords} "
+                                   f"times (last: {reason})")
+
+    def _run_program(self, entry: _Entry, handles: list, args, kwargs):
         program = entry.program
-        handles = program.bind(args, kwargs)
-        if isinstance(handles, str):  # the state changed: run the Python, then trace anew
-            call = self.fn if not kwargs else (lambda *a: self.fn(*a, **kwargs))
-            result, _ = run_plan(entry.plan, *args, strict=False, fn=call)
-            return result, handles
         tensors = flat_arguments(args, kwargs)
         made: list = []
         _, divergence = run_plan(entry.plan, *args, strict=False,
                                  fn=lambda *a: made.append(program.execute(handles, tensors)))
         result = program.finish(made.pop(), tensors)
         self._counts["kernel_replays"] += 1
-        return result, divergence
+        return self._count(entry, result, divergence)
 
     def _trace(self, entry: _Entry, call, args, kwargs):
         box = []

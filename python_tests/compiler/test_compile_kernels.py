@@ -166,7 +166,24 @@ def test_state_changed_between_calls_runs_the_python_and_records_again(dev):
     got, step = _lr_run(dev, True)
     for a, b in zip(got, want, strict=True):
         np.testing.assert_array_equal(a, b)
-    assert step.stats()["divergences"] == 2  # the lr, then eval()
+    # calls 4, 5 replay the first program; the lr change makes calls 6, 7 record anew under
+    # the same plan and 8 replay kernels; eval() (call 9) drops dropout's buffers, so the plan
+    # diverges (values stay right) and call 10 traces again
+    stats = step.stats()
+    assert stats["divergences"] == 1 and stats["traces"] == 2
+    assert stats["kernel_replays"] == 3
+
+
+def test_a_step_whose_state_changes_every_call_settles_on_python_replays(dev):
+    w = ndl.Tensor(np.ones((2, 2)), device=dev)
+    box = {"scale": 1.0}
+    step = ndl.compile(lambda a: a @ w * box["scale"])
+    x = ndl.Tensor(np.ones((1, 2)), device=dev, requires_grad=False)
+    for i in range(40):
+        box["scale"] = float(i % 3)  # changes between calls, often
+        assert float(step(x).numpy()[0, 0]) == 2.0 * (i % 3)
+    mode = step.replay_mode()
+    assert mode["mode"] == "python" and "changed between calls" in mode["reason"]
 
 
 def test_parameters_replaced_between_calls_are_read_anew(dev):
