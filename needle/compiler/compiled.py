@@ -291,29 +291,35 @@ class CompiledStep:
 
     def replay_mode(self) -> dict:
         """How the signature called last replays: ``mode`` is ``"kernels"`` (the recorded
-        kernel program, no Python), ``"recording"`` (its Python runs while the kernels are
-        recorded, before a program is trusted), ``"python"`` (the step's Python under the
-        plan; ``reason`` says why), or ``"eager"``/``"warm-up"``; ``kernels``: the program's
-        kernel count."""
-        entry = self._last
-        if entry is None:
-            return {"mode": "none"}
-        if entry.eager:
-            return {"mode": "eager", "reason": entry.last_divergence}
-        if entry.program is not None:
-            return {"mode": "kernels", "kernels": entry.program.n_kernels,
-                    "fused_runs": entry.program.fused_runs,
-                    "runner": "C++" if entry.program.native is not None else "Python"}
-        if entry.plan is None:
-            return {"mode": "warm-up"}
-        if not self.kernels or entry.python_reason is not None:
-            return {"mode": "python",
-                    "reason": entry.python_reason or "compiled with kernels=False"}
-        return {"mode": "recording"}
+        kernel program, no Python: with ``kernels`` calls, ``fused_runs`` of them fused, and
+        its ``runner``), ``"recording"`` (its Python runs while the kernels are recorded,
+        before a program is trusted), ``"python"`` (the step's Python under the plan;
+        ``reason`` says why), or ``"eager"``/``"warm-up"``."""
+        return _mode(self._last, self.kernels) if self._last is not None else {"mode": "none"}
+
+    def replay_modes(self) -> list[dict]:
+        """:meth:`replay_mode` of every cached signature, most called first, each with its
+        ``calls``."""
+        entries = sorted(self._cache.values(), key=lambda e: -e.calls)
+        return [{**_mode(e, self.kernels), "calls": e.calls} for e in entries]
 
     def reset(self) -> None:
         """Forget every trace (the next call of each signature warms up again)."""
         self._cache.clear()
+
+
+def _mode(entry: _Entry, kernels: bool) -> dict:
+    if entry.eager:
+        return {"mode": "eager", "reason": entry.last_divergence}
+    if entry.program is not None:
+        return {"mode": "kernels", "kernels": entry.program.n_kernels,
+                "fused_runs": entry.program.fused_runs,
+                "runner": "C++" if entry.program.native is not None else "Python"}
+    if entry.plan is None:
+        return {"mode": "warm-up"}
+    if not kernels or entry.python_reason is not None:
+        return {"mode": "python", "reason": entry.python_reason or "compiled with kernels=False"}
+    return {"mode": "recording"}
 
 
 def _fuse(program, plan) -> None:

@@ -167,6 +167,24 @@ def test_seed_makes_runs_repeatable_and_distinct():
     assert a["params_sha256"] != c["params_sha256"]
 
 
+def test_compiled_steps_train_the_same_parameters_bit_for_bit():
+    """--compile: after warm-up, trace and two recorded calls, the steps replay as a kernel
+    program; the run's parameters and losses are those of the eager run exactly."""
+    args = ("--max-steps", "12", "--epochs", "3", "--batch-size", "128")
+    eager = train.train(_quiet(*args))
+    compiled = train.train(_quiet(*args, "--compile"))
+    assert compiled["params_sha256"] == eager["params_sha256"]
+    assert compiled["losses"] == eager["losses"]
+    block = compiled["compile"]
+    assert block["mode"] == "kernels" and block["kernel_replays"] >= 6
+    assert block["fused_runs"] > 0 and "compile" not in eager
+
+
+def test_compile_refuses_what_it_does_not_run():
+    with pytest.raises(train.UsageError, match="--compile runs fp32 steps"):
+        train.parse_args(["--compile", "--accumulate", "2"])
+
+
 def test_params_sha256_covers_every_byte():
     p = [np.zeros((2, 3), np.float32), np.ones(4, np.float32)]
     q = [x.copy() for x in p]
