@@ -122,11 +122,10 @@ class RandomFill:
 
 
 class Recording:
-    """What :func:`record_kernels` saw: ``ops`` in call order, ``external`` (the slots of
-    handles that existed before) and ``problems`` (why
-    it cannot be replayed; empty when it can), ``handles`` (the ``id`` of each external
-    slot's buffer, valid against a lookup made before the call: buffers alive together have
-    distinct ids).
+    """What :func:`record_kernels` saw: ``ops`` in call order; ``external``, the slots of
+    buffers that existed before the call, with ``handles`` giving each one's ``id`` (valid
+    against a lookup made before the call: buffers alive together have distinct ids); and
+    ``problems``, why the call cannot be replayed (empty when it can).
 
     Buffers made during the call are known by ``id`` only: holding them would keep them
     alive past their last use, and a planned run would then see a buffer outlive its plan.
