@@ -220,10 +220,8 @@ class CompiledStep:
             if previous.shape() == program.shape():
                 entry.program, entry.candidate = program, None
                 program.use_native = self.native
-                if self.fusion:
-                    _fuse(program, entry.plan)
-                else:
-                    program._build_native(program.ops)
+                if not (self.fusion and _fuse(program, entry.plan)):
+                    program._build_native(program.ops)  # the runner as compile() asked
             else:
                 entry.python_reason = ("two calls of the step ran different kernels or "
                                        "arguments (its Python depends on more than the "
@@ -322,22 +320,24 @@ def _mode(entry: _Entry, kernels: bool) -> dict:
     return {"mode": "recording"}
 
 
-def _fuse(program, plan) -> None:
+def _fuse(program, plan) -> bool:
     """Fuse the program's elementwise runs where the backend has ``ewise_program``, keeping
-    apart buffers the plan lets share arena bytes."""
+    apart buffers the plan lets share arena bytes; False when it did not (the program is
+    then left as recorded)."""
     kernel = getattr(program.device.mod, "ewise_program", None)
     if kernel is None:
-        return
+        return False
     allocs = [op for op in program.ops if isinstance(op, Alloc)]
     sequence = plan.graph.allocations
     if len(allocs) != len(sequence):
-        return  # the recording does not line up with the plan: leave the program as it is
+        return False  # the recording does not line up with the plan
     arena = {}
     for op, (tensor_id, _) in zip(allocs, sequence, strict=True):
         offset = plan.assignments.get(tensor_id)
         if offset is not None:
             arena[op.slot] = (offset, plan.sizes[tensor_id])
     program.fuse(kernel, arena)
+    return True
 
 
 def _device_of(args, kwargs):

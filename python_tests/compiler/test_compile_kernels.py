@@ -325,3 +325,27 @@ def test_results_arguments_and_structures_replay(dev):
         assert float(got[1][0].numpy()) == float(want[1][0].numpy())
         assert got[1][1] is None and got[2] == "done" and isinstance(got[1], list)
     assert compiled.stats()["kernel_replays"] == 2
+
+
+@pytest.mark.parametrize("fusion, native", [(False, True), (False, False), (True, False)])
+def test_fusion_and_runner_options_keep_the_numbers(fusion, native):
+    dev = ndl.cpu()
+    if not dev.enabled():
+        pytest.skip("the C++ backend is not built")
+    want_params, want_losses, _ = train("mlp", dev, False, 6)
+    np.random.seed(11)
+    model, _, data = make("mlp", dev)
+    opt = ndl.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, weight_decay=1e-4)
+    model.train()
+    step = ndl.compile(step_for(model, opt), fusion=fusion, native=native)
+    np.random.seed(3)
+    batches = [(ndl.Tensor(x, requires_grad=False), ndl.Tensor(y, requires_grad=False))
+               for x, y in data]
+    losses = [step(*batches[i % len(batches)]).numpy() for i in range(6)]
+    mode = step.replay_mode()
+    assert mode["runner"] == ("C++" if native else "Python")
+    assert (mode["fused_runs"] > 0) == fusion
+    for got, want in zip(losses, want_losses, strict=True):
+        np.testing.assert_array_equal(got, want)
+    for p, want in zip(model.parameters(), want_params, strict=True):
+        np.testing.assert_array_equal(p.numpy(), want)
