@@ -93,7 +93,11 @@ def generate(rec: Recording, external_slots: list, made: list, ops=None, device_
     source = "\n".join(lines) + "\n"
     code = compile(source, "<needle kernel program>", "exec")
     exec(code, names)  # noqa: S102 - our own generated source, built from recorded calls
-    return names["_program"], source, n_kernels
+    # the function's globals are `names`: without this it would reach itself through them, a
+    # reference cycle that keeps the model and optimizer its kernels name alive until a
+    # garbage collection
+    fn = names.pop("_program")
+    return fn, source, n_kernels
 
 
 def _render(arg, names: dict, name: str) -> str:

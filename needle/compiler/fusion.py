@@ -204,15 +204,13 @@ def slots_of(op) -> list:
     if isinstance(op, FusedCall):
         return [*op.ins, *op.outs]
     out: list = []
-
-    def walk(a):
+    stack = [getattr(op, "args", ())]
+    while stack:  # nested argument lists, without a self-referencing closure
+        a = stack.pop()
         if isinstance(a, Ref):
             out.append(a.slot)
         elif isinstance(a, (tuple, list)):
-            for x in a:
-                walk(x)
-
-    walk(getattr(op, "args", ()))
+            stack.extend(reversed(a))
     slot = getattr(op, "slot", None)
     if slot is not None:
         out.append(slot)

@@ -58,23 +58,25 @@ def flat_arguments(args: tuple, kwargs: dict) -> list:
     """The tensors among a step's arguments, in a fixed order; raises NotReplayable for an
     argument whose content would be baked into the program (a NumPy array)."""
     out: list = []
-
-    def walk(value, path: str) -> None:
-        if isinstance(value, Tensor):
-            out.append(value)
-        elif isinstance(value, (tuple, list)):
-            for i, v in enumerate(value):
-                walk(v, f"{path}[{i}]")
-        elif isinstance(value, dict):
-            for k in sorted(value, key=repr):
-                walk(value[k], f"{path}[{k!r}]")
-        elif not isinstance(value, (int, float, str, bool, type(None))):
-            raise NotReplayable(f"argument {path} is a {type(value).__name__}, whose values "
-                                "the program could not take anew (pass a Tensor)")
-
-    walk(tuple(args), "args")
-    walk(dict(kwargs), "kwargs")
+    _collect_tensors(tuple(args), "args", out)
+    _collect_tensors(dict(kwargs), "kwargs", out)
     return out
+
+
+def _collect_tensors(value, path: str, out: list) -> None:
+    # a module-level function, not a closure calling itself: such a closure is a reference
+    # cycle that would keep `out` (the step's arguments) alive until a garbage collection
+    if isinstance(value, Tensor):
+        out.append(value)
+    elif isinstance(value, (tuple, list)):
+        for i, v in enumerate(value):
+            _collect_tensors(v, f"{path}[{i}]", out)
+    elif isinstance(value, dict):
+        for k in sorted(value, key=repr):
+            _collect_tensors(value[k], f"{path}[{k!r}]", out)
+    elif not isinstance(value, (int, float, str, bool, type(None))):
+        raise NotReplayable(f"argument {path} is a {type(value).__name__}, whose values "
+                            "the program could not take anew (pass a Tensor)")
 
 
 class Before:

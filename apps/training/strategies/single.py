@@ -62,6 +62,10 @@ class SingleProcess(Strategy):
         self._measure_memory(0)
         return StepResult(float(loss.numpy()) * n, correct, n)
 
+    def close(self) -> None:
+        self.compiled = None  # its programs name the model's buffers: free them with the run
+        super().close()
+
     def summary_blocks(self) -> dict:
         blocks = super().summary_blocks()
         if self.compiled is not None:  # the batch shape run most first (the full batches)
