@@ -158,11 +158,11 @@ class CompiledStep:
             if entry.plan is None:
                 return self._trace(entry, call, args, kwargs)
             if entry.program is not None:
-                handles = entry.program.bind(args, kwargs)
-                if isinstance(handles, str):
-                    self._state_changed(entry, handles)
+                bound = entry.program.bind(args, kwargs)
+                if isinstance(bound, str):
+                    self._state_changed(entry, bound)
                 else:
-                    return self._run_program(entry, handles, args, kwargs)
+                    return self._run_program(entry, *bound, args)
             if self.kernels and entry.python_reason is None:
                 result, divergence = self._record(entry, call, args, kwargs)
             else:
@@ -191,7 +191,7 @@ class CompiledStep:
                 if entry.python_reason is not None:
                     return run_plan(entry.plan, *args, strict=False, fn=call)
         try:
-            roots = discover(self.fn, args, kwargs)
+            roots = discover(self.fn)
             tensors = flat_arguments(args, kwargs)
             before = Before(snapshot(roots, tensors), tensors)
         except (NotReplayable, WalkTooLarge) as exc:
@@ -219,9 +219,8 @@ class CompiledStep:
         if previous is not None:
             if previous.shape() == program.shape():
                 entry.program, entry.candidate = program, None
-                program.use_native = self.native
-                if not (self.fusion and _fuse(program, entry.plan)):
-                    program._build_native(program.ops)  # the runner as compile() asked
+                kernel, arena = _fusion(program, entry.plan) if self.fusion else (None, None)
+                program.prepare(kernel, arena, native=self.native)
             else:
                 entry.python_reason = ("two calls of the step ran different kernels or "
                                        "arguments (its Python depends on more than the "
@@ -241,9 +240,8 @@ class CompiledStep:
             entry.python_reason = (f"the step's state changed between calls {entry.rerecords} "
                                    f"times (last: {reason})")
 
-    def _run_program(self, entry: _Entry, handles: list, args, kwargs):
+    def _run_program(self, entry: _Entry, handles: list, tensors: list, args):
         program = entry.program
-        tensors = flat_arguments(args, kwargs)
         made: list = []
         _, divergence = run_plan(entry.plan, *args, strict=False,
                                  fn=lambda *a: made.append(program.execute(handles, tensors)))
@@ -320,24 +318,21 @@ def _mode(entry: _Entry, kernels: bool) -> dict:
     return {"mode": "recording"}
 
 
-def _fuse(program, plan) -> bool:
-    """Fuse the program's elementwise runs where the backend has ``ewise_program``, keeping
-    apart buffers the plan lets share arena bytes; False when it did not (the program is
-    then left as recorded)."""
+def _fusion(program, plan) -> tuple:
+    """``(ewise_program, arena)`` for :meth:`KernelProgram.prepare`: the backend's fused
+    kernel and where the plan puts each recorded buffer (buffers sharing arena bytes must not
+    meet in one fused run); ``(None, None)`` where fusion does not apply."""
     kernel = getattr(program.device.mod, "ewise_program", None)
-    if kernel is None:
-        return False
     allocs = [op for op in program.ops if isinstance(op, Alloc)]
     sequence = plan.graph.allocations
-    if len(allocs) != len(sequence):
-        return False  # the recording does not line up with the plan
+    if kernel is None or len(allocs) != len(sequence):
+        return None, None  # no fused kernel, or a recording that does not line up
     arena = {}
     for op, (tensor_id, _) in zip(allocs, sequence, strict=True):
         offset = plan.assignments.get(tensor_id)
         if offset is not None:
             arena[op.slot] = (offset, plan.sizes[tensor_id])
-    program.fuse(kernel, arena)
-    return True
+    return kernel, arena
 
 
 def _device_of(args, kwargs):

@@ -17,7 +17,8 @@ Example:
     >>> with record_kernels(ndl.cpu()) as rec:
     ...     y = x * 2 + 1
     >>> prog = build_program(rec, Before({}, [x]), {}, (x,), {}, y)
-    >>> prog.native is not None, prog.run((x,), {}).numpy().tolist()
+    >>> out = prog.run((x,), {})  # prepares the runner first: a _KernelList on cpu()
+    >>> prog.native is not None, out.numpy().tolist()
     (True, [3.0, 3.0, 3.0])
 """
 from __future__ import annotations

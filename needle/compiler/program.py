@@ -14,10 +14,10 @@ returned into a :class:`KernelProgram`, or says why it cannot:
 The program runs as a C++ kernel list where the backend has one (:mod:`.native`), else as a
 generated Python function (:mod:`.codegen`); either frees each buffer after its last use (so
 the planned arena serves the same requests as the traced call), with no op dispatch and no
-autograd. :meth:`KernelProgram.fuse` merges its elementwise runs (:mod:`.fusion`). After it
-ran, the new buffers are installed where the traced call put them, and the step's result is
-rebuilt as constant tensors (a replayed result has no graph: ``backward`` belongs inside the
-step).
+autograd. :meth:`KernelProgram.prepare` makes the runner, fusing its elementwise runs
+(:mod:`.fusion`). After it ran, the new buffers are installed where the traced call put them,
+and the step's result is rebuilt as constant tensors (a replayed result has no graph:
+``backward`` belongs inside the step).
 
 Example:
     >>> import numpy as np, needle as ndl
@@ -39,7 +39,7 @@ from needle.backend_ndarray.ndarray import _view
 from .codegen import draw, generate
 from .fusion import FusedCall, fuse
 from .native import build_kernel_list
-from .recorder import Alloc, Recording
+from .recorder import Alloc, Call, RandomFill, Recording
 from .state import Guard, bare, token, unchanged
 
 __all__ = ["KernelProgram", "Before", "build_program", "flat_arguments", "NotReplayable"]
@@ -132,12 +132,11 @@ class _Binder:
 class _Setter:
     """Puts a buffer the program made (or None) where the traced call put one."""
 
-    __slots__ = ("loc", "slot", "view", "as_tensor", "requires_grad", "device", "out_index")
+    __slots__ = ("loc", "slot", "view", "as_tensor", "requires_grad", "device")
 
     def __init__(self, loc, slot, view, as_tensor, requires_grad, device):
         self.loc, self.slot, self.view = loc, slot, view
         self.as_tensor, self.requires_grad, self.device = as_tensor, requires_grad, device
-        self.out_index = -1
 
 
 class KernelProgram:
@@ -145,30 +144,32 @@ class KernelProgram:
     and returns the step's result; :meth:`bind` and :meth:`finish` split that for callers
     that run the kernels inside a memory plan."""
 
-    def __init__(self, fn, source: str, binders, setters, result, guard, n_kernels: int,
-                 device, arg_grads=(), ops=(), arg_sharing=()):
-        self._fn = fn
-        self.arg_sharing = tuple(arg_sharing)
-        self.ops = list(ops)
-        self.fused_runs = 0
-        self.native = None  # the C++ kernel list, when the backend has one
-        self.use_native = True
-        self._external_slots = [b.slot for b in binders]
-        self._made: list = []
-        # (location, traced value was None) of the tensor arguments' grad: a replay needs
-        # the same (a gradient accumulating into x.grad takes another path than a first one)
-        self.arg_locations = list(arg_grads)
-        self.source = source
+    def __init__(self, rec: Recording, binders, setters, result, guard, device, made: list,
+                 arg_grads=(), arg_sharing=()):
+        self._rec = rec
+        self.ops = list(rec.ops)
         self.binders = binders
         self.setters = setters
         self.result = result
         self.guard = guard
-        self.n_kernels = n_kernels
         self.device = device
+        self._made = list(made)
+        self._external_slots = [b.slot for b in binders]
+        # (location, traced value was None) of the tensor arguments' grad: a replay needs
+        # the same (a gradient accumulating into x.grad takes another path than a first one)
+        self.arg_locations = list(arg_grads)
+        self.arg_sharing = tuple(arg_sharing)
+        # set by prepare(): the runner (a C++ kernel list, else a generated Python function)
+        self.native = None
+        self._fn = None
+        self.source = None
+        self.n_kernels = 0
+        self.fused_runs = 0
+        self.prepared = False
 
     def bind(self, args: tuple, kwargs: dict):
-        """The external buffers for a call, or a string saying why this call cannot replay
-        (the state changed, an argument has another layout)."""
+        """``(external buffers, tensor arguments)`` for a call, or a string saying why this
+        call cannot replay (the state changed, an argument has another layout)."""
         if self.guard is not None:
             failure = self.guard.failure()
             if failure is not None:
@@ -195,7 +196,7 @@ class KernelProgram:
             handles.append(value._handle)
         if len({id(h) for h in handles}) != len(handles):
             return "two buffers the traced call read apart are one buffer now"
-        return handles
+        return handles, tensors
 
     def execute(self, handles: list, tensors: list) -> tuple:
         """Run the kernels on the bound buffers (``handles`` is emptied: the program frees
@@ -233,36 +234,35 @@ class KernelProgram:
                     note_replaced(owner)
         return _rebuild(self.result, buffer, self.device)
 
-    def fuse(self, kernel, arena: dict | None = None) -> int:
-        """Regenerate the program with its elementwise runs fused into ``kernel`` (the
-        backend's ``ewise_program``; :mod:`needle.compiler.fusion`). ``arena``: slot ->
-        (offset, size) of the buffers placed in a planned arena, so that runs never mix two
-        buffers sharing bytes. Returns how many kernel calls the fusion removed."""
+    def prepare(self, kernel=None, arena: dict | None = None, native: bool = True) -> None:
+        """Make the runner, once, for the program that replays: its elementwise runs fused
+        into ``kernel`` when given (the backend's ``ewise_program``; :mod:`.fusion`), where
+        ``arena`` (slot -> (offset, size) in the planned arena) keeps buffers that share bytes
+        out of one run; a C++ kernel list when ``native`` and the backend has one
+        (:mod:`.native`), else the generated Python function (:mod:`.codegen`)."""
         rec, made = self._rec, self._made
-        sizes: dict = {op.slot: (op.size, op.dtype) for op in rec.ops if isinstance(op, Alloc)}
-        for b in self.binders:
-            shape, strides, offset, dtype, size = b.meta
-            sizes[b.slot] = (size, dtype)
-        arena = arena or {}
+        ops = rec.ops
+        if kernel is not None:
+            sizes: dict = {op.slot: (op.size, op.dtype) for op in ops if isinstance(op, Alloc)}
+            for b in self.binders:
+                sizes[b.slot] = (b.meta[4], b.meta[3])  # (handle size, dtype)
+            arena = arena or {}
 
-        def overlaps(a: int, b: int) -> bool:
-            ra, rb = arena.get(a), arena.get(b)
-            return ra is not None and rb is not None and ra[0] < rb[0] + rb[1] \
-                and rb[0] < ra[0] + ra[1]
+            def overlaps(a: int, b: int) -> bool:
+                ra, rb = arena.get(a), arena.get(b)
+                return ra is not None and rb is not None and ra[0] < rb[0] + rb[1] \
+                    and rb[0] < ra[0] + ra[1]
 
-        keep = set(made) | {b.slot for b in self.binders}
-        ops = fuse(rec.ops, sizes, keep, kernel, overlaps)
-        before = self.n_kernels
-        self._fn, self.source, self.n_kernels = generate(
-            rec, [b.slot for b in self.binders], made, ops, self.device.mod)
+            ops = fuse(ops, sizes, set(made) | set(self._external_slots), kernel, overlaps)
         self.fused_runs = sum(isinstance(op, FusedCall) for op in ops)
-        self._build_native(ops)
-        return before - self.n_kernels
-
-    def _build_native(self, ops) -> None:
-        """The C++ kernel list of ``ops`` where the backend has one (needle.compiler.native)."""
-        self.native = build_kernel_list(ops, [b.slot for b in self.binders], set(self._made),
-                                        self.device.mod, draw) if self.use_native else None
+        self.native = build_kernel_list(ops, self._external_slots, set(made), self.device.mod,
+                                        draw) if native else None
+        if self.native is None:
+            self._fn, self.source, self.n_kernels = generate(
+                rec, self._external_slots, made, ops, self.device.mod)
+        else:
+            self.n_kernels = sum(isinstance(op, (Call, FusedCall, RandomFill)) for op in ops)
+        self.prepared = True
 
     def shape(self) -> tuple:
         """Everything that decides what the program does, comparable between two recordings
@@ -276,10 +276,12 @@ class KernelProgram:
 
     def run(self, args: tuple, kwargs: dict):
         """Bind, execute and finish in one (no memory plan around the kernels)."""
-        handles = self.bind(args, kwargs)
-        if isinstance(handles, str):
-            raise NotReplayable(handles)
-        tensors = flat_arguments(args, kwargs)
+        bound = self.bind(args, kwargs)
+        if isinstance(bound, str):
+            raise NotReplayable(bound)
+        if not self.prepared:
+            self.prepare()
+        handles, tensors = bound
         return self.finish(self.execute(handles, tensors), tensors)
 
 
@@ -311,18 +313,13 @@ def build_program(rec: Recording, before: Before, after: dict, args: tuple, kwar
     setters = _setters(rec, before, after, set(rec.external), outputs, device, owned)
     result_spec = _describe_result(rec, result, outputs, set(rec.external))
     made = sorted(outputs, key=outputs.__getitem__)
-    fn, source, n_kernels = generate(rec, [b.slot for b in binders], made,
-                                      device_mod=device.mod)
     # locations a program reads afresh (binders) or sets itself (setters) every call need
     # no guard: a value put there between calls is what the program then uses or replaces
     fresh = {b.loc.ident for b in binders if b.loc is not None} | {s.loc.ident for s in setters}
     fresh |= owned
-    program = KernelProgram(fn, source, binders, setters, result_spec,
-                            Guard(after, fresh) if guard else None, n_kernels, device,
-                            before.arg_grads, rec.ops, before.arg_sharing)
-    program._rec, program._made = rec, made
-    program._build_native(rec.ops)
-    return program
+    return KernelProgram(rec, binders, setters, result_spec,
+                         Guard(after, fresh) if guard else None, device, made,
+                         before.arg_grads, before.arg_sharing)
 
 
 def _device_of(args, kwargs, result):

@@ -19,7 +19,7 @@ Example:
     >>> class Box:
     ...     def __init__(self): self.lr = 0.1
     >>> box = Box()
-    >>> snap = snapshot(discover(lambda: box.lr, (), {}))
+    >>> snap = snapshot(discover(lambda: box.lr))
     >>> [(loc.kind, loc.key) for loc in snap.values()]  # the global ``box``, then its lr
     [('global', 'box'), ('attr', 'lr')]
 """
@@ -183,8 +183,8 @@ def _filled(cell) -> bool:
     return True
 
 
-def discover(fn, args: tuple, kwargs: dict) -> list:
-    """The roots of the state ``fn(*args, **kwargs)`` can reach (see the module docstring)."""
+def discover(fn) -> list:
+    """The roots of the state ``fn`` can reach without its arguments (module docstring)."""
     return _roots(fn, set())
 
 

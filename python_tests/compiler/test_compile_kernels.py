@@ -39,6 +39,19 @@ def _runner(request, monkeypatch):
         monkeypatch.setattr(ndl, "compile", lambda *a, **k: real(*a, native=False, **k))
 
 
+def sum_loss_step(model, opt):
+    """One training step on ``model(x).sum()``, returning the loss."""
+
+    def step(x):
+        opt.reset_grad()
+        loss = model(x).sum()
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step
+
+
 def train(kind, dev, compiled, steps, optimizer="sgd"):
     np.random.seed(11)
     model, opt, data = make(kind, dev)
@@ -120,13 +133,7 @@ def test_kernel_replay_measured_peak_is_the_planned_peak(dev):
     model = nn.Sequential(nn.Linear(32, 32, device=dev), nn.ReLU(),
                           nn.Linear(32, 32, device=dev))
     opt = ndl.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-
-    @ndl.compile
-    def step(x):
-        opt.reset_grad()
-        model(x).sum().backward()
-        opt.step()
-
+    step = ndl.compile(sum_loss_step(model, opt))
     x = ndl.Tensor(np.ones((8, 32)), device=dev, requires_grad=False)
     for _ in range(FIRST_KERNEL_CALL):
         step(x)
@@ -144,11 +151,7 @@ def _lr_run(dev, compiled):
     model = nn.Sequential(nn.Linear(8, 8, device=dev), nn.Dropout(0.5))
     opt = ndl.optim.SGD(model.parameters(), lr=0.1)
 
-    def step(x):
-        opt.reset_grad()
-        model(x).sum().backward()
-        opt.step()
-
+    step = sum_loss_step(model, opt)
     step = ndl.compile(step) if compiled else step
     x = ndl.Tensor(np.ones((4, 8)), device=dev, requires_grad=False)
     np.random.seed(1)
@@ -190,15 +193,7 @@ def test_parameters_replaced_between_calls_are_read_anew(dev):
     np.random.seed(0)
     model = nn.Linear(4, 3, device=dev)
     opt = ndl.optim.SGD(model.parameters(), lr=0.1)
-
-    @ndl.compile
-    def step(x):
-        opt.reset_grad()
-        loss = model(x).sum()
-        loss.backward()
-        opt.step()
-        return loss
-
+    step = ndl.compile(sum_loss_step(model, opt))
     x = ndl.Tensor(np.ones((2, 4)), device=dev, requires_grad=False)
     for _ in range(FIRST_KERNEL_CALL + 1):
         step(x)
@@ -359,15 +354,7 @@ def test_a_dropped_compiled_step_frees_its_model_without_a_garbage_collection(de
     def run():
         model = nn.Sequential(nn.Linear(16, 16, device=dev), nn.ReLU(), nn.Dropout(0.1))
         opt = ndl.optim.Adam(model.parameters(), lr=0.1)
-
-        def step(x):
-            opt.reset_grad()
-            loss = model(x).sum()
-            loss.backward()
-            opt.step()
-            return loss
-
-        compiled = ndl.compile(step)
+        compiled = ndl.compile(sum_loss_step(model, opt))
         x = ndl.Tensor(np.ones((4, 16)), device=dev, requires_grad=False)
         for _ in range(6):
             compiled(x)
