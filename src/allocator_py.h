@@ -3,9 +3,12 @@
 //
 // Category of a new Array, resolved with the GIL held when it is created:
 //   1. this thread's category set by allocator_set_category(name), if any;
-//   2. else the resolver installed by allocator_set_category_resolver(fn): fn(hint);
-//   3. else the `category=` hint given to Array(...);
-//   4. else "other".
+//   2. else, when allocator_set_category_state(state) installed needle.memory's thread-local
+//      category state, the resolution of needle.memory.categories.resolve read from its
+//      fields (user_top, hint, framework_top, op_category) without calling Python;
+//   3. else the resolver installed by allocator_set_category_resolver(fn): fn(hint);
+//   4. else the `category=` hint given to Array(...);
+//   5. else "other".
 // Kernel workspaces (needle_alloc, no GIL) are always "workspace".
 #pragma once
 
@@ -30,6 +33,7 @@ namespace py = pybind11;
 
 inline thread_local int t_category = -1;  // -1: not set on this thread
 inline py::object* g_resolver = nullptr;  // guarded by the GIL; leaked on purpose (shutdown)
+inline PyObject* g_category_state = nullptr;  // a threading.local; GIL-guarded, owned
 inline py::object* g_oom_handler = nullptr;  // fn(info) -> exception to raise; same rules
 
 // A LimitExceeded reaching Python: the handler (needle.memory's out-of-memory report) turns
@@ -85,9 +89,49 @@ inline Category to_category(py::handle name, const char* op) {
   return c;
 }
 
+// The category named by `name`; interned names (every literal in needle) are matched by
+// pointer, anything else by value.
+inline Category category_of_name(PyObject* name, const char* op) {
+  static PyObject* interned[kNumCategories] = {};
+  if (interned[0] == nullptr) {
+    for (int i = 0; i < kNumCategories; ++i) {
+      interned[i] = PyUnicode_InternFromString(category_name(Category(i)));  // leaked
+    }
+  }
+  for (int i = 0; i < kNumCategories; ++i) {
+    if (name == interned[i]) return Category(i);
+  }
+  return to_category(name, op);
+}
+
+// One field of the thread-local state: a category name, or -1 for None.
+inline int state_field(PyObject* state, PyObject* field) {
+  PyObject* value = PyObject_GetAttr(state, field);
+  if (value == nullptr) throw py::error_already_set();
+  const int out = value == Py_None ? -1 : int(category_of_name(value, "category state"));
+  Py_DECREF(value);
+  return out;
+}
+
+// needle.memory.categories.resolve, read from the state's fields: innermost user scope >
+// hint > innermost framework scope > the op default > "other".
+inline Category resolve_from_state(const py::object& hint) {
+  static PyObject* const user = PyUnicode_InternFromString("user_top");
+  static PyObject* const framework = PyUnicode_InternFromString("framework_top");
+  static PyObject* const op = PyUnicode_InternFromString("op_category");
+  int c = state_field(g_category_state, user);
+  if (c >= 0) return Category(c);
+  if (!hint.is_none()) return category_of_name(hint.ptr(), "Array");
+  c = state_field(g_category_state, framework);
+  if (c >= 0) return Category(c);
+  c = state_field(g_category_state, op);
+  return c >= 0 ? Category(c) : Category::other;
+}
+
 inline Category creation_category(const py::object& hint) {
-  if (!hint.is_none()) to_category(hint, "Array");  // a bad hint is an error whoever wins
+  if (!hint.is_none()) category_of_name(hint.ptr(), "Array");  // a bad hint is an error
   if (t_category >= 0) return Category(t_category);
+  if (g_category_state != nullptr) return resolve_from_state(hint);
   if (g_resolver != nullptr && !g_resolver->is_none()) {
     return to_category((*g_resolver)(hint), "allocator resolver");
   }
@@ -228,6 +272,15 @@ void bind(py::module_& m, ArrayClass& cls) {
     *g_resolver = std::move(fn);
     return prev;
   }, py::arg("fn"), "Install fn(hint) -> category name (None uninstalls); returns the previous.");
+  m.def("allocator_set_category_state", [](py::object state) {
+    py::object prev = g_category_state ? py::reinterpret_steal<py::object>(g_category_state)
+                                       : py::object(py::none());
+    g_category_state = state.is_none() ? nullptr : state.release().ptr();
+    return prev;
+  }, py::arg("state"),
+        "Resolve categories from needle.memory's thread-local state object (fields user_top, "
+        "framework_top, op_category: a category name or None) instead of calling a resolver; "
+        "None uninstalls. Returns the previous state object.");
   m.def("allocator_set_category", [](py::object name) -> py::object {
     const int prev = t_category;
     t_category = name.is_none() ? -1 : int(to_category(name, "allocator_set_category"));

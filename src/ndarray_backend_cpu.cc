@@ -33,6 +33,13 @@ constexpr std::size_t kTile = 8;
 const KernelTable* g_kernels = &base::table;
 
 DType dtype_of(const py::object& dtype) {
+  // Every Array allocation passes a dtype name: match the interned names by pointer first.
+  static PyObject* const names[3] = {PyUnicode_InternFromString(dtype_name(DType::f32)),
+                                     PyUnicode_InternFromString(dtype_name(DType::f64)),
+                                     PyUnicode_InternFromString(dtype_name(DType::f16))};
+  if (dtype.ptr() == names[0]) return DType::f32;
+  if (dtype.ptr() == names[1]) return DType::f64;
+  if (dtype.ptr() == names[2]) return DType::f16;
   if (py::isinstance<py::str>(dtype)) return parse_dtype(dtype.cast<std::string>());
   return parse_dtype(py::str(py::dtype::from_args(dtype).attr("name")));
 }
@@ -359,6 +366,12 @@ PYBIND11_MODULE(ndarray_backend_cpu, m) {
       });
 
   pyalloc::bind(m, array_class);
+  // Array(size, dtype) without pybind11's constructor machinery: the hot allocation of every
+  // NDArray op's output (about half the cost of a small op's Array(...) call).
+  m.def("new_array", [](std::int64_t size, const py::object& dtype) {
+    return new Array(size, dtype_of(dtype), pyalloc::creation_category(py::none()));
+  }, py::arg("size"), py::arg("dtype"), py::return_value_policy::take_ownership,
+        "A new Array of `size` elements of `dtype` (uninitialised), as Array(size, dtype).");
 
   m.def("to_numpy", &nd::to_numpy, py::arg("a"), py::arg("shape"), py::arg("strides"),
         py::arg("offset"));

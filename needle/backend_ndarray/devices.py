@@ -60,7 +60,10 @@ class BackendDevice:
             raise BackendAttributeError(
                 f"{self.__dict__.get('name')}(): backend is not available ({reason}); "
                 f"expected an enabled device, got a disabled one (looking up {name!r})")
-        value = getattr(mod, name)
+        if name == "new_array":  # optional: Array(size, dtype) through a cheaper call
+            value = getattr(mod, "new_array", None) or mod.Array
+        else:
+            value = getattr(mod, name)
         # Cache on the instance so the next lookup is a plain attribute hit (hot path).
         self.__dict__[name] = value
         return value

@@ -720,7 +720,7 @@ def _alloc(shape: tuple, device: BackendDevice, dtype: str, op: str = "alloc") -
     if size > FAST_ALLOC_ELEMENTS:
         check_alloc(op, shape, _itemsize(dtype), dtype)
     try:
-        handle = device.Array(size, dtype)
+        handle = device.new_array(size, dtype)
     except MemoryError as exc:
         if isinstance(exc, OutOfMemoryError) and exc.details:
             raise  # a limit's own report (live tensors, fragmentation) says more

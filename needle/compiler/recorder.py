@@ -232,7 +232,7 @@ class _RecordingModule:
 
     def __getattr__(self, name):
         value = getattr(self._real, name)
-        if name == "Array":
+        if name in ("Array", "new_array"):  # new_array: Array(size, dtype) made cheaply
             wrapped: Any = _Alloc(value, self._rec, self._thread)
         elif callable(value) and not isinstance(value, type) and not name.startswith("_"):
             wrapped = self._wrap(name, value)

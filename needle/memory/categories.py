@@ -41,12 +41,20 @@ _DEFAULT = "other"
 
 
 class _State(threading.local):
-    # Class attribute = the per-thread default (a fresh thread is outside any op).
+    # Class attributes = the per-thread defaults (a fresh thread is outside any op and scope).
+    # ``user_top`` and ``framework_top`` repeat the stacks' innermost entries: the C++
+    # allocator reads these three fields at each allocation instead of calling resolve().
     op_category: str | None = None
+    user_top: str | None = None
+    framework_top: str | None = None
 
     def __init__(self) -> None:
         self.user: list[str] = []
-        self.framework: list[str] = []
+        self.framework: list[str | None] = []
+
+    def refresh_tops(self) -> None:
+        self.user_top = self.user[-1] if self.user else None
+        self.framework_top = self.framework[-1] if self.framework else None
 
 
 _STATE = _State()
@@ -89,12 +97,14 @@ def resolve(hint: str | None = None) -> str:
         'workspace'
     """
     state = _STATE
-    if state.user:
-        return state.user[-1]
+    name = state.user_top
+    if name is not None:
+        return name
     if hint is not None:
         return hint
-    if state.framework and state.framework[-1] is not None:
-        return state.framework[-1]
+    name = state.framework_top
+    if name is not None:
+        return name
     return state.op_category or _DEFAULT
 
 
@@ -116,13 +126,16 @@ def _notify() -> None:
 
 
 @contextmanager
-def _scope(stack: list[str], name: str) -> Iterator[str]:
+def _scope(stack: list, name: str | None) -> Iterator[str | None]:
+    state = _STATE
     stack.append(name)
+    state.refresh_tops()
     _notify()
     try:
         yield name
     finally:
         stack.pop()
+        state.refresh_tops()
         _notify()
 
 

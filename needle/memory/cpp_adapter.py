@@ -12,6 +12,10 @@ needs these functions in the pybind module ``ndarray_backend_cpu`` (:data:`REQUI
   returned name; ``fn`` is :func:`needle.memory.categories.resolve`, so user scopes, framework
   scopes and the per-op ``activation`` default all apply. Kernel workspaces allocated without
   the GIL use ``"workspace"`` directly.
+* optional, preferred when present: ``allocator_set_category_state(state) -> previous``: C++
+  resolves as ``resolve`` does by reading the fields ``user_top``, ``framework_top`` and
+  ``op_category`` of ``state`` (:func:`categories.thread_state`, a ``threading.local``)
+  itself, so an allocation costs no call into Python.
 
 Until the module has them, :func:`make_adapter` explains what is missing and
 ``stats(cpu())`` raises :class:`~needle._core.errors.BackendUnavailable` instead of reporting
@@ -46,7 +50,11 @@ class CppAllocatorAdapter:
         self.name = name
         self._was_recording = False
         self._listeners: list = []
-        mod.allocator_set_category_resolver(categories.resolve)
+        if hasattr(mod, "allocator_set_category_state"):
+            # C++ reads the thread-local fields itself: no Python call per allocation
+            mod.allocator_set_category_state(categories.thread_state())
+        else:
+            mod.allocator_set_category_resolver(categories.resolve)
         if hasattr(mod, "allocator_set_op"):
             timeline.add_op_listener(mod.allocator_set_op)
         if hasattr(mod, "allocator_set_oom_handler"):

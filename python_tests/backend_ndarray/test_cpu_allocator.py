@@ -223,9 +223,11 @@ def _rounded(nbytes: int) -> int:
 @pytest.fixture
 def no_resolver():
     prev = cpu.allocator_set_category_resolver(None)
+    prev_state = cpu.allocator_set_category_state(None)
     prev_cat = cpu.allocator_set_category(None)
     yield
     cpu.allocator_set_category(prev_cat)
+    cpu.allocator_set_category_state(prev_state)
     cpu.allocator_set_category_resolver(prev)
 
 
@@ -312,6 +314,74 @@ def test_resolver_decides_when_no_thread_category(no_resolver):
     cpu.allocator_set_category_resolver(lambda hint: "nonsense")
     with pytest.raises(MemoryArgumentError, match="nonsense"):
         cpu.Array(10)
+
+
+def _state_cases():
+    """(user scopes, framework scopes, op default, hint) combinations, each a name or None;
+    a framework entry None is ``as_forward``."""
+    return [((), (), None, None), ((), (), "activation", None), ((), ("gradient",), "activation",
+            None), ((), ("gradient", None), "activation", None), ((), ("gradient", None), None,
+            None), (("weight",), ("gradient",), "activation", None), ((), ("optimizer",), None,
+            "workspace"), (("master",), (), None, "workspace"), ((), (), None, "workspace"),
+            (("weight", "optimizer_temp"), ("gradient",), None, None)]
+
+
+@pytest.mark.parametrize("user, framework, op, hint", _state_cases())
+def test_state_resolution_in_cpp_matches_resolve(no_resolver, user, framework, op, hint):
+    """C++ reads needle.memory's thread-local fields itself (no resolver call): it must give
+    the category ``categories.resolve`` gives, for every order of precedence."""
+    import contextlib
+
+    from needle.memory import categories
+
+    state = categories.thread_state()
+    cpu.allocator_set_category_state(state)
+    with contextlib.ExitStack() as stack:
+        for name in user:
+            stack.enter_context(categories.category(name))
+        for name in framework:
+            stack.enter_context(categories.framework_category(name) if name is not None
+                                else categories.as_forward())
+        state.op_category = op
+        try:
+            got = cpu.Array(10, "float32", category=hint).category
+            fast = cpu.new_array(10, "float32").category if hint is None else got
+            want = categories.resolve(hint)
+        finally:
+            state.op_category = None
+    assert got == want and fast == want
+    assert cpu.Array(10).category == "other"  # scopes closed: the fields are back to None
+
+
+def test_state_resolution_is_per_thread_and_reads_names_by_value(no_resolver):
+    from needle.memory import categories
+
+    state = categories.thread_state()
+    cpu.allocator_set_category_state(state)
+    seen = []
+    with categories.framework_category("gradient"):
+        t = threading.Thread(target=lambda: seen.append(cpu.new_array(10, "float32").category))
+        t.start()
+        t.join()
+        assert cpu.new_array(10, "float32").category == "gradient"
+        state.op_category = "".join(["activ", "ation"])  # equal, but not the interned object
+        try:
+            with categories.as_forward():
+                assert cpu.new_array(10, "float32").category == "activation"
+            state.op_category = "activations"
+            with categories.as_forward(), pytest.raises(MemoryArgumentError, match="activations"):
+                cpu.new_array(10, "float32")
+        finally:
+            state.op_category = None
+    assert seen == ["other"]
+
+
+def test_new_array_is_array_by_another_call():
+    a = cpu.new_array(6, "float64")
+    assert isinstance(a, cpu.Array) and a.size == 6 and a.dtype == "float64"
+    assert cpu.new_array(3, np.dtype("float16")).dtype == "float16"
+    with pytest.raises(ValueError, match="float8"):
+        cpu.new_array(3, "float8")
 
 
 @pytest.mark.parametrize("call", [
@@ -451,6 +521,7 @@ def test_no_leak_after_1000_cycles(no_resolver):
 if __name__ == "__main__":  # fresh-interpreter replay used by the `replayed` fixture
     _main_name = sys.argv[1]
     cpu.allocator_set_category_resolver(None)
+    cpu.allocator_set_category_state(None)
     assert cpu.allocator_stats()["num_allocs"] == 0, "the C++ allocator was used before"
     _cpu = _replay_cpp(SCENARIOS[_main_name])
     _py = _replay_python(SCENARIOS[_main_name])
