@@ -291,12 +291,63 @@ void gemm_nt(const T* a, std::ptrdiff_t ars, std::ptrdiff_t acs, const T* b, std
   }
 }
 
+// c (1 x p) = a (1 x n) @ B (n x p) with B's rows contiguous (bcs == 1): a column sum
+// `ones(1, M) @ X` (every bias gradient) or a vector-matrix product. Memory-bound, so B is
+// read once, row by row, into a strip of c that stays in cache; the packed kernel would copy
+// all of B into panels first and use one of its MR rows. Each c[j] sums k = 0..n-1 in order,
+// whatever the thread count.
+template <class T>
+void gemv_rows(const T* a, std::ptrdiff_t acs, const T* b, std::ptrdiff_t brs, T* c,
+               std::size_t n, std::size_t p, int nt) {
+  constexpr std::size_t kStrip = 2048;  // columns of c kept in L1 while B's rows stream by
+  const std::size_t strips = ceil_div(p, kStrip);
+  const auto body = [&](std::size_t rank, std::size_t teams) {
+    for (std::size_t s = strips * rank / teams; s < strips * (rank + 1) / teams; ++s) {
+      const std::size_t j0 = s * kStrip, width = min_size(kStrip, p - j0);
+      T* __restrict out = c + j0;
+      for (std::size_t j = 0; j < width; ++j) out[j] = T(0);
+      const T* first = b + std::ptrdiff_t(j0);
+      std::size_t k = 0;
+      // four rows per pass over the strip (a quarter of its loads and stores); each c[j]
+      // still adds its terms in k order
+      for (; k + 4 <= n; k += 4) {
+        const T a0 = a[std::ptrdiff_t(k) * acs], a1 = a[std::ptrdiff_t(k + 1) * acs];
+        const T a2 = a[std::ptrdiff_t(k + 2) * acs], a3 = a[std::ptrdiff_t(k + 3) * acs];
+        const T* __restrict r0 = first + std::ptrdiff_t(k) * brs;
+        const T* __restrict r1 = r0 + brs;
+        const T* __restrict r2 = r1 + brs;
+        const T* __restrict r3 = r2 + brs;
+        for (std::size_t j = 0; j < width; ++j) {
+          T acc = out[j];
+          acc += a0 * r0[j];
+          acc += a1 * r1[j];
+          acc += a2 * r2[j];
+          acc += a3 * r3[j];
+          out[j] = acc;
+        }
+      }
+      for (; k < n; ++k) {
+        const T ak = a[std::ptrdiff_t(k) * acs];
+        const T* __restrict row = first + std::ptrdiff_t(k) * brs;
+        for (std::size_t j = 0; j < width; ++j) out[j] += ak * row[j];
+      }
+    }
+  };
+  if (nt > 1 && strips > 1) {
+#pragma omp parallel num_threads(nt)
+    body(std::size_t(team_rank()), std::size_t(team_size()));
+  } else {
+    body(0, 1);
+  }
+}
+
 // C (m x p, compact) = A @ B on as many threads as the work is worth.
 template <class T>
 void gemm(const T* a, std::ptrdiff_t ars, std::ptrdiff_t acs, const T* b, std::ptrdiff_t brs,
           std::ptrdiff_t bcs, T* c, std::size_t m, std::size_t n, std::size_t p) {
   const double flops = 2.0 * double(m) * double(n) * double(p);
   const int nt = flops >= kParallelMinFlops ? num_threads() : 1;
+  if (m == 1 && bcs == 1 && n > 0) return gemv_rows(a, acs, b, brs, c, n, p, nt);
   gemm_nt(a, ars, acs, b, brs, bcs, c, p, m, n, p, nt, false);
 }
 

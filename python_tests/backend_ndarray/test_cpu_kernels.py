@@ -518,3 +518,34 @@ def test_matmul_strided_checks_extents_and_strides():
         cpu.matmul_strided(a, b, out, 3, 4, 3, 1, 4, 1, 0, 3, 1)
     with pytest.raises(ValueError, match="strides must be >= 0"):
         cpu.matmul_strided(a, b, out, 3, 4, 3, 0, -4, 1, 0, 3, 1)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("n,p", [(1, 1), (3, 33), (4, 2048), (7, 2049), (320, 5000)])
+@pytest.mark.parametrize("a_stride", [0, 1, 3], ids=["broadcast-row", "row", "strided-row"])
+def test_row_vector_times_matrix_against_numpy(isa, dtype, n, p, a_stride):
+    """m == 1 with B's rows contiguous (the column sums of every bias gradient) takes its
+    own path: checked against NumPy on sliced B rows, several column strips, both thread
+    counts, and bitwise the same on 1 and 2 threads."""
+    rng = np.random.default_rng(n * 7919 + p)
+    a_np = rng.standard_normal(max(1, (n - 1) * a_stride + 1)).astype(dtype)
+    pad = 5  # B's rows lie p + 5 apart, from offset 2: a slice, not a compact matrix
+    b_np = rng.standard_normal(2 + n * (p + pad)).astype(dtype)
+    a_arr, b_arr = put(cpu, a_np, dtype), put(cpu, b_np, dtype)
+    got = []
+    before = cpu.get_num_threads()
+    try:
+        for threads in (1, 2):
+            cpu.set_num_threads(threads)
+            out = cpu.Array(p, dtype)
+            cpu.matmul_strided(a_arr, b_arr, out, 1, n, p, 0, 0, a_stride, 2, p + pad, 1)
+            got.append(cpu.to_numpy(out, (1, p), (p, 1), 0))
+    finally:
+        cpu.set_num_threads(before)
+    a_view = np.lib.stride_tricks.as_strided(a_np, (1, n), (0, a_stride * a_np.itemsize))
+    b_view = np.lib.stride_tricks.as_strided(b_np[2:], (n, p), ((p + pad) * b_np.itemsize,
+                                                                  b_np.itemsize))
+    want = a_view.astype("float64") @ b_view.astype("float64")
+    rtol, atol = (1e-5, 1e-5) if dtype == "float32" else (1e-12, 1e-12)
+    np.testing.assert_allclose(got[0], want, rtol=rtol, atol=atol * np.sqrt(n))
+    np.testing.assert_array_equal(got[0], got[1])
