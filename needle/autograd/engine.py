@@ -158,6 +158,16 @@ def check_gradients(node, grads, strict: bool) -> None:
         _check_arrays(node, i, have, want, strict)
 
 
+class _Edges:
+    """What :func:`check_gradients` reads of a node (its op and inputs), kept once the
+    engine has cut the node's links."""
+
+    __slots__ = ("op", "inputs")
+
+    def __init__(self, op, inputs):
+        self.op, self.inputs = op, inputs
+
+
 def _check_arrays(node, i, have, want, strict: bool) -> None:
     if have.shape != want.shape:
         _mismatch(ShapeError, node, i, "shape", tuple(want.shape), tuple(have.shape))
@@ -238,10 +248,12 @@ def _propagate(root, grad, retain_graph, create_graph, accumulate, grad_all_node
             grads = node.op.plain_gradient(grad, node)
         if type(grads) is not tuple:
             grads = tuple(grads) if isinstance(grads, list) else (grads,)
-        check_gradients(node, grads, strict)
         inputs = node.inputs
-        if capture is not None and id(node) in capture.consumers:
-            inputs = capture.take(node, inputs, grads)
+        op = node.op
+        if not strict or len(grads) != len(inputs) or capture is not None:
+            check_gradients(node, grads, strict)  # else checked edge by edge below
+            if capture is not None and id(node) in capture.consumers:
+                inputs = capture.take(node, inputs, grads)
         if not retain_graph:
             # cut the links now: inputs nobody else holds are released as soon as they are
             # processed themselves, so backward memory falls as it proceeds
@@ -252,6 +264,15 @@ def _propagate(root, grad, retain_graph, create_graph, accumulate, grad_all_node
         for inp, part in zip(inputs, grads, strict=False):
             if not inp.requires_grad:
                 continue
+            if strict:
+                # check_gradients' common case inlined (this runs for every edge): arrays
+                # of the input's shape, device and dtype; anything else takes the full check
+                have = getattr(part, "cached_data", None)
+                want = inp.cached_data
+                if (type(have) is not _NDArray or type(want) is not _NDArray
+                        or have._shape != want._shape or have._device is not want._device
+                        or have._handle.dtype != want._handle.dtype):
+                    check_gradients(_Edges(op, inputs), grads, strict)
             key = id(inp)
             parts = pending.get(key)
             if parts is None:
@@ -265,7 +286,7 @@ def _propagate(root, grad, retain_graph, create_graph, accumulate, grad_all_node
                     _finish_leaf(inp, _sum(pending.pop(key)), accumulate)
                 else:
                     heappush(heap, (-inp._seq, inp))
-        inputs = grads = inp = part = parts = None
+        inputs = grads = inp = part = parts = have = want = None
         if observer is not None:
             observer.node_end(token)
 

@@ -245,12 +245,37 @@ class _BadDType(TensorOp):
         return out_grad.astype("float64")
 
 
+class _NoGrad(TensorOp):
+    def compute(self, a):
+        return a * 2
+
+    def gradient(self, out_grad, node):
+        return None
+
+
+class _BadSecond(TensorOp):
+    """Right for the first input, a wrong shape for the second."""
+
+    def compute(self, a, b):
+        return a * b
+
+    def gradient(self, out_grad, node):
+        return out_grad, ops.summation(out_grad, 0)
+
+
 @pytest.mark.parametrize("op, error", [(_BadShape, ShapeError), (_BadCount, GraphError),
-                                       (_BadDType, DTypeError)])
+                                       (_BadDType, DTypeError), (_NoGrad, GraphError)])
 def test_engine_checks_gradients_and_names_op(op, error):
     x = _t((3, 2))
     with pytest.raises(error, match=op.__name__):
         op()(x).sum().backward()
+
+
+def test_engine_checks_each_input_edge():
+    x, y = _t((3, 2)), _t((3, 2))
+    with pytest.raises(ShapeError, match=r"_BadSecond.*input 1, expected \(3, 2\), got \(2,\)"):
+        _BadSecond()(x, y).sum().backward()
+    assert x.grad is None or x.grad.shape == (3, 2)
 
 
 def test_bad_input_errors_name_op_and_values(device):
