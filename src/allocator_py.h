@@ -293,6 +293,27 @@ void bind(py::module_& m, ArrayClass& cls) {
     mem::plan_begin(arena_bytes, std::move(plan));
   }, py::arg("arena_bytes"), py::arg("entries"),
         "Serve the next requests from (requested, offset, size) entries: offset -1 from the pools.");
+  // A plan's entries converted once: a compiled step begins the same plan every call, and
+  // converting ~100 Python tuples costs more than a small step's kernels.
+  struct PreparedPlan {
+    std::size_t arena_bytes;
+    std::vector<mem::PlanEntry> entries;
+  };
+  py::class_<PreparedPlan>(m, "_PreparedPlan")
+      .def_property_readonly("arena_bytes", [](const PreparedPlan& p) { return p.arena_bytes; })
+      .def("__len__", [](const PreparedPlan& p) { return p.entries.size(); });
+  m.def("allocator_plan_prepare", [](std::size_t arena_bytes, const std::vector<std::tuple<std::size_t, std::int64_t, std::size_t>>& entries) {
+    auto* prepared = new PreparedPlan{arena_bytes, {}};
+    prepared->entries.reserve(entries.size());
+    for (const auto& [requested, offset, size] : entries) {
+      prepared->entries.push_back(mem::PlanEntry{requested, offset, size});
+    }
+    return prepared;
+  }, py::arg("arena_bytes"), py::arg("entries"), py::return_value_policy::take_ownership,
+        "allocator_plan_begin's arguments converted once, for allocator_plan_begin_prepared.");
+  m.def("allocator_plan_begin_prepared", [](const PreparedPlan& prepared) {
+    mem::plan_begin(prepared.arena_bytes, prepared.entries);
+  }, py::arg("prepared"), "allocator_plan_begin with the arguments of allocator_plan_prepare.");
   m.def("allocator_plan_end", [] {
     const mem::PlanResult r = mem::plan_end();
     return py::make_tuple(r.count, r.diverged, r.reason);

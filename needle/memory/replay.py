@@ -164,6 +164,41 @@ class ArenaAllocator:
             self.block = None
 
 
+def cpp_plan_calls(plan):
+    """``(begin, end)`` of a planned run of ``plan`` on its device's C++ allocator, or None
+    when that device's allocator is not the C++ one (:func:`run_plan` then serves the plan
+    from Python). ``end()`` returns None when the run followed the plan, else the reason.
+    Made once per plan, with the plan's entries converted for C++ once: a compiled step
+    begins the same plan every call, and converting them costs more than a small step's
+    kernels."""
+    cached = plan.__dict__.get("_cpp_calls")
+    if cached is not None:
+        return cached
+    from .trace import is_cpp, traceable_allocator
+
+    device = plan.graph.device
+    if not is_cpp(traceable_allocator(device, "run")):
+        return None  # not cached: a later call may find the C++ allocator installed
+    mod = device.mod
+    if hasattr(mod, "allocator_plan_prepare"):
+        prepared = mod.allocator_plan_prepare(plan.peak_bytes, cpp_entries(plan))
+
+        def begin():
+            mod.allocator_plan_begin_prepared(prepared)
+    else:
+        arena, entries = plan.peak_bytes, cpp_entries(plan)
+
+        def begin():
+            mod.allocator_plan_begin(arena, entries)
+
+    def end():
+        return mod.allocator_plan_end()[2] or None
+
+    calls = (begin, end)
+    object.__setattr__(plan, "_cpp_calls", calls)  # a frozen dataclass: a cache only
+    return calls
+
+
 def cpp_entries(plan) -> list[tuple[int, int, int]]:
     """The traced allocation sequence as ``(requested, offset, size)`` for the C++ allocator
     (offset -1: an output, served from the pools); made once per plan (a compiled step
@@ -205,13 +240,14 @@ def run_plan(plan, *inputs, strict: bool = True, fn=None):
     real = traceable_allocator(graph.device, "run")
     mod = graph.device.mod
     if is_cpp(real):
-        mod.allocator_plan_begin(plan.peak_bytes, cpp_entries(plan))
+        begin, end = cpp_plan_calls(plan)
+        begin()
         try:
             result = call(*inputs)
         finally:
-            _count, _first, reason = mod.allocator_plan_end()
+            reason = end()
         if not strict:
-            return result, (reason or None)
+            return result, reason
         if reason:
             raise MemoryPlanError(f"run: {reason} (is the traced call repeatable?)")
         return result

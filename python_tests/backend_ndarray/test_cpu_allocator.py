@@ -518,6 +518,38 @@ def test_no_leak_after_1000_cycles(no_resolver):
     assert last["num_reused"] - first["num_reused"] == 5000
 
 
+
+def _planned_run(begin, requests):
+    """Allocate float32 Arrays of ``requests`` bytes inside a planned run begun by ``begin``;
+    returns their addresses relative to the first planned one, and plan_end's report."""
+    begin()
+    arrays = []
+    try:
+        for nbytes in requests:
+            arrays.append(cpu.Array(nbytes // 4, "float32"))
+    finally:
+        count, first, reason = cpu.allocator_plan_end()
+    base = arrays[0].ptr()
+    return [a.ptr() - base for a in arrays], (count, first, reason)
+
+
+@pytest.mark.parametrize("requests", [[1024, 2048, 512], [1024, 4096, 512]],
+                         ids=["as-planned", "diverging"])
+def test_a_prepared_plan_serves_what_the_list_does(requests):
+    entries = [(1024, 0, 1024), (2048, 1024, 2048), (512, 3072, 512)]
+    prepared = cpu.allocator_plan_prepare(4096, entries)
+    assert len(prepared) == 3 and prepared.arena_bytes == 4096
+    by_list = _planned_run(lambda: cpu.allocator_plan_begin(4096, entries), requests)
+    by_prepared = _planned_run(lambda: cpu.allocator_plan_begin_prepared(prepared), requests)
+    assert by_list == by_prepared
+    if requests[1] == 2048:
+        assert by_list == ([0, 1024, 3072], (3, -1, ""))
+    else:
+        assert by_list[1][1] == 1 and "4096" in by_list[1][2]
+    again = _planned_run(lambda: cpu.allocator_plan_begin_prepared(prepared), requests)
+    assert again == by_prepared  # a prepared plan is reusable: each run starts afresh
+
+
 if __name__ == "__main__":  # fresh-interpreter replay used by the `replayed` fixture
     _main_name = sys.argv[1]
     cpu.allocator_set_category_resolver(None)

@@ -372,3 +372,36 @@ def test_a_dropped_compiled_step_frees_its_model_without_a_garbage_collection(de
         assert held() == before
     finally:
         gc.enable()
+
+
+def test_a_kernel_replay_begins_its_plan_prepared_and_unguarded(monkeypatch):
+    """On cpu() a kernel replay begins the planned run from entries converted once
+    (allocator_plan_begin_prepared), not from the Python list each call, and enters no
+    host-read guard (it runs none of the step's Python)."""
+    from needle.compiler import compiled as compiled_mod
+
+    dev = ndl.cpu()
+    _, _, step = train("mlp", dev, True, FIRST_KERNEL_CALL)
+    assert step.replay_mode()["mode"] == "kernels"
+    mod = dev.mod
+    calls = {"list": 0, "prepared": 0, "guard": 0}
+
+    def counted(name, real):
+        def wrapper(*args):
+            calls[name] += 1
+            return real(*args)
+        return wrapper
+
+    monkeypatch.setattr(mod, "allocator_plan_begin", counted("list", mod.allocator_plan_begin))
+    monkeypatch.setattr(mod, "allocator_plan_begin_prepared",
+                        counted("prepared", mod.allocator_plan_begin_prepared))
+    monkeypatch.setattr(compiled_mod, "refuse_host_reads",
+                        counted("guard", compiled_mod.refuse_host_reads))
+    np.random.seed(11)
+    x = ndl.Tensor(np.random.standard_normal((16, 20)), device=dev, requires_grad=False)
+    y = ndl.Tensor(np.random.randint(0, 10, 16), device=dev, requires_grad=False)
+    before = step.stats()["kernel_replays"]
+    for _ in range(3):
+        step(x, y)
+    assert step.stats()["kernel_replays"] == before + 3
+    assert calls == {"list": 0, "prepared": 3, "guard": 0}
