@@ -123,14 +123,17 @@ _CANDIDATES: list = []
 def track(node, op, inputs) -> None:
     """Count ``node``'s links to tracked inputs, note what ``op`` saves, then sweep."""
     saved = node._saved  # set when saved_tensors_hooks were active: references decide then
-    save = op.save_inputs
-    i = 0
-    for x in inputs:
-        if x._tracked:
-            x._links += 1
-            if saved is None and (save is None or i in save):
-                x._keep = True
-        i += 1
+    if _CANDIDATES:
+        # links matter only for candidates still listed: with none listed (every output of a
+        # small model) there is nothing to count
+        save = op.save_inputs
+        i = 0
+        for x in inputs:
+            if x._tracked:
+                x._links += 1
+                if saved is None and (save is None or i in save):
+                    x._keep = True
+            i += 1
     keeps_self = op.save_output and (saved is None or saved[1][-1] is SAVED_SELF)
     if not keeps_self and not node._is_tuple:
         handle = getattr(node.cached_data, "_handle", None)
