@@ -266,13 +266,16 @@ def _propagate(root, grad, retain_graph, create_graph, accumulate, grad_all_node
                 continue
             if strict:
                 # check_gradients' common case inlined (this runs for every edge): arrays
-                # of the input's shape, device and dtype; anything else takes the full check
-                have = getattr(part, "cached_data", None)
-                want = inp.cached_data
-                if (type(have) is not _NDArray or type(want) is not _NDArray
-                        or have._shape != want._shape or have._device is not want._device
-                        or have._handle.dtype != want._handle.dtype):
+                # of the input's shape, device and dtype. Anything else takes the full check,
+                # tuples first: reading a sparse tuple gradient's data would build its zeros
+                if part is None or inp._is_tuple or getattr(part, "_is_tuple", True):
                     check_gradients(_Edges(op, inputs), grads, strict)
+                else:
+                    have, want = part.cached_data, inp.cached_data
+                    if (type(have) is not _NDArray or type(want) is not _NDArray
+                            or have._shape != want._shape or have._device is not want._device
+                            or have._handle.dtype != want._handle.dtype):
+                        check_gradients(_Edges(op, inputs), grads, strict)
             key = id(inp)
             parts = pending.get(key)
             if parts is None:

@@ -391,3 +391,24 @@ def test_gradient_as_tuple_is_callable_directly_as_the_course_does():
     single = -a
     (g,) = single.op.gradient_as_tuple(Tensor(np.ones((2, 3))), single)
     np.testing.assert_array_equal(g.numpy(), -np.ones((2, 3)))
+
+
+@pytest.mark.skipif(BACKEND != "nd", reason="sparse tuple gradients are the nd engine's")
+def test_split_gradients_stay_sparse_until_the_split_reads_them(monkeypatch):
+    """Each piece of an n-way split hands its split a sparse tuple gradient; checking and
+    summing them must not build the dense tuple (n zero arrays each: O(n^2) for an unrolled
+    LSTM). The split builds it once, and every piece arrived, so no zeros at all."""
+    import needle.autograd.tensor as tensor_mod
+
+    zeros = []
+    real = tensor_mod._zeros_like
+    monkeypatch.setattr(tensor_mod, "_zeros_like", lambda like: zeros.append(1) or real(like))
+    n = 8
+    x = _t((n, 3))
+    pieces = ops.split(x, 0)
+    total = pieces[0]
+    for i in range(1, n):
+        total = total + pieces[i] * float(i + 1)
+    total.sum().backward()
+    assert zeros == []
+    np.testing.assert_array_equal(x.grad.numpy(), np.repeat(np.arange(1, n + 1.0)[:, None], 3, 1))
