@@ -24,6 +24,7 @@ import numpy as np
 from .._core.errors import DTypeError, ShapeError
 from ._cuda import launch as L
 from ._cuda import runtime
+from .ndarray_checks import check_class_ids
 from .ndarray_limits import check_view
 
 # Availability (read by the device lookup), the allocator seam and a device-wide sync.
@@ -39,6 +40,7 @@ MATMUL_IMPLS = ("cublas", "tiled")
 _matmul_impl = "cublas"  # expected faster; bench/bench_gpu.py measures both (docs/cuda.md)
 
 _EW, _ST, _RD, _MM = "elementwise.cu", "strided.cu", "reduce.cu", "matmul.cu"
+_FU = "fused.cu"
 
 
 class Array:
@@ -293,6 +295,81 @@ def matmul_tiled(a: Array, b: Array, out: Array, m: int, n: int, p: int) -> None
     _check_matmul("matmul_tiled", a, b, out, m, n, p)
     if m and p:
         runtime.launch(_MATMUL_TILED, out.dtype, m * p, a, b, out, m, n, p, __tile_size__)
+
+
+# ---- fused kernels: softmax cross-entropy, embedding (cuda_kernels/fused.cu) ---------------
+# Labels and ids are checked on the host, from one small copy (n values), before the launch:
+# the kernels index with them. A compiled step on cuda() sees one kernel call either way.
+_XENT_FWD = L.KernelSpec(_FU, "softmax_xent_forward", ("a", "a", "a", "a", "i64", "i64"),
+                         grid="rows")
+_XENT_BWD = L.KernelSpec(_FU, "softmax_xent_backward", ("a",) * 5 + ("i64", "i64"),
+                         grid="indexed")
+_EMB_FWD = L.KernelSpec(_FU, "embedding_forward", ("a", "a", "a", "i64", "i64", "i64"),
+                        grid="indexed")
+_EMB_BWD = L.KernelSpec(_FU, "embedding_backward", ("a", "a", "a", "i64", "i64", "i64"),
+                        grid="indexed")
+
+
+def _fused_checks(op: str, out: Array, sizes: dict, inputs: tuple) -> None:
+    """float32/float64 only; each buffer of ``sizes`` ({name: (buffer, elements)}) big
+    enough; ``out`` not one of ``inputs``."""
+    if out.dtype not in ("float32", "float64"):
+        raise DTypeError(f"{op}: expected float32 or float64, got {out.dtype}")
+    for what, (buffer, need) in sizes.items():
+        if need < 0:
+            raise ShapeError(f"{op}: sizes must be >= 0, got {what} of {need} elements")
+        L.check_extent(op, what, buffer, need)
+    if any(out.ptr() == a.ptr() for a in inputs):
+        raise ValueError(f"{op}: out must not share memory with an input")
+
+
+def _host_ids(ids: Array, n: int, k: int, what: str) -> None:
+    if n:
+        check_class_ids(to_numpy(ids, (n,), (1,), 0), k, what)
+
+
+def softmax_xent_forward(z: Array, labels: Array, loss: Array, lse: Array, n: int,
+                         k: int) -> None:
+    """Per row of ``z`` (n, k): ``lse = logsumexp(z)``, ``loss = lse - z[label]``."""
+    op = "softmax_xent_forward"
+    _fused_checks(op, loss, {"z": (z, n * k), "labels": (labels, n), "loss": (loss, n),
+                             "lse": (lse, n)}, (z, labels))
+    _host_ids(labels, n, k, f"{op}: class label out of range at row")
+    if n:
+        runtime.launch(_XENT_FWD, loss.dtype, n, z, labels, loss, lse, n, k)
+
+
+def softmax_xent_backward(z: Array, labels: Array, lse: Array, g: Array, dz: Array, n: int,
+                          k: int) -> None:
+    """``dz = g (softmax(z) - onehot(label))`` per row, from the saved ``lse``."""
+    op = "softmax_xent_backward"
+    _fused_checks(op, dz, {"z": (z, n * k), "labels": (labels, n), "lse": (lse, n),
+                           "g": (g, n), "dz": (dz, n * k)}, (z, labels, lse, g))
+    _host_ids(labels, n, k, f"{op}: class label out of range at row")
+    if n * k:
+        runtime.launch(_XENT_BWD, dz.dtype, n * k, z, labels, lse, g, dz, n, k)
+
+
+def embedding_forward(table: Array, ids: Array, out: Array, num: int, dim: int,
+                      n: int) -> None:
+    """``out[i] = table[ids[i]]``: rows of the (num, dim) ``table`` picked by ``n`` ids."""
+    op = "embedding_forward"
+    _fused_checks(op, out, {"table": (table, num * dim), "ids": (ids, n),
+                            "out": (out, n * dim)}, (table, ids))
+    _host_ids(ids, n, num, "embedding: id out of range at position")
+    if n * dim:
+        runtime.launch(_EMB_FWD, out.dtype, n * dim, table, ids, out, num, dim, n)
+
+
+def embedding_backward(g: Array, ids: Array, dtable: Array, num: int, dim: int,
+                       n: int) -> None:
+    """``dtable = 0``, then ``dtable[ids[i]] += g[i]`` in position order."""
+    op = "embedding_backward"
+    _fused_checks(op, dtable, {"g": (g, n * dim), "ids": (ids, n),
+                               "dtable": (dtable, num * dim)}, (g, ids))
+    _host_ids(ids, n, num, "embedding: id out of range at position")
+    if num * dim:
+        runtime.launch(_EMB_BWD, dtable.dtype, num * dim, g, ids, dtable, num, dim, n)
 
 
 # ---- threads -----------------------------------------------------------------------------

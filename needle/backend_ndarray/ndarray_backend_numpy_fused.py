@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .ndarray_checks import check_class_ids
+
 __all__ = ["conv2d_forward", "conv2d_weight_grad", "conv2d_input_grad", "lstm_cell_forward",
            "lstm_cell_backward", "batch_norm_forward", "batch_norm_backward",
            "softmax_xent_forward", "softmax_xent_backward", "embedding_forward",
@@ -139,14 +141,8 @@ def batch_norm_backward(dy, x, w, mean, invstd, dx, dw, db, n, c, s) -> None:
 
 
 def _class_ids(values, n: int, k: int, what: str) -> np.ndarray:
-    """The first ``n`` values as int64, each checked to be an integer in ``[0, k)``; else an
-    IndexError "<what> <i>, expected ..." naming the first bad one."""
-    y = values.array[:n]
-    bad = ~((y >= 0) & (y < k) & (y == np.floor(y)))
-    if bad.any():
-        i = int(np.argmax(bad))
-        raise IndexError(f"{what} {i}, expected an integer in [0, {k}), got {float(y[i])}")
-    return y.astype(np.int64)
+    """The first ``n`` values as int64 (see :func:`check_class_ids`)."""
+    return check_class_ids(values.array[:n], k, what)
 
 
 def _labels(op: str, labels, n: int, k: int) -> np.ndarray:

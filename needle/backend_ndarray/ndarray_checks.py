@@ -114,3 +114,20 @@ def resolve_reshape(shape: tuple, new_shape) -> tuple:
     if not size:  # only an empty shape can hide a dimension past the limit
         check_dim_sizes("reshape", new_shape)
     return new_shape
+
+
+def check_class_ids(values: np.ndarray, k: int, what: str) -> np.ndarray:
+    """``values`` (class labels or embedding ids, any float dtype) as int64, each checked to
+    be an integer in ``[0, k)``; else an IndexError "<what> <i>, expected ..." naming the
+    first bad position. The host check of the NumPy reference's and the CUDA backend's
+    label and id kernels (the C++ kernels check the same in C++).
+
+    Example:
+        >>> check_class_ids(np.array([0.0, 2.0]), 3, "row").tolist()
+        [0, 2]
+    """
+    bad = ~((values >= 0) & (values < k) & (values == np.floor(values)))
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise IndexError(f"{what} {i}, expected an integer in [0, {k}), got {float(values[i])}")
+    return values.astype(np.int64)

@@ -52,14 +52,14 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class OpNode:
-    """One step of a traced graph; ``op`` keeps the autograd op for replay by ``Plan.run``."""
+    """One step of a traced graph: the op's name, the tensor ids it read and made, and its
+    phase (names and ids only, so a graph keeps no op or array alive)."""
 
     index: int
     name: str
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
     phase: str = "forward"
-    op: object = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

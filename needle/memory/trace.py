@@ -195,27 +195,28 @@ class _Tracer(Observer):
         self.steps.append(name)
         return token
 
+    # Tokens and OpNodes hold names and buffer ids only: keeping an op (or a node) would keep
+    # the arrays it holds (SoftmaxCrossEntropy's lse) alive to the end of the traced call,
+    # and the plan would count them as outputs that an untraced run frees during backward.
     def op_begin(self, op, inputs):
-        return self._begin(type(op).__name__, inputs) + (op,)
+        return self._begin(type(op).__name__, inputs)
 
     def op_end(self, token, node) -> None:
         self._sync()
         self.steps.pop()
-        index, name, reads, phase, _, op = token
+        index, name, reads, phase, _ = token
         outs = tuple(b.id for b in self._buffers(node)) if node is not None else ()
-        self.ops.append(OpNode(index, name, reads, outs, phase, op))
+        self.ops.append(OpNode(index, name, reads, outs, phase))
 
     def node_begin(self, node):
-        # only names and buffer ids: the token must not keep the node (and its data) alive
-        return self._begin(type(node.op).__name__ + ".gradient", (*node.inputs, node)) + (
-            node.op,)
+        return self._begin(type(node.op).__name__ + ".gradient", (*node.inputs, node))
 
     def node_end(self, token) -> None:
         self._sync()
         self.steps.pop()
-        index, name, reads, phase, first, op = token
+        index, name, reads, phase, first = token
         outs = tuple(b.id for b in self.bufs[first:] if not b.freed and b.kind == "intermediate")
-        self.ops.append(OpNode(index, name, reads, outs, phase, op))
+        self.ops.append(OpNode(index, name, reads, outs, phase))
 
     def backward_begin(self) -> None:
         self.backward_depth += 1

@@ -8,8 +8,9 @@ new buffer. ``softmax_cross_entropy`` records one node: the C++ backend's
 backward is one ``softmax_xent_backward`` pass writing ``g (softmax(z) − onehot(y))``.
 
 Labels are class ids (any float dtype; integers in ``[0, k)``, checked by the kernel, which
-raises :class:`~needle.IndexOutOfRange` naming the row). Devices without the kernels (CUDA),
-float16 and NumPy mode compute the same values with array ops. With ``create_graph`` the
+raises :class:`~needle.IndexOutOfRange` naming the row). The C++ and CUDA backends (and the
+NumPy reference) have the kernels; float16 and NumPy mode compute the same values with array
+ops. With ``create_graph`` the
 gradient is built from differentiable ops.
 
 Example:

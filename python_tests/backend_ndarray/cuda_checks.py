@@ -13,7 +13,9 @@ import math
 import numpy as np
 import pytest
 
+from needle._core.errors import DTypeError, ShapeError
 from needle.backend_ndarray import ndarray_backend_numpy as R
+from needle.backend_ndarray import ndarray_backend_numpy_fused as RF
 
 DTYPES = ("float32", "float64", "float16")
 EPS = {"float32": 1.2e-7, "float64": 2.3e-16, "float16": 9.8e-4}
@@ -254,6 +256,68 @@ def check_matmul_tiled(B, dtype: str, m: int, n: int, p: int) -> None:
     assert_close(got, want, dtype, scale, ulps=4.0 * max(n, 1) ** 0.5 + 4)
 
 
+# ---- fused kernels: softmax cross-entropy, embedding -------------------------------------------
+def check_softmax_xent(B, dtype: str, n: int, k: int, spread: float) -> None:
+    """Forward and backward against the NumPy reference (float64 inside); ``spread`` 30 makes
+    an unshifted exp under- and overflow, and k > 256 gives each thread several columns."""
+    rng = np.random.default_rng(n * 1000 + k)
+    z = (rng.standard_normal(n * k) * spread).astype(dtype)
+    y = rng.integers(0, k, n).astype(dtype)
+    g = rng.standard_normal(n).astype(dtype)
+    za, ya, ga = put(B, z), put(B, y), put(B, g)
+    loss, lse, dz = B.Array(n, dtype), B.Array(n, dtype), B.Array(n * k, dtype)
+    B.softmax_xent_forward(za, ya, loss, lse, n, k)
+    B.softmax_xent_backward(za, ya, lse, ga, dz, n, k)
+    want = [R.Array(n, "float64"), R.Array(n, "float64"), R.Array(n * k, "float64")]
+    zr, yr = put(R, z.astype(np.float64)), put(R, y.astype(np.float64))
+    RF.softmax_xent_forward(zr, yr, want[0], want[1], n, k)
+    RF.softmax_xent_backward(zr, yr, want[1], put(R, g.astype(np.float64)), want[2], n, k)
+    for got, ref in zip((loss, lse, dz), want, strict=True):
+        assert_close(get(B, got), ref.array, dtype, scale=spread * max(1.0, math.log(k)),
+                     ulps=64.0)
+
+
+def check_embedding(B, dtype: str, num: int, dim: int, n: int) -> None:
+    """Rows gathered exactly; gradients of repeated ids summed in position order (as
+    numpy.add.at): the same numbers as the reference."""
+    rng = np.random.default_rng(num * 100 + n)
+    table = rand(rng, (num * dim,), dtype)
+    ids = rng.integers(0, num, n).astype(dtype)
+    if n > 2:
+        ids[1] = ids[n - 1] = ids[0]  # a repeated id
+    g = rand(rng, (n * dim,), dtype)
+    out, dtable = B.Array(n * dim, dtype), B.Array(num * dim, dtype)
+    B.fill(dtable, 7.0)  # every element is overwritten, not only the rows that ids pick
+    B.embedding_forward(put(B, table), put(B, ids), out, num, dim, n)
+    B.embedding_backward(put(B, g), put(B, ids), dtable, num, dim, n)
+    want_out, want_dtable = R.Array(n * dim, dtype), R.Array(num * dim, dtype)
+    RF.embedding_forward(put(R, table), put(R, ids), want_out, num, dim, n)
+    RF.embedding_backward(put(R, g), put(R, ids), want_dtable, num, dim, n)
+    np.testing.assert_array_equal(get(B, out), want_out.array)
+    np.testing.assert_array_equal(get(B, dtable), want_dtable.array)
+
+
+def check_fused_refusals(B) -> None:
+    z, loss, lse = put(B, np.zeros(6, np.float32)), B.Array(2), B.Array(2)
+    for bad, name in ((3.0, "3.0"), (-1.0, "-1.0"), (1.5, "1.5"), (float("nan"), "nan")):
+        labels = put(B, np.array([0.0, bad], np.float32))
+        with pytest.raises(IndexError, match=f"softmax_xent_forward: class label out of range "
+                                             f"at row 1, expected an integer in \\[0, 3\\), "
+                                             f"got {name}"):
+            B.softmax_xent_forward(z, labels, loss, lse, 2, 3)
+        with pytest.raises(IndexError, match="embedding: id out of range at position 1"):
+            B.embedding_forward(z, labels, B.Array(4), 3, 2, 2)
+    ok = put(B, np.array([0.0, 2.0], np.float32))
+    with pytest.raises(ShapeError, match="z too small"):
+        B.softmax_xent_forward(z, ok, loss, lse, 2, 4)
+    with pytest.raises(ValueError, match="share memory"):
+        B.softmax_xent_backward(z, ok, lse, loss, z, 2, 3)
+    with pytest.raises(DTypeError, match="float32 or float64"):
+        B.embedding_backward(*(B.Array(4, "float16") for _ in range(3)), 2, 2, 2)
+    with pytest.raises(DTypeError):
+        B.softmax_xent_forward(z, put(B, np.zeros(2, np.float64)), loss, lse, 2, 3)
+
+
 # ---- the tests (collected where a module imports them and defines ``backend``) -----------------
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_array_and_transfer(backend, dtype):
@@ -336,3 +400,22 @@ def test_matmul(backend, dtype, shape, impl):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_matmul_tiled(backend, dtype, shape):
     check_matmul_tiled(backend, dtype, *shape)
+
+
+@pytest.mark.parametrize("spread", (1.0, 30.0))
+@pytest.mark.parametrize("n, k", ((1, 1), (3, 7), (5, 300), (2, 1000)),
+                         ids=lambda v: str(v))
+@pytest.mark.parametrize("dtype", ("float32", "float64"))
+def test_softmax_xent(backend, dtype, n, k, spread):
+    check_softmax_xent(backend, dtype, n, k, spread)
+
+
+@pytest.mark.parametrize("num, dim, n", ((1, 1, 1), (5, 3, 9), (40, 7, 300)),
+                         ids=lambda v: str(v))
+@pytest.mark.parametrize("dtype", ("float32", "float64"))
+def test_embedding(backend, dtype, num, dim, n):
+    check_embedding(backend, dtype, num, dim, n)
+
+
+def test_fused_kernels_refuse_bad_ids_and_buffers(backend):
+    check_fused_refusals(backend)

@@ -23,7 +23,7 @@ def dev(emulated_cuda):
     mod.set_allocator(None)
 
 
-def run(dev, compiled):
+def run(dev, compiled, calls=4):
     np.random.seed(0)
     model = nn.Sequential(nn.Linear(8, 16, device=dev), nn.ReLU(), nn.Dropout(0.3),
                           nn.Linear(16, 4, device=dev))
@@ -42,7 +42,7 @@ def run(dev, compiled):
     rng = np.random.default_rng(1)
     np.random.seed(2)
     peaks = []
-    for _ in range(4):
+    for _ in range(calls):
         x = ndl.Tensor(rng.standard_normal((4, 8)), device=dev)
         y = ndl.Tensor(rng.integers(0, 4, 4), device=dev)
         before = mem.stats(dev)["requested_bytes"]
@@ -61,9 +61,22 @@ def test_compiled_steps_equal_eager_steps_on_emulated_cuda(dev):
     assert peaks[-1] == peaks[-2] == step.memory()["planned_peak_bytes"]
 
 
+def test_a_softmax_loss_step_becomes_a_kernel_program_on_emulated_cuda(dev):
+    """SoftmaxLoss runs the CUDA backend's fused softmax_xent kernels (labels checked on the
+    host inside the kernel call, no one-hot built there): the step replays as a kernel
+    program, and its parameters are those of eager steps bitwise."""
+    want, _, _ = run(dev, False, calls=6)
+    got, step, peaks = run(dev, True, calls=6)
+    mode = step.replay_mode()
+    assert mode["mode"] == "kernels", mode
+    assert step.stats()["kernel_replays"] == 2
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert peaks[-1] == peaks[-2] == step.memory()["planned_peak_bytes"]
+
+
 def test_kernel_replays_equal_eager_steps_on_emulated_cuda(dev):
-    """With a loss the CUDA backend computes without host reads (SoftmaxLoss builds its
-    one-hot on the host there), the step becomes a kernel program."""
+    """A squared-error step (no labels) as a kernel program on the emulated device."""
 
     def run_kernels(compiled):
         np.random.seed(0)

@@ -12,50 +12,6 @@
 // Few long rows (a full sum) thus still spread over every SM.
 #include "common.cuh"
 
-// +inf without <math.h>'s INFINITY macro (not always defined under NVRTC).
-template <typename A> __device__ __forceinline__ A inf_value();
-template <> __device__ __forceinline__ float inf_value<float>() { return __int_as_float(0x7f800000); }
-template <> __device__ __forceinline__ double inf_value<double>() {
-  return __longlong_as_double(0x7ff0000000000000LL);
-}
-
-struct RedSum {
-  template <typename A> static __device__ A identity() { return A(0); }
-  template <typename A> static __device__ A combine(A a, A b) { return a + b; }
-};
-struct RedMax {
-  template <typename A> static __device__ A identity() { return -inf_value<A>(); }
-  template <typename A> static __device__ A combine(A a, A b) { return nan_max(a, b); }
-};
-struct RedMin {
-  template <typename A> static __device__ A identity() { return inf_value<A>(); }
-  template <typename A> static __device__ A combine(A a, A b) { return nan_min(a, b); }
-};
-
-// Combine one value per thread of the block; the result is valid in thread 0.
-// Needs blockDim.x to be a multiple of 32 (the launcher always uses 256).
-template <typename A, typename Op>
-__device__ __forceinline__ A block_reduce(A v) {
-  __shared__ A warp_partials[NEEDLE_THREADS / 32];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int delta = 16; delta > 0; delta >>= 1) {
-    v = Op::template combine<A>(v, __shfl_down_sync(0xffffffffu, v, delta));
-  }
-  if (lane == 0) warp_partials[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    const int n_warps = blockDim.x >> 5;
-    v = lane < n_warps ? warp_partials[lane] : Op::template identity<A>();
-#pragma unroll
-    for (int delta = 16; delta > 0; delta >>= 1) {
-      v = Op::template combine<A>(v, __shfl_down_sync(0xffffffffu, v, delta));
-    }
-  }
-  __syncthreads();  // warp_partials may be reused by the caller's next iteration
-  return v;
-}
-
 template <typename In, typename Out, typename Op>
 __device__ __forceinline__ void block_body(const In* __restrict__ a, Out* __restrict__ out,
                                            long long rows, long long reduce_size,
