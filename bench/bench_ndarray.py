@@ -112,6 +112,12 @@ def _buffer(values: np.ndarray):
 
 def _matmul_operands(rng, kind: str, n: int, dtype: str):
     """(m, k, p), NumPy's operands and needle's call for one matmul family."""
+    if kind == "colsum":  # ones(1, n) @ X (n x 8n): how needle sums a bias gradient's rows
+        x = rng.standard_normal((n, 8 * n)).astype(dtype)
+        ones, hx, hc = np.ones((1, n), dtype), _buffer(x), cpu.Array(8 * n, dtype)
+        one = _buffer(np.ones(1, dtype))  # needle's ones row is a stride-0 view of one element
+        call = partial(cpu.matmul_strided, one, hx, hc, 1, n, 8 * n, 0, 0, 0, 0, 8 * n, 1)
+        return (1, n, 8 * n), partial(np.matmul, ones, x), call
     m, k, p = (8 * n, n, max(n // 8, 1)) if kind == "tall" else (n, n, n)
     a_store = rng.standard_normal((k, m) if kind == "aT" else (m, k)).astype(dtype)
     b_store = rng.standard_normal((p, k) if kind == "bT" else (k, p)).astype(dtype)
@@ -125,7 +131,7 @@ def _matmul_operands(rng, kind: str, n: int, dtype: str):
 
 
 MATMUL_KINDS = {"square": "n x n @ n x n", "tall": "8n x n @ n x n/8", "aT": "a.T @ b",
-                "bT": "a @ b.T"}
+                "bT": "a @ b.T", "colsum": "ones(1, n) @ n x 8n"}
 
 
 def bench_matmul(sizes, threads, phases: int, dtypes=("float32",), kinds=("square",)):

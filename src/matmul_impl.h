@@ -299,11 +299,17 @@ void gemm_nt(const T* a, std::ptrdiff_t ars, std::ptrdiff_t acs, const T* b, std
 template <class T>
 void gemv_rows(const T* a, std::ptrdiff_t acs, const T* b, std::ptrdiff_t brs, T* c,
                std::size_t n, std::size_t p, int nt) {
-  constexpr std::size_t kStrip = 2048;  // columns of c kept in L1 while B's rows stream by
-  const std::size_t strips = ceil_div(p, kStrip);
+  // Strips of c at most 32 KiB (kept in L1/L2 while B's rows stream by), at least one per
+  // thread, as wide as that allows: long contiguous pieces of each row of B, which is what
+  // keeps the read near DRAM speed when B is large.
+  constexpr std::size_t kMaxStrip = 32768 / sizeof(T);
+  const std::size_t strips = std::max(ceil_div(p, kMaxStrip), std::size_t(nt));
+  const std::size_t strip = ceil_div(ceil_div(p, strips), std::size_t(16)) * 16;
   const auto body = [&](std::size_t rank, std::size_t teams) {
     for (std::size_t s = strips * rank / teams; s < strips * (rank + 1) / teams; ++s) {
-      const std::size_t j0 = s * kStrip, width = min_size(kStrip, p - j0);
+      const std::size_t j0 = s * strip;
+      if (j0 >= p) break;
+      const std::size_t width = min_size(strip, p - j0);
       T* __restrict out = c + j0;
       for (std::size_t j = 0; j < width; ++j) out[j] = T(0);
       const T* first = b + std::ptrdiff_t(j0);
@@ -346,8 +352,11 @@ template <class T>
 void gemm(const T* a, std::ptrdiff_t ars, std::ptrdiff_t acs, const T* b, std::ptrdiff_t brs,
           std::ptrdiff_t bcs, T* c, std::size_t m, std::size_t n, std::size_t p) {
   const double flops = 2.0 * double(m) * double(n) * double(p);
+  if (m == 1 && bcs == 1 && n > 0) {  // memory-bound: threads by the bytes of B read
+    const int nt = n * p >= kParallelMinElements ? num_threads() : 1;
+    return gemv_rows(a, acs, b, brs, c, n, p, nt);
+  }
   const int nt = flops >= kParallelMinFlops ? num_threads() : 1;
-  if (m == 1 && bcs == 1 && n > 0) return gemv_rows(a, acs, b, brs, c, n, p, nt);
   gemm_nt(a, ars, acs, b, brs, bcs, c, p, m, n, p, nt, false);
 }
 
