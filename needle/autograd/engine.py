@@ -289,7 +289,8 @@ def _propagate(root, grad, retain_graph, create_graph, accumulate, grad_all_node
                     _finish_leaf(inp, _sum(pending.pop(key)), accumulate)
                 else:
                     heappush(heap, (-inp._seq, inp))
-        inputs = grads = inp = part = parts = have = want = None
+        # nothing of this node outlives its step (an op may hold arrays: SoftmaxCrossEntropy)
+        inputs = grads = inp = part = parts = have = want = op = None
         if observer is not None:
             observer.node_end(token)
 
