@@ -412,3 +412,19 @@ def test_split_gradients_stay_sparse_until_the_split_reads_them(monkeypatch):
     total.sum().backward()
     assert zeros == []
     np.testing.assert_array_equal(x.grad.numpy(), np.repeat(np.arange(1, n + 1.0)[:, None], 3, 1))
+
+
+@pytest.mark.skipif(BACKEND != "nd", reason="the nd engine frees nodes as it goes")
+def test_a_processed_nodes_op_is_gone_before_the_next_node_runs():
+    """An op may hold arrays for its backward (SoftmaxCrossEntropy's lse): once its node's
+    step is over, nothing of the engine may keep it alive into the next node's step."""
+    h = _t((4, 5)) @ _t((5, 5), 1)
+    rows = ops.softmax_cross_entropy(h, Tensor(np.array([0.0, 1.0, 4.0, 2.0]),
+                                               requires_grad=False))
+    op_ref = weakref.ref(rows.op)
+    seen = []
+    h.register_hook(lambda g: seen.append(op_ref() is None))
+    loss = rows.sum()
+    del rows
+    loss.backward()
+    assert seen == [True]
