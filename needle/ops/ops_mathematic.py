@@ -138,7 +138,8 @@ class EWiseMul(TensorOp):
         g, x, y = out_grad.cached_data, a.cached_data, b.cached_data
         if x.shape != y.shape:
             x, y = _bcast("multiply", x, y)
-        need_a, need_b = (x.requires_grad for x in node.inputs)
+        first, second = node.inputs
+        need_a, need_b = first.requires_grad, second.requires_grad
         return (_const(A.sum_to_shape(g * y, a.shape)) if need_a else None,
                 _const(A.sum_to_shape(g * x, b.shape)) if need_b else None)
 
@@ -422,7 +423,12 @@ class MatMul(TensorOp):
     def plain_gradient(self, out_grad, node):
         a, b = node.saved_tensors
         g, x, y = out_grad.cached_data, a.cached_data, b.cached_data
-        need_a, need_b = (x.requires_grad for x in node.inputs)
+        first, second = node.inputs
+        need_a, need_b = first.requires_grad, second.requires_grad
+        if len(x.shape) == 2 and len(y.shape) == 2:
+            # the common case: two plain products, already of the inputs' shapes
+            return (_const(g @ A.swap_last(y)) if need_a else None,
+                    _const(A.swap_last(x) @ g) if need_b else None)
         return (_const(A.sum_to_shape(A.matmul(g, A.swap_last(y)), a.shape))
                 if need_a else None,
                 _const(A.sum_to_shape(A.matmul(A.swap_last(x), g), b.shape))
