@@ -300,20 +300,21 @@ def matmul_tiled(a: Array, b: Array, out: Array, m: int, n: int, p: int) -> None
 # ---- fused kernels: softmax cross-entropy, embedding (cuda_kernels/fused.cu) ---------------
 # Labels and ids are checked on the host, from one small copy (n values), before the launch:
 # the kernels index with them. A compiled step on cuda() sees one kernel call either way.
+_FLOATS = ("float32", "float64")  # fused.cu instantiates these only
 _XENT_FWD = L.KernelSpec(_FU, "softmax_xent_forward", ("a", "a", "a", "a", "i64", "i64"),
-                         grid="rows")
+                         grid="rows", dtypes=_FLOATS)
 _XENT_BWD = L.KernelSpec(_FU, "softmax_xent_backward", ("a",) * 5 + ("i64", "i64"),
-                         grid="indexed")
+                         grid="indexed", dtypes=_FLOATS)
 _EMB_FWD = L.KernelSpec(_FU, "embedding_forward", ("a", "a", "a", "i64", "i64", "i64"),
-                        grid="indexed")
+                        grid="indexed", dtypes=_FLOATS)
 _EMB_BWD = L.KernelSpec(_FU, "embedding_backward", ("a", "a", "a", "i64", "i64", "i64"),
-                        grid="indexed")
+                        grid="indexed", dtypes=_FLOATS)
 
 
 def _fused_checks(op: str, out: Array, sizes: dict, inputs: tuple) -> None:
     """float32/float64 only; each buffer of ``sizes`` ({name: (buffer, elements)}) big
     enough; ``out`` not one of ``inputs``."""
-    if out.dtype not in ("float32", "float64"):
+    if out.dtype not in _FLOATS:
         raise DTypeError(f"{op}: expected float32 or float64, got {out.dtype}")
     for what, (buffer, need) in sizes.items():
         if need < 0:

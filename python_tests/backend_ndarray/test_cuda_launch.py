@@ -94,6 +94,16 @@ def test_prepare_checks_and_casts():
         L.prepare(spec, "float16", 10, (np.zeros(10, np.float16), 2.5, out, 10))
 
 
+def test_a_kernel_instantiated_for_some_dtypes_refuses_the_others():
+    spec = L.KernelSpec("fused.cu", "embedding_forward", ("a", "a", "a", "i64", "i64", "i64"),
+                        "indexed", dtypes=("float32", "float64"))
+    bufs = [FakeBuffer(8, "float64") for _ in range(3)]
+    assert L.prepare(spec, "float64", 8, (*bufs, 4, 2, 4))[0] == "embedding_forward_f64"
+    half = [FakeBuffer(8, "float16") for _ in range(3)]
+    with pytest.raises(DTypeError, match="embedding_forward: unsupported dtype.*float16"):
+        L.prepare(spec, "float16", 8, (*half, 4, 2, 4))
+
+
 def test_reduce_workspace_has_the_compute_dtype():
     spec = L.KernelSpec("reduce.cu", "reduce_partial_sum", ("a", "acc", "i64", "i64", "i64"),
                         "rows")
@@ -156,7 +166,7 @@ def _requested_kernels():
                                            if callable(f) and getattr(f, "__closure__", None)
                                            for c in f.__closure__]:
         if isinstance(value, L.KernelSpec):
-            for dtype in dtypes:
+            for dtype in (d for d in dtypes if d in value.dtypes):
                 if "src" in value.params:
                     out |= {(value.source, L.kernel_name(value.base, dtype, s)) for s in dtypes}
                 else:

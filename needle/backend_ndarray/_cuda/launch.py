@@ -55,7 +55,8 @@ class KernelSpec:
     (cast to the kernel dtype), ``"i64"`` (int64), ``"view"`` (a ``(shape, strides, offset)``
     triple packed as a StridedView). ``view_of`` is the position of the array the view
     addresses: :func:`prepare` checks that the view lies inside it and that the other arrays
-    hold the view's element count.
+    hold the view's element count. ``dtypes``: the dtypes the source instantiates the kernel
+    for (all three unless said).
     """
 
     source: str
@@ -63,6 +64,7 @@ class KernelSpec:
     params: tuple
     grid: str = "elementwise"
     view_of: int | None = None
+    dtypes: tuple = ("float32", "float64", "float16")
 
 
 def kernel_name(base: str, dtype: str, src_dtype: str | None = None) -> str:
@@ -190,6 +192,9 @@ def prepare(spec: KernelSpec, dtype: str, work, args, src_dtype: str | None = No
     """
     if len(args) != len(spec.params):
         raise TypeError(f"{spec.base}: expected {len(spec.params)} arguments, got {len(args)}")
+    if dtype not in spec.dtypes:
+        raise DTypeError(f"cuda kernel {spec.base}: unsupported dtype, expected one of "
+                         f"{spec.dtypes}, got {dtype!r}")
     if spec.view_of is not None:
         _check_view_args(spec, args, work)
     name = kernel_name(spec.base, dtype, src_dtype)
