@@ -282,10 +282,9 @@ void bind_batch_norm(py::module_& m, const KernelTable* const* kernels) {
 
 namespace {
 
-// (n, k) checked as for batch norm, then every label an integer in [0, k): the kernels index
-// rows with them, so a bad one must be refused before they run.
 // Every one of the n values an integer in [0, k), else an IndexError "<what> <i>, expected
-// ..." naming the first bad one (class labels of the loss, ids of an embedding).
+// ..." naming the first bad one (class labels of the loss, ids of an embedding): the kernels
+// index rows with them, so a bad one must be refused before they run.
 template <class T>
 void check_class_ids(const std::string& what, const T* values, std::size_t n, std::size_t k) {
   for (std::size_t i = 0; i < n; ++i) {

@@ -3,8 +3,7 @@ C++ kernel list, and with ``compile(..., native=False)``).
 
 One line per kernel call, buffers in local variables, ``del`` after a buffer's last use (so
 the planned arena serves the same requests as the traced call); on ``cpu()`` the recorded
-memory categories are set on the thread as they change, instead of the allocator asking a
-Python resolver for each buffer.
+memory categories are set on the thread as they change (no op dispatch runs to set them).
 
 Example:
     >>> from needle.compiler.recorder import Alloc, Recording
@@ -45,9 +44,9 @@ def generate(rec: Recording, external_slots: list, made: list, ops=None, device_
         lines.append("    " + ", ".join(f"s{s}" for s in external_slots)
                      + ", = H")
         lines.append("    H.clear()")  # the locals alone hold the buffers: freed at last use
-    # The C++ allocator asks a Python resolver for each new buffer's memory category unless
-    # the thread has one set: the program sets the recorded categories itself, once per
-    # change, and puts the thread's setting back however it ends.
+    # No op dispatch runs to set the per-op category: the program sets the recorded
+    # categories on the thread itself, once per change, and puts the thread's setting back
+    # however it ends.
     set_category = getattr(device_mod, "allocator_set_category", None)
     if set_category is not None:
         names["_category"] = set_category

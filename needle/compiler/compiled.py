@@ -47,7 +47,7 @@ from collections import OrderedDict
 
 from needle._core.errors import CompileError
 from needle.memory import plan, trace
-from needle.memory.replay import cpp_plan_calls, run_plan
+from needle.memory.replay import run_plan
 
 from .guard import refuse_host_reads
 from .program import Before, NotReplayable, build_program, flat_arguments
@@ -151,12 +151,11 @@ class CompiledStep:
         if entry.program is not None:  # (a program implies a plan, past warm-up, not eager)
             # the hot path: a kernel program runs none of the step's Python, so it needs no
             # host-read guard; a refused binding records anew below, in this same call
-            entry.calls += 1
             bound = entry.program.bind(args, kwargs)
             if not isinstance(bound, str):
+                entry.calls += 1
                 return self._run_program(entry, *bound, args)
             self._state_changed(entry, bound)
-            entry.calls -= 1  # counted again below
         call = self.fn if not kwargs else (lambda *a: self.fn(*a, **kwargs))
         with refuse_host_reads(self._name):
             if entry.eager or entry.calls < self.warmup:
@@ -245,19 +244,8 @@ class CompiledStep:
 
     def _run_program(self, entry: _Entry, handles: list, tensors: list, args):
         program = entry.program
-        planned = cpp_plan_calls(entry.plan)
-        if planned is not None:  # the C++ allocator: begin and end the planned run directly
-            begin, end = planned
-            begin()
-            try:
-                made = program.execute(handles, tensors)
-            finally:
-                divergence = end()
-        else:
-            box: list = []
-            _, divergence = run_plan(entry.plan, *args, strict=False,
-                                     fn=lambda *a: box.append(program.execute(handles, tensors)))
-            made = box.pop()
+        made, divergence = run_plan(entry.plan, *args, strict=False,
+                                    fn=lambda *a: program.execute(handles, tensors))
         result = program.finish(made, tensors)
         self._counts["kernel_replays"] += 1
         return self._count(entry, result, divergence)

@@ -164,22 +164,15 @@ class ArenaAllocator:
             self.block = None
 
 
-def cpp_plan_calls(plan):
-    """``(begin, end)`` of a planned run of ``plan`` on its device's C++ allocator, or None
-    when that device's allocator is not the C++ one (:func:`run_plan` then serves the plan
-    from Python). ``end()`` returns None when the run followed the plan, else the reason.
-    Made once per plan, with the plan's entries converted for C++ once: a compiled step
-    begins the same plan every call, and converting them costs more than a small step's
-    kernels."""
+def _cpp_calls(plan) -> tuple:
+    """``(begin, end)`` of a planned run of ``plan`` on its device's C++ allocator; ``end()``
+    returns None when the run followed the plan, else the reason. Made once per plan, with
+    the plan's entries converted for C++ once: a compiled step begins the same plan every
+    call, and converting them costs more than a small step's kernels."""
     cached = plan.__dict__.get("_cpp_calls")
     if cached is not None:
         return cached
-    from .trace import is_cpp, traceable_allocator
-
-    device = plan.graph.device
-    if not is_cpp(traceable_allocator(device, "run")):
-        return None  # not cached: a later call may find the C++ allocator installed
-    mod = device.mod
+    mod = plan.graph.device.mod
     if hasattr(mod, "allocator_plan_prepare"):
         prepared = mod.allocator_plan_prepare(plan.peak_bytes, cpp_entries(plan))
 
@@ -234,13 +227,18 @@ def run_plan(plan, *inputs, strict: bool = True, fn=None):
         raise MemoryPlanError(
             "run: expected a plan of a graph from needle.memory.trace(fn, ...), got a plan "
             "of a graph without a traced call")
-    from .trace import is_cpp, traceable_allocator
-
     call = graph.fn if fn is None else fn
-    real = traceable_allocator(graph.device, "run")
-    mod = graph.device.mod
-    if is_cpp(real):
-        begin, end = cpp_plan_calls(plan)
+    # A plan begun before on the C++ allocator has its calls cached: a compiled step's kernel
+    # replays come straight here, without looking up the device's allocator again.
+    planned = plan.__dict__.get("_cpp_calls")
+    if planned is None:
+        from .trace import is_cpp, traceable_allocator
+
+        real = traceable_allocator(graph.device, "run")
+        if is_cpp(real):
+            planned = _cpp_calls(plan)
+    if planned is not None:
+        begin, end = planned
         begin()
         try:
             result = call(*inputs)
@@ -252,6 +250,7 @@ def run_plan(plan, *inputs, strict: bool = True, fn=None):
             raise MemoryPlanError(f"run: {reason} (is the traced call repeatable?)")
         return result
     arena = ArenaAllocator(plan, real, strict)
+    mod = graph.device.mod
     if getattr(mod, "__device_name__", None) == "cuda":
         # the CUDA backend asks fn(nbytes) for an owner of the buffer (cuda_allocator.py)
         from .cuda_allocator import DeviceBlock

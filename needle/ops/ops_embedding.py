@@ -24,6 +24,7 @@ import numpy
 from .._core.errors import IndexOutOfRange, ShapeError
 from ..autograd import Tensor, TensorOp
 from ..autograd.tensor import const as _leaf
+from ..backend_ndarray.ndarray_checks import check_class_ids
 from ..backend_selection import NDArray
 from . import _array as A
 from .ops_mathematic import matmul
@@ -31,12 +32,13 @@ from .ops_shape import reshape, transpose
 
 
 def _ids(ids_array, num_rows: int) -> numpy.ndarray:
-    ids = numpy.asarray(A.to_numpy(ids_array)).astype(numpy.int64)
-    if ids.size and (ids.min() < 0 or ids.max() >= num_rows):
-        bad = ids[(ids < 0) | (ids >= num_rows)][0]
-        raise IndexOutOfRange(
-            f"embedding: id out of range, expected ids in [0, {num_rows}), got {bad}")
-    return ids
+    """The ids as int64 (same shape), checked as the embedding kernels check them."""
+    raw = numpy.asarray(A.to_numpy(ids_array))
+    try:
+        flat = check_class_ids(raw.reshape(-1), num_rows, "embedding: id out of range at position")
+    except IndexError as exc:
+        raise IndexOutOfRange(str(exc)) from None
+    return flat.reshape(raw.shape)
 
 
 def _kernels(weight, ids):

@@ -104,3 +104,16 @@ def test_the_cpp_kernels_equal_the_numpy_reference_bitwise(dtype):
     for got in results:
         np.testing.assert_array_equal(got[0], table[ids.astype(int)])
         np.testing.assert_array_equal(got[1], want)
+
+
+@pytest.mark.parametrize("bad", [-1.0, 2.5, 7.0])
+def test_the_array_op_path_refuses_ids_as_the_kernels_do(bad):
+    """float16 weights have no embedding kernel: ids are checked on the host there, with the
+    kernels' rule and message (a 2.5 was truncated to 2 before)."""
+    w = Tensor(np.ones((7, 3)), device=ndl.cpu_numpy(), dtype="float16")
+    ids = Tensor([[1.0, bad]], device=ndl.cpu_numpy(), requires_grad=False)
+    with pytest.raises(IndexOutOfRange, match=r"embedding: id out of range at position 1, "
+                                              r"expected an integer in \[0, 7\)"):
+        ndl.ops.embedding(w, ids)
+    assert ndl.ops.embedding(w, Tensor([[6.0]], device=ndl.cpu_numpy(),
+                                       requires_grad=False)).shape == (1, 1, 3)
