@@ -30,7 +30,9 @@ What is timed, and how:
   micro-kernels (``_kernel_info()``), OpenBLAS's core type and NumPy's SIMD targets.
 * matmul shapes for each n: square ``n x n @ n x n``; tall-skinny ``8n x n @ n x n/8``; and the
   square product with a transposed operand (``a.T @ b``, ``a @ b.T``), which NumPy hands to
-  BLAS as a transpose flag and needle packs straight from the strided view.
+  BLAS as a transpose flag and needle packs straight from the strided view. ``--kinds layers``
+  times fixed shapes instead: the forward and both gradient products of the widest linear
+  layers of the trained models (MLPResNet's 784 -> 100, the LSTM LM's 100 -> 10,000 head).
 * ``--as-avx2`` emulates an AVX2-only machine on an AVX-512 one: needle runs its AVX2 build
   (``NEEDLE_CPU_ISA=avx2``), OpenBLAS its Haswell kernels (``OPENBLAS_CORETYPE=Haswell``) and
   NumPy drops its AVX-512 loops (``NPY_DISABLE_CPU_FEATURES``).
@@ -118,20 +120,36 @@ def _matmul_operands(rng, kind: str, n: int, dtype: str):
         one = _buffer(np.ones(1, dtype))  # needle's ones row is a stride-0 view of one element
         call = partial(cpu.matmul_strided, one, hx, hc, 1, n, 8 * n, 0, 0, 0, 0, 8 * n, 1)
         return (1, n, 8 * n), partial(np.matmul, ones, x), call
-    m, k, p = (8 * n, n, max(n // 8, 1)) if kind == "tall" else (n, n, n)
-    a_store = rng.standard_normal((k, m) if kind == "aT" else (m, k)).astype(dtype)
-    b_store = rng.standard_normal((p, k) if kind == "bT" else (k, p)).astype(dtype)
-    a = a_store.T if kind == "aT" else a_store
-    b = b_store.T if kind == "bT" else b_store
+    if kind == "layers":
+        m, k, p, a_t, b_t = LAYER_PRODUCTS[n]
+    else:
+        m, k, p = (8 * n, n, max(n // 8, 1)) if kind == "tall" else (n, n, n)
+        a_t, b_t = kind == "aT", kind == "bT"
+    a_store = rng.standard_normal((k, m) if a_t else (m, k)).astype(dtype)
+    b_store = rng.standard_normal((p, k) if b_t else (k, p)).astype(dtype)
+    a = a_store.T if a_t else a_store
+    b = b_store.T if b_t else b_store
     ha, hb, hc = _buffer(a_store), _buffer(b_store), cpu.Array(m * p, dtype)
-    a_strides = (1, m) if kind == "aT" else (k, 1)
-    b_strides = (1, k) if kind == "bT" else (p, 1)
+    a_strides = (1, m) if a_t else (k, 1)
+    b_strides = (1, k) if b_t else (p, 1)
     call = partial(cpu.matmul_strided, ha, hb, hc, m, k, p, 0, *a_strides, 0, *b_strides)
     return (m, k, p), partial(np.matmul, a, b), call
 
 
 MATMUL_KINDS = {"square": "n x n @ n x n", "tall": "8n x n @ n x n/8", "aT": "a.T @ b",
-                "bT": "a @ b.T", "colsum": "ones(1, n) @ n x 8n"}
+                "bT": "a @ b.T", "colsum": "ones(1, n) @ n x 8n",
+                "layers": "the course models' layer products (sizes ignored)"}
+
+# kind "layers": the products of the benchmarked models' widest linear layers, forward and
+# both gradients, as autograd computes them: (m, k, p, a transposed, b transposed).
+LAYER_PRODUCTS = {
+    "MLP x@W 128x784x100": (128, 784, 100, False, False),
+    "MLP dX=dY@W.T 128x100x784": (128, 100, 784, False, True),
+    "MLP dW=X.T@dY 784x128x100": (784, 128, 100, True, False),
+    "LSTM head 320x100x10000": (320, 100, 10000, False, False),
+    "LSTM dX 320x10000x100": (320, 10000, 100, False, True),
+    "LSTM dW 100x320x10000": (100, 320, 10000, True, False),
+}
 
 
 def bench_matmul(sizes, threads, phases: int, dtypes=("float32",), kinds=("square",)):
@@ -139,7 +157,7 @@ def bench_matmul(sizes, threads, phases: int, dtypes=("float32",), kinds=("squar
     rng = np.random.default_rng(0)
     for dtype in dtypes:
         for kind in kinds:
-            for n in sizes:
+            for n in (LAYER_PRODUCTS if kind == "layers" else sizes):
                 (m, k, p), np_fn, nd_fn = _matmul_operands(rng, kind, n, dtype)
                 flop = 2 * m * k * p
                 calls = max(1, int(1e9 / flop))  # ~1 GFLOP per phase and side
@@ -147,7 +165,8 @@ def bench_matmul(sizes, threads, phases: int, dtypes=("float32",), kinds=("squar
                     cpu.set_num_threads(nt)
                     with threadpool_limits(limits=nt, user_api="blas"):
                         t = compare(np_fn, nd_fn, phases, calls)
-                    name = f"matmul {dtype[5:]} {kind} n={n}"
+                    name = (f"matmul {dtype[5:]} {n}" if kind == "layers"
+                            else f"matmul {dtype[5:]} {kind} n={n}")
                     rows.append((name, nt, flop / 1e9 / t["numpy"], flop / 1e9 / t["needle"],
                                  t["numpy"] / t["needle"], "GFLOP/s"))
                     print(_row_text(rows[-1]), flush=True)

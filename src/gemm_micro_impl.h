@@ -161,7 +161,10 @@ inline std::size_t micro_tile(std::size_t k, const T* ap, std::size_t lda, bool 
                               const T* bp, std::size_t ldb, bool direct_b, T* c, std::size_t ldc,
                               std::size_t rows, std::size_t nr, bool acc) {
   constexpr auto PA = ARead::packed, DA = ARead::direct;
-  if (!direct_b) return micro_rows<T, MR, NR, PA, BRead::packed>(k, ap, lda, bp, ldb, c, ldc, rows, nr, acc);
+  if (!direct_b) {
+    return direct_a ? micro_rows<T, MR, NR, DA, BRead::packed>(k, ap, lda, bp, ldb, c, ldc, rows, nr, acc)
+                    : micro_rows<T, MR, NR, PA, BRead::packed>(k, ap, lda, bp, ldb, c, ldc, rows, nr, acc);
+  }
   if (nr == std::size_t(NR)) {
     return direct_a ? micro_rows<T, MR, NR, DA, BRead::direct>(k, ap, lda, bp, ldb, c, ldc, rows, nr, acc)
                     : micro_rows<T, MR, NR, PA, BRead::direct>(k, ap, lda, bp, ldb, c, ldc, rows, nr, acc);
@@ -180,6 +183,7 @@ template <class T> struct GemmConfig {  // portable kernel (baseline build)
   static constexpr bool kDirectB = false;
   static constexpr const char* name = "portable 4x8";
   static constexpr bool kDirectA = false;
+  static constexpr std::size_t kDirectAPanels = 0;
   static std::size_t tile(std::size_t k, const T* ap, std::size_t /*lda*/, bool /*direct_a*/,
                           const T* bp, std::size_t /*ldb*/, bool /*direct_b*/, T* c,
                           std::size_t ldc, std::size_t rows, std::size_t nr, bool acc) {
@@ -202,10 +206,14 @@ template <class T> struct GemmConfig {  // portable kernel (baseline build)
 constexpr int kMR = 12;  // rows per tile; NR = 2 vectors
 constexpr const char* kSgemmName = "avx512 12x32";
 constexpr const char* kDgemmName = "avx512 12x16";
+// A read in place against packed B up to this many column panels (see use_direct_a). Only
+// measured on AVX2 (Zen 3); the AVX-512 family keeps packing until it is measured there.
+constexpr std::size_t kDirectAPanelsPacked = 0;
 #else
 constexpr int kMR = 6;
 constexpr const char* kSgemmName = "avx2 6x16";
 constexpr const char* kDgemmName = "avx2 6x8";
+constexpr std::size_t kDirectAPanelsPacked = 8;
 #endif
 #ifndef NEEDLE_SGEMM_KC  // blocking of the float32 kernel; overridable for tuning experiments
 #define NEEDLE_SGEMM_KC 192
@@ -216,6 +224,7 @@ template <> struct GemmConfig<float> {
   static constexpr int MR = kMR, NR = 2 * Vec<float>::W;
   static constexpr std::size_t KC = NEEDLE_SGEMM_KC, MC = NEEDLE_SGEMM_MC, NC = NEEDLE_SGEMM_NC;
   static constexpr bool kDirectB = true, kDirectA = true;
+  static constexpr std::size_t kDirectAPanels = kDirectAPanelsPacked;
   static constexpr const char* name = kSgemmName;
   static std::size_t tile(std::size_t k, const float* ap, std::size_t lda, bool direct_a,
                           const float* bp, std::size_t ldb, bool direct_b, float* c, std::size_t ldc,
@@ -228,6 +237,7 @@ template <> struct GemmConfig<double> {
   static constexpr int MR = kMR, NR = 2 * Vec<double>::W;
   static constexpr std::size_t KC = 256, MC = 16 * kMR, NC = 2048;
   static constexpr bool kDirectB = true, kDirectA = true;
+  static constexpr std::size_t kDirectAPanels = kDirectAPanelsPacked;
   static constexpr const char* name = kDgemmName;
   static std::size_t tile(std::size_t k, const double* ap, std::size_t lda, bool direct_a,
                           const double* bp, std::size_t ldb, bool direct_b, double* c, std::size_t ldc,

@@ -193,6 +193,19 @@ inline bool use_direct_b(std::size_t n, std::size_t p, std::size_t item) {
   return n * p * item <= kDirectBBytes;
 }
 
+// A's rows read in place by the micro-kernel (A row-major, acs == 1) instead of packed. With
+// B read in place: at most two column panels, where packing would read A as often as the
+// kernel does, and write it. With B packed: at most `max_panels` panels, where each packed
+// row of A would serve few tiles (`dY @ W.T` of the LSTM LM's 10,000-wide head, 320 x 10000 x
+// 100 float32, went from 0.81-0.99x to 1.10-1.12x NumPy on Zen 3). Not when A's row stride is
+// near a multiple of 4 KiB: the rows of a tile would then share L1 sets and evict each other.
+inline bool use_direct_a(bool direct_b, std::ptrdiff_t ars, std::size_t p, std::size_t nr,
+                         std::size_t item, std::size_t max_panels) {
+  if (direct_b) return p <= 2 * nr;
+  const std::size_t stride_mod = (std::size_t(ars) * item) % 4096;
+  return ceil_div(p, nr) <= max_panels && stride_mod >= 256 && stride_mod <= 4096 - 256;
+}
+
 // One function for the whole loop nest (longer than our usual 40 lines) because the OpenMP
 // region must enclose every loop: a region per block would fork and join thousands of times.
 // a(i, k) = a[i * ars + k * acs], b(k, j) = b[k * brs + j * bcs]; c is compact m x p. Packing
@@ -220,7 +233,8 @@ void gemm_nt(const T* a, std::ptrdiff_t ars, std::ptrdiff_t acs, const T* b, std
   const std::size_t kc_max = min_size(G::KC, n);
   const bool direct_b = G::kDirectB && bcs == 1 && use_direct_b(n, p, sizeof(T));
   // One or two column panels: packing would read A as often as the kernel does, and write it.
-  const bool direct_a = G::kDirectA && direct_b && acs == 1 && p <= 2 * NR;
+  const bool direct_a = G::kDirectA && acs == 1 && use_direct_a(direct_b, ars, p, NR, sizeof(T),
+                                                               G::kDirectAPanels);
   T* bpack = direct_b ? nullptr : tls_pack_b.get<T>(kc_max * nc_max);
 
   // The loop nest runs in one parallel region; a single-threaded call skips the region (its
