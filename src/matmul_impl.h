@@ -144,6 +144,13 @@ template <class T, int W>
 void pack_panel(const T* src, std::ptrdiff_t ls, std::ptrdiff_t ks, std::size_t lines,
                 std::size_t k, T* dst) {
   if (ls == 1) {
+    if (lines == std::size_t(W)) {  // a full panel: a copy of fixed width (vector moves)
+      for (std::size_t kk = 0; kk < k; ++kk, dst += W) {
+        const T* s = src + std::ptrdiff_t(kk) * ks;
+        for (int j = 0; j < W; ++j) dst[j] = s[j];
+      }
+      return;
+    }
     for (std::size_t kk = 0; kk < k; ++kk, dst += W) {
       const T* s = src + std::ptrdiff_t(kk) * ks;
       std::size_t j = 0;
