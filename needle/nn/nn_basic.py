@@ -19,6 +19,7 @@ import math
 from .. import init, ops
 from .._core.errors import ShapeError
 from ..autograd import Tensor, is_grad_enabled
+from ..autograd.versions import note_replaced
 from ..memory import framework_category
 from .nn_module import Module, Parameter
 
@@ -165,11 +166,14 @@ class BatchNorm1d(Module):
 
     def _update_running(self, mean: Tensor, var: Tensor) -> None:
         m = self.momentum
-        # Detached, in the stats' own dtype (np mode lets float64 batches reach a float32
-        # layer): no graph is kept alive across steps and the Tensors keep their identity.
+        # On the arrays, in the stats' own dtype (np mode lets float64 batches reach a float32
+        # layer): no graph is kept alive across steps, the Tensors keep their identity, and no
+        # op is dispatched through autograd (eight per layer and step as Tensor arithmetic).
         for running, batch in ((self.running_mean, mean), (self.running_var, var)):
-            new = running.data * (1 - m) + batch.detach() * m
-            running.data = new if new.dtype == running.dtype else new.astype(running.dtype)
+            old = running.realize_cached_data()
+            new = old * (1 - m) + batch.realize_cached_data() * m
+            running.cached_data = new if new.dtype == old.dtype else new.astype(old.dtype)
+            note_replaced(running)  # a graph that saved the old statistics must not read these
 
     def forward(self, x: Tensor) -> Tensor:
         if x.ndim != 2 or x.shape[1] != self.dim:

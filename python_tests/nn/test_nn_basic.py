@@ -115,6 +115,30 @@ def test_batchnorm1d_train_eval_running_stats(device):
                                rtol=1e-4, atol=1e-5)
 
 
+def test_batchnorm1d_training_forward_dispatches_only_its_own_op(device, monkeypatch):
+    # The running statistics are updated on the arrays: no Tensor arithmetic goes through
+    # autograd besides the normalisation itself (it was 1 + 6 recorded-op calls per layer).
+    from needle.autograd import tensor as tensor_module
+
+    bn = nn.BatchNorm1d(3, device=device)
+    x = T(np.random.randn(8, 3), device, requires_grad=True)
+    calls = []
+    real = tensor_module.make_from_op
+
+    def counting(cls, op, inputs, *rest):
+        calls.append(type(op).__name__)
+        return real(cls, op, inputs, *rest)
+
+    monkeypatch.setattr(tensor_module, "make_from_op", counting)
+    bn(x)
+    if device.name == "cpu":  # the fused kernel: one op
+        assert calls == ["FusedBatchNorm"]
+    assert not any(name in ("MulScalar", "EWiseAdd") for name in calls[-4:])
+    monkeypatch.undo()
+    np.testing.assert_allclose(bn.running_mean.numpy(), 0.1 * x.numpy().mean(axis=0),
+                               rtol=1e-5, atol=1e-6)
+
+
 def test_batchnorm_gradients(device):
     np.random.seed(1)
     bn = nn.BatchNorm1d(3, device=device, dtype="float64")
