@@ -140,20 +140,24 @@ class LSTM(Module):
             for k in range(num_layers)]
 
     def forward(self, X: Tensor, h=None):
-        inputs = ops.split(X, axis=0).tuple()
+        if X.ndim != 3 or X.shape[2] != self.lstm_cells[0].input_size:
+            raise ShapeError(f"LSTM: expected input (seq_len, batch, "
+                             f"{self.lstm_cells[0].input_size}), got shape {X.shape}")
         hs = _layer_states(None if h is None else h[0], self.num_layers)
         cs = _layer_states(None if h is None else h[1], self.num_layers)
         finals_h, finals_c = [], []
+        out = X
         for cell, h_l, c_l in zip(self.lstm_cells, hs, cs, strict=False):
-            state = None if h_l is None else (h_l, c_l)
-            outputs = []
-            for x_t in inputs:
-                state = cell(x_t, state)
-                outputs.append(state[0])
-            inputs = outputs
-            finals_h.append(state[0])
-            finals_c.append(state[1])
-        return ops.stack(inputs, 0), (ops.stack(finals_h, 0), ops.stack(finals_c, 0))
+            if h_l is None:
+                h_l, c_l = (init.zeros(X.shape[1], cell.hidden_size, device=X.device,
+                                       dtype=X.dtype) for _ in range(2))
+            # One node per layer and sequence (ops.lstm_layer), the cells' own weights read
+            # at every call, as LSTMCell does.
+            biases = [b for b in (cell.bias_ih, cell.bias_hh) if b is not None]
+            out, h_n, c_n = ops.lstm_layer(out, h_l, c_l, cell.W_ih, cell.W_hh, *biases)
+            finals_h.append(h_n)
+            finals_c.append(c_n)
+        return out, (ops.stack(finals_h, 0), ops.stack(finals_c, 0))
 
 
 class Embedding(Module):

@@ -33,28 +33,38 @@ from .ops_mathematic import matmul, sigmoid, tanh
 from .ops_shape import broadcast_to, reshape, summation, transpose
 from .ops_tuple import split, stack
 
-__all__ = ["FusedLSTMCell", "lstm_cell"]
+__all__ = ["FusedLSTMCell", "lstm_cell", "FusedLSTMLayer", "lstm_layer"]
 
 _ND = BACKEND == "nd"
 
 
-def _check(x, h, c, w_ih, w_hh, biases) -> int:
-    """Validates the operand shapes; returns the hidden size H."""
-    if len(x.shape) != 2 or len(w_ih.shape) != 2 or len(w_hh.shape) != 2:
-        raise ShapeError(f"lstm_cell: expected 2-D x, W_ih, W_hh, got shapes {tuple(x.shape)}, "
+def _check(x_shape, h, c, w_ih, w_hh, biases, op: str = "lstm_cell") -> int:
+    """Validates the operand shapes (``x_shape``: one step's input, (B, I)); returns the
+    hidden size H."""
+    if len(x_shape) != 2 or len(w_ih.shape) != 2 or len(w_hh.shape) != 2:
+        raise ShapeError(f"{op}: expected 2-D x, W_ih, W_hh, got shapes {tuple(x_shape)}, "
                          f"{tuple(w_ih.shape)}, {tuple(w_hh.shape)}")
-    batch, hidden = x.shape[0], w_hh.shape[0]
-    expected = {"W_ih": (x.shape[1], 4 * hidden), "W_hh": (hidden, 4 * hidden),
+    batch, hidden = x_shape[0], w_hh.shape[0]
+    expected = {"W_ih": (x_shape[1], 4 * hidden), "W_hh": (hidden, 4 * hidden),
                 "h": (batch, hidden), "c": (batch, hidden)}
     for name, arr in (("W_ih", w_ih), ("W_hh", w_hh), ("h", h), ("c", c)):
         if tuple(arr.shape) != expected[name]:
-            raise ShapeError(f"lstm_cell: {name} has the wrong shape, expected "
+            raise ShapeError(f"{op}: {name} has the wrong shape, expected "
                              f"{expected[name]}, got {tuple(arr.shape)}")
     for b in biases:
         if A.size_of(b.shape) != 4 * hidden:
-            raise ShapeError(f"lstm_cell: bias has the wrong size, expected {4 * hidden} "
+            raise ShapeError(f"{op}: bias has the wrong size, expected {4 * hidden} "
                              f"elements, got shape {tuple(b.shape)}")
     return hidden
+
+
+def _bias_sum(biases):
+    """The biases added into one flat (4H,) array, or None."""
+    bias = None
+    for b in biases:
+        flat = A.reshape(A.compact(b), (A.size_of(b.shape),))
+        bias = flat if bias is None else bias + flat
+    return bias
 
 
 def _kernel_module(*arrays):
@@ -141,13 +151,9 @@ class FusedLSTMCell(TensorTupleOp):
         return tuple(a for a in (self.gates, self.tanh_c) if a is not None)
 
     def compute(self, x, h, c, w_ih, w_hh, *biases):
-        _check(x, h, c, w_ih, w_hh, biases)
+        _check(x.shape, h, c, w_ih, w_hh, biases)
         z = A.matmul(x, w_ih) + A.matmul(h, w_hh)
-        bias = None
-        for b in biases:
-            flat = A.reshape(A.compact(b), (A.size_of(b.shape),))
-            bias = flat if bias is None else bias + flat
-        h2, c2, self.gates, self.tanh_c = _gates_forward(z, bias, c)
+        h2, c2, self.gates, self.tanh_c = _gates_forward(z, _bias_sum(biases), c)
         return h2, c2
 
     def gradient(self, out_grad, node):
@@ -204,3 +210,137 @@ def lstm_cell(x, h, c, w_ih, w_hh, *biases):
     """
     out = FusedLSTMCell()(x, h, c, w_ih, w_hh, *biases)
     return out[0], out[1]
+
+
+class FusedLSTMLayer(TensorTupleOp):
+    """``(out, h_T, c_T)`` of one LSTM layer over a whole sequence: ``X`` (T, B, I), the
+    initial state ``h0, c0`` (B, H), ``W_ih``, ``W_hh`` and 0-2 biases; ``out`` (T, B, H)
+    holds every step's ``h``.
+
+    One graph node for T steps, computed as the per-step cells are: the input projection of
+    all steps is one (T·B, I) @ (I, 4H) product, each step adds its ``h @ W_hh`` and runs the
+    gate kernel. The plain backward runs the gate kernel and ``dz @ W_hh.T`` per step
+    (backwards in time) and then the four gradients that sum over time as single products
+    over all T·B rows: ``dX = dZ @ W_ih.T``, ``dW_ih = X.T @ dZ``, ``dW_hh = H_prev.T @ dZ``
+    and the bias column sum, instead of T small products and T - 1 additions each. Forward
+    values equal the per-step cells' bit for bit; the weight gradients sum over time in
+    another order (equal within rounding).
+    """
+
+    save_inputs = (0, 1, 2, 3, 4)
+
+    def __init__(self):
+        self.gates = self.tanh_c = self.c_prev = self.h_steps = None
+
+    def held_arrays(self) -> tuple:
+        return tuple(a for group in (self.gates, self.tanh_c, self.c_prev, self.h_steps)
+                     if group is not None for a in group)
+
+    def compute(self, x, h0, c0, w_ih, w_hh, *biases):
+        if len(x.shape) != 3:
+            raise ShapeError(f"lstm_layer: expected X of shape (T, B, I), got shape "
+                             f"{tuple(x.shape)}")
+        steps, batch, width_in = x.shape
+        if steps == 0:
+            raise ShapeError("lstm_layer: expected a sequence of at least one step, got T = 0")
+        hidden = _check((batch, width_in), h0, c0, w_ih, w_hh, biases, "lstm_layer")
+        bias = _bias_sum(biases)
+        projected = A.matmul(A.reshape(A.compact(x), (steps * batch, width_in)), w_ih)
+        projected = A.split(A.reshape(projected, (steps, batch, 4 * hidden)), 0)
+        self.gates, self.tanh_c, self.c_prev, self.h_steps = [], [], [], []
+        h, c = h0, c0
+        for t in range(steps):
+            self.c_prev.append(c)
+            h, c, gates, tanh_c = _gates_forward(projected[t] + A.matmul(h, w_hh), bias, c)
+            self.gates.append(gates)
+            self.tanh_c.append(tanh_c)
+            self.h_steps.append(h)
+        return A.stack(self.h_steps, 0), h, c
+
+    def plain_gradient(self, out_grad, node):
+        x, h0, c0, w_ih, w_hh = node.saved_tensors
+        d_out, dh, dc = (out_grad.cached_data[i] for i in range(3))
+        steps, batch, width_in = x.shape
+        need = [t.requires_grad for t in node.inputs]
+        d_steps = A.split(d_out, 0)
+        w_hh_t = A.swap_last(w_hh.cached_data)
+        dzs = [None] * steps
+        for t in reversed(range(steps)):
+            dz, dc = _gates_backward(self.gates[t], self.tanh_c[t], self.c_prev[t],
+                                     d_steps[t] + dh, dc)
+            dzs[t] = dz
+            if t > 0 or need[1]:
+                dh = A.matmul(dz, w_hh_t)
+        rows = steps * batch
+        dz_all = A.reshape(A.stack(dzs, 0), (rows, dz.shape[1]))
+        grads = [None] * 5
+        if need[0]:
+            grads[0] = _leaf(A.reshape(A.matmul(dz_all, A.swap_last(w_ih.cached_data)),
+                                       (steps, batch, width_in)))
+        if need[1]:
+            grads[1] = _leaf(dh)
+        if need[2]:
+            grads[2] = _leaf(dc)
+        if need[3]:
+            x_rows = A.reshape(A.compact(x.cached_data), (rows, width_in))
+            grads[3] = _leaf(A.matmul(A.swap_last(x_rows), dz_all))
+        if need[4]:
+            h_prev = A.stack([h0.cached_data] + self.h_steps[:-1], 0)
+            h_prev = A.reshape(h_prev, (rows, h0.shape[1]))
+            grads[4] = _leaf(A.matmul(A.swap_last(h_prev), dz_all))
+        if len(node.inputs) > 5:
+            db = A.reduce_sum(dz_all, (0,))
+            for b, wanted in zip(node.inputs[5:], need[5:], strict=True):
+                grads.append(_leaf(A.reshape(db, tuple(b.shape))) if wanted else None)
+        return tuple(grads)
+
+    def gradient(self, out_grad, node):
+        # create_graph: the per-step cells' composed gradients, chained backwards in time
+        # over recomputed (differentiable) states
+        x, h0, c0, w_ih, w_hh = node.inputs[:5]
+        biases = node.inputs[5:]
+        xs = split(x, axis=0).tuple()
+        hs, cs = [h0], [c0]
+        for x_t in xs[:-1]:
+            h, c = lstm_cell(x_t, hs[-1], cs[-1], w_ih, w_hh, *biases)
+            hs.append(h)
+            cs.append(c)
+        d_steps = split(out_grad[0], axis=0).tuple()
+        dh, dc = out_grad[1], out_grad[2]
+        dxs = [None] * len(xs)
+        sums = [None] * (2 + len(biases))
+        for t in reversed(range(len(xs))):
+            step = _Step((xs[t], hs[t], cs[t], w_ih, w_hh, *biases))
+            grads = _composed_gradient((d_steps[t] + dh, dc), step)
+            dxs[t], dh, dc = grads[0], grads[1], grads[2]
+            for k, g in enumerate(grads[3:]):
+                sums[k] = g if sums[k] is None else sums[k] + g
+        return (stack(dxs, 0), dh, dc, *sums)
+
+
+class _Step:
+    """The inputs of one step, as :func:`_composed_gradient` reads them from a node."""
+
+    __slots__ = ("inputs",)
+
+    def __init__(self, inputs):
+        self.inputs = inputs
+
+
+def lstm_layer(x, h0, c0, w_ih, w_hh, *biases):
+    """One LSTM layer over a sequence: ``(out, h_T, c_T)`` for ``x`` (T, B, I) from the
+    state ``h0, c0`` (B, H); ``out`` (T, B, H) stacks every step's ``h``. Weights and gate
+    order as :func:`lstm_cell`.
+
+    Example:
+        >>> import numpy as np
+        >>> import needle as ndl
+        >>> from needle import ops
+        >>> x, h, c = ndl.Tensor(np.zeros((5, 2, 3))), *(ndl.Tensor(np.zeros((2, 4))) for _ in "hc")
+        >>> w_ih, w_hh = ndl.Tensor(np.zeros((3, 16))), ndl.Tensor(np.zeros((4, 16)))
+        >>> out, h_T, c_T = ops.lstm_layer(x, h, c, w_ih, w_hh)
+        >>> out.shape, h_T.shape
+        ((5, 2, 4), (2, 4))
+    """
+    out = FusedLSTMLayer()(x, h0, c0, w_ih, w_hh, *biases)
+    return out[0], out[1], out[2]

@@ -100,6 +100,127 @@ def test_lstm_cell_second_order_matches_unfused(device):
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
 
 
+# ---- the whole-sequence layer (ops.lstm_layer) -----------------------------------------
+
+def _layer_operands(rng, steps, batch, inp, hidden, bias_shapes, device, dtype):
+    shapes = [(steps, batch, inp), (batch, hidden), (batch, hidden), (inp, 4 * hidden),
+              (hidden, 4 * hidden)] + list(bias_shapes)
+    return [T(rng.standard_normal(s) * (1.5 if k < 3 else 0.5), device, dtype)
+            for k, s in enumerate(shapes)]
+
+
+def _per_step(x, h, c, w_ih, w_hh, *biases):
+    """The layer as T fused cells (what nn.LSTM ran before the layer op)."""
+    outs = []
+    for x_t in ops.split(x, axis=0).tuple():
+        h, c = ops.lstm_cell(x_t, h, c, w_ih, w_hh, *biases)
+        outs.append(h)
+    return ops.stack(outs, 0), h, c
+
+
+def _layer_loss(outputs, weights, device, dtype):
+    return sum((o * T(w, device, dtype, False)).sum()
+               for o, w in zip(outputs, weights, strict=True))
+
+
+@pytest.mark.parametrize("bias_shapes", [[], [(32,)], [(32,), (1, 32)]],
+                         ids=["no-bias", "one-bias", "two-biases"])
+def test_lstm_layer_matches_per_step_cells(device, bias_shapes):
+    """Forward bit for bit (float32: the same kernels on the same rows); gradients of every
+    input, the weights' summed over time in another order, within rounding (float64)."""
+    rng = np.random.default_rng(10)
+    args = _layer_operands(rng, 6, 5, 3, 8, bias_shapes, device, "float32")
+    twins = [T(a.numpy(), device, "float32") for a in args]
+    for got, want in zip(ops.lstm_layer(*args), _per_step(*twins), strict=True):
+        assert np.array_equal(got.numpy(), want.numpy())
+    args = _layer_operands(rng, 6, 5, 3, 8, bias_shapes, device, "float64")
+    twins = [T(a.numpy(), device, "float64") for a in args]
+    weights = [rng.standard_normal(s) for s in ((6, 5, 8), (5, 8), (5, 8))]
+    _layer_loss(ops.lstm_layer(*args), weights, device, "float64").backward()
+    _layer_loss(_per_step(*twins), weights, device, "float64").backward()
+    for a, b in zip(args, twins, strict=True):
+        assert a.grad.shape == a.shape
+        np.testing.assert_allclose(a.grad.numpy(), b.grad.numpy(), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("pick", [0, 1, 2], ids=["out", "h_T", "c_T"])
+def test_lstm_layer_one_output_used(device, pick):
+    """A gradient reaching only one of the three outputs (the others' are zero)."""
+    rng = np.random.default_rng(11)
+    args = _layer_operands(rng, 4, 3, 2, 5, [(20,)], device, "float64")
+    twins = [T(a.numpy(), device, "float64") for a in args]
+    ops.lstm_layer(*args)[pick].sum().backward()
+    _per_step(*twins)[pick].sum().backward()
+    for a, b in zip(args, twins, strict=True):
+        np.testing.assert_allclose(a.grad.numpy(), b.grad.numpy(), rtol=1e-10, atol=1e-12)
+
+
+def test_lstm_layer_numerical_gradient(device):
+    rng = np.random.default_rng(12)
+    args = _layer_operands(rng, 3, 2, 2, 3, [(12,), (12,)], device, "float64")
+
+    def f(*xs):
+        out, h_n, c_n = ops.lstm_layer(*xs)
+        return ops.summation(out, (0,)) * 0.5 + h_n * 0.7 + c_n
+
+    assert gradcheck(f, *[a.detach() for a in args])
+
+
+def test_lstm_layer_second_order_matches_per_step_cells(device):
+    """With create_graph the layer's gradient is differentiable like the cells' chain."""
+    rng = np.random.default_rng(13)
+    args = _layer_operands(rng, 3, 2, 3, 2, [(8,)], device, "float64")
+    twins = [T(a.numpy(), device, "float64") for a in args]
+    results = []
+    for fn, xs in ((ops.lstm_layer, args), (_per_step, twins)):
+        out, h_n, c_n = fn(*xs)
+        (out * out).sum().backward(create_graph=True, retain_graph=True)
+        gx, gw = xs[0].grad, xs[4].grad
+        for x in xs:
+            x.grad = None
+        ((gx * gx).sum() + (gw * gw).sum()).backward()
+        results.append([x.grad.numpy() for x in xs])
+    for a, b in zip(*results, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
+
+
+def test_lstm_layer_shape_errors():
+    h, c = Tensor(np.zeros((2, 4))), Tensor(np.zeros((2, 4)))
+    w_ih, w_hh = Tensor(np.zeros((3, 16))), Tensor(np.zeros((4, 16)))
+    with pytest.raises(ShapeError, match=r"lstm_layer: expected X of shape \(T, B, I\), got "
+                                         r"shape \(2, 3\)"):
+        ops.lstm_layer(Tensor(np.zeros((2, 3))), h, c, w_ih, w_hh)
+    with pytest.raises(ShapeError, match=r"lstm_layer: expected a sequence of at least one "
+                                         r"step, got T = 0"):
+        ops.lstm_layer(Tensor(np.zeros((0, 2, 3))), h, c, w_ih, w_hh)
+    with pytest.raises(ShapeError, match=r"lstm_layer: W_ih has the wrong shape, expected "
+                                         r"\(3, 16\), got \(5, 16\)"):
+        ops.lstm_layer(Tensor(np.zeros((4, 2, 3))), h, c, Tensor(np.zeros((5, 16))), w_hh)
+    with pytest.raises(ShapeError, match=r"lstm_layer: h has the wrong shape"):
+        ops.lstm_layer(Tensor(np.zeros((4, 3, 3))), h, c, w_ih, w_hh)
+    with pytest.raises(ShapeError, match=r"LSTM: expected input \(seq_len, batch, 3\), got "
+                                         r"shape \(4, 2, 5\)"):
+        nn.LSTM(3, 4)(Tensor(np.zeros((4, 2, 5))))
+
+
+def test_lstm_records_one_node_per_layer(device):
+    """nn.LSTM runs a whole layer as one graph node (it ran one per step)."""
+    model = nn.LSTM(3, 4, num_layers=2, device=device)
+    out, (h_n, c_n) = model(T(np.ones((5, 2, 3)), device, requires_grad=False))
+    layers, seen, stack = [], set(), [out, h_n, c_n]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node.op, ops.FusedLSTMLayer):
+            layers.append(node)
+        if isinstance(node.op, ops.FusedLSTMCell):
+            raise AssertionError("a per-step cell node was recorded")
+        stack.extend(node.inputs)
+    assert len(layers) == 2
+
+
 def test_lstm_cell_shape_errors():
     x, h, c = Tensor(np.zeros((2, 3))), Tensor(np.zeros((2, 4))), Tensor(np.zeros((2, 4)))
     w_ih, w_hh = Tensor(np.zeros((3, 16))), Tensor(np.zeros((4, 16)))
