@@ -1,4 +1,5 @@
-"""Fused ops: one LSTM step (``lstm_cell``) as a single graph node with one gate kernel.
+"""Fused ops: one LSTM step (``lstm_cell``) as a single graph node with one gate kernel, and
+one LSTM layer over a whole sequence (``lstm_layer``, what ``nn.LSTM`` runs) as one node.
 
 The unfused cell (two matmuls, bias adds, a split, three sigmoids, two tanhs, three products
 and a sum) records ~15 nodes per step and runs ~20 kernels; ``lstm_cell`` records one node
@@ -7,7 +8,9 @@ the output (the C++ backend's ``lstm_cell_forward``). Its plain backward is one 
 the gate gradients plus the matmuls of the weight and input gradients. Devices without the
 kernel (CUDA), float16 and NumPy mode compute the same formulas with array ops. With
 ``create_graph`` the gradient is built from differentiable ops, so gradients of gradients
-work as for the unfused cell.
+work as for the unfused cell. ``lstm_layer`` runs the same gate kernels step by step but
+multiplies by ``W_ih`` once for all steps, and its backward forms the weight, bias and input
+gradients as single products over all steps (see :class:`FusedLSTMLayer`).
 
 Gate order is i, f, g, o (the course's and PyTorch's): ``z = x W_ih + h W_hh + b_ih + b_hh``
 split into four blocks of H columns; ``c' = σ(f)·c + σ(i)·tanh(g)``, ``h' = σ(o)·tanh(c')``.
