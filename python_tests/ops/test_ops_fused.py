@@ -59,16 +59,21 @@ def test_lstm_cell_matches_unfused_values_and_gradients(device, dtype, bias_shap
         np.testing.assert_allclose(a.grad.numpy(), b.grad.numpy(), rtol=tol * 10, atol=tol * 10)
 
 
+def _one_output_grads_match(fn, reference, args, device, pick):
+    """Gradients of ``fn(*args)[pick].sum()`` equal the reference's (float64)."""
+    twins = [T(a.numpy(), device, "float64") for a in args]
+    fn(*args)[pick].sum().backward()
+    reference(*twins)[pick].sum().backward()
+    for a, b in zip(args, twins, strict=True):
+        np.testing.assert_allclose(a.grad.numpy(), b.grad.numpy(), rtol=1e-10, atol=1e-12)
+
+
 def test_lstm_cell_only_h_or_only_c_used(device):
     """A gradient reaching only one of the two outputs (the other's is zero)."""
     rng = np.random.default_rng(1)
     for pick in (0, 1):
         args = _operands(rng, 3, 4, 5, [(20,)], device, "float64")
-        twins = [T(a.numpy(), device, "float64") for a in args]
-        ops.lstm_cell(*args)[pick].sum().backward()
-        _unfused(*twins)[pick].sum().backward()
-        for a, b in zip(args, twins, strict=True):
-            np.testing.assert_allclose(a.grad.numpy(), b.grad.numpy(), rtol=1e-10, atol=1e-12)
+        _one_output_grads_match(ops.lstm_cell, _unfused, args, device, pick)
 
 
 def test_lstm_cell_numerical_gradient(device):
@@ -148,11 +153,7 @@ def test_lstm_layer_one_output_used(device, pick):
     """A gradient reaching only one of the three outputs (the others' are zero)."""
     rng = np.random.default_rng(11)
     args = _layer_operands(rng, 4, 3, 2, 5, [(20,)], device, "float64")
-    twins = [T(a.numpy(), device, "float64") for a in args]
-    ops.lstm_layer(*args)[pick].sum().backward()
-    _per_step(*twins)[pick].sum().backward()
-    for a, b in zip(args, twins, strict=True):
-        np.testing.assert_allclose(a.grad.numpy(), b.grad.numpy(), rtol=1e-10, atol=1e-12)
+    _one_output_grads_match(ops.lstm_layer, _per_step, args, device, pick)
 
 
 def test_lstm_layer_numerical_gradient(device):
