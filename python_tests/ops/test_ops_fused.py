@@ -185,6 +185,25 @@ def test_lstm_layer_second_order_matches_per_step_cells(device):
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
 
 
+def test_lstm_layer_on_emulated_cuda_matches_cpu(emulated_cuda):
+    """cuda() has no gate kernel: the layer composes array ops there, with the same values
+    and gradients as on cpu_numpy (two layers of nn.LSTM, default zero state)."""
+    from needle.backend_ndarray import cpu_numpy
+
+    rng = np.random.default_rng(14)
+    x = rng.standard_normal((3, 2, 3))
+    results = []
+    for dev in (emulated_cuda, cpu_numpy()):
+        np.random.seed(0)
+        model = nn.LSTM(3, 4, num_layers=2, device=dev)
+        out, (h_n, c_n) = model(T(x, dev))
+        (out.sum() + (h_n * c_n).sum()).backward()
+        results.append([out.numpy(), h_n.numpy()]
+                       + [p.grad.numpy() for p in model.parameters()])
+    for got, want in zip(*results, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_lstm_layer_shape_errors():
     h, c = Tensor(np.zeros((2, 4))), Tensor(np.zeros((2, 4)))
     w_ih, w_hh = Tensor(np.zeros((3, 16))), Tensor(np.zeros((4, 16)))
