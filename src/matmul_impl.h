@@ -193,6 +193,11 @@ void pack_b_panel(const T* b, std::ptrdiff_t rs, std::ptrdiff_t cs, std::size_t 
 // reads NR values from each of kc rows in turn, kc streams at once, which the hardware
 // prefetcher cannot follow when the rows are far apart: for the LSTM head's X.T @ dY (B
 // 320 x 10000) that took 37% of the product's time; 512^3 float32 went 18% faster on Zen 3.
+// Rows of B at least this far apart (bytes) are packed row by row; closer rows stay within
+// a few pages and panel by panel was as fast or faster (128 x 784 x 100, rows of 400 bytes:
+// 10% slower row by row at 2 threads).
+constexpr std::size_t kRowPackMinStride = 1024;
+
 template <class T, int NR>
 void pack_b_rows(const T* b, std::ptrdiff_t brs, std::size_t kc, std::size_t nc,
                  std::size_t jp0, std::size_t jp1, T* bpack) {
@@ -292,7 +297,7 @@ void gemm_nt(const T* a, std::ptrdiff_t ars, std::ptrdiff_t acs, const T* b, std
         const std::size_t kc = min_size(G::KC, n - pc);
         const T* bblock = b + std::ptrdiff_t(pc) * brs + std::ptrdiff_t(jc);
         const auto packs = share(direct_b ? 0 : panels);
-        if (bcs == 1) {  // row-major B: rows read as contiguous runs (pack_b_rows)
+        if (bcs == 1 && std::size_t(brs) * sizeof(T) >= kRowPackMinStride) {
           pack_b_rows<T, NR>(bblock, brs, kc, nc, packs.first, packs.second, bpack);
         } else {
           for (std::size_t jp = packs.first; jp < packs.second; ++jp) {
