@@ -188,16 +188,16 @@ void pack_b_panel(const T* b, std::ptrdiff_t rs, std::ptrdiff_t cs, std::size_t 
   pack_panel<T, NR>(b, cs, rs, cols, k, dst);
 }
 
+// Rows of B at least this far apart (bytes) are packed row by row (pack_b_rows); closer
+// rows stay within a few pages, and panel by panel was as fast or faster there (128 x 784 x
+// 100, rows of 400 bytes: 10% slower row by row at 2 threads).
+constexpr std::size_t kRowPackMinStride = 1024;
+
 // Panels [jp0, jp1) of a row-major B block (kc rows of nc values, row stride brs) packed
 // row by row: each row's values are read in one contiguous run. Packing panel by panel
 // reads NR values from each of kc rows in turn, kc streams at once, which the hardware
 // prefetcher cannot follow when the rows are far apart: for the LSTM head's X.T @ dY (B
 // 320 x 10000) that took 37% of the product's time; 512^3 float32 went 18% faster on Zen 3.
-// Rows of B at least this far apart (bytes) are packed row by row; closer rows stay within
-// a few pages and panel by panel was as fast or faster (128 x 784 x 100, rows of 400 bytes:
-// 10% slower row by row at 2 threads).
-constexpr std::size_t kRowPackMinStride = 1024;
-
 template <class T, int NR>
 void pack_b_rows(const T* b, std::ptrdiff_t brs, std::size_t kc, std::size_t nc,
                  std::size_t jp0, std::size_t jp1, T* bpack) {
@@ -269,7 +269,7 @@ void gemm_nt(const T* a, std::ptrdiff_t ars, std::ptrdiff_t acs, const T* b, std
   const std::size_t nc_max = min_size(G::NC, ceil_div(p, NR) * NR);
   const std::size_t kc_max = min_size(G::KC, n);
   const bool direct_b = G::kDirectB && bcs == 1 && use_direct_b(n, p, sizeof(T));
-  // One or two column panels: packing would read A as often as the kernel does, and write it.
+  // A read in place or packed: see use_direct_a
   const bool direct_a = G::kDirectA && acs == 1 && use_direct_a(direct_b, ars, p, NR, sizeof(T),
                                                                G::kDirectAPanels);
   T* bpack = direct_b ? nullptr : tls_pack_b.get<T>(kc_max * nc_max);
