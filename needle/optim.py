@@ -37,6 +37,7 @@ import numpy as np
 
 from ._core.errors import NeedleError, ShapeError
 from .autograd import Tensor
+from .autograd.tensor import replace_data
 from .autograd.versions import note_replaced
 from .compiler.effects import replayed
 from .memory import attribute as _attribute
@@ -60,14 +61,6 @@ def _grad(p: Tensor, theta, grad_scale):
 
 def _is_half(array) -> bool:
     return str(array.dtype) == "float16"
-
-
-def _set_data(p: Tensor, array) -> None:
-    # Same effect as ``p.data = Tensor(array)`` without building a throwaway Tensor. A wider
-    # gradient (np mode lets float64 data reach float32 weights) must not widen the weight.
-    dtype = p.cached_data.dtype
-    p.cached_data = array if array.dtype == dtype else array.astype(dtype)
-    note_replaced(p)  # a graph recorded before this step must not use the new weights
 
 
 def _state(array):
@@ -173,7 +166,7 @@ class Optimizer:
             note_replaced(p)
         else:
             with _framework_category("weight"):
-                _set_data(p, theta - delta)
+                replace_data(p, theta - delta)
 
     def rebind(self, p: Tensor, data) -> None:
         """Point parameter ``p`` at ``data``, an array holding the same values as its current

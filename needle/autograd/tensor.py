@@ -143,8 +143,7 @@ class Tensor(Value):
         if value.dtype != self.dtype:
             raise DTypeError(
                 f"Tensor.data: dtype differs, expected {self.dtype}, got {value.dtype}")
-        self.cached_data = value.realize_cached_data()
-        note_replaced(self)  # a graph that saved this tensor must not use the new data
+        replace_data(self, value.realize_cached_data())
 
     @property
     def shape(self) -> tuple:
@@ -308,6 +307,24 @@ def _operand(tensor, other):
     if isinstance(other, NDArray) or isinstance(other, numpy.ndarray) and other.size != 1:
         return Tensor(other, device=tensor.device, dtype=tensor.dtype, requires_grad=False)
     return other
+
+
+def replace_data(tensor: Tensor, array) -> None:
+    """Point ``tensor`` at ``array``, in the tensor's own dtype (np mode lets float64 results
+    reach float32 tensors), and stamp the replacement: a graph that saved the old data
+    refuses to backward through it. What ``Tensor.data = ...``, optimizer steps and
+    BatchNorm's running statistics do.
+
+    Example:
+        >>> import numpy as np, needle as ndl
+        >>> t = ndl.Tensor([1.0, 2.0], dtype="float32")
+        >>> replace_data(t, ndl.Tensor([3.0, 4.0], dtype="float64").realize_cached_data())
+        >>> t.numpy().tolist(), str(t.dtype)
+        ([3.0, 4.0], 'float32')
+    """
+    dtype = tensor.realize_cached_data().dtype
+    tensor.cached_data = array if array.dtype == dtype else array.astype(dtype)
+    note_replaced(tensor)  # a graph that saved this tensor must not use the new data
 
 
 def _array_from(array, device, dtype):

@@ -19,7 +19,7 @@ import math
 from .. import init, ops
 from .._core.errors import ShapeError
 from ..autograd import Tensor, is_grad_enabled
-from ..autograd.versions import note_replaced
+from ..autograd.tensor import replace_data
 from ..memory import framework_category
 from .nn_module import Module, Parameter
 
@@ -168,12 +168,10 @@ class BatchNorm1d(Module):
         m = self.momentum
         # On the arrays, in the stats' own dtype (np mode lets float64 batches reach a float32
         # layer): no graph is kept alive across steps, the Tensors keep their identity, and no
-        # op is dispatched through autograd (eight per layer and step as Tensor arithmetic).
+        # op is dispatched through autograd (six per layer and step as Tensor arithmetic).
         for running, batch in ((self.running_mean, mean), (self.running_var, var)):
-            old = running.realize_cached_data()
-            new = old * (1 - m) + batch.realize_cached_data() * m
-            running.cached_data = new if new.dtype == old.dtype else new.astype(old.dtype)
-            note_replaced(running)  # a graph that saved the old statistics must not read these
+            new = running.realize_cached_data() * (1 - m) + batch.realize_cached_data() * m
+            replace_data(running, new)
 
     def forward(self, x: Tensor) -> Tensor:
         if x.ndim != 2 or x.shape[1] != self.dim:

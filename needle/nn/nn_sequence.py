@@ -45,8 +45,9 @@ class _CellBase(Module):
         self.bias_ih = _uniform((width,), hidden_size, device, dtype) if bias else None
         self.bias_hh = _uniform((width,), hidden_size, device, dtype) if bias else None
 
-    def _zeros(self, X: Tensor) -> Tensor:
-        return init.zeros(X.shape[0], self.hidden_size, device=X.device, dtype=X.dtype)
+    def _zeros(self, batch: int, like: Tensor) -> Tensor:
+        """A zero state (batch, hidden) on ``like``'s device, in its dtype."""
+        return init.zeros(batch, self.hidden_size, device=like.device, dtype=like.dtype)
 
     def _preactivation(self, X: Tensor, h: Tensor) -> Tensor:
         if X.ndim != 2 or X.shape[1] != self.input_size:
@@ -73,7 +74,7 @@ class RNNCell(_CellBase):
         self.nonlinearity = nonlinearity
 
     def forward(self, X: Tensor, h: Tensor | None = None) -> Tensor:
-        h = self._zeros(X) if h is None else h
+        h = self._zeros(X.shape[0], X) if h is None else h
         z = self._preactivation(X, h)
         return ops.tanh(z) if self.nonlinearity == "tanh" else ops.relu(z)
 
@@ -86,7 +87,7 @@ class LSTMCell(_CellBase):
 
     def forward(self, X: Tensor, h=None) -> tuple[Tensor, Tensor]:
         if h is None:
-            h0, c0 = self._zeros(X), self._zeros(X)
+            h0, c0 = self._zeros(X.shape[0], X), self._zeros(X.shape[0], X)
         else:
             h0, c0 = h
         if X.ndim != 2 or X.shape[1] != self.input_size:
@@ -149,8 +150,7 @@ class LSTM(Module):
         out = X
         for cell, h_l, c_l in zip(self.lstm_cells, hs, cs, strict=False):
             if h_l is None:
-                h_l, c_l = (init.zeros(X.shape[1], cell.hidden_size, device=X.device,
-                                       dtype=X.dtype) for _ in range(2))
+                h_l, c_l = cell._zeros(X.shape[1], X), cell._zeros(X.shape[1], X)
             # One node per layer and sequence (ops.lstm_layer), the cells' own weights read
             # at every call, as LSTMCell does.
             biases = [b for b in (cell.bias_ih, cell.bias_hh) if b is not None]

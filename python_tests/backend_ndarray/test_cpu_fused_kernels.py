@@ -128,8 +128,9 @@ def test_matmul_kernel_paths(shape, dtype, isa):
     """Shapes that take each path: B and A read in place (narrow C), two-panel and 256-bit
     narrow kernels, half tiles, packed operands, several KC blocks; A read in place against a
     packed B (B over 256 KiB, C at most 8 panels wide: (200, 1100, 100) float32, (130, 700,
-    60) float64, with edge rows and a narrow last panel), and the same refused for a 4 KiB
-    row stride of A (64, 1024, 100)."""
+    60) float64, with edge rows and a narrow last panel), and A with a 4 KiB row stride (64,
+    1024, 100), which is packed instead (the values are checked; which path ran is not
+    observable here)."""
     cpu._set_isa(isa)
     m, n, p = shape
     rng = np.random.default_rng(1)
