@@ -14,10 +14,17 @@ While ``grad_scale`` is set (``amp.GradScaler.step`` sets it), gradients are div
 as they are read, in the update's precision, so scaled float16 gradients are unscaled in
 float32 without ever being rewritten.
 
+Fused updates. Where the backend has ``ewise_program`` (``cpu()``, ``cpu_numpy()``) and the
+arrays are compact float32/float64, each parameter's update is one pass over memory (Adam:
+two) that writes only the new θ and moments: no temporaries, and bitwise the values of the
+composed arithmetic, which runs everywhere else (``cuda()``, float16 arrays) and inside a
+compiled step (whose compiler fuses the recorded kernels itself).
+
 Memory (needle.memory categories): a step's temporaries are ``optimizer_temp``, moments
 ``optimizer``, new weights ``weight`` from their allocation. At most this many arrays of one
 parameter's size are temporaries at once (the ledger's prediction, checked by its tests):
-SGD 1; SGD with momentum 3 (1 on the first step); Adam 3; one more with weight decay.
+none for a fused update; composed, SGD 1, SGD with momentum 3 (1 on the first step), Adam 3,
+one more with weight decay.
 
 Example:
     >>> import numpy as np
@@ -39,7 +46,8 @@ from ._core.errors import NeedleError, ShapeError
 from .autograd import Tensor
 from .autograd.tensor import replace_data
 from .autograd.versions import note_replaced
-from .compiler.effects import replayed
+from .backend_ndarray import ewise_program as _program
+from .compiler.effects import compiling, replayed
 from .memory import attribute as _attribute
 from .memory import framework_category as _framework_category
 from .memory.observers import phase as _phase
@@ -92,11 +100,17 @@ def _attributed_step(step):
 
     @functools.wraps(step)
     def wrapper(self, *args, **kwargs):
-        with _phase("optimizer", type(self).__name__ + ".step"), \
-                _framework_category("optimizer_temp"):
-            out = step(self, *args, **kwargs)
+        # arrays _install made are weight memory from their allocation: no retag needed
+        fresh = self._fresh = set()
+        try:
+            with _phase("optimizer", type(self).__name__ + ".step"), \
+                    _framework_category("optimizer_temp"):
+                out = step(self, *args, **kwargs)
+        finally:
+            self._fresh = None
         for p in self.params:
-            _attribute(p, "weight")
+            if id(p.cached_data) not in fresh:
+                _attribute(p, "weight")
         return out
 
     wrapper._memory_attributed = True
@@ -115,6 +129,8 @@ class Optimizer:
     _hyper: tuple[str, ...] = ()
     # Divide gradients by this while stepping (set by amp.GradScaler.step), or None.
     grad_scale: float | None = None
+    # ids of the arrays _install gave parameters during the current step (else None)
+    _fresh: set | None = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -127,6 +143,7 @@ class Optimizer:
             setattr(self, name, {})
         self.master: dict = {}  # float16 parameter -> its float32 master array
         self._installed: dict = {}  # float16 parameter -> the array this optimizer gave it
+        self._fresh = None
 
     # ----- the arrays an update reads and writes ---------------------------------------------
     def _theta(self, p: Tensor):
@@ -142,31 +159,57 @@ class Optimizer:
             self._installed[p] = data
         return master
 
-    def _decayed_grads(self, wd: float):
-        """(parameter, θ, grad + wd·θ) for every parameter that has a gradient; θ is the
-        parameter's array or its float32 master."""
+    def _grads(self):
+        """(parameter, θ, grad) for every parameter that has a gradient; θ is the
+        parameter's array or its float32 master, the gradient is cast to θ's dtype and
+        unscaled (``grad_scale``)."""
         scale = self.grad_scale
         for p in self.params:
             if p.grad is None:
                 continue
             theta = self._theta(p)
-            g = _grad(p, theta, scale)
-            yield p, theta, (g + theta * wd if wd else g)
+            yield p, theta, _grad(p, theta, scale)
+
+    @staticmethod
+    def _decayed(theta, g, wd: float):
+        """``grad + wd·θ`` (the gradient itself without weight decay)."""
+        return g + theta * wd if wd else g
+
+    def _theta_category(self, p: Tensor) -> str:
+        return "master" if p in self.master else "weight"
+
+    def _new_theta(self, p: Tensor, theta):
+        """An empty array for ``p``'s new θ, ``master`` or ``weight`` memory from its
+        allocation (for an update program to write)."""
+        with _framework_category(self._theta_category(p)):
+            return _program.empty_like(theta)
+
+    def _new_state(self, like):
+        """An empty array for a new moment: ``optimizer`` memory from its allocation."""
+        with _framework_category("optimizer"):
+            return _program.empty_like(like)
 
     def _assign(self, p: Tensor, theta, delta) -> None:
-        """Install ``θ − delta``: into the master (and its float16 rounding into ``p``), or
-        into ``p``. The new arrays are ``master`` and ``weight`` memory from their allocation,
-        so a memory timeline never shows weights turning into optimizer memory."""
+        """Install ``θ − delta`` (see :meth:`_install`), computed as ``master`` or ``weight``
+        memory from its allocation, so a memory timeline never shows weights turning into
+        optimizer memory."""
+        with _framework_category(self._theta_category(p)):
+            new = theta - delta
+        self._install(p, new)
+
+    def _install(self, p: Tensor, new) -> None:
+        """Make ``new`` the parameter's θ: its master (and the master's float16 rounding
+        into ``p``), or ``p``'s data."""
         if p in self.master:
-            with _framework_category("master"):
-                self.master[p] = theta - delta
+            self.master[p] = new
             with _framework_category("weight"):
-                p.cached_data = self.master[p].astype(p.cached_data.dtype)
+                p.cached_data = new.astype(p.cached_data.dtype)
             self._installed[p] = p.cached_data
             note_replaced(p)
         else:
-            with _framework_category("weight"):
-                replace_data(p, theta - delta)
+            replace_data(p, new)
+        if self._fresh is not None:
+            self._fresh.add(id(p.cached_data))
 
     def rebind(self, p: Tensor, data) -> None:
         """Point parameter ``p`` at ``data``, an array holding the same values as its current
@@ -272,14 +315,104 @@ class SGD(Optimizer):
 
     def step(self) -> None:
         lr, mom, wd = float(self.lr), float(self.momentum), float(self.weight_decay)
-        for p, theta, g in self._decayed_grads(wd):
+        scalars = [lr, wd, mom, 1 - mom]
+        for p, theta, g in self._grads():
+            if self._fused_step(p, theta, g, scalars):
+                continue
+            u = self.u.get(p) if mom else None
+            g = self._decayed(theta, g, wd)
             if mom:
-                u = self.u.get(p)
                 u = g * (1 - mom) if u is None else u * mom + g * (1 - mom)
                 self.u[p] = _state(u)
             else:
                 u = g
             self._assign(p, theta, u * lr)
+
+    def _fused_step(self, p: Tensor, theta, g, scalars: list) -> bool:
+        """The update of ``p`` as one pass over memory with no temporaries, bitwise the
+        composed one, where the arrays allow (else False). A compiled step takes the
+        composed path: the compiler fuses it itself."""
+        mom = scalars[2]
+        u = self.u.get(p) if mom else None
+        arrays = (theta, g) if u is None else (theta, g, u)
+        if compiling() or not _program.available(arrays):
+            return False
+        outs = [self._new_state(theta)] if mom else []
+        outs.append(self._new_theta(p, theta))
+        _program.run(_sgd_program(bool(mom), u is not None, bool(scalars[1])), arrays,
+                     scalars, outs)
+        if mom:
+            self.u[p] = outs[0]
+        self._install(p, outs[-1])
+        return True
+
+
+# ----- update programs (needle.backend_ndarray.ewise_program): built once per shape of rule ---
+# Each is the composed update's kernels in the same order, so the fused result is bitwise
+# the composed one. Inputs: θ (register 0), the gradient (1), then the moments.
+@functools.lru_cache(maxsize=None)
+def _sgd_program(momentum: bool, has_u: bool, decay: bool) -> _program.Program:
+    """Scalars ``[lr, wd, momentum, 1 - momentum]``; outputs ``[u] + [θ − lr·u]``."""
+    prog = _program.Program(3 if has_u else 2)
+    g = _decayed_reg(prog, decay, 1)
+    if momentum:
+        u = prog.scalar("mul", g, 3)
+        if has_u:
+            um = prog.scalar("mul", 2, 2)
+            u, old = prog.binary("add", um, u), u
+            prog.free(um, old)
+        prog.store(u)
+        g = u
+    prog.store(prog.binary("sub", 0, prog.scalar("mul", g, 0)))
+    return prog
+
+
+def _decayed_reg(prog, decay: bool, wd_index: int) -> int:
+    """The register of ``g + θ·wd`` (``g`` itself without decay)."""
+    if not decay:
+        return 1
+    decay_term = prog.scalar("mul", 0, wd_index)
+    g = prog.binary("add", 1, decay_term)
+    prog.free(decay_term)
+    return g
+
+
+# Adam's scalars: [wd, β1, 1 − β1, β2, 1 − β2, c1, lr, c2, 0.5, eps]
+@functools.lru_cache(maxsize=None)
+def _adam_m_program(first: bool, decay: bool) -> _program.Program:
+    """Inputs ``θ, g (, m)``; output the new m."""
+    prog = _program.Program(2 if first else 3)
+    g = _decayed_reg(prog, decay, 0)
+    gm = prog.scalar("mul", g, 2)
+    prog.store(gm if first else prog.binary("add", prog.scalar("mul", 2, 1), gm))
+    return prog
+
+
+@functools.lru_cache(maxsize=None)
+def _adam_v_theta_program(first: bool, decay: bool) -> _program.Program:
+    """Inputs ``θ, g, m (the new one) (, v)``; outputs the new v and the new θ."""
+    prog = _program.Program(3 if first else 4)
+    g = _decayed_reg(prog, decay, 0)
+    gg = prog.binary("mul", g, g)
+    gv = prog.scalar("mul", gg, 4)
+    prog.free(gg, *((g,) if decay else ()))
+    v = gv
+    if not first:
+        vb = prog.scalar("mul", 3, 3)
+        v = prog.binary("add", vb, gv)
+        prog.free(vb, gv)
+    prog.store(v)
+    m_c1 = prog.scalar("div", 2, 5)
+    step = prog.scalar("mul", m_c1, 6)  # m / c1 · lr
+    v_c2 = prog.scalar("div", v, 7)
+    prog.free(m_c1, v)
+    root = prog.scalar("power", v_c2, 8)  # (v / c2) ** 0.5
+    denom = prog.scalar("add", root, 9)
+    prog.free(v_c2, root)
+    ratio = prog.binary("div", step, denom)
+    prog.free(step, denom)
+    prog.store(prog.binary("sub", 0, ratio))
+    return prog
 
 
 class Adam(Optimizer):
@@ -307,15 +440,42 @@ class Adam(Optimizer):
         c1, c2 = replayed(self._advance, self)
         b1, b2, wd = float(self.beta1), float(self.beta2), float(self.weight_decay)
         lr, eps = float(self.lr), float(self.eps)
-        for p, theta, g in self._decayed_grads(wd):
+        scalars = [wd, b1, 1 - b1, b2, 1 - b2, c1, lr, c2, 0.5, eps]
+        for p, theta, g in self._grads():
+            if self._fused_step(p, theta, g, scalars):
+                continue
             # Each moment is stored as soon as it is made, so the old one is freed before the
-            # next is computed; the update is one expression, so its temporaries die with it.
+            # next is computed.
             m, v = self.m.get(p), self.v.get(p)
+            # the update is one expression, so its temporaries die with it
+            g = self._decayed(theta, g, wd)
             m = g * (1 - b1) if m is None else m * b1 + g * (1 - b1)
             self.m[p] = _state(m)
             v = (g * g) * (1 - b2) if v is None else v * b2 + (g * g) * (1 - b2)
             self.v[p] = _state(v)
             self._assign(p, theta, (m / c1 * lr) / ((v / c2) ** 0.5 + eps))
+
+    def _fused_step(self, p: Tensor, theta, g, scalars: list) -> bool:
+        """The update of ``p`` as two passes over memory with no temporaries (the new m,
+        then the new v and θ from it), bitwise the composed one, where the arrays allow
+        (else False). A compiled step takes the composed path: the compiler fuses it."""
+        m, v = self.m.get(p), self.v.get(p)
+        first = m is None
+        if (v is None) != first or compiling() \
+                or not _program.available((theta, g) if first else (theta, g, m, v)):
+            return False
+        decay = bool(scalars[0])
+        new_m = self._new_state(theta)
+        _program.run(_adam_m_program(first, decay), (theta, g) if first else (theta, g, m),
+                     scalars, [new_m])
+        self.m[p] = m = new_m  # the old m is freed before the new v is made
+        outs = [self._new_state(theta), self._new_theta(p, theta)]
+        _program.run(_adam_v_theta_program(first, decay),
+                     (theta, g, m) if first else (theta, g, m, v), scalars, outs)
+        self.v[p] = outs[0]
+        v = None
+        self._install(p, outs[1])
+        return True
 
     def _advance(self) -> tuple:
         """One more step: ``t += 1``, and the bias corrections ``(1 − β1^t, 1 − β2^t)``."""

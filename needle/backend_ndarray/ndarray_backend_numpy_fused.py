@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .ewise_codes import BINARY, LOAD, MAX_REGISTERS, RSCALAR, SCALAR, STORE, UNARY
 from .ndarray_checks import check_class_ids
 
 __all__ = ["conv2d_forward", "conv2d_weight_grad", "conv2d_input_grad", "lstm_cell_forward",
@@ -193,8 +194,8 @@ def embedding_backward(g, ids, dtable, num, dim, n) -> None:
 
 
 # ---- ewise_program: a chain of elementwise kernels in one call ------------------------------
-_REGISTERS = 16
-_LOAD, _STORE, _BINARY, _SCALAR, _RSCALAR, _UNARY = range(6)
+_REGISTERS = MAX_REGISTERS
+_LOAD, _STORE, _BINARY, _SCALAR, _RSCALAR, _UNARY = LOAD, STORE, BINARY, SCALAR, RSCALAR, UNARY
 
 
 class _Buffer:

@@ -42,13 +42,13 @@ While a compiled step runs, reading tensor values on the host (``loss.numpy()``)
 """
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict
 
 from needle._core.errors import CompileError
 from needle.memory import plan, trace
 from needle.memory.replay import run_plan
 
+from . import effects as _effects
 from .guard import refuse_host_reads
 from .program import Before, NotReplayable, build_program, flat_arguments
 from .recorder import Alloc, record_kernels
@@ -63,7 +63,7 @@ MAX_RERECORDS = 8
 
 # A compiled step called inside another one runs eagerly (inside the outer one's trace or
 # plan): one allocator plan at a time per device, and the outer plan covers the inner calls.
-_ACTIVE = threading.local()
+# (effects.compiling() is the per-thread flag.)
 
 
 class _Entry:
@@ -133,15 +133,15 @@ class CompiledStep:
         return entry
 
     def __call__(self, *args, **kwargs):
-        if getattr(_ACTIVE, "depth", 0):
+        if _effects.compiling():
             self._counts["calls"] += 1
             self._counts["eager_calls"] += 1
             return self.fn(*args, **kwargs)
-        _ACTIVE.depth = 1
+        _effects.set_compiling(True)
         try:
             return self._call(args, kwargs)
         finally:
-            _ACTIVE.depth = 0
+            _effects.set_compiling(False)
 
     def _call(self, args, kwargs):
         key = signature(args, kwargs)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
-__all__ = ["replayed", "set_listener"]
+__all__ = ["replayed", "set_listener", "compiling", "set_compiling"]
 
 _LOCAL = threading.local()
 
@@ -44,3 +44,19 @@ def set_listener(fn) -> Any:
     prev = getattr(_LOCAL, "listener", None)
     _LOCAL.listener = fn
     return prev
+
+
+
+def compiling() -> bool:
+    """True while a compiled step (``needle.compile``) runs on this thread: its warm-up,
+    trace, planned and recorded calls all run the step's Python under it.
+
+    Code with a fused shortcut of its own takes its composed path then, so that the trace,
+    the plan and the recordings see one and the same sequence of kernels, which the compiler
+    fuses itself (the optimizers' updates do this)."""
+    return getattr(_LOCAL, "compiling", False)
+
+
+def set_compiling(flag: bool) -> None:
+    """Mark this thread as running a compiled step's Python (or no longer)."""
+    _LOCAL.compiling = flag

@@ -31,17 +31,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from needle.backend_ndarray.ewise_codes import (
+    BINARY,
+    BINARY_OPS,
+    LOAD,
+    MAX_REGISTERS,
+    RSCALAR,
+    SCALAR,
+    STORE,
+    UNARY,
+    UNARY_OPS,
+)
+
 from .recorder import Alloc, Call, Ref
 
 __all__ = ["FusedCall", "fuse", "slots_of", "FUSIBLE", "MAX_REGISTERS"]
 
-MAX_REGISTERS = 16  # kProgramRegisters in src/kernels.h
-LOAD, STORE, BINARY, SCALAR, RSCALAR, UNARY = range(6)  # ProgramKind in src/kernels.h
-_BIN = {name: i for i, name in enumerate(
-    ("add", "sub", "mul", "div", "maximum", "minimum", "power", "eq", "ge", "tanh_grad",
-     "relu_grad"))}
-_UN = {name: i for i, name in enumerate(
-    ("neg", "log", "exp", "tanh", "sqrt", "abs", "sign", "sigmoid"))}
+_BIN, _UN = BINARY_OPS, UNARY_OPS
 
 # kernel name -> (instruction kind, op code)
 FUSIBLE: dict[str, tuple[int, int]] = {f"ewise_{n}": (BINARY, c) for n, c in _BIN.items()}

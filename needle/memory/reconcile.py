@@ -20,7 +20,9 @@ optimizer (peak)                    moments (ledger) + rounding + the new moment
                                     the old one (``M``, when the state existed before)
 optimizer_temp (peak)               the update's temporaries: ``t x M``, t = Adam 3,       0
                                     SGD 1, SGD with momentum 3 (1 on its first step),
-                                    +1 with weight decay (docs of ``needle.optim``)
+                                    +1 with weight decay; 0 where the update is fused
+                                    (a backend with ``ewise_program``: docs of
+                                    ``needle.optim``)
 activation (end of forward)         what the ops declare they save for backward           0
                                     (``save_inputs``/``save_output``; constants too, like
                                     dropout masks, but not parameters or the input batch),
@@ -60,13 +62,19 @@ __all__ = ["ReconRow", "Reconciliation", "UPDATE_TEMPORARIES", "update_temporari
 UPDATE_TEMPORARIES = {"adam": 3, "adamw": 3, "sgd": 1, "sgd_momentum": 3}
 
 
-def update_temporaries(optimizer: str, first_step: bool, weight_decay: bool) -> int:
-    """How many parameter-sized temporaries ``optimizer``'s update holds at most.
+def update_temporaries(optimizer: str, first_step: bool, weight_decay: bool,
+                       fused: bool = False) -> int:
+    """How many parameter-sized temporaries ``optimizer``'s update holds at most; none when
+    the update is ``fused`` (one ``ewise_program`` per parameter, on backends that have it).
 
     Example:
         >>> update_temporaries("sgd_momentum", True, False), update_temporaries("adam", False, True)
         (1, 4)
+        >>> update_temporaries("adam", False, True, fused=True)
+        0
     """
+    if fused:
+        return 0
     t = UPDATE_TEMPORARIES[optimizer]
     if optimizer == "sgd_momentum" and first_step:
         t = 1  # the first momentum is g·(1 - momentum) alone
@@ -232,7 +240,8 @@ def _rounding(sizes) -> int:
 def reconcile_step(*, ledger: Ledger, param_bytes: list, optimizer: str, first_step: bool,
                    weight_decay: bool, saved: dict, unsaved: dict, largest_activation: int,
                    input_bytes: list, seed_bytes: int, start: dict, held: dict, end: dict,
-                   python_allocator: bool, branches: int = 0) -> Reconciliation:
+                   python_allocator: bool, branches: int = 0,
+                   fused_update: bool = False) -> Reconciliation:
     """The rows of the module docstring from predictions and three measurements: per-category
     stats at the start (peaks reset), activation bytes at the end of forward (``held``: the
     by_category dict then) and at the end of the step (``end``)."""
@@ -262,7 +271,7 @@ def reconcile_step(*, ledger: Ledger, param_bytes: list, optimizer: str, first_s
         "optimizer", "optimizer", "peak", moments + state_rounding + beside,
         (("moments (ledger)", moments), ("block rounding", state_rounding),
          ("new moment beside the old", beside)), cats["optimizer"]["peak"], (), 0))
-    t = update_temporaries(optimizer, first_step, weight_decay)
+    t = update_temporaries(optimizer, first_step, weight_decay, fused_update)
     rows.append(ReconRow(
         "optimizer_temp", "optimizer_temp", "peak", t * m,
         ((f"update temporaries ({t} x largest parameter)", t * m),),

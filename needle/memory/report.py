@@ -113,6 +113,15 @@ def _bytes_of(tensor) -> int:
     return int(math.prod(data.shape)) * np.dtype(str(data.dtype)).itemsize
 
 
+def _fused_update(params) -> bool:
+    """Whether needle.optim updates these parameters with one fused kernel each (and so with
+    no temporaries): their arrays are ones an ``ewise_program`` takes."""
+    from needle.backend_ndarray import ewise_program
+
+    arrays = [p.realize_cached_data() for p in params]
+    return bool(arrays) and all(ewise_program.available((a, a)) for a in arrays)
+
+
 def training_step_report(model, loss_fn, optimizer, x, y, *, optimizer_name: str = "adam",
                          device=None, margin: float = 0.25, plot=None) -> StepReport:
     """Run one training step and reconcile predictions with the measured bytes.
@@ -157,7 +166,7 @@ def training_step_report(model, loss_fn, optimizer, x, y, *, optimizer_name: str
         saved=saved, unsaved=unsaved, largest_activation=largest,
         input_bytes=[_bytes_of(x), _bytes_of(y)], seed_bytes=seed, start=start, held=held,
         end=measured, python_allocator=isinstance(get_allocator(device), CachingAllocator),
-        branches=branches)
+        branches=branches, fused_update=_fused_update(params))
     if plot is not None:
         plot_timeline(events, plot, title="one training step")
     return StepReport(ledger, measured, compare(ledger, measured), events, saved_bytes, value,

@@ -1,0 +1,123 @@
+"""Elementwise programs: a short chain of elementwise ops run over arrays in one kernel call.
+
+A backend may offer ``ewise_program(ins, outs, code, scalars, n)`` (optional in the backend
+protocol; the C++ ``cpu()`` backend and the NumPy reference have it): it runs ``code`` over
+the first ``n`` elements of every input, block by block in registers, so each input is read
+once and each output written once, and values used only inside the chain are never written
+to memory. The fused kernel applies the very loops of the separate kernels in the same order
+per element, so its results are bitwise those of the separate kernel calls.
+
+This module runs such a program on NDArrays eagerly (the optimizers' updates); the instruction
+set is in :mod:`.ewise_codes`.
+
+Example:
+    >>> import numpy as np
+    >>> from needle.backend_ndarray import NDArray, cpu_numpy
+    >>> p = Program(2)                       # two inputs, in registers 0 and 1
+    >>> p.store(p.binary("sub", 0, p.scalar("mul", 1, 0)))   # in0 - in1 * s0
+    >>> x, g = (NDArray(np.full(3, v, "float32"), device=cpu_numpy()) for v in (1.0, 4.0))
+    >>> (out,) = run(p, (x, g), [0.5]); out.numpy().tolist()
+    [-1.0, -1.0, -1.0]
+"""
+from __future__ import annotations
+
+from .ewise_codes import (
+    BINARY,
+    BINARY_OPS,
+    LOAD,
+    MAX_REGISTERS,
+    RSCALAR,
+    SCALAR,
+    STORE,
+    UNARY,
+    UNARY_OPS,
+)
+from .ndarray import NDArray, _alloc
+
+__all__ = ["Program", "available", "run", "empty_like"]
+
+
+class Program:
+    """A program under construction: inputs ``0 .. n_inputs-1`` are loaded into registers of
+    the same numbers; each op writes a register no live value holds and returns it. Values no
+    longer needed are handed back with :meth:`free` (there are only :data:`MAX_REGISTERS`).
+    Build a program once and run it many times with different scalars."""
+
+    def __init__(self, n_inputs: int):
+        self.code: list[int] = []
+        self.n_inputs = n_inputs
+        self.n_outputs = 0
+        self._next = n_inputs
+        self._free: list[int] = []
+        for i in range(n_inputs):
+            self.code += [LOAD, 0, i, i, 0]
+
+    def _fresh(self) -> int:
+        if self._free:
+            return self._free.pop()
+        reg = self._next
+        if reg >= MAX_REGISTERS:
+            raise ValueError(f"ewise program: more than {MAX_REGISTERS} registers live")
+        self._next += 1
+        return reg
+
+    def free(self, *regs: int) -> None:
+        """The values in ``regs`` are dead: later ops may write those registers (never the
+        one they read, so no kernel runs in place)."""
+        self._free.extend(r for r in regs if r not in self._free)
+
+    def binary(self, op: str, a: int, b: int) -> int:
+        """``op(a, b)`` of two registers."""
+        dst = self._fresh()
+        self.code += [BINARY, BINARY_OPS[op], dst, a, b]
+        return dst
+
+    def scalar(self, op: str, a: int, index: int, reverse: bool = False) -> int:
+        """``op(a, scalars[index])`` (``op(scalars[index], a)`` when ``reverse``)."""
+        dst = self._fresh()
+        self.code += [RSCALAR if reverse else SCALAR, BINARY_OPS[op], dst, a, index]
+        return dst
+
+    def unary(self, op: str, a: int) -> int:
+        dst = self._fresh()
+        self.code += [UNARY, UNARY_OPS[op], dst, a, 0]
+        return dst
+
+    def store(self, reg: int) -> None:
+        """Register ``reg`` becomes the next output."""
+        self.code += [STORE, 0, self.n_outputs, reg, 0]
+        self.n_outputs += 1
+
+
+def available(arrays) -> bool:
+    """True when :func:`run` can take these arrays: one device with ``ewise_program``, all
+    compact, of one shape, float32 or float64."""
+    first = arrays[0]
+    if type(first) is not NDArray:
+        return False  # the course's NumPy mode: plain numpy arrays
+    device, shape, dtype = first._device, first._shape, first._handle.dtype
+    if dtype not in ("float32", "float64") or getattr(device.mod, "ewise_program", None) is None:
+        return False
+    for a in arrays:
+        if (type(a) is not NDArray or a._device is not device or a._shape != shape
+                or a._handle.dtype != dtype or not (a._compact or a.is_compact())):
+            return False
+    return True
+
+
+def run(program: Program, ins, scalars, outs=None) -> list[NDArray]:
+    """Run ``program`` over the arrays ``ins`` (see :func:`available`) with ``scalars``;
+    returns its outputs, new arrays of the inputs' shape unless ``outs`` gives them (made by
+    the caller, e.g. under a memory category)."""
+    first = ins[0]
+    if outs is None:
+        outs = [empty_like(first) for _ in range(program.n_outputs)]
+    first._device.mod.ewise_program([a._handle for a in ins], [o._handle for o in outs],
+                                    program.code, scalars, first.size)
+    return outs
+
+
+def empty_like(a: NDArray) -> NDArray:
+    """A new compact array of ``a``'s shape, dtype and device (uninitialised): an output to
+    hand to :func:`run`, allocated where the caller chooses (e.g. under a memory category)."""
+    return _alloc(a._shape, a._device, a._handle.dtype, "ewise_program")

@@ -1,0 +1,111 @@
+"""The optimizers' fused updates (one ``ewise_program`` per parameter, no temporaries) against
+their composed arithmetic: bitwise equal, for every rule, on every device that has the kernel.
+
+The composed path is what a device without ``ewise_program`` runs (cuda()); it is forced here
+by making ``ewise_program.available`` say no.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import needle as ndl
+from needle import nn, optim
+from needle.autograd import Tensor
+from needle.backend_ndarray import NDArray
+from needle.backend_ndarray import ewise_program as program
+
+RULES = {
+    "sgd": lambda ps: optim.SGD(ps, lr=0.1),
+    "sgd_wd": lambda ps: optim.SGD(ps, lr=0.1, weight_decay=0.05),
+    "momentum": lambda ps: optim.SGD(ps, lr=0.1, momentum=0.9),
+    "momentum_wd": lambda ps: optim.SGD(ps, lr=0.07, momentum=0.5, weight_decay=0.1),
+    "adam": lambda ps: optim.Adam(ps, lr=0.05, beta1=0.8, beta2=0.95),
+    "adam_wd": lambda ps: optim.Adam(ps, lr=0.01, weight_decay=0.01),
+}
+
+
+def _train(rule, device, dtype, fused, monkeypatch, steps=3):
+    rng = np.random.default_rng(7)
+    ps = [nn.Parameter(Tensor(rng.standard_normal(shape), device=device, dtype=dtype))
+          for shape in ((5, 3), (300,))]  # 300: more than one block of the fused kernel
+    opt = RULES[rule](ps)
+    calls = []
+    real = program.run
+    monkeypatch.setattr(program, "run", lambda *a, **k: calls.append(1) or real(*a, **k))
+    if not fused:
+        monkeypatch.setattr(program, "available", lambda arrays: False)
+    for _ in range(steps):
+        for p in ps:
+            p.grad = Tensor(rng.standard_normal(p.shape), device=device, dtype=dtype,
+                            requires_grad=False)
+        opt.step()
+    monkeypatch.undo()
+    state = {name: [getattr(opt, name)[p].numpy() for p in ps if p in getattr(opt, name)]
+             for name in opt._slots}
+    return [p.numpy() for p in ps], state, len(calls)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_fused_update_is_bitwise_the_composed_one(device, rule, dtype, monkeypatch):
+    if getattr(device.mod, "ewise_program", None) is None:
+        pytest.skip(f"{device.name}() has no ewise_program: it runs the composed update")
+    fused, fused_state, calls = _train(rule, device, dtype, True, monkeypatch)
+    composed, composed_state, none = _train(rule, device, dtype, False, monkeypatch)
+    # each step runs one program per parameter (Adam two), and the composed path none
+    assert calls == 3 * 2 * (2 if rule.startswith("adam") else 1) and none == 0
+    for a, b in zip(fused, composed, strict=True):
+        assert a.dtype == np.dtype(dtype)
+        np.testing.assert_array_equal(a, b)
+    assert fused_state.keys() == composed_state.keys()
+    for name in fused_state:
+        assert len(fused_state[name]) == (0 if rule.startswith("sgd") else 2)
+        for a, b in zip(fused_state[name], composed_state[name], strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_the_fused_update_allocates_no_temporaries():
+    """Only the new θ and moments are allocated: ``optimizer_temp`` memory stays at zero."""
+    from needle import memory as mem
+
+    device = ndl.cpu()
+    rng = np.random.default_rng(1)
+    p = nn.Parameter(Tensor(rng.standard_normal((64, 64)), device=device))
+    opt = optim.Adam([p], lr=0.01, weight_decay=0.01)
+    for _ in range(2):
+        p.grad = Tensor(rng.standard_normal(p.shape), device=device, requires_grad=False)
+        mem.reset_peak(device)
+        opt.step()
+        stats = mem.stats(device)["by_category"]
+        assert stats["optimizer_temp"]["peak"] == 0
+        assert stats["optimizer"]["current"] >= 2 * 64 * 64 * 4  # m and v
+
+
+def test_programs_fall_back_for_arrays_they_cannot_take():
+    """A view that is not compact, mixed dtypes or the NumPy mode's arrays: no program."""
+    a = NDArray(np.ones((4, 4), "float32"), device=ndl.cpu())
+    assert program.available((a, a))
+    assert not program.available((a, a.permute((1, 0))))
+    assert not program.available((a, NDArray(np.ones((4, 4)), device=ndl.cpu(),
+                                             dtype="float64")))
+    assert not program.available((a, NDArray(np.ones(16, "float32"), device=ndl.cpu())))
+    assert not program.available((np.ones(3), np.ones(3)))
+
+
+def test_a_program_frees_registers_instead_of_running_out():
+    prog = program.Program(1)
+    reg = 0
+    for _ in range(40):  # 40 chained ops on 16 registers: each result frees the last one
+        nxt = prog.scalar("add", reg, 0)
+        if reg:
+            prog.free(reg)
+        reg = nxt
+    prog.store(reg)
+    x = NDArray(np.zeros(5, "float32"), device=ndl.cpu_numpy())
+    (out,) = program.run(prog, (x,), [0.5])
+    np.testing.assert_array_equal(out.numpy(), np.full(5, 20.0, "float32"))
+    with pytest.raises(ValueError, match="registers live"):
+        wide = program.Program(1)
+        for _ in range(16):
+            wide.unary("neg", 0)
