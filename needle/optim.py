@@ -377,7 +377,7 @@ def _decayed_reg(prog, decay: bool, wd_index: int) -> int:
     return g
 
 
-# Adam's scalars: [wd, β1, 1 − β1, β2, 1 − β2, c1, lr, c2, 0.5, eps]
+# Adam's scalars: [wd, β1, 1 − β1, β2, 1 − β2, c1, lr, c2, eps]
 @functools.lru_cache(maxsize=None)
 def _adam_m_program(first: bool, decay: bool) -> _program.Program:
     """Inputs ``θ, g (, m)``; output the new m."""
@@ -406,8 +406,8 @@ def _adam_v_theta_program(first: bool, decay: bool) -> _program.Program:
     step = prog.scalar("mul", m_c1, 6)  # m / c1 · lr
     v_c2 = prog.scalar("div", v, 7)
     prog.free(m_c1, v)
-    root = prog.scalar("power", v_c2, 8)  # (v / c2) ** 0.5
-    denom = prog.scalar("add", root, 9)
+    root = prog.unary("sqrt", v_c2)  # (v / c2) ** 0.5, which NDArray computes as sqrt
+    denom = prog.scalar("add", root, 8)
     prog.free(v_c2, root)
     ratio = prog.binary("div", step, denom)
     prog.free(step, denom)
@@ -440,7 +440,7 @@ class Adam(Optimizer):
         c1, c2 = replayed(self._advance, self)
         b1, b2, wd = float(self.beta1), float(self.beta2), float(self.weight_decay)
         lr, eps = float(self.lr), float(self.eps)
-        scalars = [wd, b1, 1 - b1, b2, 1 - b2, c1, lr, c2, 0.5, eps]
+        scalars = [wd, b1, 1 - b1, b2, 1 - b2, c1, lr, c2, eps]
         for p, theta, g in self._grads():
             if self._fused_step(p, theta, g, scalars):
                 continue

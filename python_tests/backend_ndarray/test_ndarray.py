@@ -387,3 +387,17 @@ def test_matmul_of_transposed_sliced_and_broadcast_views(device, dtype):
         want = xv.astype(np.float64) @ yv.astype(np.float64)
         _close(av @ bv, want, dtype, scale=np.sqrt(xv.shape[1]) * 10)
     assert a[0:0, :].shape == (0, 30) and (a[0:0, :] @ b[0:30, :]).shape == (0, 40)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_power_one_half_is_numpys_square_root(device, dtype):
+    """``a ** 0.5`` is computed as NumPy's ``**`` computes it, a square root: bitwise equal,
+    including -0.0 (stays -0.0) and -inf (NaN, where pow would give +inf), on a view too."""
+    x = np.array([[4.0, 2.0, 1e-30, 3.7], [-0.0, -np.inf, np.inf, 0.1]], dtype=dtype)
+    a = nd.NDArray(x, device=device, dtype=dtype)
+    with np.errstate(invalid="ignore"):  # sqrt(-inf) is NaN, as intended
+        want, want_t = x ** 0.5, x.T ** 0.5
+        got, got_t = (a ** 0.5).numpy(), (a.permute((1, 0)) ** 0.5).numpy()
+    for g, w in ((got, want), (got_t, want_t)):
+        np.testing.assert_array_equal(g, w)
+        np.testing.assert_array_equal(np.signbit(g), np.signbit(w))
