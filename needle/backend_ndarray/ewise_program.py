@@ -21,17 +21,7 @@ Example:
 """
 from __future__ import annotations
 
-from .ewise_codes import (
-    BINARY,
-    BINARY_OPS,
-    LOAD,
-    MAX_REGISTERS,
-    RSCALAR,
-    SCALAR,
-    STORE,
-    UNARY,
-    UNARY_OPS,
-)
+from . import ewise_codes as _codes
 from .ndarray import NDArray, _alloc
 
 __all__ = ["Program", "available", "run", "empty_like"]
@@ -40,7 +30,8 @@ __all__ = ["Program", "available", "run", "empty_like"]
 class Program:
     """A program under construction: inputs ``0 .. n_inputs-1`` are loaded into registers of
     the same numbers; each op writes a register no live value holds and returns it. Values no
-    longer needed are handed back with :meth:`free` (there are only :data:`MAX_REGISTERS`).
+    longer needed are handed back with :meth:`free` (there are only 16:
+    ``ewise_codes.MAX_REGISTERS``).
     Build a program once and run it many times with different scalars."""
 
     def __init__(self, n_inputs: int):
@@ -50,14 +41,14 @@ class Program:
         self._next = n_inputs
         self._free: list[int] = []
         for i in range(n_inputs):
-            self.code += [LOAD, 0, i, i, 0]
+            self.code += [_codes.LOAD, 0, i, i, 0]
 
     def _fresh(self) -> int:
         if self._free:
             return self._free.pop()
         reg = self._next
-        if reg >= MAX_REGISTERS:
-            raise ValueError(f"ewise program: more than {MAX_REGISTERS} registers live")
+        if reg >= _codes.MAX_REGISTERS:
+            raise ValueError(f"ewise program: more than {_codes.MAX_REGISTERS} registers live")
         self._next += 1
         return reg
 
@@ -69,23 +60,25 @@ class Program:
     def binary(self, op: str, a: int, b: int) -> int:
         """``op(a, b)`` of two registers."""
         dst = self._fresh()
-        self.code += [BINARY, BINARY_OPS[op], dst, a, b]
+        self.code += [_codes.BINARY, _codes.BINARY_OPS[op], dst, a, b]
         return dst
 
     def scalar(self, op: str, a: int, index: int, reverse: bool = False) -> int:
         """``op(a, scalars[index])`` (``op(scalars[index], a)`` when ``reverse``)."""
         dst = self._fresh()
-        self.code += [RSCALAR if reverse else SCALAR, BINARY_OPS[op], dst, a, index]
+        kind = _codes.RSCALAR if reverse else _codes.SCALAR
+        self.code += [kind, _codes.BINARY_OPS[op], dst, a, index]
         return dst
 
     def unary(self, op: str, a: int) -> int:
+        """``op(a)`` of one register (``op`` one of ``UNARY_OPS``: neg, log, exp, sqrt, ...)."""
         dst = self._fresh()
-        self.code += [UNARY, UNARY_OPS[op], dst, a, 0]
+        self.code += [_codes.UNARY, _codes.UNARY_OPS[op], dst, a, 0]
         return dst
 
     def store(self, reg: int) -> None:
         """Register ``reg`` becomes the next output."""
-        self.code += [STORE, 0, self.n_outputs, reg, 0]
+        self.code += [_codes.STORE, 0, self.n_outputs, reg, 0]
         self.n_outputs += 1
 
 
