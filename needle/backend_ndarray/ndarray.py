@@ -670,13 +670,16 @@ class NDArray:
             out = _alloc(out_shape, self._device, self._handle.dtype, op)
             kernel(self._handle, out._handle, reduce_size)
             return out
-        cols = math.prod(kept)
-        one = _alloc((1,), self._device, self._handle.dtype, op)
-        one._fill(1.0)
-        ones = _view((1, reduce_size), (0, 0), 0, self._device, one._handle)
-        rows = _view((reduce_size, cols), (cols, 1), 0, self._device, self._handle)
-        summed = ones @ rows
+        summed = self._sum_rows(reduce_size, math.prod(kept))
         return _view(out_shape, _compact_strides(out_shape), 0, self._device, summed._handle)
+
+    def _sum_rows(self, m: int, k: int) -> "NDArray":
+        """The buffer read as an (m, k) row-major matrix, summed over its rows: one
+        ``ones(1, m) @ X`` matmul (the ones a stride-0 view of one element); shape (1, k)."""
+        one = _alloc((1,), self._device, self._handle.dtype, "sum")
+        one._fill(1.0)
+        ones = _view((1, m), (0, 0), 0, self._device, one._handle)
+        return ones @ _view((m, k), (k, 1), 0, self._device, self._handle)
 
     def _reduced_view(self, out: "NDArray", kept_order: tuple, keep: tuple,
                       keepdims: bool) -> "NDArray":
@@ -700,11 +703,7 @@ class NDArray:
         kept_order = tuple(a for a in by_stride if a in keep)
         m = math.prod(self._shape[a] for a in axes)
         k = math.prod(self._shape[a] for a in keep)
-        rows = _view((m, k), (k, 1), 0, self._device, self._handle)
-        one = _alloc((1,), self._device, self._handle.dtype, "sum")
-        one._fill(1.0)
-        ones = _view((1, m), (0, 0), 0, self._device, one._handle)
-        return kept_order, (ones @ rows).reshape((k,))
+        return kept_order, self._sum_rows(m, k).reshape((k,))
 
     def sum(self, axis=None, keepdims: bool = False) -> "NDArray":
         return self._reduce(axis, keepdims, self._device.reduce_sum, "sum")

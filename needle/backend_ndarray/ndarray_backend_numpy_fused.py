@@ -194,8 +194,6 @@ def embedding_backward(g, ids, dtable, num, dim, n) -> None:
 
 
 # ---- ewise_program: a chain of elementwise kernels in one call ------------------------------
-_REGISTERS = MAX_REGISTERS
-_LOAD, _STORE, _BINARY, _SCALAR, _RSCALAR, _UNARY = LOAD, STORE, BINARY, SCALAR, RSCALAR, UNARY
 
 
 class _Buffer:
@@ -231,35 +229,35 @@ def _check_program(code, n_in: int, n_out: int, n_scalars: int) -> None:
 
     if len(code) % 5:
         bad(f"expected instructions of 5 ints, got {len(code)}")
-    ready = [False] * _REGISTERS
+    ready = [False] * MAX_REGISTERS
 
     def reg(r, read):
-        if not 0 <= r < _REGISTERS:
-            bad(f"register {r} outside [0, {_REGISTERS})")
+        if not 0 <= r < MAX_REGISTERS:
+            bad(f"register {r} outside [0, {MAX_REGISTERS})")
         if read and not ready[r]:
             bad(f"register {r} read before set")
 
     for k in range(0, len(code), 5):
         kind, op, dst, a, b = code[k:k + 5]
-        if kind == _LOAD:
+        if kind == LOAD:
             if not 0 <= a < n_in:
                 bad(f"input {a} out of range")
             reg(dst, False)
-        elif kind == _STORE:
+        elif kind == STORE:
             if not 0 <= dst < n_out:
                 bad(f"output {dst} out of range")
             reg(a, True)
             continue
-        elif kind in (_BINARY, _SCALAR, _RSCALAR):
+        elif kind in (BINARY, SCALAR, RSCALAR):
             if not 0 <= op < 11:
                 bad(f"unknown binary op {op}")
-            if kind == _BINARY:
+            if kind == BINARY:
                 reg(b, True)
             elif not 0 <= b < n_scalars:
                 bad(f"scalar {b} out of range")
             reg(a, True)
             reg(dst, False)
-        elif kind == _UNARY:
+        elif kind == UNARY:
             if not 0 <= op < 8:
                 bad(f"unknown unary op {op}")
             reg(a, True)
@@ -290,25 +288,25 @@ def ewise_program(ins, outs, code, scalars, n) -> None:
             raise ValueError("ewise_program: an output shares its buffer with an input")
     _check_program(code, len(ins), len(outs), len(scalars))
     binary, scalar, rscalar, unary = _kernels()
-    regs: list = [None] * _REGISTERS
+    regs: list = [None] * MAX_REGISTERS
     for k in range(0, len(code), 5):
         kind, op, dst, a, b = code[k:k + 5]
-        if kind == _LOAD:
+        if kind == LOAD:
             regs[dst] = ins[a].array[:n]
             continue
-        if kind == _STORE:
+        if kind == STORE:
             outs[dst].array[:n] = regs[a]
             continue
         result = _Buffer(np.empty(n, dtype))
-        if kind == _BINARY:
+        if kind == BINARY:
             binary[op](_Buffer(regs[a]), _Buffer(regs[b]), result)
-        elif kind in (_SCALAR, _RSCALAR):
-            table = scalar if kind == _SCALAR else rscalar
+        elif kind in (SCALAR, RSCALAR):
+            table = scalar if kind == SCALAR else rscalar
             if op in table:
                 table[op](_Buffer(regs[a]), scalars[b], result)
             else:  # tanh_grad / relu_grad with a scalar: through the binary kernel
                 full = _Buffer(np.full(n, scalars[b], dtype))
-                pair = (_Buffer(regs[a]), full) if kind == _SCALAR else (full, _Buffer(regs[a]))
+                pair = (_Buffer(regs[a]), full) if kind == SCALAR else (full, _Buffer(regs[a]))
                 binary[op](*pair, result)
         else:
             unary[op](_Buffer(regs[a]), result)

@@ -61,9 +61,6 @@ __all__ = ["CompiledStep", "compile"]
 # past this many, the signature keeps its Python replays (re-recording costs two calls).
 MAX_RERECORDS = 8
 
-# A compiled step called inside another one runs eagerly (inside the outer one's trace or
-# plan): one allocator plan at a time per device, and the outer plan covers the inner calls.
-# (effects.compiling() is the per-thread flag.)
 
 
 class _Entry:
@@ -133,6 +130,9 @@ class CompiledStep:
         return entry
 
     def __call__(self, *args, **kwargs):
+        # A compiled step called inside another one runs eagerly (inside the outer one's trace
+        # or plan): one allocator plan at a time per device, and the outer plan covers the
+        # inner calls. effects.compiling() is the per-thread flag.
         if _effects.compiling():
             self._counts["calls"] += 1
             self._counts["eager_calls"] += 1

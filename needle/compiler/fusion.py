@@ -47,15 +47,13 @@ from .recorder import Alloc, Call, Ref
 
 __all__ = ["FusedCall", "fuse", "slots_of", "FUSIBLE", "MAX_REGISTERS"]
 
-_BIN, _UN = BINARY_OPS, UNARY_OPS
-
 # kernel name -> (instruction kind, op code)
-FUSIBLE: dict[str, tuple[int, int]] = {f"ewise_{n}": (BINARY, c) for n, c in _BIN.items()}
-FUSIBLE.update({f"ewise_{n}": (UNARY, c) for n, c in _UN.items()})
-FUSIBLE.update({f"scalar_{n}": (SCALAR, _BIN[n]) for n in
+FUSIBLE: dict[str, tuple[int, int]] = {f"ewise_{n}": (BINARY, c) for n, c in BINARY_OPS.items()}
+FUSIBLE.update({f"ewise_{n}": (UNARY, c) for n, c in UNARY_OPS.items()})
+FUSIBLE.update({f"scalar_{n}": (SCALAR, BINARY_OPS[n]) for n in
                 ("add", "sub", "mul", "div", "power", "maximum", "minimum", "eq", "ge")})
-FUSIBLE.update({"scalar_rsub": (RSCALAR, _BIN["sub"]), "scalar_rdiv": (RSCALAR, _BIN["div"]),
-                "scalar_rpower": (RSCALAR, _BIN["power"]), "scalar_le": (RSCALAR, _BIN["ge"])})
+FUSIBLE.update({f"scalar_{name}": (RSCALAR, BINARY_OPS[op]) for name, op in
+                (("rsub", "sub"), ("rdiv", "div"), ("rpower", "power"), ("le", "ge"))})
 
 
 @dataclass(frozen=True)
