@@ -104,27 +104,40 @@ inline Category category_of_name(PyObject* name, const char* op) {
   return to_category(name, op);
 }
 
-// One field of the thread-local state: a category name, or -1 for None.
-inline int state_field(PyObject* state, PyObject* field) {
-  PyObject* value = PyObject_GetAttr(state, field);
-  if (value == nullptr) throw py::error_already_set();
-  const int out = value == Py_None ? -1 : int(category_of_name(value, "category state"));
-  Py_DECREF(value);
-  return out;
+// One field of the thread-local state: a category name, or -1 for None. `fields` is this
+// thread's attribute dict of the state (read once per allocation: each attribute read of a
+// threading.local looks the thread's dict up again); a field missing there is read from the
+// state object itself (its class default).
+inline int state_field(PyObject* fields, PyObject* field) {
+  PyObject* value = fields != nullptr ? PyDict_GetItemWithError(fields, field) : nullptr;
+  if (value == nullptr) {
+    if (PyErr_Occurred() != nullptr) throw py::error_already_set();
+    value = PyObject_GetAttr(g_category_state, field);
+    if (value == nullptr) throw py::error_already_set();
+    const int out = value == Py_None ? -1 : int(category_of_name(value, "category state"));
+    Py_DECREF(value);
+    return out;
+  }
+  return value == Py_None ? -1 : int(category_of_name(value, "category state"));
 }
 
 // needle.memory.categories.resolve, read from the state's fields: innermost user scope >
 // hint > innermost framework scope > the op default > "other".
 inline Category resolve_from_state(const py::object& hint) {
+  static PyObject* const dict = PyUnicode_InternFromString("__dict__");
   static PyObject* const user = PyUnicode_InternFromString("user_top");
   static PyObject* const framework = PyUnicode_InternFromString("framework_top");
   static PyObject* const op = PyUnicode_InternFromString("op_category");
-  int c = state_field(g_category_state, user);
+  py::object fields =
+      py::reinterpret_steal<py::object>(PyObject_GetAttr(g_category_state, dict));
+  if (!fields) PyErr_Clear();  // no attribute dict: every field comes from getattr
+  PyObject* d = fields && PyDict_Check(fields.ptr()) ? fields.ptr() : nullptr;
+  int c = state_field(d, user);
   if (c >= 0) return Category(c);
   if (!hint.is_none()) return category_of_name(hint.ptr(), "Array");
-  c = state_field(g_category_state, framework);
+  c = state_field(d, framework);
   if (c >= 0) return Category(c);
-  c = state_field(g_category_state, op);
+  c = state_field(d, op);
   return c >= 0 ? Category(c) : Category::other;
 }
 
@@ -248,15 +261,8 @@ inline void stress(int threads, std::int64_t iterations, std::uint64_t seed) {
   for (auto& th : pool) th.join();
 }
 
-template <class ArrayClass>
-void bind(py::module_& m, ArrayClass& cls) {
-  cls.def_property(
-         "category", [](const Array& a) { return category_name(mem::block_category(a.block())); },
-         [](Array& a, py::handle name) { mem::retag(a.block(), to_category(name, "category")); },
-         "Memory category the buffer is charged to; assigning moves its bytes (a retag).")
-      .def_property_readonly("block_id", [](const Array& a) { return mem::block_id(a.block()); },
-                             "Allocator block id (the `block` field of events).");
-
+// The Array type's category and block_id properties live with the type (array_py.h).
+inline void bind(py::module_& m) {
   m.def("allocator_stats", &stats_dict, "Statistics of the caching allocator (docs/memory.md).");
   m.def("allocator_reset_peak", &mem::reset_peak, "Set every peak to its current value.");
   m.def("allocator_empty_cache", [] {

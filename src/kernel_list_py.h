@@ -106,7 +106,7 @@ class KernelList {
     for (std::size_t i = 0; i < externals.size(); ++i) {
       const int slot = check_slot(externals[i]);
       slots.held[std::size_t(slot)] = handles[i];
-      slots.buf[std::size_t(slot)] = handles[i].cast<Array*>();
+      slots.buf[std::size_t(slot)] = pyarray::array_or_null(handles[i], "_KernelList.run");
     }
     handles.attr("clear")();
     for (const Step& s : steps_) run_step(s, slots, regs);

@@ -11,11 +11,13 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "allocator.h"
 #include "allocator_py.h"
 #include "array.h"
+#include "array_py.h"
 #include "dispatch.h"
 #include "ewise_program.h"
 #include "kernels.h"
@@ -32,17 +34,26 @@ constexpr std::size_t kTile = 8;
 
 const KernelTable* g_kernels = &base::table;
 
-DType dtype_of(const py::object& dtype) {
-  // Every Array allocation passes a dtype name: match the interned names by pointer first.
-  static PyObject* const names[3] = {PyUnicode_InternFromString(dtype_name(DType::f32)),
-                                     PyUnicode_InternFromString(dtype_name(DType::f64)),
-                                     PyUnicode_InternFromString(dtype_name(DType::f16))};
-  if (dtype.ptr() == names[0]) return DType::f32;
-  if (dtype.ptr() == names[1]) return DType::f64;
-  if (dtype.ptr() == names[2]) return DType::f16;
-  if (py::isinstance<py::str>(dtype)) return parse_dtype(dtype.cast<std::string>());
-  return parse_dtype(py::str(py::dtype::from_args(dtype).attr("name")));
-}
+DType dtype_of(const py::object& dtype) { return pyarray::dtype_of(dtype.ptr()); }
+
+// Small kernels keep the GIL: releasing and taking it back costs about as much as adding a few
+// thousand floats, and no other thread can use a gap that short. Larger ones release it, so
+// that a communication thread progresses while compute runs.
+constexpr std::size_t kReleaseGilElements = std::size_t(1) << 15;
+
+class ReleaseGilIfLarge {
+ public:
+  explicit ReleaseGilIfLarge(std::size_t n)
+      : state_(n >= kReleaseGilElements ? PyEval_SaveThread() : nullptr) {}
+  ~ReleaseGilIfLarge() {
+    if (state_ != nullptr) PyEval_RestoreThread(state_);
+  }
+  ReleaseGilIfLarge(const ReleaseGilIfLarge&) = delete;
+  ReleaseGilIfLarge& operator=(const ReleaseGilIfLarge&) = delete;
+
+ private:
+  PyThreadState* state_;
+};
 
 void same_dtype(const char* op, const Array& a, const Array& out) {
   if (a.dtype() != out.dtype()) {
@@ -174,21 +185,21 @@ void binary(BinOp op, const char* name, const Array& a, const Array& b, Array& o
   same_dtype(name, b, out);
   big_enough(name, "a", a, out.size());
   big_enough(name, "b", b, out.size());
-  py::gil_scoped_release release;
+  ReleaseGilIfLarge release(out.size());
   g_kernels->binary(op, out.dtype(), a.data(), b.data(), out.data(), out.size());
 }
 
 void scalar(BinOp op, bool reversed, const char* name, const Array& a, double val, Array& out) {
   same_dtype(name, a, out);
   big_enough(name, "a", a, out.size());
-  py::gil_scoped_release release;
+  ReleaseGilIfLarge release(out.size());
   g_kernels->scalar(op, reversed, out.dtype(), a.data(), val, out.data(), out.size());
 }
 
 void unary(UnOp op, const char* name, const Array& a, Array& out) {
   same_dtype(name, a, out);
   big_enough(name, "a", a, out.size());
-  py::gil_scoped_release release;
+  ReleaseGilIfLarge release(out.size());
   g_kernels->unary(op, out.dtype(), a.data(), out.data(), out.size());
 }
 
@@ -326,6 +337,7 @@ void translate_check_errors(std::exception_ptr p) {
 }
 
 #include "kernel_list_py.h"
+#include "fast_calls_py.h"
 
 }  // namespace
 }  // namespace needle
@@ -342,36 +354,10 @@ PYBIND11_MODULE(ndarray_backend_cpu, m) {
   const char* isa = std::getenv("NEEDLE_CPU_ISA");
   g_kernels = &select_isa(isa && *isa ? isa : "auto");
 
-  py::class_<Array> array_class(m, "Array");
-  array_class
-      .def(py::init([](std::int64_t size, const py::object& dtype, const py::object& category) {
-             const DType t = dtype_of(dtype);
-             return new Array(size, t, pyalloc::creation_category(category));
-           }),
-           py::arg("size"), py::arg("dtype") = "float32", py::arg("category") = py::none())
-      .def_property_readonly("size", &Array::size)
-      .def_property_readonly("dtype", [](const Array& a) {
-        // read on every NDArray op (dtype checks): hand out one interned str per dtype
-        // instead of decoding a new one each time (leaked on purpose: no GIL at exit)
-        static PyObject* const names[3] = {PyUnicode_InternFromString(dtype_name(DType::f32)),
-                                           PyUnicode_InternFromString(dtype_name(DType::f64)),
-                                           PyUnicode_InternFromString(dtype_name(DType::f16))};
-        return py::reinterpret_borrow<py::object>(names[int(a.dtype())]);
-      })
-      .def_property_readonly("itemsize", [](const Array& a) { return itemsize(a.dtype()); })
-      .def("ptr", [](const Array& a) { return reinterpret_cast<std::uintptr_t>(a.data()); })
-      .def("__repr__", [](const Array& a) {
-        return "Array(size=" + std::to_string(a.size()) + ", dtype='" + dtype_name(a.dtype()) +
-               "')";
-      });
-
-  pyalloc::bind(m, array_class);
-  // Array(size, dtype) without pybind11's constructor machinery: the hot allocation of every
-  // NDArray op's output (about half the cost of a small op's Array(...) call).
-  m.def("new_array", [](std::int64_t size, const py::object& dtype) {
-    return new Array(size, dtype_of(dtype), pyalloc::creation_category(py::none()));
-  }, py::arg("size"), py::arg("dtype"), py::return_value_policy::take_ownership,
-        "A new Array of `size` elements of `dtype` (uninitialised), as Array(size, dtype).");
+  pyarray::init_array_type(m, &nd::translate_check_errors);
+  pyalloc::bind(m);
+  // new_array, ewise_* and scalar_*: bound without pybind11's dispatcher (fast_calls_py.h)
+  nd::fast::bind(m);
 
   m.def("to_numpy", &nd::to_numpy, py::arg("a"), py::arg("shape"), py::arg("strides"),
         py::arg("offset"));
@@ -380,32 +366,6 @@ PYBIND11_MODULE(ndarray_backend_cpu, m) {
   m.def("compact", &nd::compact);
   m.def("ewise_setitem", &nd::ewise_setitem);
   m.def("scalar_setitem", &nd::scalar_setitem);
-
-#define NEEDLE_EWISE(name) \
-  m.def("ewise_" #name, [](const Array& a, const Array& b, Array& out) { \
-    nd::binary(BinOp::name, "ewise_" #name, a, b, out); });
-  NEEDLE_EWISE(add) NEEDLE_EWISE(sub) NEEDLE_EWISE(mul) NEEDLE_EWISE(div)
-  NEEDLE_EWISE(maximum) NEEDLE_EWISE(minimum) NEEDLE_EWISE(power) NEEDLE_EWISE(eq) NEEDLE_EWISE(ge)
-  NEEDLE_EWISE(tanh_grad) NEEDLE_EWISE(relu_grad)
-#undef NEEDLE_EWISE
-
-#define NEEDLE_SCALAR(pyname, op, reversed) \
-  m.def("scalar_" #pyname, [](const Array& a, double val, Array& out) { \
-    nd::scalar(BinOp::op, reversed, "scalar_" #pyname, a, val, out); });
-  NEEDLE_SCALAR(add, add, false) NEEDLE_SCALAR(sub, sub, false) NEEDLE_SCALAR(rsub, sub, true)
-  NEEDLE_SCALAR(mul, mul, false) NEEDLE_SCALAR(div, div, false) NEEDLE_SCALAR(rdiv, div, true)
-  NEEDLE_SCALAR(power, power, false) NEEDLE_SCALAR(rpower, power, true)
-  NEEDLE_SCALAR(maximum, maximum, false) NEEDLE_SCALAR(minimum, minimum, false)
-  NEEDLE_SCALAR(eq, eq, false) NEEDLE_SCALAR(ge, ge, false)
-  NEEDLE_SCALAR(le, ge, true)  // a <= val  is  val >= a
-#undef NEEDLE_SCALAR
-
-#define NEEDLE_UNARY(name) \
-  m.def("ewise_" #name, [](const Array& a, Array& out) { \
-    nd::unary(UnOp::name, "ewise_" #name, a, out); });
-  NEEDLE_UNARY(neg) NEEDLE_UNARY(log) NEEDLE_UNARY(exp) NEEDLE_UNARY(tanh)
-  NEEDLE_UNARY(sqrt) NEEDLE_UNARY(abs) NEEDLE_UNARY(sign) NEEDLE_UNARY(sigmoid)
-#undef NEEDLE_UNARY
 
   m.def("ewise_cast", &nd::ewise_cast);
   m.def("matmul", &nd::matmul);

@@ -4,6 +4,7 @@
 
 #include <pybind11/pybind11.h>
 
+#include "array_py.h"  // the Array caster: every binding must see the same one
 #include "kernels.h"
 
 namespace needle {

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "array.h"
+#include "array_py.h"
 #include "ewise_program.h"
 #include "kernels.h"
 

@@ -50,6 +50,9 @@ class _State(threading.local):
     def __init__(self) -> None:
         self.user: list[str] = []
         self.framework: list[str | None] = []
+        # set on every thread, so that the C++ allocator finds all three in this thread's
+        # attribute dict (one lookup per allocation instead of three)
+        self.op_category = self.user_top = self.framework_top = None
 
     def refresh_tops(self) -> None:
         self.user_top = self.user[-1] if self.user else None

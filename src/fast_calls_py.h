@@ -1,0 +1,177 @@
+// The hottest entry points (new_array and the elementwise kernels) bound with the C API's
+// fast-call convention instead of pybind11's dispatcher.
+//
+// Why: small models run one of these per NDArray op. pybind11's dispatcher (argument vector,
+// overload loop, casters) cost ~0.27 µs per call on the project's VM, a trivial call through
+// this path ~0.05 µs. The functions keep their names, positional signatures and checks
+// (binary, scalar and unary above do the checking); bad arguments raise TypeError naming the
+// function, the expected and the actual argument types.
+//
+// Included by ndarray_backend_cpu.cc only, inside its anonymous namespace, after binary,
+// scalar, unary and translate_check_errors.
+#pragma once
+// No includes here (see above): the includer brings pybind11, array_py.h and kernels.h.
+
+namespace fast {
+
+using pyarray::array_of;
+using pyarray::is_array;
+
+// "ewise_add: expected arguments (a: Array, b: Array, out: Array), got (Array, float)"
+inline PyObject* argument_error(const char* name, const char* expected, PyObject* const* args,
+                                Py_ssize_t nargs) {
+  std::string got;
+  for (Py_ssize_t i = 0; i < nargs; ++i) {
+    if (i) got += ", ";
+    const char* type = Py_TYPE(args[i])->tp_name;  // without its module, as type().__name__
+    const char* dot = std::strrchr(type, '.');
+    got += dot != nullptr ? dot + 1 : type;
+  }
+  PyErr_Format(PyExc_TypeError, "%s: expected arguments (%s), got (%s)", name, expected,
+               got.c_str());
+  return nullptr;
+}
+
+inline bool arrays(PyObject* const* args, Py_ssize_t from, Py_ssize_t to) {
+  for (Py_ssize_t i = from; i < to; ++i) {
+    if (!is_array(args[i])) return false;
+  }
+  return true;
+}
+
+inline PyObject* new_array(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2 || !PyLong_Check(args[0])) {
+    return argument_error("new_array", "size: int, dtype", args, nargs);
+  }
+  const long long size = PyLong_AsLongLong(args[0]);
+  if (size == -1 && PyErr_Occurred()) return nullptr;
+  try {
+    const DType t = pyarray::dtype_of(args[1]);
+    return pyarray::adopt(new Array(size, t, pyalloc::creation_category(py::none())));
+  } catch (...) {
+    pyarray::set_python_error(&translate_check_errors);
+    return nullptr;
+  }
+}
+
+struct BinaryEntry {
+  const char* name;
+  BinOp op;
+};
+constexpr BinaryEntry kBinary[] = {
+    {"ewise_add", BinOp::add},         {"ewise_sub", BinOp::sub},
+    {"ewise_mul", BinOp::mul},         {"ewise_div", BinOp::div},
+    {"ewise_maximum", BinOp::maximum}, {"ewise_minimum", BinOp::minimum},
+    {"ewise_power", BinOp::power},     {"ewise_eq", BinOp::eq},
+    {"ewise_ge", BinOp::ge},           {"ewise_tanh_grad", BinOp::tanh_grad},
+    {"ewise_relu_grad", BinOp::relu_grad}};
+
+template <int I>
+PyObject* binary_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  constexpr BinaryEntry e = kBinary[I];
+  if (nargs != 3 || !arrays(args, 0, 3)) {
+    return argument_error(e.name, "a: Array, b: Array, out: Array", args, nargs);
+  }
+  try {
+    binary(e.op, e.name, *array_of(args[0]), *array_of(args[1]), *array_of(args[2]));
+  } catch (...) {
+    pyarray::set_python_error(&translate_check_errors);
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+struct ScalarEntry {
+  const char* name;
+  BinOp op;
+  bool reversed;  // val (op) a instead of a (op) val
+};
+constexpr ScalarEntry kScalar[] = {
+    {"scalar_add", BinOp::add, false},         {"scalar_sub", BinOp::sub, false},
+    {"scalar_rsub", BinOp::sub, true},         {"scalar_mul", BinOp::mul, false},
+    {"scalar_div", BinOp::div, false},         {"scalar_rdiv", BinOp::div, true},
+    {"scalar_power", BinOp::power, false},     {"scalar_rpower", BinOp::power, true},
+    {"scalar_maximum", BinOp::maximum, false}, {"scalar_minimum", BinOp::minimum, false},
+    {"scalar_eq", BinOp::eq, false},           {"scalar_ge", BinOp::ge, false},
+    {"scalar_le", BinOp::ge, true}};  // a <= val  is  val >= a
+
+template <int I>
+PyObject* scalar_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  constexpr ScalarEntry e = kScalar[I];
+  if (nargs != 3 || !is_array(args[0]) || !is_array(args[2])) {
+    return argument_error(e.name, "a: Array, val: float, out: Array", args, nargs);
+  }
+  const double val = PyFloat_AsDouble(args[1]);  // floats, ints and anything with __float__
+  if (val == -1.0 && PyErr_Occurred()) {
+    if (!PyErr_ExceptionMatches(PyExc_TypeError)) return nullptr;  // an int too large: kept
+    PyErr_Clear();
+    return argument_error(e.name, "a: Array, val: float, out: Array", args, nargs);
+  }
+  try {
+    scalar(e.op, e.reversed, e.name, *array_of(args[0]), val, *array_of(args[2]));
+  } catch (...) {
+    pyarray::set_python_error(&translate_check_errors);
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+struct UnaryEntry {
+  const char* name;
+  UnOp op;
+};
+constexpr UnaryEntry kUnary[] = {
+    {"ewise_neg", UnOp::neg},   {"ewise_log", UnOp::log},   {"ewise_exp", UnOp::exp},
+    {"ewise_tanh", UnOp::tanh}, {"ewise_sqrt", UnOp::sqrt}, {"ewise_abs", UnOp::abs},
+    {"ewise_sign", UnOp::sign}, {"ewise_sigmoid", UnOp::sigmoid}};
+
+template <int I>
+PyObject* unary_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  constexpr UnaryEntry e = kUnary[I];
+  if (nargs != 2 || !arrays(args, 0, 2)) {
+    return argument_error(e.name, "a: Array, out: Array", args, nargs);
+  }
+  try {
+    unary(e.op, e.name, *array_of(args[0]), *array_of(args[1]));
+  } catch (...) {
+    pyarray::set_python_error(&translate_check_errors);
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+template <class Entries, std::size_t N>
+constexpr std::size_t count(const Entries (&)[N]) {
+  return N;
+}
+
+// One method table for all of them (PyModule_AddFunctions keeps pointers into it).
+template <std::size_t... B, std::size_t... S, std::size_t... U>
+PyMethodDef* method_table(std::index_sequence<B...>, std::index_sequence<S...>,
+                          std::index_sequence<U...>) {
+  static PyMethodDef table[] = {
+      {"new_array", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(new_array)),
+       METH_FASTCALL,
+       "new_array(size, dtype): a new Array of `size` uninitialised elements, as "
+       "Array(size, dtype)."},
+      {kBinary[B].name,
+       reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(binary_call<int(B)>)),
+       METH_FASTCALL, "(a, b, out): out = a (op) b elementwise over out.size elements."}...,
+      {kScalar[S].name,
+       reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(scalar_call<int(S)>)),
+       METH_FASTCALL, "(a, val, out): out = a (op) val elementwise over out.size elements."}...,
+      {kUnary[U].name,
+       reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(unary_call<int(U)>)),
+       METH_FASTCALL, "(a, out): out = op(a) elementwise over out.size elements."}...,
+      {nullptr, nullptr, 0, nullptr}};
+  return table;
+}
+
+inline void bind(py::module_& m) {
+  PyMethodDef* table = method_table(std::make_index_sequence<count(kBinary)>(),
+                                    std::make_index_sequence<count(kScalar)>(),
+                                    std::make_index_sequence<count(kUnary)>());
+  if (PyModule_AddFunctions(m.ptr(), table) != 0) throw py::error_already_set();
+}
+
+}  // namespace fast
