@@ -1,4 +1,4 @@
-// The hottest entry points (new_array and the elementwise kernels) bound with the C API's
+// The hottest entry points (new_array, the elementwise kernels, reductions and matmul) bound with the C API's
 // fast-call convention instead of pybind11's dispatcher.
 //
 // Why: small models run one of these per NDArray op. pybind11's dispatcher (argument vector,
@@ -7,8 +7,9 @@
 // (binary, scalar and unary above do the checking); bad arguments raise TypeError naming the
 // function, the expected and the actual argument types.
 //
-// Included by ndarray_backend_cpu.cc only, inside its anonymous namespace, after binary,
-// scalar, unary and translate_check_errors.
+// Included by ndarray_backend_cpu.cc only, inside its anonymous namespace, after the entry
+// points it calls (binary, scalar, unary, reduce, matmul, matmul_strided) and
+// translate_check_errors.
 #pragma once
 // No includes here (see above): the includer brings pybind11, array_py.h and kernels.h.
 
@@ -140,15 +141,87 @@ PyObject* unary_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_NONE;
 }
 
+// Integer arguments args[from, to) into out; false (a Python error set) when one is not an int.
+inline bool int_args(const char* name, const char* expected, PyObject* const* args,
+                     Py_ssize_t nargs, Py_ssize_t from, std::int64_t* out) {
+  for (Py_ssize_t i = from; i < nargs; ++i) {
+    const long long v = PyLong_AsLongLong(args[i]);  // ints and anything with __index__
+    if (v == -1 && PyErr_Occurred()) {
+      if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+        PyErr_Clear();
+        argument_error(name, expected, args, nargs);
+      }
+      return false;
+    }
+    out[i - from] = v;
+  }
+  return true;
+}
+
+// Every matmul backward multiplies by a transposed view: this is the op's hot entry point.
+inline PyObject* matmul_strided_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  constexpr const char* name = "matmul_strided";
+  constexpr const char* expected =
+      "a: Array, b: Array, out: Array, m, n, p, a_offset, ars, acs, b_offset, brs, bcs: int";
+  std::int64_t v[9];
+  if (nargs != 12 || !arrays(args, 0, 3)) return argument_error(name, expected, args, nargs);
+  if (!int_args(name, expected, args, nargs, 3, v)) return nullptr;
+  try {
+    matmul_strided(*array_of(args[0]), *array_of(args[1]), *array_of(args[2]), v[0], v[1],
+                   v[2], v[3], v[4], v[5], v[6], v[7], v[8]);
+  } catch (...) {
+    pyarray::set_python_error(&translate_check_errors);
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+inline PyObject* matmul_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  constexpr const char* expected = "a: Array, b: Array, out: Array, m, n, p: int";
+  std::int64_t v[3];
+  if (nargs != 6 || !arrays(args, 0, 3)) return argument_error("matmul", expected, args, nargs);
+  if (!int_args("matmul", expected, args, nargs, 3, v)) return nullptr;
+  try {
+    matmul(*array_of(args[0]), *array_of(args[1]), *array_of(args[2]), v[0], v[1], v[2]);
+  } catch (...) {
+    pyarray::set_python_error(&translate_check_errors);
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+struct ReduceEntry {
+  const char* name;
+  RedOp op;
+};
+constexpr ReduceEntry kReduce[] = {
+    {"reduce_sum", RedOp::sum}, {"reduce_max", RedOp::max}, {"reduce_min", RedOp::min}};
+
+template <int I>
+PyObject* reduce_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  constexpr ReduceEntry e = kReduce[I];
+  constexpr const char* expected = "a: Array, out: Array, reduce_size: int";
+  std::int64_t size = 0;
+  if (nargs != 3 || !arrays(args, 0, 2)) return argument_error(e.name, expected, args, nargs);
+  if (!int_args(e.name, expected, args, nargs, 2, &size)) return nullptr;
+  try {
+    reduce(e.op, e.name, *array_of(args[0]), *array_of(args[1]), size);
+  } catch (...) {
+    pyarray::set_python_error(&translate_check_errors);
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
 template <class Entries, std::size_t N>
 constexpr std::size_t count(const Entries (&)[N]) {
   return N;
 }
 
 // One method table for all of them (PyModule_AddFunctions keeps pointers into it).
-template <std::size_t... B, std::size_t... S, std::size_t... U>
+template <std::size_t... B, std::size_t... S, std::size_t... U, std::size_t... R>
 PyMethodDef* method_table(std::index_sequence<B...>, std::index_sequence<S...>,
-                          std::index_sequence<U...>) {
+                          std::index_sequence<U...>, std::index_sequence<R...>) {
   static PyMethodDef table[] = {
       {"new_array", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(new_array)),
        METH_FASTCALL,
@@ -163,6 +236,18 @@ PyMethodDef* method_table(std::index_sequence<B...>, std::index_sequence<S...>,
       {kUnary[U].name,
        reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(unary_call<int(U)>)),
        METH_FASTCALL, "(a, out): out = op(a) elementwise over out.size elements."}...,
+      {kReduce[R].name,
+       reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(reduce_call<int(R)>)),
+       METH_FASTCALL,
+       "(a, out, reduce_size): out[i] = op over a[i * reduce_size : (i + 1) * reduce_size]."}...,
+      {"matmul",
+       reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(matmul_call)), METH_FASTCALL,
+       "(a, b, out, m, n, p): out (m x p) = a (m x n) @ b (n x p), all compact row-major."},
+      {"matmul_strided",
+       reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(matmul_strided_call)),
+       METH_FASTCALL,
+       "(a, b, out, m, n, p, a_offset, ars, acs, b_offset, brs, bcs): out = A @ B read "
+       "through element offsets and (row, column) strides >= 0; out compact."},
       {nullptr, nullptr, 0, nullptr}};
   return table;
 }
@@ -170,7 +255,8 @@ PyMethodDef* method_table(std::index_sequence<B...>, std::index_sequence<S...>,
 inline void bind(py::module_& m) {
   PyMethodDef* table = method_table(std::make_index_sequence<count(kBinary)>(),
                                     std::make_index_sequence<count(kScalar)>(),
-                                    std::make_index_sequence<count(kUnary)>());
+                                    std::make_index_sequence<count(kUnary)>(),
+                                    std::make_index_sequence<count(kReduce)>());
   if (PyModule_AddFunctions(m.ptr(), table) != 0) throw py::error_already_set();
 }
 

@@ -39,12 +39,13 @@ DType dtype_of(const py::object& dtype) { return pyarray::dtype_of(dtype.ptr());
 // Small kernels keep the GIL: releasing and taking it back costs about as much as adding a few
 // thousand floats, and no other thread can use a gap that short. Larger ones release it, so
 // that a communication thread progresses while compute runs.
-constexpr std::size_t kReleaseGilElements = std::size_t(1) << 15;
+// `work`: elements touched, or multiply-adds for a matmul (a double: m * n * p cannot wrap).
+constexpr double kReleaseGilWork = 32768.0;
 
 class ReleaseGilIfLarge {
  public:
-  explicit ReleaseGilIfLarge(std::size_t n)
-      : state_(n >= kReleaseGilElements ? PyEval_SaveThread() : nullptr) {}
+  explicit ReleaseGilIfLarge(double work)
+      : state_(work >= kReleaseGilWork ? PyEval_SaveThread() : nullptr) {}
   ~ReleaseGilIfLarge() {
     if (state_ != nullptr) PyEval_RestoreThread(state_);
   }
@@ -185,21 +186,21 @@ void binary(BinOp op, const char* name, const Array& a, const Array& b, Array& o
   same_dtype(name, b, out);
   big_enough(name, "a", a, out.size());
   big_enough(name, "b", b, out.size());
-  ReleaseGilIfLarge release(out.size());
+  ReleaseGilIfLarge release(double(out.size()));
   g_kernels->binary(op, out.dtype(), a.data(), b.data(), out.data(), out.size());
 }
 
 void scalar(BinOp op, bool reversed, const char* name, const Array& a, double val, Array& out) {
   same_dtype(name, a, out);
   big_enough(name, "a", a, out.size());
-  ReleaseGilIfLarge release(out.size());
+  ReleaseGilIfLarge release(double(out.size()));
   g_kernels->scalar(op, reversed, out.dtype(), a.data(), val, out.data(), out.size());
 }
 
 void unary(UnOp op, const char* name, const Array& a, Array& out) {
   same_dtype(name, a, out);
   big_enough(name, "a", a, out.size());
-  ReleaseGilIfLarge release(out.size());
+  ReleaseGilIfLarge release(double(out.size()));
   g_kernels->unary(op, out.dtype(), a.data(), out.data(), out.size());
 }
 
@@ -229,7 +230,7 @@ void check_matmul(const char* op, const Array& a, const Array& b, const Array& o
 void matmul(const Array& a, const Array& b, Array& out, std::int64_t m, std::int64_t n,
             std::int64_t p) {
   check_matmul("matmul", a, b, out, m, n, p);
-  py::gil_scoped_release release;
+  ReleaseGilIfLarge release(double(m) * double(n) * double(p));
   g_kernels->matmul(out.dtype(), a.data(), b.data(), out.data(), m, n, p);
 }
 
@@ -279,7 +280,7 @@ void matmul_strided(const Array& a, const Array& b, Array& out, std::int64_t m, 
   const std::size_t item = itemsize(out.dtype());
   const char* ap = static_cast<const char*>(a.data()) + std::size_t(a_offset) * item;
   const char* bp = static_cast<const char*>(b.data()) + std::size_t(b_offset) * item;
-  py::gil_scoped_release release;
+  ReleaseGilIfLarge release(double(m) * double(n) * double(p));
   g_kernels->matmul_strided(out.dtype(), ap, ars, acs, bp, brs, bcs, out.data(), m, n, p);
 }
 
@@ -303,7 +304,7 @@ void reduce(RedOp op, const char* name, const Array& a, Array& out, std::int64_t
                         std::to_string(reduce_size));
   }
   big_enough(name, "a", a, elements(name, "a", std::int64_t(out.size()), reduce_size));
-  py::gil_scoped_release release;
+  ReleaseGilIfLarge release(double(out.size()) * double(reduce_size));
   g_kernels->reduce(op, out.dtype(), a.data(), out.data(), out.size(), std::size_t(reduce_size));
 }
 
@@ -356,7 +357,8 @@ PYBIND11_MODULE(ndarray_backend_cpu, m) {
 
   pyarray::init_array_type(m, &nd::translate_check_errors);
   pyalloc::bind(m);
-  // new_array, ewise_* and scalar_*: bound without pybind11's dispatcher (fast_calls_py.h)
+  // new_array, ewise_*, scalar_*, reduce_*, matmul and matmul_strided: bound without
+  // pybind11's dispatcher (fast_calls_py.h)
   nd::fast::bind(m);
 
   m.def("to_numpy", &nd::to_numpy, py::arg("a"), py::arg("shape"), py::arg("strides"),
@@ -368,15 +370,7 @@ PYBIND11_MODULE(ndarray_backend_cpu, m) {
   m.def("scalar_setitem", &nd::scalar_setitem);
 
   m.def("ewise_cast", &nd::ewise_cast);
-  m.def("matmul", &nd::matmul);
-  m.def("matmul_strided", &nd::matmul_strided);
   m.def("matmul_tiled", &nd::matmul_tiled_entry);
-  m.def("reduce_sum", [](const Array& a, Array& out, std::int64_t size) {
-    nd::reduce(RedOp::sum, "reduce_sum", a, out, size); });
-  m.def("reduce_max", [](const Array& a, Array& out, std::int64_t size) {
-    nd::reduce(RedOp::max, "reduce_max", a, out, size); });
-  m.def("reduce_min", [](const Array& a, Array& out, std::int64_t size) {
-    nd::reduce(RedOp::min, "reduce_min", a, out, size); });
 
   m.def("set_num_threads", &nd::set_num_threads, py::arg("n"));
   m.def("get_num_threads", &nd::num_threads);
