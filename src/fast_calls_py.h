@@ -143,8 +143,8 @@ PyObject* unary_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 
 // Integer arguments args[from, to) into out; false (a Python error set) when one is not an int.
 inline bool int_args(const char* name, const char* expected, PyObject* const* args,
-                     Py_ssize_t nargs, Py_ssize_t from, std::int64_t* out) {
-  for (Py_ssize_t i = from; i < nargs; ++i) {
+                     Py_ssize_t nargs, Py_ssize_t from, Py_ssize_t to, std::int64_t* out) {
+  for (Py_ssize_t i = from; i < to; ++i) {
     const long long v = PyLong_AsLongLong(args[i]);  // ints and anything with __index__
     if (v == -1 && PyErr_Occurred()) {
       if (PyErr_ExceptionMatches(PyExc_TypeError)) {
@@ -165,7 +165,7 @@ inline PyObject* matmul_strided_call(PyObject*, PyObject* const* args, Py_ssize_
       "a: Array, b: Array, out: Array, m, n, p, a_offset, ars, acs, b_offset, brs, bcs: int";
   std::int64_t v[9];
   if (nargs != 12 || !arrays(args, 0, 3)) return argument_error(name, expected, args, nargs);
-  if (!int_args(name, expected, args, nargs, 3, v)) return nullptr;
+  if (!int_args(name, expected, args, nargs, 3, 12, v)) return nullptr;
   try {
     matmul_strided(*array_of(args[0]), *array_of(args[1]), *array_of(args[2]), v[0], v[1],
                    v[2], v[3], v[4], v[5], v[6], v[7], v[8]);
@@ -180,7 +180,7 @@ inline PyObject* matmul_call(PyObject*, PyObject* const* args, Py_ssize_t nargs)
   constexpr const char* expected = "a: Array, b: Array, out: Array, m, n, p: int";
   std::int64_t v[3];
   if (nargs != 6 || !arrays(args, 0, 3)) return argument_error("matmul", expected, args, nargs);
-  if (!int_args("matmul", expected, args, nargs, 3, v)) return nullptr;
+  if (!int_args("matmul", expected, args, nargs, 3, 6, v)) return nullptr;
   try {
     matmul(*array_of(args[0]), *array_of(args[1]), *array_of(args[2]), v[0], v[1], v[2]);
   } catch (...) {
@@ -203,9 +203,110 @@ PyObject* reduce_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   constexpr const char* expected = "a: Array, out: Array, reduce_size: int";
   std::int64_t size = 0;
   if (nargs != 3 || !arrays(args, 0, 2)) return argument_error(e.name, expected, args, nargs);
-  if (!int_args(e.name, expected, args, nargs, 2, &size)) return nullptr;
+  if (!int_args(e.name, expected, args, nargs, 2, 3, &size)) return nullptr;
   try {
     reduce(e.op, e.name, *array_of(args[0]), *array_of(args[1]), size);
+  } catch (...) {
+    pyarray::set_python_error(&translate_check_errors);
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+// A shape or strides argument: a tuple or list of ints.
+inline bool dims_arg(const char* name, const char* expected, PyObject* const* args,
+                     Py_ssize_t nargs, Py_ssize_t at, Dims* out) {
+  PyObject* o = args[at];
+  if (!PyTuple_Check(o) && !PyList_Check(o)) {
+    argument_error(name, expected, args, nargs);
+    return false;
+  }
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(o);
+  PyObject** items = PySequence_Fast_ITEMS(o);
+  out->resize(std::size_t(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    const long long v = PyLong_AsLongLong(items[i]);
+    if (v == -1 && PyErr_Occurred()) {
+      if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+        PyErr_Clear();
+        argument_error(name, expected, args, nargs);
+      }
+      return false;
+    }
+    (*out)[std::size_t(i)] = v;
+  }
+  return true;
+}
+
+// compact(a, out, shape, strides, offset) and ewise_setitem(a, out, shape, strides, offset):
+// a strided view gathered into a compact array, or a compact array scattered into a view.
+template <bool Scatter>
+PyObject* view_copy_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  constexpr const char* name = Scatter ? "ewise_setitem" : "compact";
+  constexpr const char* expected =
+      "a: Array, out: Array, shape: tuple, strides: tuple, offset: int";
+  Dims shape, strides;
+  std::int64_t offset = 0;
+  if (nargs != 5 || !arrays(args, 0, 2)) return argument_error(name, expected, args, nargs);
+  if (!dims_arg(name, expected, args, nargs, 2, &shape) ||
+      !dims_arg(name, expected, args, nargs, 3, &strides) ||
+      !int_args(name, expected, args, nargs, 4, 5, &offset)) {
+    return nullptr;
+  }
+  try {
+    if (Scatter) {
+      ewise_setitem(*array_of(args[0]), *array_of(args[1]), std::move(shape),
+                    std::move(strides), offset);
+    } else {
+      compact(*array_of(args[0]), *array_of(args[1]), std::move(shape), std::move(strides),
+              offset);
+    }
+  } catch (...) {
+    pyarray::set_python_error(&translate_check_errors);
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+inline PyObject* scalar_setitem_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  constexpr const char* name = "scalar_setitem";
+  constexpr const char* expected =
+      "size: int, val: float, out: Array, shape: tuple, strides: tuple, offset: int";
+  Dims shape, strides;
+  std::int64_t size = 0, offset = 0;
+  if (nargs != 6 || !is_array(args[2])) return argument_error(name, expected, args, nargs);
+  const double val = PyFloat_AsDouble(args[1]);
+  if (val == -1.0 && PyErr_Occurred()) {
+    if (!PyErr_ExceptionMatches(PyExc_TypeError)) return nullptr;
+    PyErr_Clear();
+    return argument_error(name, expected, args, nargs);
+  }
+  if (!int_args(name, expected, args, nargs, 0, 1, &size) ||
+      !dims_arg(name, expected, args, nargs, 3, &shape) ||
+      !dims_arg(name, expected, args, nargs, 4, &strides) ||
+      !int_args(name, expected, args, nargs, 5, 6, &offset)) {
+    return nullptr;
+  }
+  try {
+    scalar_setitem(size, val, *array_of(args[2]), std::move(shape), std::move(strides), offset);
+  } catch (...) {
+    pyarray::set_python_error(&translate_check_errors);
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+inline PyObject* fill_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  constexpr const char* expected = "out: Array, val: float";
+  if (nargs != 2 || !is_array(args[0])) return argument_error("fill", expected, args, nargs);
+  const double val = PyFloat_AsDouble(args[1]);
+  if (val == -1.0 && PyErr_Occurred()) {
+    if (!PyErr_ExceptionMatches(PyExc_TypeError)) return nullptr;
+    PyErr_Clear();
+    return argument_error("fill", expected, args, nargs);
+  }
+  try {
+    fill(*array_of(args[0]), val);
   } catch (...) {
     pyarray::set_python_error(&translate_check_errors);
     return nullptr;
@@ -240,6 +341,22 @@ PyMethodDef* method_table(std::index_sequence<B...>, std::index_sequence<S...>,
        reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(reduce_call<int(R)>)),
        METH_FASTCALL,
        "(a, out, reduce_size): out[i] = op over a[i * reduce_size : (i + 1) * reduce_size]."}...,
+      {"fill", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fill_call)),
+       METH_FASTCALL, "(out, val): every element of out set to val."},
+      {"compact",
+       reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(view_copy_call<false>)),
+       METH_FASTCALL,
+       "(a, out, shape, strides, offset): the view of a (element strides and offset) copied "
+       "into compact out."},
+      {"ewise_setitem",
+       reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(view_copy_call<true>)),
+       METH_FASTCALL,
+       "(a, out, shape, strides, offset): compact a written into the view of out."},
+      {"scalar_setitem",
+       reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(scalar_setitem_call)),
+       METH_FASTCALL,
+       "(size, val, out, shape, strides, offset): every element of the view of out set to "
+       "val; size must equal the view's element count."},
       {"matmul",
        reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(matmul_call)), METH_FASTCALL,
        "(a, b, out, m, n, p): out (m x p) = a (m x n) @ b (n x p), all compact row-major."},

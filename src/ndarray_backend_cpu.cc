@@ -136,7 +136,7 @@ void fill_bits(U* out, U value, std::size_t n) {
 
 void fill(Array& out, double val) {
   const std::uint64_t bits = scalar_bits(out.dtype(), val);
-  py::gil_scoped_release release;
+  ReleaseGilIfLarge release(double(out.size()));
   switch (itemsize(out.dtype())) {
     case 2:
       return fill_bits(static_cast<std::uint16_t*>(out.data()), std::uint16_t(bits), out.size());
@@ -153,7 +153,7 @@ void compact(const Array& a, Array& out, Dims shape, Dims strides, std::int64_t 
   const std::size_t n = check_view("compact", v, a.size());
   big_enough("compact", "out", out, n);
   if (!n) return;
-  py::gil_scoped_release release;
+  ReleaseGilIfLarge release(double(n));
   gather(itemsize(a.dtype()), a.data(), v, out.data());
 }
 
@@ -163,7 +163,7 @@ void ewise_setitem(const Array& a, Array& out, Dims shape, Dims strides, std::in
   const std::size_t n = check_view("ewise_setitem", v, out.size());
   big_enough("ewise_setitem", "a", a, n);
   if (!n) return;
-  py::gil_scoped_release release;
+  ReleaseGilIfLarge release(double(n));
   scatter(itemsize(a.dtype()), a.data(), v, out.data());
 }
 
@@ -177,7 +177,7 @@ void scalar_setitem(std::int64_t size, double val, Array& out, Dims shape, Dims 
   }
   if (!n) return;
   const std::uint64_t bits = scalar_bits(out.dtype(), val);
-  py::gil_scoped_release release;
+  ReleaseGilIfLarge release(double(n));
   scatter_value(itemsize(out.dtype()), &bits, v, out.data());
 }
 
@@ -357,17 +357,13 @@ PYBIND11_MODULE(ndarray_backend_cpu, m) {
 
   pyarray::init_array_type(m, &nd::translate_check_errors);
   pyalloc::bind(m);
-  // new_array, ewise_*, scalar_*, reduce_*, matmul and matmul_strided: bound without
-  // pybind11's dispatcher (fast_calls_py.h)
+  // new_array, fill, compact, the setitems, ewise_*, scalar_*, reduce_*, matmul and
+  // matmul_strided: bound without pybind11's dispatcher (fast_calls_py.h)
   nd::fast::bind(m);
 
   m.def("to_numpy", &nd::to_numpy, py::arg("a"), py::arg("shape"), py::arg("strides"),
         py::arg("offset"));
   m.def("from_numpy", &nd::from_numpy, py::arg("np_array"), py::arg("out"));
-  m.def("fill", &nd::fill, py::arg("out"), py::arg("val"));
-  m.def("compact", &nd::compact);
-  m.def("ewise_setitem", &nd::ewise_setitem);
-  m.def("scalar_setitem", &nd::scalar_setitem);
 
   m.def("ewise_cast", &nd::ewise_cast);
   m.def("matmul_tiled", &nd::matmul_tiled_entry);

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import random as _random
+from .._core.dtypes import canonical_dtype
 from .._core.errors import IndexOutOfRange
 from ..autograd import Tensor
 from ..backend_selection import BACKEND, NDArray, default_device
@@ -39,25 +40,33 @@ def _draw(device, kind: str, shape: tuple, dtype):
                    dtype=dtype if dtype in ("float64", "float16") else "float32")
 
 
+def _tensor_of(array, device, dtype, requires_grad: bool) -> Tensor:
+    # ``array`` was made here and nobody else holds it: a Tensor around it, not around a copy
+    # (``Tensor(ndarray)`` copies, as the course's does) when it has the device and dtype asked
+    if _ND and array.device == device and array.dtype == canonical_dtype(dtype):
+        return Tensor.make_const(array, requires_grad=requires_grad)
+    return Tensor(array, device=device, dtype=dtype, requires_grad=requires_grad)
+
+
 def rand(*shape, low=0.0, high=1.0, device=None, dtype="float32", requires_grad=False):
     """Uniform samples in [low, high): ``rand(shape) * (high - low) + low``."""
     device = _device(device)
     array = _draw(device, "rand", shape, dtype) * (high - low) + low
-    return Tensor(array, device=device, dtype=dtype, requires_grad=requires_grad)
+    return _tensor_of(array, device, dtype, requires_grad)
 
 
 def randn(*shape, mean=0.0, std=1.0, device=None, dtype="float32", requires_grad=False):
     """Normal samples: ``randn(shape) * std + mean``."""
     device = _device(device)
     array = _draw(device, "randn", shape, dtype) * std + mean
-    return Tensor(array, device=device, dtype=dtype, requires_grad=requires_grad)
+    return _tensor_of(array, device, dtype, requires_grad)
 
 
 def constant(*shape, c=1.0, device=None, dtype="float32", requires_grad=False):
     """A tensor filled with ``c`` (no random draw)."""
     device = _device(device)
     array = device.full(shape, c, dtype=dtype)
-    return Tensor(array, device=device, dtype=dtype, requires_grad=requires_grad)
+    return _tensor_of(array, device, dtype, requires_grad)
 
 
 def ones(*shape, device=None, dtype="float32", requires_grad=False):
@@ -74,7 +83,7 @@ def randb(*shape, p=0.5, device=None, dtype="bool", requires_grad=False):
     """Bernoulli(p) samples: ``rand(shape) <= p`` (nd mode stores them as float32 0/1)."""
     device = _device(device)
     array = _draw(device, "rand", shape, "float32") <= p
-    return Tensor(array, device=device, dtype=dtype, requires_grad=requires_grad)
+    return _tensor_of(array, device, dtype, requires_grad)
 
 
 def one_hot(n, i, device=None, dtype="float32", requires_grad=False):

@@ -273,7 +273,7 @@ class Log(TensorOp):
 
 
 def log(a):
-    return Log()(a)
+    return _LOG(a)
 
 
 class Exp(TensorOp):
@@ -293,7 +293,7 @@ class Exp(TensorOp):
 
 
 def exp(a):
-    return Exp()(a)
+    return _EXP(a)
 
 
 class ReLU(TensorOp):
@@ -316,7 +316,7 @@ class ReLU(TensorOp):
 
 
 def relu(a):
-    return ReLU()(a)
+    return _RELU(a)
 
 
 class Tanh(TensorOp):
@@ -337,7 +337,7 @@ class Tanh(TensorOp):
 
 
 def tanh(a):
-    return Tanh()(a)
+    return _TANH(a)
 
 
 class Sqrt(TensorOp):
@@ -353,7 +353,7 @@ class Sqrt(TensorOp):
 
 
 def sqrt(a):
-    return Sqrt()(a)
+    return _SQRT(a)
 
 
 class Sigmoid(TensorOp):
@@ -374,7 +374,7 @@ class Sigmoid(TensorOp):
 
 
 def sigmoid(a):
-    return Sigmoid()(a)
+    return _SIGMOID(a)
 
 
 class Maximum(TensorOp):
@@ -439,8 +439,15 @@ def matmul(a, b):
     return _MATMUL(a, b)
 
 
-# Stateless ops are shared: saves an allocation on the hottest paths (Tensor operators).
+# Stateless ops are shared: saves an allocation on the hottest paths (Tensor operators and
+# the activations).
 _ADD = EWiseAdd()
 _MUL = EWiseMul()
 _NEG = Negate()
 _MATMUL = MatMul()
+_LOG = Log()
+_EXP = Exp()
+_RELU = ReLU()
+_TANH = Tanh()
+_SQRT = Sqrt()
+_SIGMOID = Sigmoid()

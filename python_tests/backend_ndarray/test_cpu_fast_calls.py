@@ -43,7 +43,8 @@ def _flat(arr) -> np.ndarray:
 
 
 @pytest.mark.parametrize("name", BINARY + SCALAR + UNARY + REDUCE +
-                         ["matmul", "matmul_strided", "new_array"])
+                         ["matmul", "matmul_strided", "new_array", "fill", "compact",
+                          "ewise_setitem", "scalar_setitem"])
 def test_wrong_arguments_name_the_function_and_what_it_expected(name):
     fn = getattr(cpu, name)
     with pytest.raises(TypeError, match=rf"^{name}: expected arguments \(.*\), got \(\)$"):
@@ -130,3 +131,28 @@ def test_arrays_made_and_dropped_return_their_bytes():
     assert cpu.allocator_stats()["allocated_bytes"] >= before + 10 * 4000
     del arrays
     assert cpu.allocator_stats()["allocated_bytes"] == before
+
+
+def test_view_copies_take_tuples_or_lists_and_name_a_bad_shape():
+    a = _array(np.arange(6, dtype=np.float32))
+    out = cpu.Array(6, "float32")
+    cpu.compact(a, out, [2, 3], (1, 2), 0)  # the transpose of a (3, 2) array
+    np.testing.assert_array_equal(_flat(out), np.arange(6.0).reshape(3, 2).T.reshape(-1))
+    cpu.fill(out, 0)
+    cpu.ewise_setitem(_array(np.ones(2, np.float32)), out, (2,), (3,), 1)
+    np.testing.assert_array_equal(_flat(out), [0, 1, 0, 0, 1, 0])
+    cpu.scalar_setitem(3, 7.5, out, (3,), (2,), 0)
+    np.testing.assert_array_equal(_flat(out), [7.5, 1, 7.5, 0, 7.5, 0])
+    with pytest.raises(TypeError, match=r"compact: expected arguments \(a: Array, out: Array, "
+                                        r"shape: tuple, strides: tuple, offset: int\), got "
+                                        r"\(Array, Array, str, tuple, int\)"):
+        cpu.compact(a, out, "23", (1, 2), 0)
+    with pytest.raises(TypeError, match=r"ewise_setitem: expected .*got \(Array, Array, tuple, "
+                                        r"tuple, float\)"):
+        cpu.ewise_setitem(a, out, (2,), (3,), 1.0)
+    with pytest.raises(TypeError, match=r"scalar_setitem: expected .*got \(int, NoneType"):
+        cpu.scalar_setitem(3, None, out, (3,), (2,), 0)
+    with pytest.raises(ShapeError, match="scalar_setitem: size differs from the view"):
+        cpu.scalar_setitem(2, 1.0, out, (3,), (2,), 0)
+    with pytest.raises(IndexError, match="compact"):
+        cpu.compact(a, out, (2, 3), (1, 2), 1)  # reaches element 6 of 6
