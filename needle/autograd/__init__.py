@@ -60,21 +60,25 @@ __all__ = ["Op", "TensorOp", "TensorTupleOp", "Value", "Tensor", "TensorTuple",
            "saved_tensors_hooks", "RemovableHandle", "gradcheck", "ImplicitGradWarning",
            "SparseTupleGrad", "LAZY_MODE", "TENSOR_COUNTER"]
 
-# The course reads (and may set) ``needle.autograd.TENSOR_COUNTER`` / ``LAZY_MODE``; both live
-# in ``value.py``, where the op dispatch updates them. This module forwards the two names so
-# that a read gives the live value and a write reaches the dispatch.
-_FORWARDED = ("TENSOR_COUNTER", "LAZY_MODE")
+# The course reads (and may set) ``needle.autograd.TENSOR_COUNTER`` / ``LAZY_MODE``. LAZY_MODE
+# lives in ``value.py``, where the op dispatch reads it; TENSOR_COUNTER is the live Value count
+# (``value.live_count``). This module forwards both, so that a read gives the live value and a
+# write reaches ``value.py``.
 
 
 class _AutogradModule(types.ModuleType):
     def __getattr__(self, name):
-        if name in _FORWARDED:
-            return getattr(_value, name)
+        if name == "TENSOR_COUNTER":
+            return _value.live_count()
+        if name == "LAZY_MODE":
+            return _value.LAZY_MODE
         raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}")
 
     def __setattr__(self, name, value):
-        if name in _FORWARDED:
-            setattr(_value, name, value)
+        if name == "TENSOR_COUNTER":
+            _value.set_live_count(value)
+        elif name == "LAZY_MODE":
+            _value.LAZY_MODE = value
         else:
             super().__setattr__(name, value)
 

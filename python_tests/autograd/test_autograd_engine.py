@@ -195,6 +195,26 @@ def test_tensor_counter_is_the_live_count_and_lazy_mode_reaches_the_dispatch():
     assert (x * 2).cached_data is not None
 
 
+def test_tensor_counter_write_sets_the_count_and_every_kind_of_value_counts():
+    import copy
+
+    gc.collect()
+    base = autograd.TENSOR_COUNTER
+    autograd.TENSOR_COUNTER = 10
+    try:
+        x = _t((2,))
+        made = [x * 2, copy.copy(x), ops.make_tuple(x, x)]  # an op, a copy, a TensorTuple
+        assert autograd.TENSOR_COUNTER == 10 + 4
+        del made
+        gc.collect()
+        assert autograd.TENSOR_COUNTER == 11
+    finally:
+        autograd.TENSOR_COUNTER = base + 1  # x is still alive
+    del x
+    gc.collect()
+    assert autograd.TENSOR_COUNTER == base
+
+
 def test_no_grad_nested_and_enable_grad():
     x = _t((2,))
     with no_grad():
