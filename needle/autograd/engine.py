@@ -142,7 +142,7 @@ def check_gradients(node, grads, strict: bool) -> None:
         raise GraphError(
             f"{type(node.op).__name__}.gradient: wrong number of gradients, expected "
             f"{len(inputs)} (one per input), got {len(grads)}")
-    for i, (inp, grad) in enumerate(zip(inputs, grads, strict=False)):
+    for i, (inp, grad) in enumerate(zip(inputs, grads)):  # noqa: B905 - lengths checked above
         if not inp.requires_grad:
             continue
         if grad is None or inp._is_tuple or getattr(grad, "_is_tuple", True):
@@ -258,10 +258,13 @@ def _propagate(root, grad, retain_graph, create_graph, accumulate, grad_all_node
             # cut the links now: inputs nobody else holds are released as soon as they are
             # processed themselves, so backward memory falls as it proceeds
             node.inputs = ()
-            node._saved = None
+            if node._saved is not None:  # (a new key in the node's dict costs more than a read)
+                node._saved = None
             node._freed = True
         del node, grad, parts
-        for inp, part in zip(inputs, grads, strict=False):
+        # plain zip (lengths already checked equal): strict=False, a keyword argument, sends
+        # zip through its slow constructor path, 0.24 µs more per node
+        for inp, part in zip(inputs, grads):  # noqa: B905
             if not inp.requires_grad:
                 continue
             if strict:

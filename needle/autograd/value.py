@@ -262,7 +262,12 @@ class Value:
         if saved is None:
             op = self.op
             idx = op.save_inputs
-            inputs = tuple(self.inputs) if idx is None else tuple(self.inputs[i] for i in idx)
+            if idx is None:
+                inputs = tuple(self.inputs)
+            elif idx:
+                inputs = tuple([self.inputs[i] for i in idx])
+            else:  # save_inputs = (): every activation that saves only its output
+                return (self,) if op.save_output else ()
             return inputs + (self,) if op.save_output else inputs
         unpack = saved[0]
         return tuple(self if p is SAVED_SELF else unpack(p) for p in saved[1])
