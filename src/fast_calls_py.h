@@ -1,5 +1,5 @@
-// The hottest entry points (new_array, the elementwise kernels, reductions and matmul) bound with the C API's
-// fast-call convention instead of pybind11's dispatcher.
+// The hottest entry points (new_array, fill, view copies, the elementwise kernels, reductions
+// and matmul) bound with the C API's fast-call convention instead of pybind11's dispatcher.
 //
 // Why: small models run one of these per NDArray op. pybind11's dispatcher (argument vector,
 // overload loop, casters) cost ~0.27 µs per call on the project's VM, a trivial call through
@@ -40,6 +40,33 @@ inline bool arrays(PyObject* const* args, Py_ssize_t from, Py_ssize_t to) {
   return true;
 }
 
+// Runs `call` (an entry point above); None, or the Python error for what it threw.
+template <class Call>
+PyObject* guarded(Call&& call) {
+  try {
+    call();
+  } catch (...) {
+    pyarray::set_python_error(&translate_check_errors);
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+// A float argument (floats, ints and anything with __float__) into *out; false with a Python
+// error set otherwise (an int too large for a double keeps its OverflowError).
+inline bool float_arg(const char* name, const char* expected, PyObject* const* args,
+                      Py_ssize_t nargs, Py_ssize_t at, double* out) {
+  *out = PyFloat_AsDouble(args[at]);
+  if (*out == -1.0 && PyErr_Occurred()) {
+    if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+      PyErr_Clear();
+      argument_error(name, expected, args, nargs);
+    }
+    return false;
+  }
+  return true;
+}
+
 inline PyObject* new_array(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 2 || !PyLong_Check(args[0])) {
     return argument_error("new_array", "size: int, dtype", args, nargs);
@@ -73,13 +100,8 @@ PyObject* binary_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 3 || !arrays(args, 0, 3)) {
     return argument_error(e.name, "a: Array, b: Array, out: Array", args, nargs);
   }
-  try {
-    binary(e.op, e.name, *array_of(args[0]), *array_of(args[1]), *array_of(args[2]));
-  } catch (...) {
-    pyarray::set_python_error(&translate_check_errors);
-    return nullptr;
-  }
-  Py_RETURN_NONE;
+  return guarded(
+      [&] { binary(e.op, e.name, *array_of(args[0]), *array_of(args[1]), *array_of(args[2])); });
 }
 
 struct ScalarEntry {
@@ -102,19 +124,12 @@ PyObject* scalar_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 3 || !is_array(args[0]) || !is_array(args[2])) {
     return argument_error(e.name, "a: Array, val: float, out: Array", args, nargs);
   }
-  const double val = PyFloat_AsDouble(args[1]);  // floats, ints and anything with __float__
-  if (val == -1.0 && PyErr_Occurred()) {
-    if (!PyErr_ExceptionMatches(PyExc_TypeError)) return nullptr;  // an int too large: kept
-    PyErr_Clear();
-    return argument_error(e.name, "a: Array, val: float, out: Array", args, nargs);
-  }
-  try {
-    scalar(e.op, e.reversed, e.name, *array_of(args[0]), val, *array_of(args[2]));
-  } catch (...) {
-    pyarray::set_python_error(&translate_check_errors);
+  double val = 0.0;
+  if (!float_arg(e.name, "a: Array, val: float, out: Array", args, nargs, 1, &val)) {
     return nullptr;
   }
-  Py_RETURN_NONE;
+  return guarded(
+      [&] { scalar(e.op, e.reversed, e.name, *array_of(args[0]), val, *array_of(args[2])); });
 }
 
 struct UnaryEntry {
@@ -132,13 +147,7 @@ PyObject* unary_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 2 || !arrays(args, 0, 2)) {
     return argument_error(e.name, "a: Array, out: Array", args, nargs);
   }
-  try {
-    unary(e.op, e.name, *array_of(args[0]), *array_of(args[1]));
-  } catch (...) {
-    pyarray::set_python_error(&translate_check_errors);
-    return nullptr;
-  }
-  Py_RETURN_NONE;
+  return guarded([&] { unary(e.op, e.name, *array_of(args[0]), *array_of(args[1])); });
 }
 
 // Integer arguments args[from, to) into out; false (a Python error set) when one is not an int.
@@ -166,14 +175,10 @@ inline PyObject* matmul_strided_call(PyObject*, PyObject* const* args, Py_ssize_
   std::int64_t v[9];
   if (nargs != 12 || !arrays(args, 0, 3)) return argument_error(name, expected, args, nargs);
   if (!int_args(name, expected, args, nargs, 3, 12, v)) return nullptr;
-  try {
+  return guarded([&] {
     matmul_strided(*array_of(args[0]), *array_of(args[1]), *array_of(args[2]), v[0], v[1],
                    v[2], v[3], v[4], v[5], v[6], v[7], v[8]);
-  } catch (...) {
-    pyarray::set_python_error(&translate_check_errors);
-    return nullptr;
-  }
-  Py_RETURN_NONE;
+  });
 }
 
 inline PyObject* matmul_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -181,13 +186,9 @@ inline PyObject* matmul_call(PyObject*, PyObject* const* args, Py_ssize_t nargs)
   std::int64_t v[3];
   if (nargs != 6 || !arrays(args, 0, 3)) return argument_error("matmul", expected, args, nargs);
   if (!int_args("matmul", expected, args, nargs, 3, 6, v)) return nullptr;
-  try {
+  return guarded([&] {
     matmul(*array_of(args[0]), *array_of(args[1]), *array_of(args[2]), v[0], v[1], v[2]);
-  } catch (...) {
-    pyarray::set_python_error(&translate_check_errors);
-    return nullptr;
-  }
-  Py_RETURN_NONE;
+  });
 }
 
 struct ReduceEntry {
@@ -204,13 +205,7 @@ PyObject* reduce_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   std::int64_t size = 0;
   if (nargs != 3 || !arrays(args, 0, 2)) return argument_error(e.name, expected, args, nargs);
   if (!int_args(e.name, expected, args, nargs, 2, 3, &size)) return nullptr;
-  try {
-    reduce(e.op, e.name, *array_of(args[0]), *array_of(args[1]), size);
-  } catch (...) {
-    pyarray::set_python_error(&translate_check_errors);
-    return nullptr;
-  }
-  Py_RETURN_NONE;
+  return guarded([&] { reduce(e.op, e.name, *array_of(args[0]), *array_of(args[1]), size); });
 }
 
 // A shape or strides argument: a tuple or list of ints.
@@ -253,19 +248,10 @@ PyObject* view_copy_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       !int_args(name, expected, args, nargs, 4, 5, &offset)) {
     return nullptr;
   }
-  try {
-    if (Scatter) {
-      ewise_setitem(*array_of(args[0]), *array_of(args[1]), std::move(shape),
-                    std::move(strides), offset);
-    } else {
-      compact(*array_of(args[0]), *array_of(args[1]), std::move(shape), std::move(strides),
-              offset);
-    }
-  } catch (...) {
-    pyarray::set_python_error(&translate_check_errors);
-    return nullptr;
-  }
-  Py_RETURN_NONE;
+  return guarded([&] {
+    auto* copy = Scatter ? &ewise_setitem : &compact;
+    copy(*array_of(args[0]), *array_of(args[1]), std::move(shape), std::move(strides), offset);
+  });
 }
 
 inline PyObject* scalar_setitem_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -275,43 +261,25 @@ inline PyObject* scalar_setitem_call(PyObject*, PyObject* const* args, Py_ssize_
   Dims shape, strides;
   std::int64_t size = 0, offset = 0;
   if (nargs != 6 || !is_array(args[2])) return argument_error(name, expected, args, nargs);
-  const double val = PyFloat_AsDouble(args[1]);
-  if (val == -1.0 && PyErr_Occurred()) {
-    if (!PyErr_ExceptionMatches(PyExc_TypeError)) return nullptr;
-    PyErr_Clear();
-    return argument_error(name, expected, args, nargs);
-  }
-  if (!int_args(name, expected, args, nargs, 0, 1, &size) ||
+  double val = 0.0;
+  if (!float_arg(name, expected, args, nargs, 1, &val) ||
+      !int_args(name, expected, args, nargs, 0, 1, &size) ||
       !dims_arg(name, expected, args, nargs, 3, &shape) ||
       !dims_arg(name, expected, args, nargs, 4, &strides) ||
       !int_args(name, expected, args, nargs, 5, 6, &offset)) {
     return nullptr;
   }
-  try {
+  return guarded([&] {
     scalar_setitem(size, val, *array_of(args[2]), std::move(shape), std::move(strides), offset);
-  } catch (...) {
-    pyarray::set_python_error(&translate_check_errors);
-    return nullptr;
-  }
-  Py_RETURN_NONE;
+  });
 }
 
 inline PyObject* fill_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   constexpr const char* expected = "out: Array, val: float";
   if (nargs != 2 || !is_array(args[0])) return argument_error("fill", expected, args, nargs);
-  const double val = PyFloat_AsDouble(args[1]);
-  if (val == -1.0 && PyErr_Occurred()) {
-    if (!PyErr_ExceptionMatches(PyExc_TypeError)) return nullptr;
-    PyErr_Clear();
-    return argument_error("fill", expected, args, nargs);
-  }
-  try {
-    fill(*array_of(args[0]), val);
-  } catch (...) {
-    pyarray::set_python_error(&translate_check_errors);
-    return nullptr;
-  }
-  Py_RETURN_NONE;
+  double val = 0.0;
+  if (!float_arg("fill", expected, args, nargs, 1, &val)) return nullptr;
+  return guarded([&] { fill(*array_of(args[0]), val); });
 }
 
 template <class Entries, std::size_t N>
