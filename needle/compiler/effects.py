@@ -25,14 +25,23 @@ from typing import Any, Callable
 
 __all__ = ["replayed", "set_listener", "compiling", "set_compiling"]
 
-_LOCAL = threading.local()
+
+class _Local(threading.local):
+    # class defaults: a thread that never set a field reads them without the AttributeError
+    # that getattr(local, name, default) would raise and catch (the optimizers ask per
+    # parameter whether a compiled step runs)
+    listener = None
+    compiling = False
+
+
+_LOCAL = _Local()
 
 
 def replayed(fn: Callable[[], Any], owner: object) -> Any:
     """``fn()``, also run by every kernel replay of a step recorded around this call (see the
     module docstring). ``fn`` returns a float or a tuple of floats."""
     value = fn()
-    listener = getattr(_LOCAL, "listener", None)
+    listener = _LOCAL.listener
     if listener is not None:
         listener(fn, owner, value)
     return value
@@ -41,7 +50,7 @@ def replayed(fn: Callable[[], Any], owner: object) -> Any:
 def set_listener(fn) -> Any:
     """Install ``fn(fn, owner, value)`` for this thread's :func:`replayed` calls (None: off);
     returns the previous one. needle.compiler's recorder listens while it records a step."""
-    prev = getattr(_LOCAL, "listener", None)
+    prev = _LOCAL.listener
     _LOCAL.listener = fn
     return prev
 
@@ -54,7 +63,7 @@ def compiling() -> bool:
     Code with a fused shortcut of its own takes its composed path then, so that the trace,
     the plan and the recordings see one and the same sequence of kernels, which the compiler
     fuses itself (the optimizers' updates do this)."""
-    return getattr(_LOCAL, "compiling", False)
+    return _LOCAL.compiling
 
 
 def set_compiling(flag: bool) -> None:
