@@ -11,60 +11,22 @@
 // points it calls (binary, scalar, unary, reduce, matmul, matmul_strided) and
 // translate_check_errors.
 #pragma once
-// No includes here (see above): the includer brings pybind11, array_py.h and kernels.h.
+// No includes here (see above): the includer brings pybind11, fast_call_args.h and kernels.h.
 
 namespace fast {
 
+using fastcall::argument_error;
+using fastcall::arrays;
+using fastcall::dims_arg;
+using fastcall::float_arg;
+using fastcall::int_args;
 using pyarray::array_of;
 using pyarray::is_array;
-
-// "ewise_add: expected arguments (a: Array, b: Array, out: Array), got (Array, float)"
-inline PyObject* argument_error(const char* name, const char* expected, PyObject* const* args,
-                                Py_ssize_t nargs) {
-  std::string got;
-  for (Py_ssize_t i = 0; i < nargs; ++i) {
-    if (i) got += ", ";
-    const char* type = Py_TYPE(args[i])->tp_name;  // without its module, as type().__name__
-    const char* dot = std::strrchr(type, '.');
-    got += dot != nullptr ? dot + 1 : type;
-  }
-  PyErr_Format(PyExc_TypeError, "%s: expected arguments (%s), got (%s)", name, expected,
-               got.c_str());
-  return nullptr;
-}
-
-inline bool arrays(PyObject* const* args, Py_ssize_t from, Py_ssize_t to) {
-  for (Py_ssize_t i = from; i < to; ++i) {
-    if (!is_array(args[i])) return false;
-  }
-  return true;
-}
 
 // Runs `call` (an entry point above); None, or the Python error for what it threw.
 template <class Call>
 PyObject* guarded(Call&& call) {
-  try {
-    call();
-  } catch (...) {
-    pyarray::set_python_error(&translate_check_errors);
-    return nullptr;
-  }
-  Py_RETURN_NONE;
-}
-
-// A float argument (floats, ints and anything with __float__) into *out; false with a Python
-// error set otherwise (an int too large for a double keeps its OverflowError).
-inline bool float_arg(const char* name, const char* expected, PyObject* const* args,
-                      Py_ssize_t nargs, Py_ssize_t at, double* out) {
-  *out = PyFloat_AsDouble(args[at]);
-  if (*out == -1.0 && PyErr_Occurred()) {
-    if (PyErr_ExceptionMatches(PyExc_TypeError)) {
-      PyErr_Clear();
-      argument_error(name, expected, args, nargs);
-    }
-    return false;
-  }
-  return true;
+  return fastcall::guarded(call, &translate_check_errors);
 }
 
 inline PyObject* new_array(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -150,22 +112,6 @@ PyObject* unary_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return guarded([&] { unary(e.op, e.name, *array_of(args[0]), *array_of(args[1])); });
 }
 
-// Integer arguments args[from, to) into out; false (a Python error set) when one is not an int.
-inline bool int_args(const char* name, const char* expected, PyObject* const* args,
-                     Py_ssize_t nargs, Py_ssize_t from, Py_ssize_t to, std::int64_t* out) {
-  for (Py_ssize_t i = from; i < to; ++i) {
-    const long long v = PyLong_AsLongLong(args[i]);  // ints and anything with __index__
-    if (v == -1 && PyErr_Occurred()) {
-      if (PyErr_ExceptionMatches(PyExc_TypeError)) {
-        PyErr_Clear();
-        argument_error(name, expected, args, nargs);
-      }
-      return false;
-    }
-    out[i - from] = v;
-  }
-  return true;
-}
 
 // Every matmul backward multiplies by a transposed view: this is the op's hot entry point.
 inline PyObject* matmul_strided_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -208,30 +154,6 @@ PyObject* reduce_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return guarded([&] { reduce(e.op, e.name, *array_of(args[0]), *array_of(args[1]), size); });
 }
 
-// A shape or strides argument: a tuple or list of ints.
-inline bool dims_arg(const char* name, const char* expected, PyObject* const* args,
-                     Py_ssize_t nargs, Py_ssize_t at, Dims* out) {
-  PyObject* o = args[at];
-  if (!PyTuple_Check(o) && !PyList_Check(o)) {
-    argument_error(name, expected, args, nargs);
-    return false;
-  }
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(o);
-  PyObject** items = PySequence_Fast_ITEMS(o);
-  out->resize(std::size_t(n));
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    const long long v = PyLong_AsLongLong(items[i]);
-    if (v == -1 && PyErr_Occurred()) {
-      if (PyErr_ExceptionMatches(PyExc_TypeError)) {
-        PyErr_Clear();
-        argument_error(name, expected, args, nargs);
-      }
-      return false;
-    }
-    (*out)[std::size_t(i)] = v;
-  }
-  return true;
-}
 
 // compact(a, out, shape, strides, offset) and ewise_setitem(a, out, shape, strides, offset):
 // a strided view gathered into a compact array, or a compact array scattered into a view.

@@ -18,6 +18,7 @@
 #include "allocator_py.h"
 #include "array.h"
 #include "array_py.h"
+#include "fast_call_args.h"
 #include "dispatch.h"
 #include "ewise_program.h"
 #include "kernels.h"

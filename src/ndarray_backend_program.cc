@@ -8,10 +8,12 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "array.h"
 #include "array_py.h"
+#include "fast_call_args.h"
 #include "ewise_program.h"
 #include "kernels.h"
 
@@ -113,13 +115,107 @@ void run_ewise_program(const KernelTable& kernels, const std::vector<const Array
                         std::size_t(n));
 }
 
+namespace {
+
+const KernelTable* const* g_kernels = nullptr;  // the module's kernel table (set once by bind)
+
+// A list or tuple of Arrays into `out`; false with a TypeError set otherwise.
+template <class Pointer>
+bool array_list(PyObject* const* args, Py_ssize_t nargs, Py_ssize_t at, const char* expected,
+                std::vector<Pointer>* out) {
+  PyObject* seq = args[at];
+  if (!PyList_Check(seq) && !PyTuple_Check(seq)) {
+    fastcall::argument_error("ewise_program", expected, args, nargs);
+    return false;
+  }
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  PyObject** items = PySequence_Fast_ITEMS(seq);
+  out->resize(std::size_t(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (!pyarray::is_array(items[i])) {
+      PyErr_Format(PyExc_TypeError, "ewise_program: expected Arrays in argument %zd, got %s",
+                   at, Py_TYPE(items[i])->tp_name);
+      return false;
+    }
+    (*out)[std::size_t(i)] = pyarray::array_of(items[i]);
+  }
+  return true;
+}
+
+// False, with a TypeError naming the argument for an item that is not a number (an
+// OverflowError stays as it is).
+bool not_a_number(Py_ssize_t at, PyObject* item) {
+  if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+    PyErr_Clear();
+    PyErr_Format(PyExc_TypeError, "ewise_program: expected numbers in argument %zd, got %s", at,
+                 Py_TYPE(item)->tp_name);
+  }
+  return false;
+}
+
+// A list or tuple of numbers into `out` (int32 code words or double scalars).
+template <class T>
+bool number_list(PyObject* const* args, Py_ssize_t nargs, Py_ssize_t at, const char* expected,
+                 std::vector<T>* out) {
+  PyObject* seq = args[at];
+  if (!PyList_Check(seq) && !PyTuple_Check(seq)) {
+    fastcall::argument_error("ewise_program", expected, args, nargs);
+    return false;
+  }
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  PyObject** items = PySequence_Fast_ITEMS(seq);
+  out->resize(std::size_t(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if constexpr (std::is_same_v<T, double>) {
+      const double v = PyFloat_AsDouble(items[i]);
+      if (v == -1.0 && PyErr_Occurred()) return not_a_number(at, items[i]);
+      (*out)[std::size_t(i)] = v;
+    } else {
+      const long v = PyLong_AsLong(items[i]);
+      if (v == -1 && PyErr_Occurred()) return not_a_number(at, items[i]);
+      if (v < INT32_MIN || v > INT32_MAX) {
+        PyErr_Format(PyExc_OverflowError, "ewise_program: code word %ld outside int32", v);
+        return false;
+      }
+      (*out)[std::size_t(i)] = T(v);
+    }
+  }
+  return true;
+}
+
+// ewise_program(ins, outs, code, scalars, n) as a fast call: optimizers run one per parameter
+// and step, and pybind11's list conversions cost ~1.2 µs of each.
+PyObject* ewise_program_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  constexpr const char* expected =
+      "ins: list[Array], outs: list[Array], code: list[int], scalars: list[float], n: int";
+  if (nargs != 5) return fastcall::argument_error("ewise_program", expected, args, nargs);
+  std::vector<const Array*> ins;
+  std::vector<Array*> outs;
+  std::vector<std::int32_t> code;
+  std::vector<double> scalars;
+  std::int64_t n = 0;
+  if (!array_list(args, nargs, 0, expected, &ins) || !array_list(args, nargs, 1, expected, &outs) ||
+      !number_list(args, nargs, 2, expected, &code) ||
+      !number_list(args, nargs, 3, expected, &scalars) ||
+      !fastcall::int_args("ewise_program", expected, args, nargs, 4, 5, &n)) {
+    return nullptr;
+  }
+  return fastcall::guarded(
+      [&] { run_ewise_program(**g_kernels, ins, outs, code, scalars, n, false); }, nullptr);
+}
+
+}  // namespace
+
 void bind_ewise_program(py::module_& m, const KernelTable* const* kernels) {
-  m.def("ewise_program", [kernels](const std::vector<const Array*>& ins,
-                                   const std::vector<Array*>& outs,
-                                   const std::vector<std::int32_t>& code,
-                                   const std::vector<double>& scalars, std::int64_t n) {
-    run_ewise_program(**kernels, ins, outs, code, scalars, n, false);
-  }, py::arg("ins"), py::arg("outs"), py::arg("code"), py::arg("scalars"), py::arg("n"));
+  g_kernels = kernels;
+  static PyMethodDef table[] = {
+      {"ewise_program",
+       reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(ewise_program_call)),
+       METH_FASTCALL,
+       "(ins, outs, code, scalars, n): run an elementwise program over n elements of each "
+       "input Array, writing the output Arrays (see ewise_program_impl.h for the format)."},
+      {nullptr, nullptr, 0, nullptr}};
+  if (PyModule_AddFunctions(m.ptr(), table) != 0) throw py::error_already_set();
 }
 
 }  // namespace needle

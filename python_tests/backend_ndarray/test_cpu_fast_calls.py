@@ -44,7 +44,7 @@ def _flat(arr) -> np.ndarray:
 
 @pytest.mark.parametrize("name", BINARY + SCALAR + UNARY + REDUCE +
                          ["matmul", "matmul_strided", "new_array", "fill", "compact",
-                          "ewise_setitem", "scalar_setitem"])
+                          "ewise_setitem", "scalar_setitem", "ewise_program"])
 def test_wrong_arguments_name_the_function_and_what_it_expected(name):
     fn = getattr(cpu, name)
     with pytest.raises(TypeError, match=rf"^{name}: expected arguments \(.*\), got \(\)$"):
@@ -156,3 +156,23 @@ def test_view_copies_take_tuples_or_lists_and_name_a_bad_shape():
         cpu.scalar_setitem(2, 1.0, out, (3,), (2,), 0)
     with pytest.raises(IndexError, match="compact"):
         cpu.compact(a, out, (2, 3), (1, 2), 1)  # reaches element 6 of 6
+
+
+def test_ewise_program_names_a_bad_list_and_still_checks_the_program():
+    from needle.backend_ndarray.ewise_codes import LOAD, STORE, UNARY, UNARY_OPS
+
+    a, out = _array(np.array([1.0, -2.0], np.float32)), cpu.Array(2, "float32")
+    load, store = [LOAD, 0, 0, 0, 0], [STORE, 0, 0, 1, 0]  # r0 = input 0; output 0 = r1
+    neg = [UNARY, UNARY_OPS["neg"], 1, 0, 0]  # r1 = -r0
+    cpu.ewise_program((a,), [out], load + neg + store, (), 2)
+    np.testing.assert_array_equal(_flat(out), [-1.0, 2.0])
+    with pytest.raises(TypeError, match="ewise_program: expected Arrays in argument 0, got int"):
+        cpu.ewise_program([a, 1], [out], load + neg + store, [], 2)
+    with pytest.raises(TypeError, match="ewise_program: expected numbers in argument 3, got str"):
+        cpu.ewise_program([a], [out], load + neg + store, ["x"], 2)
+    with pytest.raises(TypeError, match="ewise_program: expected numbers in argument 2, got float"):
+        cpu.ewise_program([a], [out], [float(c) for c in load] + neg + store, [], 2)
+    with pytest.raises(ValueError, match="ewise_program: expected instructions of 5 ints"):
+        cpu.ewise_program([a], [out], load + neg + store + [1], [], 2)
+    with pytest.raises(ValueError, match="ewise_program: register 1 read before set"):
+        cpu.ewise_program([a], [out], load + store, [], 2)

@@ -1,0 +1,112 @@
+// Argument parsing for entry points bound with the C API's fast-call convention
+// (fast_calls_py.h, ndarray_backend_program.cc): positional arguments checked one by one, and
+// a TypeError naming the function, the arguments it expected and the types it got.
+#pragma once
+
+#include <Python.h>
+
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <string>
+
+#include "array_py.h"
+#include "strided.h"
+
+namespace needle {
+namespace fastcall {
+
+// "ewise_add: expected arguments (a: Array, b: Array, out: Array), got (Array, float)"
+inline PyObject* argument_error(const char* name, const char* expected, PyObject* const* args,
+                                Py_ssize_t nargs) {
+  std::string got;
+  for (Py_ssize_t i = 0; i < nargs; ++i) {
+    if (i) got += ", ";
+    const char* type = Py_TYPE(args[i])->tp_name;  // without its module, as type().__name__
+    const char* dot = std::strrchr(type, '.');
+    got += dot != nullptr ? dot + 1 : type;
+  }
+  PyErr_Format(PyExc_TypeError, "%s: expected arguments (%s), got (%s)", name, expected,
+               got.c_str());
+  return nullptr;
+}
+
+inline bool arrays(PyObject* const* args, Py_ssize_t from, Py_ssize_t to) {
+  for (Py_ssize_t i = from; i < to; ++i) {
+    if (!pyarray::is_array(args[i])) return false;
+  }
+  return true;
+}
+
+// Runs `call`; None, or the Python error for what it threw (`translate`: the module's own
+// exception types, may be null).
+template <class Call>
+PyObject* guarded(Call&& call, void (*translate)(std::exception_ptr)) {
+  try {
+    call();
+  } catch (...) {
+    pyarray::set_python_error(translate);
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+// A float argument (floats, ints and anything with __float__) into *out; false with a Python
+// error set otherwise (an int too large for a double keeps its OverflowError).
+inline bool float_arg(const char* name, const char* expected, PyObject* const* args,
+                      Py_ssize_t nargs, Py_ssize_t at, double* out) {
+  *out = PyFloat_AsDouble(args[at]);
+  if (*out == -1.0 && PyErr_Occurred()) {
+    if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+      PyErr_Clear();
+      argument_error(name, expected, args, nargs);
+    }
+    return false;
+  }
+  return true;
+}
+
+// Integer arguments args[from, to) into out; false (a Python error set) when one is not an int.
+inline bool int_args(const char* name, const char* expected, PyObject* const* args,
+                     Py_ssize_t nargs, Py_ssize_t from, Py_ssize_t to, std::int64_t* out) {
+  for (Py_ssize_t i = from; i < to; ++i) {
+    const long long v = PyLong_AsLongLong(args[i]);  // ints and anything with __index__
+    if (v == -1 && PyErr_Occurred()) {
+      if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+        PyErr_Clear();
+        argument_error(name, expected, args, nargs);
+      }
+      return false;
+    }
+    out[i - from] = v;
+  }
+  return true;
+}
+
+// A shape or strides argument: a tuple or list of ints.
+inline bool dims_arg(const char* name, const char* expected, PyObject* const* args,
+                     Py_ssize_t nargs, Py_ssize_t at, Dims* out) {
+  PyObject* o = args[at];
+  if (!PyTuple_Check(o) && !PyList_Check(o)) {
+    argument_error(name, expected, args, nargs);
+    return false;
+  }
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(o);
+  PyObject** items = PySequence_Fast_ITEMS(o);
+  out->resize(std::size_t(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    const long long v = PyLong_AsLongLong(items[i]);
+    if (v == -1 && PyErr_Occurred()) {
+      if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+        PyErr_Clear();
+        argument_error(name, expected, args, nargs);
+      }
+      return false;
+    }
+    (*out)[std::size_t(i)] = v;
+  }
+  return true;
+}
+
+}  // namespace fastcall
+}  // namespace needle
