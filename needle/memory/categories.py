@@ -54,10 +54,6 @@ class _State(threading.local):
         # attribute dict (one lookup per allocation instead of three)
         self.op_category = self.user_top = self.framework_top = None
 
-    def refresh_tops(self) -> None:
-        self.user_top = self.user[-1] if self.user else None
-        self.framework_top = self.framework[-1] if self.framework else None
-
 
 _STATE = _State()
 
@@ -129,24 +125,26 @@ def _notify() -> None:
 
 class _scope:
     """The context manager of :func:`category` and :func:`framework_category`: pushes
-    ``name`` on ``stack`` for the block. A class rather than a generator context manager:
+    ``name`` on ``stack`` for the block and keeps the state's matching ``*_top`` field equal
+    to the stack's innermost entry. A class rather than a generator context manager:
     optimizers open one per parameter and step, and this is a third of the cost."""
 
-    __slots__ = ("_stack", "_name")
+    __slots__ = ("_stack", "_name", "_top")
 
-    def __init__(self, stack: list, name: str | None):
-        self._stack, self._name = stack, name
+    def __init__(self, stack: list, name: str | None, top: str):
+        self._stack, self._name, self._top = stack, name, top
 
     def __enter__(self) -> str | None:
         self._stack.append(self._name)
-        _STATE.refresh_tops()
+        setattr(_STATE, self._top, self._name)
         if _LISTENERS:
             _notify()
         return self._name
 
     def __exit__(self, *exc) -> None:
-        self._stack.pop()
-        _STATE.refresh_tops()
+        stack = self._stack
+        stack.pop()
+        setattr(_STATE, self._top, stack[-1] if stack else None)
         if _LISTENERS:
             _notify()
 
@@ -166,7 +164,7 @@ def category(name: str):
         'workspace'
     """
     check_category(name)
-    return _scope(_STATE.user, name)
+    return _scope(_STATE.user, name, "user_top")
 
 
 def framework_category(name: str):
@@ -180,7 +178,7 @@ def framework_category(name: str):
         'activation'
     """
     check_category(name, "framework_category")
-    return _scope(_STATE.framework, name)
+    return _scope(_STATE.framework, name, "framework_top")
 
 
 def as_forward():
@@ -194,7 +192,7 @@ def as_forward():
         ...     current_category()
         'other'
     """
-    return _scope(_STATE.framework, None)
+    return _scope(_STATE.framework, None, "framework_top")
 
 
 def add_listener(fn: Callable[[str], None]) -> RemovableHandle:
