@@ -16,6 +16,13 @@
 namespace needle {
 namespace fastcall {
 
+// A method table entry for a fast-call function (PyModule_AddFunctions keeps the table).
+using FastFunction = PyObject* (*)(PyObject*, PyObject* const*, Py_ssize_t);
+inline PyMethodDef method(const char* name, FastFunction fn, const char* doc) {
+  return {name, reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fn)), METH_FASTCALL,
+          doc};
+}
+
 // "ewise_add: expected arguments (a: Array, b: Array, out: Array), got (Array, float)"
 inline PyObject* argument_error(const char* name, const char* expected, PyObject* const* args,
                                 Py_ssize_t nargs) {
@@ -83,16 +90,26 @@ inline bool int_args(const char* name, const char* expected, PyObject* const* ar
   return true;
 }
 
-// A shape or strides argument: a tuple or list of ints.
-inline bool dims_arg(const char* name, const char* expected, PyObject* const* args,
-                     Py_ssize_t nargs, Py_ssize_t at, Dims* out) {
-  PyObject* o = args[at];
-  if (!PyTuple_Check(o) && !PyList_Check(o)) {
+// The items of a list or tuple argument args[at] into *items and *n; false with a TypeError
+// naming the function when it is neither.
+inline bool sequence_arg(const char* name, const char* expected, PyObject* const* args,
+                         Py_ssize_t nargs, Py_ssize_t at, PyObject*** items, Py_ssize_t* n) {
+  PyObject* seq = args[at];
+  if (!PyTuple_Check(seq) && !PyList_Check(seq)) {
     argument_error(name, expected, args, nargs);
     return false;
   }
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(o);
-  PyObject** items = PySequence_Fast_ITEMS(o);
+  *n = PySequence_Fast_GET_SIZE(seq);
+  *items = PySequence_Fast_ITEMS(seq);
+  return true;
+}
+
+// A shape or strides argument: a tuple or list of ints.
+inline bool dims_arg(const char* name, const char* expected, PyObject* const* args,
+                     Py_ssize_t nargs, Py_ssize_t at, Dims* out) {
+  PyObject** items = nullptr;
+  Py_ssize_t n = 0;
+  if (!sequence_arg(name, expected, args, nargs, at, &items, &n)) return false;
   out->resize(std::size_t(n));
   for (Py_ssize_t i = 0; i < n; ++i) {
     const long long v = PyLong_AsLongLong(items[i]);

@@ -213,48 +213,35 @@ constexpr std::size_t count(const Entries (&)[N]) {
 template <std::size_t... B, std::size_t... S, std::size_t... U, std::size_t... R>
 PyMethodDef* method_table(std::index_sequence<B...>, std::index_sequence<S...>,
                           std::index_sequence<U...>, std::index_sequence<R...>) {
+  using fastcall::method;
   static PyMethodDef table[] = {
-      {"new_array", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(new_array)),
-       METH_FASTCALL,
-       "new_array(size, dtype): a new Array of `size` uninitialised elements, as "
-       "Array(size, dtype)."},
-      {kBinary[B].name,
-       reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(binary_call<int(B)>)),
-       METH_FASTCALL, "(a, b, out): out = a (op) b elementwise over out.size elements."}...,
-      {kScalar[S].name,
-       reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(scalar_call<int(S)>)),
-       METH_FASTCALL, "(a, val, out): out = a (op) val elementwise over out.size elements."}...,
-      {kUnary[U].name,
-       reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(unary_call<int(U)>)),
-       METH_FASTCALL, "(a, out): out = op(a) elementwise over out.size elements."}...,
-      {kReduce[R].name,
-       reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(reduce_call<int(R)>)),
-       METH_FASTCALL,
-       "(a, out, reduce_size): out[i] = op over a[i * reduce_size : (i + 1) * reduce_size]."}...,
-      {"fill", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fill_call)),
-       METH_FASTCALL, "(out, val): every element of out set to val."},
-      {"compact",
-       reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(view_copy_call<false>)),
-       METH_FASTCALL,
-       "(a, out, shape, strides, offset): the view of a (element strides and offset) copied "
-       "into compact out."},
-      {"ewise_setitem",
-       reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(view_copy_call<true>)),
-       METH_FASTCALL,
-       "(a, out, shape, strides, offset): compact a written into the view of out."},
-      {"scalar_setitem",
-       reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(scalar_setitem_call)),
-       METH_FASTCALL,
-       "(size, val, out, shape, strides, offset): every element of the view of out set to "
-       "val; size must equal the view's element count."},
-      {"matmul",
-       reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(matmul_call)), METH_FASTCALL,
-       "(a, b, out, m, n, p): out (m x p) = a (m x n) @ b (n x p), all compact row-major."},
-      {"matmul_strided",
-       reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(matmul_strided_call)),
-       METH_FASTCALL,
-       "(a, b, out, m, n, p, a_offset, ars, acs, b_offset, brs, bcs): out = A @ B read "
-       "through element offsets and (row, column) strides >= 0; out compact."},
+      method("new_array", new_array,
+             "new_array(size, dtype): a new Array of `size` uninitialised elements, as "
+             "Array(size, dtype)."),
+      method(kBinary[B].name, binary_call<int(B)>,
+             "(a, b, out): out = a (op) b elementwise over out.size elements.")...,
+      method(kScalar[S].name, scalar_call<int(S)>,
+             "(a, val, out): out = a (op) val elementwise over out.size elements.")...,
+      method(kUnary[U].name, unary_call<int(U)>,
+             "(a, out): out = op(a) elementwise over out.size elements.")...,
+      method(kReduce[R].name, reduce_call<int(R)>,
+             "(a, out, reduce_size): out[i] = op over a[i * reduce_size : (i + 1) * "
+             "reduce_size].")...,
+      method("fill", fill_call, "(out, val): every element of out set to val."),
+      method("compact", view_copy_call<false>,
+             "(a, out, shape, strides, offset): the view of a (element strides and offset) "
+             "copied into compact out."),
+      method("ewise_setitem", view_copy_call<true>,
+             "(a, out, shape, strides, offset): compact a written into the view of out."),
+      method("scalar_setitem", scalar_setitem_call,
+             "(size, val, out, shape, strides, offset): every element of the view of out set "
+             "to val; size must equal the view's element count."),
+      method("matmul", matmul_call,
+             "(a, b, out, m, n, p): out (m x p) = a (m x n) @ b (n x p), all compact "
+             "row-major."),
+      method("matmul_strided", matmul_strided_call,
+             "(a, b, out, m, n, p, a_offset, ars, acs, b_offset, brs, bcs): out = A @ B read "
+             "through element offsets and (row, column) strides >= 0; out compact."),
       {nullptr, nullptr, 0, nullptr}};
   return table;
 }

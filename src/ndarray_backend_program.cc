@@ -8,7 +8,6 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
-#include <type_traits>
 #include <vector>
 
 #include "array.h"
@@ -119,31 +118,25 @@ namespace {
 
 const KernelTable* const* g_kernels = nullptr;  // the module's kernel table (set once by bind)
 
-// A list or tuple of Arrays into `out`; false with a TypeError set otherwise.
-template <class Pointer>
-bool array_list(PyObject* const* args, Py_ssize_t nargs, Py_ssize_t at, const char* expected,
-                std::vector<Pointer>* out) {
-  PyObject* seq = args[at];
-  if (!PyList_Check(seq) && !PyTuple_Check(seq)) {
-    fastcall::argument_error("ewise_program", expected, args, nargs);
+// One item of a list argument (argument `at`), converted; false with a Python error set.
+bool item_of(PyObject* item, Py_ssize_t at, Array** out) {
+  if (!pyarray::is_array(item)) {
+    PyErr_Format(PyExc_TypeError, "ewise_program: expected Arrays in argument %zd, got %s", at,
+                 Py_TYPE(item)->tp_name);
     return false;
   }
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-  PyObject** items = PySequence_Fast_ITEMS(seq);
-  out->resize(std::size_t(n));
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    if (!pyarray::is_array(items[i])) {
-      PyErr_Format(PyExc_TypeError, "ewise_program: expected Arrays in argument %zd, got %s",
-                   at, Py_TYPE(items[i])->tp_name);
-      return false;
-    }
-    (*out)[std::size_t(i)] = pyarray::array_of(items[i]);
-  }
+  *out = pyarray::array_of(item);
   return true;
 }
 
-// False, with a TypeError naming the argument for an item that is not a number (an
-// OverflowError stays as it is).
+bool item_of(PyObject* item, Py_ssize_t at, const Array** out) {
+  Array* a = nullptr;
+  if (!item_of(item, at, &a)) return false;
+  *out = a;
+  return true;
+}
+
+// A TypeError naming the argument for an item that is not a number (an OverflowError stays).
 bool not_a_number(Py_ssize_t at, PyObject* item) {
   if (PyErr_ExceptionMatches(PyExc_TypeError)) {
     PyErr_Clear();
@@ -153,32 +146,34 @@ bool not_a_number(Py_ssize_t at, PyObject* item) {
   return false;
 }
 
-// A list or tuple of numbers into `out` (int32 code words or double scalars).
-template <class T>
-bool number_list(PyObject* const* args, Py_ssize_t nargs, Py_ssize_t at, const char* expected,
-                 std::vector<T>* out) {
-  PyObject* seq = args[at];
-  if (!PyList_Check(seq) && !PyTuple_Check(seq)) {
-    fastcall::argument_error("ewise_program", expected, args, nargs);
+bool item_of(PyObject* item, Py_ssize_t at, double* out) {
+  *out = PyFloat_AsDouble(item);
+  return !(*out == -1.0 && PyErr_Occurred()) || not_a_number(at, item);
+}
+
+bool item_of(PyObject* item, Py_ssize_t at, std::int32_t* out) {
+  const long v = PyLong_AsLong(item);
+  if (v == -1 && PyErr_Occurred()) return not_a_number(at, item);
+  if (v < INT32_MIN || v > INT32_MAX) {
+    PyErr_Format(PyExc_OverflowError, "ewise_program: code word %ld outside int32", v);
     return false;
   }
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-  PyObject** items = PySequence_Fast_ITEMS(seq);
+  *out = std::int32_t(v);
+  return true;
+}
+
+// A list or tuple argument args[at] into `out`, item by item.
+template <class T>
+bool list_arg(PyObject* const* args, Py_ssize_t nargs, Py_ssize_t at, const char* expected,
+              std::vector<T>* out) {
+  PyObject** items = nullptr;
+  Py_ssize_t n = 0;
+  if (!fastcall::sequence_arg("ewise_program", expected, args, nargs, at, &items, &n)) {
+    return false;
+  }
   out->resize(std::size_t(n));
   for (Py_ssize_t i = 0; i < n; ++i) {
-    if constexpr (std::is_same_v<T, double>) {
-      const double v = PyFloat_AsDouble(items[i]);
-      if (v == -1.0 && PyErr_Occurred()) return not_a_number(at, items[i]);
-      (*out)[std::size_t(i)] = v;
-    } else {
-      const long v = PyLong_AsLong(items[i]);
-      if (v == -1 && PyErr_Occurred()) return not_a_number(at, items[i]);
-      if (v < INT32_MIN || v > INT32_MAX) {
-        PyErr_Format(PyExc_OverflowError, "ewise_program: code word %ld outside int32", v);
-        return false;
-      }
-      (*out)[std::size_t(i)] = T(v);
-    }
+    if (!item_of(items[i], at, &(*out)[std::size_t(i)])) return false;
   }
   return true;
 }
@@ -194,9 +189,8 @@ PyObject* ewise_program_call(PyObject*, PyObject* const* args, Py_ssize_t nargs)
   std::vector<std::int32_t> code;
   std::vector<double> scalars;
   std::int64_t n = 0;
-  if (!array_list(args, nargs, 0, expected, &ins) || !array_list(args, nargs, 1, expected, &outs) ||
-      !number_list(args, nargs, 2, expected, &code) ||
-      !number_list(args, nargs, 3, expected, &scalars) ||
+  if (!list_arg(args, nargs, 0, expected, &ins) || !list_arg(args, nargs, 1, expected, &outs) ||
+      !list_arg(args, nargs, 2, expected, &code) || !list_arg(args, nargs, 3, expected, &scalars) ||
       !fastcall::int_args("ewise_program", expected, args, nargs, 4, 5, &n)) {
     return nullptr;
   }
@@ -209,11 +203,10 @@ PyObject* ewise_program_call(PyObject*, PyObject* const* args, Py_ssize_t nargs)
 void bind_ewise_program(py::module_& m, const KernelTable* const* kernels) {
   g_kernels = kernels;
   static PyMethodDef table[] = {
-      {"ewise_program",
-       reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(ewise_program_call)),
-       METH_FASTCALL,
-       "(ins, outs, code, scalars, n): run an elementwise program over n elements of each "
-       "input Array, writing the output Arrays (see ewise_program_impl.h for the format)."},
+      fastcall::method("ewise_program", ewise_program_call,
+                       "(ins, outs, code, scalars, n): run an elementwise program over n "
+                       "elements of each input Array, writing the output Arrays (see "
+                       "ewise_program_impl.h for the format)."),
       {nullptr, nullptr, 0, nullptr}};
   if (PyModule_AddFunctions(m.ptr(), table) != 0) throw py::error_already_set();
 }
