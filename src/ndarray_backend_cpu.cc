@@ -1,8 +1,9 @@
 // pybind11 bindings of the C++ CPU backend (docs/backend_protocol.md).
 //
 // Each entry point checks the few things that would otherwise crash the process (sizes,
-// dtypes, views reaching outside their buffer), then releases the GIL and runs a kernel from
-// the table chosen at import time (src/dispatch.cc: AVX-512, else AVX2+FMA+F16C, else baseline).
+// dtypes, views reaching outside their buffer), then releases the GIL (when the work is large
+// enough to be worth it: ReleaseGilIfLarge) and runs a kernel from the table chosen at import
+// time (src/dispatch.cc: AVX-512, else AVX2+FMA+F16C, else baseline).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
