@@ -155,7 +155,7 @@ void compact(const Array& a, Array& out, Dims shape, Dims strides, std::int64_t 
   const std::size_t n = check_view("compact", v, a.size());
   big_enough("compact", "out", out, n);
   if (!n) return;
-  ReleaseGilIfLarge release(double(n));
+  ReleaseGilIfLarge release{double(n)};
   gather(itemsize(a.dtype()), a.data(), v, out.data());
 }
 
@@ -165,7 +165,7 @@ void ewise_setitem(const Array& a, Array& out, Dims shape, Dims strides, std::in
   const std::size_t n = check_view("ewise_setitem", v, out.size());
   big_enough("ewise_setitem", "a", a, n);
   if (!n) return;
-  ReleaseGilIfLarge release(double(n));
+  ReleaseGilIfLarge release{double(n)};
   scatter(itemsize(a.dtype()), a.data(), v, out.data());
 }
 
@@ -179,7 +179,7 @@ void scalar_setitem(std::int64_t size, double val, Array& out, Dims shape, Dims 
   }
   if (!n) return;
   const std::uint64_t bits = scalar_bits(out.dtype(), val);
-  ReleaseGilIfLarge release(double(n));
+  ReleaseGilIfLarge release{double(n)};
   scatter_value(itemsize(out.dtype()), &bits, v, out.data());
 }
 

@@ -176,3 +176,65 @@ def test_ewise_program_names_a_bad_list_and_still_checks_the_program():
         cpu.ewise_program([a], [out], load + neg + store + [1], [], 2)
     with pytest.raises(ValueError, match="ewise_program: register 1 read before set"):
         cpu.ewise_program([a], [out], load + store, [], 2)
+
+
+def _other_thread_ran_during(call) -> int:
+    """How many loop turns a second Python thread made while ``call()`` ran on this one:
+    0 when ``call`` held the GIL throughout.
+
+    The switch interval is made huge for the measurement, so the interpreter never takes the
+    GIL from a thread by force: the other thread runs only when this one gives the GIL up (a
+    kernel that releases it, or ``time.sleep(0)``), and the count is exact, not a timing."""
+    import sys
+    import threading
+    import time
+
+    state = {"count": 0, "done": False}
+
+    def spin():
+        while not state["done"]:
+            state["count"] += 1
+            if state["count"] % 1000 == 0:
+                time.sleep(0)  # hand the GIL back when the main thread wants it
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(30.0)
+    spinner = threading.Thread(target=spin)
+    try:
+        spinner.start()
+        while state["count"] == 0:  # let the spinner start
+            time.sleep(0)
+        before = state["count"]
+        call()
+        return state["count"] - before
+    finally:
+        state["done"] = True
+        spinner.join()
+        sys.setswitchinterval(interval)
+
+
+LARGE = 1 << 24  # 16M elements: tens of ms per kernel, far above the 32,768 threshold
+
+
+@pytest.mark.parametrize("kernel", ["compact", "ewise_setitem", "scalar_setitem", "ewise_add",
+                                    "fill", "reduce_sum"])
+def test_large_kernels_release_the_gil(kernel):
+    a, out, small = cpu.Array(LARGE, "float32"), cpu.Array(LARGE, "float32"), cpu.Array(1)
+    cpu.fill(a, 1.0)
+    calls = {
+        "compact": lambda: cpu.compact(a, out, (LARGE,), (1,), 0),
+        "ewise_setitem": lambda: cpu.ewise_setitem(a, out, (LARGE,), (1,), 0),
+        "scalar_setitem": lambda: cpu.scalar_setitem(LARGE, 2.0, out, (LARGE,), (1,), 0),
+        "ewise_add": lambda: cpu.ewise_add(a, a, out),
+        "fill": lambda: cpu.fill(out, 3.0),
+        "reduce_sum": lambda: cpu.reduce_sum(a, out, 1),
+    }
+    before = cpu.get_num_threads()
+    cpu.set_num_threads(1)  # leave the second core to the other thread
+    try:
+        ran = _other_thread_ran_during(calls[kernel])
+        held = _other_thread_ran_during(lambda: cpu.ewise_add(a, a, small))  # kept: 1 element
+    finally:
+        cpu.set_num_threads(before)
+    assert ran > 0, f"{kernel}: no other Python thread ran during a {LARGE}-element call"
+    assert held == 0
