@@ -60,11 +60,18 @@ inline PyObject* adopt(Array* owned) {
   return obj;
 }
 
-// The dtype named by a str (interned names matched by pointer) or anything np.dtype accepts.
-inline DType dtype_of(PyObject* dtype) {
+// One interned str per dtype, indexed by DType (leaked on purpose: no GIL at exit). Read on
+// every NDArray op (dtype checks) and matched by pointer on every allocation.
+inline PyObject* const* dtype_names() {
   static PyObject* const names[3] = {PyUnicode_InternFromString(dtype_name(DType::f32)),
                                      PyUnicode_InternFromString(dtype_name(DType::f64)),
                                      PyUnicode_InternFromString(dtype_name(DType::f16))};
+  return names;
+}
+
+// The dtype named by a str (interned names matched by pointer) or anything np.dtype accepts.
+inline DType dtype_of(PyObject* dtype) {
+  PyObject* const* names = dtype_names();
   if (dtype == names[0]) return DType::f32;
   if (dtype == names[1]) return DType::f64;
   if (dtype == names[2]) return DType::f16;
@@ -140,11 +147,7 @@ inline PyObject* get_size(PyObject* self, void*) {
 }
 
 inline PyObject* get_dtype(PyObject* self, void*) {
-  // read on every NDArray op (dtype checks): one interned str per dtype, leaked on purpose
-  static PyObject* const names[3] = {PyUnicode_InternFromString(dtype_name(DType::f32)),
-                                     PyUnicode_InternFromString(dtype_name(DType::f64)),
-                                     PyUnicode_InternFromString(dtype_name(DType::f16))};
-  PyObject* name = names[int(array_of(self)->dtype())];
+  PyObject* name = dtype_names()[int(array_of(self)->dtype())];
   Py_INCREF(name);
   return name;
 }
