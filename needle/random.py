@@ -14,7 +14,10 @@ What this module adds on top of NumPy:
   checkpoint region needs to replay the first forward's draws during recomputation;
 * per-device streams (``register_stream``) for a device that draws on its own generator;
 * draw observers (``observe_draws``), so ``checkpoint(..., verify=True)`` can hash every draw
-  made inside a region and compare the replay draw by draw.
+  made inside a region and compare the replay draw by draw;
+* ``host_mt19937``: NumPy's global Mersenne Twister, handed to a backend kernel that makes
+  ``rand``'s draws itself (the C++ backend writes a Dropout mask straight from it), advancing
+  the very same state, so the numbers and everything drawn afterwards stay NumPy's.
 
 Example:
     >>> import numpy as np
@@ -29,6 +32,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -38,7 +42,8 @@ from ._core.handles import Callbacks, RemovableHandle
 
 __all__ = ["seed", "get_state", "set_state", "fork_rng", "rand", "randn", "randint",
            "permutation", "register_stream", "unregister_stream", "stream_for",
-           "observe_draws", "add_draw_observer", "RNGState", "NumpyGlobalStream", "HOST"]
+           "observe_draws", "add_draw_observer", "RNGState", "NumpyGlobalStream", "HOST",
+           "host_mt19937", "draw_through_numpy"]
 
 HOST = "host"  # key of the host stream (NumPy's global generator)
 
@@ -265,6 +270,54 @@ def permutation(n, device=None):
     value = stream_for(device).permutation(n)
     _notify("permutation", device, value)
     return value
+
+
+def host_mt19937(device=None):
+    """NumPy's global MT19937 bit generator, when a kernel may make ``rand``'s draws for
+    ``device`` in NumPy's place; otherwise None.
+
+    That is when ``device`` draws from the host stream, NumPy's global RandomState runs an
+    MT19937 (``np.random.set_bit_generator`` may have swapped it) and no draw observer listens
+    (observers are handed the float64 array NumPy returns). The kernel must advance the
+    generator exactly as ``np.random.rand`` would: the C++ backend's ``mt19937_uniform`` does,
+    under the generator's lock.
+
+    Example:
+        >>> import numpy as np
+        >>> type(host_mt19937()).__name__
+        'MT19937'
+        >>> with observe_draws():
+        ...     print(host_mt19937())
+        None
+    """
+    if _OBSERVERS or _LOCAL.numpy_only or (_STREAMS and stream_for(device) is not _HOST_STREAM):
+        return None
+    generator = getattr(_NUMPY_GLOBAL, "_bit_generator", None)
+    return generator if type(generator) is np.random.MT19937 else None
+
+
+def draw_through_numpy(flag: bool) -> bool:
+    """While ``flag`` holds on this thread, :func:`host_mt19937` answers None, so that every
+    draw goes through NumPy. A compiled step sets it for its Python: its trace and its
+    recordings must see one and the same sequence of kernels. Returns the previous value.
+
+    Example:
+        >>> previous = draw_through_numpy(True); host_mt19937() is None
+        True
+        >>> _ = draw_through_numpy(previous)
+    """
+    previous, _LOCAL.numpy_only = _LOCAL.numpy_only, bool(flag)
+    return previous
+
+
+class _Local(threading.local):
+    numpy_only = False  # a class default: threads that never set it read False
+
+
+_LOCAL = _Local()
+# NumPy's global RandomState, whose bit generator ``np.random.rand`` draws from (a private name
+# of NumPy's: when it is missing, host_mt19937 answers None and NumPy draws as usual).
+_NUMPY_GLOBAL = getattr(np.random.mtrand, "_rand", None)
 
 
 # ----- observers ------------------------------------------------------------------------------

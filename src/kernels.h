@@ -86,6 +86,10 @@ struct KernelTable {
   void (*ewise_program)(DType t, const void* const* ins, void* const* outs,
                         const std::int32_t* code, std::size_t ncode, const double* scalars,
                         std::size_t n);
+  // n uniform [0, 1) draws from NumPy's MT19937 state `state` (advanced in place, exactly as
+  // np.random.rand would; see mt19937_impl.h) into out (float32/float64): the draws, or with
+  // `below` 1 where draw <= p and 0 elsewhere, compared in out's precision.
+  void (*uniform_fill)(void* state, DType t, void* out, std::size_t n, bool below, double p);
   // Names of the float32 and float64 matmul micro-kernels (printed by the benchmarks).
   const char* sgemm_name;
   const char* dgemm_name;

@@ -1,5 +1,6 @@
 // Body shared by kernels_base.cc, kernels_avx2.cc and kernels_avx512.cc: the includer defines
 // NEEDLE_ISA (the namespace) and compiles this with its own instruction-set flags.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -28,11 +29,12 @@ namespace NEEDLE_ISA {
 #include "lstm_impl.h"
 #include "batchnorm_impl.h"
 #include "softmax_xent_impl.h"
+#include "mt19937_impl.h"
 
 extern const KernelTable table = {
     NEEDLE_ISA_NAME, binary, scalar, unary, cast, reduce, matmul, matmul_strided,
     conv_forward, conv_weight_grad, conv_input_grad, lstm_forward, lstm_backward,
-    bn_forward, bn_backward, xent_forward, xent_backward, ewise_program,
+    bn_forward, bn_backward, xent_forward, xent_backward, ewise_program, uniform_fill,
     GemmConfig<float>::name, GemmConfig<double>::name,
 };
 

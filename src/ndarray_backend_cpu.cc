@@ -24,6 +24,8 @@
 #include "ewise_program.h"
 #include "kernels.h"
 #include "ndarray_backend_fused.h"
+#include "ndarray_backend_random.h"
+#include "release_gil.h"
 #include "strided.h"
 #include "tiled.h"
 
@@ -37,26 +39,6 @@ constexpr std::size_t kTile = 8;
 const KernelTable* g_kernels = &base::table;
 
 DType dtype_of(const py::object& dtype) { return pyarray::dtype_of(dtype.ptr()); }
-
-// Small kernels keep the GIL: releasing and taking it back costs about as much as adding a few
-// thousand floats, and no other thread can use a gap that short. Larger ones release it, so
-// that a communication thread progresses while compute runs.
-// `work`: elements touched, or multiply-adds for a matmul (a double: m * n * p cannot wrap).
-constexpr double kReleaseGilWork = 32768.0;
-
-class ReleaseGilIfLarge {
- public:
-  explicit ReleaseGilIfLarge(double work)
-      : state_(work >= kReleaseGilWork ? PyEval_SaveThread() : nullptr) {}
-  ~ReleaseGilIfLarge() {
-    if (state_ != nullptr) PyEval_RestoreThread(state_);
-  }
-  ReleaseGilIfLarge(const ReleaseGilIfLarge&) = delete;
-  ReleaseGilIfLarge& operator=(const ReleaseGilIfLarge&) = delete;
-
- private:
-  PyThreadState* state_;
-};
 
 void same_dtype(const char* op, const Array& a, const Array& out) {
   if (a.dtype() != out.dtype()) {
@@ -377,6 +359,7 @@ PYBIND11_MODULE(ndarray_backend_cpu, m) {
   m.def("_get_isa", [] { return std::string(g_kernels->name); });
   m.def("_set_isa", [](const std::string& name) { g_kernels = &select_isa(name); });
   nd::bind_fused(m, &g_kernels);
+  nd::bind_random(m, &g_kernels);
   nd::bind_kernel_list(m);
   m.def("_available_isas", &nd::available_isas);
   m.def("_kernel_info", [] {

@@ -25,7 +25,7 @@ from .ndarray_checks import check_class_ids
 __all__ = ["conv2d_forward", "conv2d_weight_grad", "conv2d_input_grad", "lstm_cell_forward",
            "lstm_cell_backward", "batch_norm_forward", "batch_norm_backward",
            "softmax_xent_forward", "softmax_xent_backward", "embedding_forward",
-           "embedding_backward", "ewise_program"]
+           "embedding_backward", "ewise_program", "mt19937_uniform"]
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
@@ -311,3 +311,21 @@ def ewise_program(ins, outs, code, scalars, n) -> None:
         else:
             unary[op](_Buffer(regs[a]), result)
         regs[dst] = result.array
+
+
+def mt19937_uniform(bit_generator, out, n, p=None) -> None:
+    """``out[:n]`` = the next ``n`` draws of ``np.random.rand`` from ``bit_generator`` (NumPy's
+    MT19937, advanced in place), cast to out's dtype; with ``p``: 1 where that value <= p
+    (compared in out's dtype), else 0. The oracle of the C++ backend's kernel."""
+    if type(bit_generator) is not np.random.MT19937:
+        raise TypeError(f"mt19937_uniform: expected a numpy.random.MT19937, got "
+                        f"{type(bit_generator).__name__}")
+    if out.array.dtype not in (np.float32, np.float64):
+        raise TypeError(f"mt19937_uniform: expected a float32 or float64 out, got "
+                        f"{out.array.dtype.name}")
+    if not 0 <= n <= out.array.size:
+        raise ValueError(f"mt19937_uniform: expected 0 <= n <= out.size ({out.array.size}), "
+                         f"got {n}")
+    # A RandomState over the same bit generator shares its state: its draws advance it.
+    values = np.random.RandomState(bit_generator).random_sample(n).astype(out.array.dtype)
+    out.array[:n] = values if p is None else values <= out.array.dtype.type(p)

@@ -23,6 +23,8 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
+from needle import random as _random
+
 __all__ = ["replayed", "set_listener", "compiling", "set_compiling"]
 
 
@@ -67,5 +69,8 @@ def compiling() -> bool:
 
 
 def set_compiling(flag: bool) -> None:
-    """Mark this thread as running a compiled step's Python (or no longer)."""
+    """Mark this thread as running a compiled step's Python (or no longer). Random draws then
+    go through NumPy, not a device kernel (``needle.random.draw_through_numpy``): the trace,
+    the plan and the recordings see the same allocations and kernels."""
     _LOCAL.compiling = flag
+    _random.draw_through_numpy(flag)

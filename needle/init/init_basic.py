@@ -17,6 +17,7 @@ from .. import random as _random
 from .._core.dtypes import canonical_dtype
 from .._core.errors import IndexOutOfRange
 from ..autograd import Tensor
+from ..backend_ndarray.kernel_draws import uniform
 from ..backend_selection import BACKEND, NDArray, default_device
 
 __all__ = ["rand", "randn", "constant", "ones", "zeros", "randb", "one_hot",
@@ -33,11 +34,14 @@ def _draw(device, kind: str, shape: tuple, dtype):
     # One draw through needle.random (so checkpoint verification sees it), then the array the
     # course's device.rand/randn would build: nd devices make it in float32 unless float64 or
     # float16 is asked for; np mode keeps NumPy's float64 and casts when the Tensor is made.
-    values = getattr(_random, kind)(*shape)
     if not _ND:
-        return values
-    return NDArray(values, device=device,
-                   dtype=dtype if dtype in ("float64", "float16") else "float32")
+        return getattr(_random, kind)(*shape)
+    dtype = dtype if dtype in ("float64", "float16") else "float32"
+    if kind == "rand":  # the same numbers, made by the device's kernel where it has one
+        drawn = uniform(device, shape, dtype, host_stream=True)
+        if drawn is not None:
+            return drawn
+    return NDArray(getattr(_random, kind)(*shape), device=device, dtype=dtype)
 
 
 def _tensor_of(array, device, dtype, requires_grad: bool) -> Tensor:
@@ -82,7 +86,10 @@ def zeros(*shape, device=None, dtype="float32", requires_grad=False):
 def randb(*shape, p=0.5, device=None, dtype="bool", requires_grad=False):
     """Bernoulli(p) samples: ``rand(shape) <= p`` (nd mode stores them as float32 0/1)."""
     device = _device(device)
-    array = _draw(device, "rand", shape, "float32") <= p
+    # The C++ device writes the mask straight from NumPy's generator: the comparison's numbers
+    array = uniform(device, shape, "float32", p, host_stream=True) if _ND else None
+    if array is None:
+        array = _draw(device, "rand", shape, "float32") <= p
     return _tensor_of(array, device, dtype, requires_grad)
 
 
