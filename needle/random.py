@@ -272,7 +272,7 @@ def permutation(n, device=None):
     return value
 
 
-def host_mt19937(device=None):
+def host_mt19937(device=None, *, replaying: bool = False):
     """NumPy's global MT19937 bit generator, when a kernel may make ``rand``'s draws for
     ``device`` in NumPy's place; otherwise None.
 
@@ -280,7 +280,8 @@ def host_mt19937(device=None):
     MT19937 (``np.random.set_bit_generator`` may have swapped it) and no draw observer listens
     (observers are handed the float64 array NumPy returns). The kernel must advance the
     generator exactly as ``np.random.rand`` would: the C++ backend's ``mt19937_uniform`` does,
-    under the generator's lock.
+    under the generator's lock. ``replaying``: a compiled step's kernel program asks; it runs
+    none of the step's Python, so :func:`draw_through_numpy` does not apply to it.
 
     Example:
         >>> import numpy as np
@@ -290,7 +291,8 @@ def host_mt19937(device=None):
         ...     print(host_mt19937())
         None
     """
-    if _OBSERVERS or _LOCAL.numpy_only or (_STREAMS and stream_for(device) is not _HOST_STREAM):
+    if _OBSERVERS or (_LOCAL.numpy_only and not replaying) \
+            or (_STREAMS and stream_for(device) is not _HOST_STREAM):
         return None
     generator = getattr(_NUMPY_GLOBAL, "_bit_generator", None)
     return generator if type(generator) is np.random.MT19937 else None

@@ -27,7 +27,7 @@ from needle.backend_ndarray import device_by_name
 from .fusion import FusedCall, slots_of
 from .recorder import Alloc, Call, Const, PyCall, RandomFill, Recording, Ref, ScalarRef
 
-__all__ = ["generate", "draw"]
+__all__ = ["generate", "draw", "random_fill"]
 
 
 def generate(rec: Recording, external_slots: list, made: list, ops=None, device_mod=None):
@@ -78,9 +78,8 @@ def generate(rec: Recording, external_slots: list, made: list, ops=None, device_
             names[f"f{i}"] = op.fn
             lines.append(f"    q{op.index} = f{i}()")
         elif isinstance(op, RandomFill):
-            names[f"k{i}"] = op.fn
-            names[f"d{i}"] = draw(op)
-            lines.append(f"    k{i}(_asarray(d{i}(), {op.dtype!r}, order='C'), s{op.slot})")
+            names[f"k{i}"] = random_fill(op, device_mod)
+            lines.append(f"    k{i}(s{op.slot})")
             n_kernels += 1
         dead = [s for s in slots_of(op) if last[s] == i and s not in keep]
         if dead:
@@ -128,3 +127,27 @@ def _flatten(items):
 def draw(op: RandomFill):
     device = None if op.stream == _random.HOST else device_by_name(op.stream)
     return functools.partial(getattr(_random, op.kind), *op.shape, device=device)
+
+
+def random_fill(op: RandomFill, mod=None):
+    """``fill(out)``: a fresh draw of ``op`` into the buffer ``out``, as recorded:
+    ``from_numpy(asarray(draw(), dtype), out)``. A uniform float32/float64 draw is made by
+    backend ``mod``'s ``mt19937_uniform`` kernel where ``needle.random.host_mt19937`` allows
+    (the same numbers, NumPy's generator advanced the same way, without the float64 array)."""
+    drawn = draw(op)
+    from_numpy, dtype = op.fn, op.dtype
+    kernel = getattr(mod, "mt19937_uniform", None)
+    if op.kind != "rand" or dtype not in ("float32", "float64") or kernel is None:
+        kernel = None
+    device = None if op.stream == _random.HOST else device_by_name(op.stream)
+    count = math.prod(op.shape)
+
+    def fill(out):
+        generator = _random.host_mt19937(device, replaying=True) if kernel else None
+        if generator is not None:
+            kernel(generator, out, count)
+        else:
+            from_numpy(np.asarray(drawn(), dtype, order="C"), out)
+
+    fill.__name__ = "random_fill"
+    return fill

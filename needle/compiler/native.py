@@ -23,8 +23,6 @@ Example:
 """
 from __future__ import annotations
 
-import numpy as np
-
 from .fusion import BINARY, FUSIBLE, RSCALAR, SCALAR, UNARY, FusedCall, slots_of
 from .recorder import Alloc, Call, Const, PyCall, RandomFill, Ref, ScalarRef
 
@@ -33,14 +31,15 @@ __all__ = ["build_kernel_list"]
 _REDUCE = {"reduce_sum": 0, "reduce_max": 1, "reduce_min": 2}
 
 
-def build_kernel_list(ops: list, external_slots: list, keep: set, mod, draw):
+def build_kernel_list(ops: list, external_slots: list, keep: set, mod, fill):
     """The ``_KernelList`` of ``ops`` on backend ``mod`` (None when it has none).
 
     Args:
         ops: the program's ops (Alloc, Call, FusedCall, RandomFill, PyCall) in order.
         external_slots: the slots bound per run, in the order ``run`` receives them.
         keep: slots the run returns (never freed).
-        draw: ``draw(random_fill)`` -> the zero-argument draw of a RandomFill.
+        fill: ``fill(random_fill_op)`` -> ``fn(out)`` making that op's fresh draw into ``out``
+            (``codegen.random_fill``).
     """
     kernel_list = getattr(mod, "_KernelList", None)
     if kernel_list is None:
@@ -59,7 +58,7 @@ def build_kernel_list(ops: list, external_slots: list, keep: set, mod, draw):
     kl = kernel_list(n_slots, max(n_regs, 1))
     for i, op in enumerate(ops):
         try:
-            _add(kl, op, registers, draw)
+            _add(kl, op, registers, fill)
         except ValueError:
             return None  # an argument the list cannot pass: keep the Python program
         dead = sorted({s for s in slots_of(op) if last[s] == i and s not in keep})
@@ -72,13 +71,13 @@ def _reg(ref: ScalarRef, registers: dict) -> int:
     return registers[ref.call] + max(ref.index, 0)
 
 
-def _add(kl, op, registers: dict, draw) -> None:
+def _add(kl, op, registers: dict, fill) -> None:
     if isinstance(op, Alloc):
         kl.alloc(op.slot, op.size, op.dtype, op.category or "other")
     elif isinstance(op, PyCall):
         kl.python(op.fn, [], [], [], [], registers[op.index])
     elif isinstance(op, RandomFill):
-        kl.python(_fill_drawn(op.fn, draw(op), op.dtype), [None], [op.slot], [-1], [[]], -1)
+        kl.python(fill(op), [None], [op.slot], [-1], [[]], -1)
     elif isinstance(op, FusedCall):
         kl.program(list(op.ins), list(op.outs), list(op.code), list(op.scalars), op.n)
     elif not _native(kl, op, registers):
@@ -144,13 +143,3 @@ def _python_call(kl, op: Call, registers: dict) -> None:
         reg_at.append(reg)
         lists.append(items)
     kl.python(op.fn, args, slot_at, reg_at, lists, -1)
-
-
-def _fill_drawn(from_numpy, draw, dtype: str):
-    """``out <- asarray(draw(), dtype)``: a RandomFill as one call with its buffer."""
-
-    def fill(out):
-        from_numpy(np.asarray(draw(), dtype, order="C"), out)
-
-    fill.__name__ = "random_fill"
-    return fill

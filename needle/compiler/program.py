@@ -36,7 +36,7 @@ from needle.autograd.versions import note_replaced
 from needle.backend_ndarray import NDArray
 from needle.backend_ndarray.ndarray import _view
 
-from .codegen import draw, generate
+from .codegen import generate, random_fill
 from .fusion import FusedCall, fuse
 from .native import build_kernel_list
 from .recorder import Alloc, Call, RandomFill, Recording
@@ -255,8 +255,9 @@ class KernelProgram:
 
             ops = fuse(ops, sizes, set(made) | set(self._external_slots), kernel, overlaps)
         self.fused_runs = sum(isinstance(op, FusedCall) for op in ops)
-        self.native = build_kernel_list(ops, self._external_slots, set(made), self.device.mod,
-                                        draw) if native else None
+        mod = self.device.mod
+        self.native = build_kernel_list(ops, self._external_slots, set(made), mod,
+                                        lambda op: random_fill(op, mod)) if native else None
         if self.native is None:
             self._fn, self.source, self.n_kernels = generate(
                 rec, self._external_slots, made, ops, self.device.mod)

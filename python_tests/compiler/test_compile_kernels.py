@@ -128,6 +128,33 @@ def test_dropout_masks_are_fresh_on_every_kernel_replay(dev):
     assert len({m.tobytes() for m in masks}) == 7
 
 
+def test_kernel_replays_draw_masks_with_the_device_kernel_and_numpys_numbers(dev,
+                                                                            monkeypatch):
+    """A replayed program makes its dropout draws with the backend's mt19937_uniform (both
+    backends have it), and they are the draws the eager steps make from the same seed."""
+    made_by_kernel = []
+    real = ndl.random.host_mt19937
+
+    def counting(device=None, *, replaying=False):
+        generator = real(device, replaying=replaying)
+        if replaying:
+            made_by_kernel.append(generator is not None)
+        return generator
+
+    monkeypatch.setattr(ndl.random, "host_mt19937", counting)
+    x = ndl.Tensor(np.ones((64, 64)), device=dev, requires_grad=False)
+    drop = nn.Dropout(0.5)
+    step = ndl.compile(lambda a: drop(a) * 1.0)
+    np.random.seed(0)
+    compiled = [step(x).numpy() for _ in range(7)]
+    assert step.stats()["kernel_replays"] == 3
+    assert made_by_kernel == [True] * 3
+    np.random.seed(0)
+    eager = [(drop(x) * 1.0).numpy() for _ in range(7)]
+    for a, b in zip(compiled, eager, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_kernel_replay_measured_peak_is_the_planned_peak(dev):
     np.random.seed(0)
     model = nn.Sequential(nn.Linear(32, 32, device=dev), nn.ReLU(),
