@@ -130,13 +130,20 @@ def _shape_args(shape) -> tuple:
 
 
 def _nd():
-    from . import ndarray
-    return ndarray
+    # ndarray imports this module: looked up at first use, then kept (an import statement
+    # run per call costs ~1 µs, and rand runs this per Dropout mask)
+    if not _LAZY:
+        from . import kernel_draws, ndarray
+        _LAZY.extend((ndarray, kernel_draws))
+    return _LAZY[0]
 
 
 def _kernel_draws():
-    from . import kernel_draws
-    return kernel_draws
+    _nd()
+    return _LAZY[1]
+
+
+_LAZY: list = []
 
 
 def _prepare_cpu_threads() -> None:

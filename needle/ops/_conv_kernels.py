@@ -20,6 +20,7 @@ Example:
 """
 from __future__ import annotations
 
+from ..backend_ndarray.ndarray import NDArray
 from ..backend_selection import BACKEND
 
 _ND = BACKEND == "nd"
@@ -51,8 +52,6 @@ def forward(x, w, stride: int, padding: int):
     mod = _module(x, w)
     if mod is None:
         return None
-    from ..backend_ndarray.ndarray import NDArray
-
     n, h, wd, _, kh, kw, cout, _, _ = geom = _geometry(x, w, stride, padding)
     ho, wo = (h + 2 * padding - kh) // stride + 1, (wd + 2 * padding - kw) // stride + 1
     x, w = x.compact(), w.compact()
@@ -66,8 +65,6 @@ def weight_grad(x, dy, kernel_shape: tuple, stride: int, padding: int):
     mod = _module(x, dy)
     if mod is None:
         return None
-    from ..backend_ndarray.ndarray import NDArray
-
     x, dy = x.compact(), dy.compact()
     n, h, wd, c = x.shape
     kh, kw, _, cout = kernel_shape
@@ -82,8 +79,6 @@ def input_grad(dy, w, input_shape: tuple, stride: int, padding: int):
     mod = _module(dy, w)
     if mod is None:
         return None
-    from ..backend_ndarray.ndarray import NDArray
-
     dy, w = dy.compact(), w.compact()
     n, h, wd, c = input_shape
     kh, kw, _, cout = w.shape

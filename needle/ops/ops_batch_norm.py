@@ -29,6 +29,7 @@ import math
 from .._core.errors import ShapeError
 from ..autograd import TensorOp
 from ..autograd.tensor import const as _leaf
+from ..backend_ndarray.ndarray import _alloc, _view
 from ..backend_selection import BACKEND
 from . import _array as A
 from .ops_shape import broadcast_to, reshape, summation
@@ -79,28 +80,31 @@ def _channels_last(x) -> tuple | None:
 
 
 def _like(flat, x):
-    """``flat`` (a fresh buffer holding values in ``x``'s memory order) viewed as ``x`` is."""
-    from ..backend_ndarray.ndarray import NDArray
+    """``flat`` (a fresh buffer holding values in ``x``'s memory order) viewed as ``x`` is.
 
-    return NDArray.make(tuple(x.shape), strides=tuple(x.strides), device=x.device,
-                        handle=flat._handle)
+    ``x`` is dense (compact, or channels-last), so its strides reach exactly ``flat``'s
+    elements: the view needs no bounds check (kernel paths only, nd mode)."""
+    return _view(tuple(x.shape), tuple(x.strides), 0, x.device, flat._handle)
+
+
+def _empty(shape: tuple, like):
+    """A fresh compact array of ``like``'s device and dtype for a kernel to write (kernel
+    paths only: the shape is a tuple of ints already validated)."""
+    return _alloc(shape, like.device, like.dtype, "batch_norm")
 
 
 def _forward_arrays(x, w, b, n, c, s, eps):
     """(y, mean, var, invstd) as arrays, by the kernel or composed from array ops."""
     mod = _kernel_module(x)
     if mod is not None:
-        from ..backend_ndarray.ndarray import NDArray
-
-        make, dev, dt = NDArray.make, x.device, x.dtype
         # A channels-last buffer is (N*d1*..., C) rows: the kernel's S = 1 case, no copy,
         # and y keeps that layout (the next convolution reads it without a transpose).
         last = _channels_last(x)
         rows = (n * s, c, 1) if last is not None else (n, c, s)
         if last is None:
             x = x.compact()
-        y = make((n * c * s,), device=dev, dtype=dt)
-        mean, var, invstd = (make((c,), device=dev, dtype=dt) for _ in range(3))
+        y = _empty((n * c * s,), x)
+        mean, var, invstd = _empty((c,), x), _empty((c,), x), _empty((c,), x)
         mod.batch_norm_forward(x._handle, A.compact(w)._handle, A.compact(b)._handle, y._handle,
                                mean._handle, var._handle, invstd._handle, *rows, float(eps))
         return _like(y, x), mean, var, invstd
@@ -121,9 +125,6 @@ def _backward_arrays(dy, x, w, mean, invstd, n, c, s):
     layout."""
     mod = _kernel_module(x)
     if mod is not None:
-        from ..backend_ndarray.ndarray import NDArray
-
-        make, dev, dt = NDArray.make, x.device, x.dtype
         last = _channels_last(x)
         if last is not None:
             rows = (n * s, c, 1)
@@ -131,8 +132,8 @@ def _backward_arrays(dy, x, w, mean, invstd, n, c, s):
         else:
             rows = (n, c, s)
             x, dy = x.compact(), dy.compact()
-        dx = make((n * c * s,), device=dev, dtype=dt)
-        dw, db = make((c,), device=dev, dtype=dt), make((c,), device=dev, dtype=dt)
+        dx = _empty((n * c * s,), x)
+        dw, db = _empty((c,), x), _empty((c,), x)
         mod.batch_norm_backward(dy._handle, x._handle, A.compact(w)._handle, mean._handle,
                                 invstd._handle, dx._handle, dw._handle, db._handle, *rows)
         return _like(dx, x), dw, db

@@ -30,6 +30,7 @@ from __future__ import annotations
 from .._core.errors import ShapeError
 from ..autograd import TensorTupleOp
 from ..autograd.tensor import const as _leaf
+from ..backend_ndarray.ndarray import NDArray
 from ..backend_selection import BACKEND
 from . import _array as A
 from .ops_mathematic import matmul, sigmoid, tanh
@@ -89,8 +90,6 @@ def _gates_forward(z, bias, c):
     hidden = width // 4
     mod = _kernel_module(z)
     if mod is not None:
-        from ..backend_ndarray.ndarray import NDArray
-
         z, c = z.compact(), c.compact()
         make = NDArray.make
         dev, dt = z.device, z.dtype
@@ -119,8 +118,6 @@ def _gates_backward(gates, tc, c, dh, dc):
     hidden = width // 4
     mod = _kernel_module(gates)
     if mod is not None:
-        from ..backend_ndarray.ndarray import NDArray
-
         dz = NDArray.make((batch, width), device=gates.device, dtype=gates.dtype)
         dc_prev = NDArray.make((batch, hidden), device=gates.device, dtype=gates.dtype)
         mod.lstm_cell_backward(gates._handle, tc._handle, A.compact(c)._handle,

@@ -29,6 +29,7 @@ import numpy as np
 from .._core.errors import IndexOutOfRange, ShapeError
 from ..autograd import TensorOp
 from ..autograd.tensor import const as _leaf
+from ..backend_ndarray.ndarray import NDArray
 from ..backend_selection import BACKEND
 from . import _array as A
 from .ops_logarithmic import logsumexp
@@ -99,8 +100,6 @@ class SoftmaxCrossEntropy(TensorOp):
         n, k = _check(z.shape, y.shape)
         mod = _kernel_module(z)
         if mod is not None:
-            from ..backend_ndarray.ndarray import NDArray
-
             z = z.compact()
             loss = NDArray.make((n,), device=z.device, dtype=z.dtype)
             self.lse = NDArray.make((n,), device=z.device, dtype=z.dtype)
@@ -120,8 +119,6 @@ class SoftmaxCrossEntropy(TensorOp):
         n, k = zd.shape
         mod = _kernel_module(zd)
         if mod is not None:
-            from ..backend_ndarray.ndarray import NDArray
-
             zd = zd.compact()
             dz = NDArray.make((n, k), device=zd.device, dtype=zd.dtype)
             _run(mod.softmax_xent_backward, zd._handle, _labels_like(yd, zd)._handle,
