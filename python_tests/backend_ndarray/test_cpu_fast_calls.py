@@ -217,10 +217,12 @@ LARGE = 1 << 24  # 16M elements: tens of ms per kernel, far above the 32,768 thr
 
 
 @pytest.mark.parametrize("kernel", ["compact", "ewise_setitem", "scalar_setitem", "ewise_add",
-                                    "fill", "reduce_sum"])
+                                    "fill", "reduce_sum", "scalar_mul", "ewise_tanh", "matmul",
+                                    "mt19937_uniform"])
 def test_large_kernels_release_the_gil(kernel):
     a, out, small = cpu.Array(LARGE, "float32"), cpu.Array(LARGE, "float32"), cpu.Array(1)
     cpu.fill(a, 1.0)
+    side = 1 << 9  # a 512^3 matmul: 134M multiply-adds
     calls = {
         "compact": lambda: cpu.compact(a, out, (LARGE,), (1,), 0),
         "ewise_setitem": lambda: cpu.ewise_setitem(a, out, (LARGE,), (1,), 0),
@@ -228,6 +230,11 @@ def test_large_kernels_release_the_gil(kernel):
         "ewise_add": lambda: cpu.ewise_add(a, a, out),
         "fill": lambda: cpu.fill(out, 3.0),
         "reduce_sum": lambda: cpu.reduce_sum(a, out, 1),
+        "scalar_mul": lambda: cpu.scalar_mul(a, 2.0, out),
+        "ewise_tanh": lambda: cpu.ewise_tanh(a, out),
+        "matmul": lambda: cpu.matmul(a, a, out, side, side, side),
+        "mt19937_uniform": lambda: cpu.mt19937_uniform(np.random.mtrand._rand._bit_generator,
+                                                       out, LARGE),
     }
     before = cpu.get_num_threads()
     cpu.set_num_threads(1)  # leave the second core to the other thread
