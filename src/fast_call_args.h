@@ -73,19 +73,27 @@ inline bool float_arg(const char* name, const char* expected, PyObject* const* a
   return true;
 }
 
+// `item` as an int (ints and anything with __index__) into *out; false with a Python error set
+// otherwise: the argument error for a non-int, an OverflowError kept.
+inline bool int_value(const char* name, const char* expected, PyObject* const* args,
+                      Py_ssize_t nargs, PyObject* item, std::int64_t* out) {
+  const long long v = PyLong_AsLongLong(item);
+  if (v == -1 && PyErr_Occurred()) {
+    if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+      PyErr_Clear();
+      argument_error(name, expected, args, nargs);
+    }
+    return false;
+  }
+  *out = v;
+  return true;
+}
+
 // Integer arguments args[from, to) into out; false (a Python error set) when one is not an int.
 inline bool int_args(const char* name, const char* expected, PyObject* const* args,
                      Py_ssize_t nargs, Py_ssize_t from, Py_ssize_t to, std::int64_t* out) {
   for (Py_ssize_t i = from; i < to; ++i) {
-    const long long v = PyLong_AsLongLong(args[i]);  // ints and anything with __index__
-    if (v == -1 && PyErr_Occurred()) {
-      if (PyErr_ExceptionMatches(PyExc_TypeError)) {
-        PyErr_Clear();
-        argument_error(name, expected, args, nargs);
-      }
-      return false;
-    }
-    out[i - from] = v;
+    if (!int_value(name, expected, args, nargs, args[i], &out[i - from])) return false;
   }
   return true;
 }
@@ -112,15 +120,7 @@ inline bool dims_arg(const char* name, const char* expected, PyObject* const* ar
   if (!sequence_arg(name, expected, args, nargs, at, &items, &n)) return false;
   out->resize(std::size_t(n));
   for (Py_ssize_t i = 0; i < n; ++i) {
-    const long long v = PyLong_AsLongLong(items[i]);
-    if (v == -1 && PyErr_Occurred()) {
-      if (PyErr_ExceptionMatches(PyExc_TypeError)) {
-        PyErr_Clear();
-        argument_error(name, expected, args, nargs);
-      }
-      return false;
-    }
-    (*out)[std::size_t(i)] = v;
+    if (!int_value(name, expected, args, nargs, items[i], &(*out)[std::size_t(i)])) return false;
   }
   return true;
 }

@@ -32,6 +32,14 @@ struct ConvGeom {
   std::size_t pixels() const { return n * ho * wo; }
 };
 
+// NumPy's MT19937 state (numpy/random/src/mt19937/mt19937.h): the key, then the position of
+// the next unused word (624: all used). uniform_fill advances it as np.random.rand would.
+constexpr int kMt19937Words = 624;
+struct Mt19937State {
+  std::uint32_t key[kMt19937Words];
+  int pos;
+};
+
 struct KernelTable {
   const char* name;
   // out[i] = op(a[i], b[i]); all three arrays of dtype `t`, `n` elements.
@@ -89,7 +97,8 @@ struct KernelTable {
   // n uniform [0, 1) draws from NumPy's MT19937 state `state` (advanced in place, exactly as
   // np.random.rand would; see mt19937_impl.h) into out (float32/float64): the draws, or with
   // `below` 1 where draw <= p and 0 elsewhere, compared in out's precision.
-  void (*uniform_fill)(void* state, DType t, void* out, std::size_t n, bool below, double p);
+  void (*uniform_fill)(Mt19937State* state, DType t, void* out, std::size_t n, bool below,
+                       double p);
   // Names of the float32 and float64 matmul micro-kernels (printed by the benchmarks).
   const char* sgemm_name;
   const char* dgemm_name;

@@ -14,17 +14,11 @@
 // the tempering and the conversion are plain loops the compiler vectorises, and the mask is
 // written directly.
 
-constexpr int kMtWords = 624;   // N
-constexpr int kMtShift = 397;   // M
+constexpr int kMtWords = kMt19937Words;  // N
+constexpr int kMtShift = 397;            // M
 constexpr std::uint32_t kMtMatrix = 0x9908b0dfu;
 constexpr std::uint32_t kMtUpper = 0x80000000u;
 constexpr std::uint32_t kMtLower = 0x7fffffffu;
-
-// NumPy's mt19937_state: the key, then the position of the next unused word (624: all used).
-struct Mt19937State {
-  std::uint32_t key[kMtWords];
-  int pos;
-};
 
 inline std::uint32_t mt_mix(std::uint32_t high, std::uint32_t low, std::uint32_t far) {
   const std::uint32_t y = (high & kMtUpper) | (low & kMtLower);
@@ -96,9 +90,8 @@ void mt_fill(Mt19937State* s, T* out, std::size_t n, bool below, T p) {
   }
 }
 
-// The table entry (kernels.h). `state` is a Mt19937State; t is float32 or float64.
-void uniform_fill(void* state, DType t, void* out, std::size_t n, bool below, double p) {
-  auto* s = static_cast<Mt19937State*>(state);
+// The table entry (kernels.h); t is float32 or float64.
+void uniform_fill(Mt19937State* s, DType t, void* out, std::size_t n, bool below, double p) {
   if (t == DType::f32) {
     mt_fill(s, static_cast<float*>(out), n, below, float(p));
   } else {

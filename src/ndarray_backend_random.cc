@@ -17,8 +17,6 @@ namespace py = pybind11;
 namespace needle {
 namespace {
 
-constexpr int kMtStateWords = 624;
-
 // NumPy's bitgen_t (numpy/random/bitgen.h) begins with the generator's state pointer; the
 // "BitGenerator" capsule of a bit generator holds a bitgen_t*.
 struct NumpyBitGen {
@@ -52,7 +50,7 @@ class GeneratorLock {
   py::object lock_;
 };
 
-void* mt19937_state(const py::handle& bit_generator) {
+Mt19937State* mt19937_state(const py::handle& bit_generator) {
   const char* op = "mt19937_uniform";
   if (Py_TYPE(bit_generator.ptr()) != reinterpret_cast<PyTypeObject*>(mt19937_type())) {
     throw py::type_error(std::string(op) + ": expected a numpy.random.MT19937, got " +
@@ -61,7 +59,7 @@ void* mt19937_state(const py::handle& bit_generator) {
   py::object capsule = bit_generator.attr("capsule");
   auto* bitgen = static_cast<NumpyBitGen*>(PyCapsule_GetPointer(capsule.ptr(), "BitGenerator"));
   if (bitgen == nullptr) throw py::error_already_set();
-  return bitgen->state;
+  return static_cast<Mt19937State*>(bitgen->state);  // an MT19937's: its layout is known
 }
 
 }  // namespace
@@ -80,11 +78,10 @@ void bind_random(py::module_& m, const KernelTable* const* kernels) {
     }
     const bool below = !p.is_none();
     const double threshold = below ? p.cast<double>() : 0.0;
-    void* state = mt19937_state(bit_generator);
+    Mt19937State* state = mt19937_state(bit_generator);
     GeneratorLock lock(bit_generator);
-    const int pos = *reinterpret_cast<const int*>(static_cast<const std::uint32_t*>(state) +
-                                                  kMtStateWords);
-    if (pos < 0 || pos > kMtStateWords) {
+    const int pos = state->pos;
+    if (pos < 0 || pos > kMt19937Words) {
       throw std::invalid_argument(std::string(op) + ": generator position out of range, " +
                                   "expected 0..624, got " + std::to_string(pos));
     }

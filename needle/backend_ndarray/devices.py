@@ -80,11 +80,7 @@ class BackendDevice:
                              device=self, dtype=dtype)
 
     def rand(self, *shape, dtype="float32"):
-        shape = _draw_shape("rand", shape)
-        drawn = _kernel_draws().uniform(self, shape, dtype)  # the same numbers, made faster
-        if drawn is not None:
-            return drawn
-        return _nd().NDArray(_random.rand(*shape, device=self), device=self, dtype=dtype)
+        return _kernel_draws().rand(self, shape, dtype)  # by this device's kernel where it can
 
     def one_hot(self, n, i, dtype="float32"):
         """Rows of the n×n identity picked by the indices ``i`` (shape ``i.shape + (n,)``)."""

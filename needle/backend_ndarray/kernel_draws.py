@@ -1,4 +1,4 @@
-"""``rand`` draws made by a device kernel instead of NumPy, when the device has one.
+"""``rand`` draws on a device: made by the device's kernel where it has one, else by NumPy.
 
 NumPy's ``np.random.rand(128, 100)`` fills a float64 array one indirect call per value; a
 Dropout mask then costs a cast to float32 and a comparison on top (three passes and two
@@ -9,16 +9,17 @@ bitwise NumPy's (``float64`` draws rounded to the array's dtype; the mask compar
 dtype, as ``rand(...).astype(dtype) <= p`` does) and NumPy's generator ends where
 ``np.random.rand`` would leave it.
 
-When the device has no such kernel, the dtype is not float32/float64, or
-:func:`needle.random.host_mt19937` says the draw must go through NumPy (another stream, a
-swapped bit generator, a draw observer such as a checkpoint verification or a compile trace),
-:func:`uniform` answers None and the caller draws through :mod:`needle.random` as before.
+:func:`rand` is what callers use (``device.rand``, ``needle.init``): the kernel's draw when
+:func:`uniform` can make it, otherwise the draw through :mod:`needle.random` as before (the
+device has no kernel, the dtype is not float32/float64, or
+:func:`needle.random.host_mt19937` says the draw must go through NumPy: another stream, a
+swapped bit generator, a draw observer such as a checkpoint verification or a compile trace).
 
 Example:
     >>> import numpy as np
-    >>> from needle.backend_ndarray import cpu
-    >>> np.random.seed(0); a = uniform(cpu(), (2, 3), "float64")
-    >>> np.random.seed(0); a is None or bool((a.numpy() == np.random.rand(2, 3)).all())
+    >>> from needle.backend_ndarray import cpu_numpy
+    >>> np.random.seed(0); a = rand(cpu_numpy(), (2, 3), "float64")
+    >>> np.random.seed(0); bool((a.numpy() == np.random.rand(2, 3)).all())
     True
 """
 from __future__ import annotations
@@ -28,9 +29,38 @@ from .ndarray import NDArray, _alloc
 from .ndarray_checks import scalar_value
 from .ndarray_limits import check_alloc, check_dims
 
-__all__ = ["uniform"]
+__all__ = ["rand", "uniform", "kernel_for"]
 
 _KERNEL_DTYPES = ("float32", "float64")
+
+
+def kernel_for(mod, dtype: str):
+    """Backend module ``mod``'s ``mt19937_uniform`` when it can draw ``dtype``, else None."""
+    if dtype not in _KERNEL_DTYPES:
+        return None
+    return getattr(mod, "mt19937_uniform", None)
+
+
+def rand(device, shape, dtype: str, p=None, *, host_stream: bool = False) -> NDArray:
+    """``np.random.rand(*shape)`` as a ``dtype`` array on ``device`` or, with ``p``, its
+    Bernoulli mask ``rand(*shape).astype(dtype) <= p`` as 1/0: by the device's kernel when
+    :func:`uniform` can, else drawn through :mod:`needle.random` (the same numbers).
+
+    The draw is the one ``needle.random.rand(*shape, device=device)`` makes, or with
+    ``host_stream`` the host stream's (``device=None``), as ``needle.init`` draws.
+
+    Raises:
+        ShapeError / SizeLimitError: a malformed shape, or one NumPy could not draw.
+        DTypeError: ``p`` that is not a number.
+    """
+    shape = check_dims("rand", shape)
+    check_alloc("rand", shape, 8, "float64")  # what NumPy's draw needs
+    drawn = uniform(device, shape, dtype, p, host_stream=host_stream)
+    if drawn is not None:
+        return drawn
+    drawn = NDArray(_random.rand(*shape, device=None if host_stream else device),
+                    device=device, dtype=dtype)
+    return drawn if p is None else drawn <= p
 
 
 def uniform(device, shape, dtype: str, p=None, *, host_stream: bool = False) -> NDArray | None:
@@ -45,9 +75,7 @@ def uniform(device, shape, dtype: str, p=None, *, host_stream: bool = False) -> 
         ShapeError / SizeLimitError: a malformed shape, or one NumPy could not draw.
         DTypeError: ``p`` that is not a number.
     """
-    if dtype not in _KERNEL_DTYPES:
-        return None
-    kernel = getattr(getattr(device, "mod", None), "mt19937_uniform", None)
+    kernel = kernel_for(getattr(device, "mod", None), dtype)
     if kernel is None:
         return None
     generator = _random.host_mt19937(None if host_stream else device)

@@ -23,6 +23,7 @@ import numpy as np
 
 from needle import random as _random
 from needle.backend_ndarray import device_by_name
+from needle.backend_ndarray.kernel_draws import kernel_for
 
 from .fusion import FusedCall, slots_of
 from .recorder import Alloc, Call, Const, PyCall, RandomFill, Recording, Ref, ScalarRef
@@ -136,9 +137,7 @@ def random_fill(op: RandomFill, mod=None):
     (the same numbers, NumPy's generator advanced the same way, without the float64 array)."""
     drawn = draw(op)
     from_numpy, dtype = op.fn, op.dtype
-    kernel = getattr(mod, "mt19937_uniform", None)
-    if op.kind != "rand" or dtype not in ("float32", "float64") or kernel is None:
-        kernel = None
+    kernel = kernel_for(mod, dtype) if op.kind == "rand" else None
     device = None if op.stream == _random.HOST else device_by_name(op.stream)
     count = math.prod(op.shape)
 

@@ -17,7 +17,7 @@ from .. import random as _random
 from .._core.dtypes import canonical_dtype
 from .._core.errors import IndexOutOfRange
 from ..autograd import Tensor
-from ..backend_ndarray.kernel_draws import uniform
+from ..backend_ndarray import kernel_draws as draws
 from ..backend_selection import BACKEND, NDArray, default_device
 
 __all__ = ["rand", "randn", "constant", "ones", "zeros", "randb", "one_hot",
@@ -38,10 +38,8 @@ def _draw(device, kind: str, shape: tuple, dtype):
         return getattr(_random, kind)(*shape)
     dtype = dtype if dtype in ("float64", "float16") else "float32"
     if kind == "rand":  # the same numbers, made by the device's kernel where it has one
-        drawn = uniform(device, shape, dtype, host_stream=True)
-        if drawn is not None:
-            return drawn
-    return NDArray(getattr(_random, kind)(*shape), device=device, dtype=dtype)
+        return draws.rand(device, shape, dtype, host_stream=True)
+    return NDArray(_random.randn(*shape), device=device, dtype=dtype)
 
 
 def _tensor_of(array, device, dtype, requires_grad: bool) -> Tensor:
@@ -86,9 +84,9 @@ def zeros(*shape, device=None, dtype="float32", requires_grad=False):
 def randb(*shape, p=0.5, device=None, dtype="bool", requires_grad=False):
     """Bernoulli(p) samples: ``rand(shape) <= p`` (nd mode stores them as float32 0/1)."""
     device = _device(device)
-    # The C++ device writes the mask straight from NumPy's generator: the comparison's numbers
-    array = uniform(device, shape, "float32", p, host_stream=True) if _ND else None
-    if array is None:
+    if _ND:  # the C++ device writes the mask straight from NumPy's generator
+        array = draws.rand(device, shape, "float32", p, host_stream=True)
+    else:
         array = _draw(device, "rand", shape, "float32") <= p
     return _tensor_of(array, device, dtype, requires_grad)
 
