@@ -69,10 +69,10 @@ def uniform(device, shape, dtype: str, p=None, *, host_stream: bool = False) -> 
     the draw (the caller then draws through :mod:`needle.random`).
 
     The draw is the one ``needle.random.rand(*shape, device=device)`` makes, or with
-    ``host_stream`` the host stream's (``device=None``), as ``needle.init`` draws.
+    ``host_stream`` the host stream's (``device=None``), as ``needle.init`` draws. ``shape``
+    is a tuple of non-negative ints that :func:`rand` has checked (it is not checked again).
 
     Raises:
-        ShapeError / SizeLimitError: a malformed shape, or one NumPy could not draw.
         DTypeError: ``p`` that is not a number.
     """
     kernel = kernel_for(getattr(device, "mod", None), dtype)
@@ -81,8 +81,6 @@ def uniform(device, shape, dtype: str, p=None, *, host_stream: bool = False) -> 
     generator = _random.host_mt19937(None if host_stream else device)
     if generator is None:
         return None
-    shape = check_dims("rand", shape)
-    check_alloc("rand", shape, 8, "float64")  # what NumPy's draw would have needed
     threshold = None if p is None else scalar_value(p, "randb")
     out = _alloc(shape, device, dtype, "rand")
     kernel(generator, out._handle, out.size, threshold)
