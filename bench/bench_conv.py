@@ -20,8 +20,9 @@ which oneDNN reorders internally), ``layer`` the module as the model uses it (ne
 
 Both sides get the same thread count: ``torch.set_num_threads(n)`` and needle's
 ``set_num_threads(n)``; BLAS pools are limited to ``n`` with threadpoolctl. Timing alternates
-blocks of calls (needle, PyTorch, needle, ...) with pauses between them so that neither
-side's spinning workers steal the other's cores; each side reports the best block median
+blocks of calls (needle, PyTorch, needle, ...) with pauses between them; torch is imported
+first, so both sides share its libgomp at PyTorch's default settings (``bench/_openmp.py``);
+each side reports the best block median
 (``--stat median``: the median of all calls). Ratio = PyTorch time / needle time, so > 1
 means needle is faster. On a shared machine, ``--threads 1 --clock cpu`` times each call by
 its thread's CPU time, which other processes disturb far less than wall time.
@@ -40,14 +41,17 @@ import statistics
 import sys
 import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # before either OpenMP runtime loads
 if "--as-avx2" in sys.argv:  # before needle's module and torch load
     os.environ.update(NEEDLE_CPU_ISA="avx2", ATEN_CPU_CAPABILITY="avx2",
                       ONEDNN_MAX_CPU_ISA="AVX2", OPENBLAS_CORETYPE="Haswell")
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import _openmp  # noqa: E402
 import numpy as np  # noqa: E402
+
+_openmp.load_torch_first()  # before needle loads the C++ kernels: see bench/_openmp.py
 
 PAUSE_S = 0.1
 
@@ -241,7 +245,7 @@ def main(argv=None) -> int:
           f"PyTorch {torch.__version__}, CPU capability "
           f"{torch.backends.cpu.get_cpu_capability()}, oneDNN "
           f"{torch.backends.mkldnn.is_available()}; batch {args.batch}; statistic {args.stat} "
-          f"of {phases} phases x {calls} calls; clock {args.clock}")
+          f"of {phases} phases x {calls} calls; clock {args.clock}; {_openmp.describe()}")
     print("| layer | variant | threads | needle fwd ms | torch fwd ms | fwd ratio | "
           "needle bwd ms | torch bwd ms | bwd ratio |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -22,13 +22,15 @@ import statistics
 import sys
 import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # see bench_training.py
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "apps"))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
+import _openmp  # noqa: E402
 import numpy as np  # noqa: E402
+
+_openmp.load_torch_first()  # both sides under PyTorch's OpenMP settings: see bench/_openmp.py
 
 RULES = ("sgd", "momentum", "adam")
 
@@ -126,7 +128,7 @@ def main(argv=None) -> None:
         raise SystemExit("cpu() backend not built")
     print(f"needle on cpu(), PyTorch {torch.__version__}; µs per optimizer step, median of "
           f"{args.repeats} blocks of {args.steps} alternating steps; load average "
-          f"{os.getloadavg()[0]:.2f}")
+          f"{os.getloadavg()[0]:.2f}; {_openmp.describe()}")
     print(f"{'workload':10s} {'rule':9s} {'params':>6s} {'fused':>10s} {'composed':>10s} "
           f"{'torch':>10s} {'comp/fused':>10s} {'torch/fused':>11s}")
     for workload in args.only.split(","):

@@ -5,10 +5,8 @@ batch 128 SGD; 2-layer LSTM language model (vocab 10k, embedding 30, hidden 100,
 batch 16) SGD. Each side runs warm-up steps, then ``--repeats`` timed blocks of ``--steps``
 steps, alternating needle and PyTorch; the median block gives items/second. PyTorch runs with
 ``--threads`` intra-op threads (2 = the machine); while needle runs, BLAS pools are limited to
-the same count with threadpoolctl. Both OpenMP runtimes (needle's and PyTorch's own libgomp)
-get ``OMP_WAIT_POLICY=passive`` unless set: with spinning workers, whichever side ran last
-keeps burning the cores the other side needs (an OpenMP kernel right after an OpenBLAS call
-was measured dropping from 35 to 4 GFLOP/s).
+the same count with threadpoolctl. torch is imported first, so both sides share its libgomp
+at PyTorch's default settings (``bench/_openmp.py`` says why; the header prints them).
 
 ``--compiled`` adds a column: the same needle step under ``ndl.compile`` (traced once, then
 replayed as a kernel program with its elementwise runs fused, every intermediate in one
@@ -32,8 +30,6 @@ import statistics
 import sys
 import time
 
-# Before either OpenMP runtime loads (they read it once): see the module docstring.
-os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 if "--as-avx2" in sys.argv:  # before needle's module, torch and OpenBLAS load
     os.environ.update(NEEDLE_CPU_ISA="avx2", ATEN_CPU_CAPABILITY="avx2",
                       ONEDNN_MAX_CPU_ISA="AVX2", OPENBLAS_CORETYPE="Haswell")
@@ -41,8 +37,12 @@ if "--as-avx2" in sys.argv:  # before needle's module, torch and OpenBLAS load
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "apps"))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
 
+import _openmp  # noqa: E402
 import numpy as np  # noqa: E402
+
+_openmp.load_torch_first()  # before needle loads the C++ kernels: see the module docstring
 
 
 # ---- needle side ----------------------------------------------------------------------------
@@ -261,8 +261,8 @@ def main(argv=None) -> int:
         kernels = f" (kernels {info['isa']}, sgemm {info['sgemm']})"
     print(f"needle on {device}{kernels}, PyTorch {torch.__version__} (CPU capability "
           f"{torch.backends.cpu.get_cpu_capability()}) with {args.threads} threads; "
-          f"{repeats} x {steps} steps, medians; load average {os.getloadavg()[0]:.2f}",
-          flush=True)
+          f"{repeats} x {steps} steps, medians; load average {os.getloadavg()[0]:.2f}; "
+          f"{_openmp.describe()}", flush=True)
     extra = f" {'compiled':>12s} {'comp/pt':>7s}" if args.compiled else ""
     print(f"{'workload':44s} {'needle':>12s} {'pytorch':>12s} {'ratio':>7s}{extra}")
     for workload in args.only.split(","):

@@ -142,21 +142,40 @@ def _kernel_draws():
 _LAZY: list = []
 
 
-def _prepare_cpu_threads() -> None:
-    # The C++ kernels use OpenMP. With libgomp's default (spinning) wait policy, an idle
-    # worker keeps burning a core between kernels; when anything else wants that core (a
-    # second rank, a data loader, the test runner) every parallel region then waits a whole
-    # scheduler slice, and a ResNet9 step measured 20-40x slower. Sleeping workers cost a few
-    # microseconds of wake-up per region instead. libgomp reads this when it is loaded, so it
-    # is set just before the module's first import, and only if the user has not chosen.
-    os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+# Set by the launcher and by MPI's process managers in every rank: several ranks of one job
+# usually share a machine's cores.
+_RANK_ENV = ("NEEDLE_DIST_BACKEND", "PMI_RANK", "OMPI_COMM_WORLD_RANK")
+# libgomp counts its spin in loop iterations (its own estimate: ~100 per microsecond).
+_SHORT_SPIN = "1000"
+
+
+def _prepare_cpu_threads() -> tuple:
+    # The C++ kernels use OpenMP (libgomp), which reads its settings once, when it is loaded.
+    # Its default lets an idle worker spin ~3 ms between kernels; when anything else wants
+    # that core (a second rank, a data loader) every parallel region then waits a whole
+    # scheduler slice, and a ResNet9 step measured 20-40x slower. Sleeping workers
+    # (OMP_WAIT_POLICY=passive) avoid that, but waking one cost ~40 us per parallel region on
+    # the project's VMs: 4x a 131k-element add, and the MLPResNet step ran ~35% slower. A
+    # process on its own spins a little first (GOMP_SPINCOUNT, ~10 us: back-to-back kernels
+    # find the worker awake, an idle one still sleeps); a distributed rank does not spin
+    # (two ResNet9 processes sharing 2 cores ran 14% slower each with the short spin).
+    # Only what the user left unset is chosen; if another library loaded libgomp first
+    # (import torch before needle), its settings stand. Returns the names set, which the
+    # caller removes again once the module is loaded: child processes (the ranks a launcher
+    # starts) choose for themselves.
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        return ()
+    chosen = {"OMP_WAIT_POLICY": "passive"}
+    if not any(os.environ.get(name) for name in _RANK_ENV):
+        chosen["GOMP_SPINCOUNT"] = _SHORT_SPIN
+    os.environ.update(chosen)
+    return tuple(chosen)
 
 
 def _device(name: str) -> BackendDevice:
     dev = _DEVICES.get(name)
     if dev is None:
-        if name == "cpu":
-            _prepare_cpu_threads()
+        chosen = _prepare_cpu_threads() if name == "cpu" else ()
         try:
             mod = importlib.import_module(_MODULE_FOR_DEVICE[name])
             if hasattr(mod, "available") and not mod.available():
@@ -165,6 +184,9 @@ def _device(name: str) -> BackendDevice:
         except Exception as exc:  # noqa: BLE001 - a broken/missing backend disables the device
             _LOAD_ERRORS[name] = f"{type(exc).__name__}: {exc}"
             mod = None
+        finally:
+            for key in chosen:  # libgomp has read them (or failed to load)
+                os.environ.pop(key, None)
         dev = _DEVICES[name] = BackendDevice(name, mod)
         if mod is not None:
             for hook in _DEVICE_HOOKS:

@@ -1,0 +1,56 @@
+"""The OpenMP settings needle chooses for its C++ kernels when it loads them.
+
+libgomp reads OMP_WAIT_POLICY and GOMP_SPINCOUNT once, when it is loaded, and prints what it
+uses under ``OMP_DISPLAY_ENV=VERBOSE``: each case starts a fresh interpreter, makes ``cpu()``
+and reads that report. A process on its own gets sleeping workers that spin ~10 us first; a
+distributed rank gets no spin; whatever the user set stands; the variables needle chose do not
+stay in ``os.environ`` (child processes choose for themselves).
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+CHILD = ("import os, needle\n"
+         "needle.cpu()\n"
+         "print('left:', os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))\n")
+
+
+def _run(extra: dict) -> tuple[dict, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "NEEDLE_DIST_BACKEND", "PMI_RANK",
+                        "OMPI_COMM_WORLD_RANK")}
+    env.update(extra, OMP_DISPLAY_ENV="VERBOSE")
+    proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True,
+                          timeout=120, check=True)
+    shown = dict(re.findall(r"^\s*(OMP_WAIT_POLICY|GOMP_SPINCOUNT) = '([^']*)'", proc.stderr,
+                            re.MULTILINE))
+    if "OMP_WAIT_POLICY" not in shown:
+        pytest.skip("the C++ backend's OpenMP runtime is not libgomp (or cpu() is not built)")
+    return shown, proc.stdout
+
+
+@pytest.mark.parametrize("extra, policy, spin", [
+    ({}, "PASSIVE", "1000"),
+    ({"NEEDLE_DIST_BACKEND": "tcp"}, "PASSIVE", "0"),
+    ({"PMI_RANK": "1"}, "PASSIVE", "0"),
+    ({"GOMP_SPINCOUNT": "7"}, None, "7"),
+])
+def test_needle_chooses_only_what_the_user_left_unset(extra, policy, spin):
+    shown, out = _run(extra)
+    assert shown["GOMP_SPINCOUNT"] == spin
+    if policy is not None:
+        assert shown["OMP_WAIT_POLICY"] == policy
+    # what needle chose is gone again; what the user set is still there
+    assert out.strip() == f"left: None {extra.get('GOMP_SPINCOUNT')}"
+
+
+def test_a_user_wait_policy_keeps_its_own_spin():
+    shown, out = _run({"OMP_WAIT_POLICY": "active"})
+    assert shown["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert shown["GOMP_SPINCOUNT"] not in ("0", "1000")
+    assert out.strip() == "left: active None"
