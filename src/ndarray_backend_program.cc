@@ -34,6 +34,7 @@ void check_ewise_program(const std::vector<std::int32_t>& code, std::size_t n_in
                          std::size_t n_out, std::size_t n_scalars) {
   if (code.size() % 5) bad("expected instructions of 5 ints, got " + std::to_string(code.size()));
   std::vector<bool> set(kProgramRegisters, false);
+  std::vector<bool> stored(n_out, false);
   auto reg = [&](std::int32_t r, bool read) {
     if (r < 0 || r >= kProgramRegisters) {
       bad("register " + std::to_string(r) + " outside [0, " +
@@ -53,6 +54,11 @@ void check_ewise_program(const std::vector<std::int32_t>& code, std::size_t n_in
         if (dst < 0 || std::size_t(dst) >= n_out) {
           bad("output " + std::to_string(dst) + " out of range");
         }
+        // One store per output: a computation may write its result straight into the output
+        // it is stored to (ewise_program_impl.h), so a second store there would change what
+        // a later read of the first register sees.
+        if (stored[std::size_t(dst)]) bad("output " + std::to_string(dst) + " stored twice");
+        stored[std::size_t(dst)] = true;
         reg(a, true);
         continue;
       case kBinary:
@@ -104,6 +110,9 @@ void run_ewise_program(const KernelTable& kernels, const std::vector<const Array
     }
     for (const Array* a : ins) {
       if (a->data() == o->data()) bad("an output shares its buffer with an input");
+    }
+    for (std::size_t k = 0; k < j; ++k) {  // see check_ewise_program: one store per buffer
+      if (outs[k]->data() == o->data()) bad("two outputs share a buffer");
     }
     out_ptrs[j] = o->data();
   }

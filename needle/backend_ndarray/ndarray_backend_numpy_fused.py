@@ -230,6 +230,7 @@ def _check_program(code, n_in: int, n_out: int, n_scalars: int) -> None:
     if len(code) % 5:
         bad(f"expected instructions of 5 ints, got {len(code)}")
     ready = [False] * MAX_REGISTERS
+    stored = [False] * n_out
 
     def reg(r, read):
         if not 0 <= r < MAX_REGISTERS:
@@ -246,6 +247,9 @@ def _check_program(code, n_in: int, n_out: int, n_scalars: int) -> None:
         elif kind == STORE:
             if not 0 <= dst < n_out:
                 bad(f"output {dst} out of range")
+            if stored[dst]:  # the C++ backend computes straight into a stored-to output
+                bad(f"output {dst} stored twice")
+            stored[dst] = True
             reg(a, True)
             continue
         elif kind in (BINARY, SCALAR, RSCALAR):
@@ -283,9 +287,11 @@ def ewise_program(ins, outs, code, scalars, n) -> None:
         if arr.array.dtype != dtype or arr.array.size < n:
             raise ValueError(f"ewise_program: every input and output must be {dtype} with at "
                              f"least {n} elements")
-    for o in outs:
+    for j, o in enumerate(outs):
         if any(np.shares_memory(o.array, a.array) for a in ins):
             raise ValueError("ewise_program: an output shares its buffer with an input")
+        if any(np.shares_memory(o.array, p.array) for p in outs[:j]):
+            raise ValueError("ewise_program: two outputs share a buffer")
     _check_program(code, len(ins), len(outs), len(scalars))
     binary, scalar, rscalar, unary = _kernels()
     regs: list = [None] * MAX_REGISTERS

@@ -156,6 +156,7 @@ def test_runs_stop_at_other_kernels_sizes_in_place_writes_and_shared_bytes():
     ([0, 0, 0, 0, 0, 2, 42, 1, 0, 0], "unknown binary op"),
     ([0, 0, 0, 0, 0, 3, 0, 1, 0, 5], "scalar 5"),
     ([0, 0, 0, 0], "5 ints"),
+    ([0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0], "output 0 stored twice"),
 ])
 def test_bad_programs_are_refused(device, code, message):
     mod = _backend(device)
@@ -171,5 +172,8 @@ def test_outputs_may_not_alias_inputs_and_dtypes_must_agree(device):
     store = [0, 0, 0, 0, 0, 1, 0, 0, 0, 0]
     with pytest.raises(ValueError, match="shares its buffer"):
         mod.ewise_program([a], [a], store, [], 4)
+    out = mod.Array(4, "float32")
+    with pytest.raises(ValueError, match="two outputs share a buffer"):
+        mod.ewise_program([a], [out, out], store + [1, 0, 1, 0, 0], [], 4)
     with pytest.raises(ValueError, match="float32"):
         mod.ewise_program([b], [a], store, [], 4)
