@@ -2,13 +2,13 @@
 
 needle's C++ kernels and PyTorch both use libgomp. The process holds one copy (the same
 soname): whichever side loads first, configured from the environment at that moment. needle,
-loading first with nothing set, asks for sleeping workers that spin ~10 us first
-(``needle/backend_ndarray/devices.py``); PyTorch runs with libgomp's defaults (idle workers
-spin ~3 ms). The benches used to force ``OMP_WAIT_POLICY=passive`` on both sides: on the
-project's 2-vCPU VMs waking a sleeping worker cost ~40 us per parallel region, which took
-PyTorch's MLPResNet b128 step from ~55k to ~17k examples/s (needle's from ~60k to ~40k) and
-made every ratio look better than it was. Loading torch first gives the anchor its
-out-of-the-box settings; needle's kernels then run under the same ones.
+loading first with nothing set, asks for sleeping workers that spin 20-40 us first
+(``needle/backend_ndarray/devices.py``); PyTorch runs with libgomp's defaults (idle
+workers spin for milliseconds). The benches used to force ``OMP_WAIT_POLICY=passive`` on
+both sides: on the project's 2-vCPU VMs waking a sleeping worker cost ~40 us per parallel
+region, which took PyTorch's MLPResNet b128 step from ~55k to ~17k examples/s (needle's from
+~60k to ~40k) and made every ratio look better than it was. Loading torch first gives the
+anchor its out-of-the-box settings; needle's kernels then run under the same ones.
 
 Usage (before anything makes ``cpu()``)::
 

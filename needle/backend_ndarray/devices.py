@@ -145,18 +145,19 @@ _LAZY: list = []
 # Set by the launcher and by MPI's process managers in every rank: several ranks of one job
 # usually share a machine's cores.
 _RANK_ENV = ("NEEDLE_DIST_BACKEND", "PMI_RANK", "OMPI_COMM_WORLD_RANK")
-# libgomp counts its spin in loop iterations (its own estimate: ~100 per microsecond).
+# libgomp counts its spin in iterations of a pause loop: 1000 lasted 20-40 us on a Zen 4 VM
+# (a 2-thread kernel issued 20 us after the last one found its worker awake, at 40 us asleep).
 _SHORT_SPIN = "1000"
 
 
 def _prepare_cpu_threads() -> tuple:
     # The C++ kernels use OpenMP (libgomp), which reads its settings once, when it is loaded.
-    # Its default lets an idle worker spin ~3 ms between kernels; when anything else wants
+    # Its default lets an idle worker spin for milliseconds; when anything else wants
     # that core (a second rank, a data loader) every parallel region then waits a whole
     # scheduler slice, and a ResNet9 step measured 20-40x slower. Sleeping workers
     # (OMP_WAIT_POLICY=passive) avoid that, but waking one cost ~40 us per parallel region on
     # the project's VMs: 4x a 131k-element add, and the MLPResNet step ran ~35% slower. A
-    # process on its own spins a little first (GOMP_SPINCOUNT, ~10 us: back-to-back kernels
+    # process on its own spins a little first (GOMP_SPINCOUNT, 20-40 us: back-to-back kernels
     # find the worker awake, an idle one still sleeps); a distributed rank does not spin
     # (two ResNet9 processes sharing 2 cores ran 14% slower each with the short spin).
     # Only what the user left unset is chosen; if another library loaded libgomp first

@@ -2,7 +2,7 @@
 
 libgomp reads OMP_WAIT_POLICY and GOMP_SPINCOUNT once, when it is loaded, and prints what it
 uses under ``OMP_DISPLAY_ENV=VERBOSE``: each case starts a fresh interpreter, makes ``cpu()``
-and reads that report. A process on its own gets sleeping workers that spin ~10 us first; a
+and reads that report. A process on its own gets sleeping workers that spin briefly first; a
 distributed rank gets no spin; whatever the user set stands; the variables needle chose do not
 stay in ``os.environ`` (child processes choose for themselves).
 """
