@@ -4,6 +4,11 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 namespace needle {
 
@@ -90,6 +95,49 @@ using I = std::int64_t;
 constexpr I kTile = 16;
 constexpr I kTileL = 8;
 
+// Four consecutive values of the contiguous dim j (s[a], a < 4, at s + a) by values l0..l1
+// of the strided innermost dim (s + l * step), to or from the compact side (c + a * cj + l).
+// 4-byte elements go through 4 x 4 register transposes: four 16-byte loads and four stores
+// per 16 values instead of sixteen of each (NCHW <-> NHWC of ResNet9's small feature maps ran
+// at 0.66-0.84x NumPy on one thread element by element). The shuffles move bits, so any
+// 4-byte type is copied exactly.
+template <class U, bool kGather>
+inline void move_quads(U* s, I step, U* c, I cj, I l0, I l1) {
+  I l = l0;
+#if defined(__SSE2__)
+  static_assert(sizeof(U) == 4, "4-byte elements only");
+  for (; l + 4 <= l1; l += 4) {
+    if (kGather) {  // rows r[b] = (j0..j0+3, l + b) -> columns (j0 + a, l..l+3)
+      __m128 r0 = _mm_loadu_ps(reinterpret_cast<const float*>(s + (l + 0) * step));
+      __m128 r1 = _mm_loadu_ps(reinterpret_cast<const float*>(s + (l + 1) * step));
+      __m128 r2 = _mm_loadu_ps(reinterpret_cast<const float*>(s + (l + 2) * step));
+      __m128 r3 = _mm_loadu_ps(reinterpret_cast<const float*>(s + (l + 3) * step));
+      _MM_TRANSPOSE4_PS(r0, r1, r2, r3);
+      _mm_storeu_ps(reinterpret_cast<float*>(c + 0 * cj + l), r0);
+      _mm_storeu_ps(reinterpret_cast<float*>(c + 1 * cj + l), r1);
+      _mm_storeu_ps(reinterpret_cast<float*>(c + 2 * cj + l), r2);
+      _mm_storeu_ps(reinterpret_cast<float*>(c + 3 * cj + l), r3);
+    } else {
+      __m128 t0 = _mm_loadu_ps(reinterpret_cast<const float*>(c + 0 * cj + l));
+      __m128 t1 = _mm_loadu_ps(reinterpret_cast<const float*>(c + 1 * cj + l));
+      __m128 t2 = _mm_loadu_ps(reinterpret_cast<const float*>(c + 2 * cj + l));
+      __m128 t3 = _mm_loadu_ps(reinterpret_cast<const float*>(c + 3 * cj + l));
+      _MM_TRANSPOSE4_PS(t0, t1, t2, t3);
+      _mm_storeu_ps(reinterpret_cast<float*>(s + (l + 0) * step), t0);
+      _mm_storeu_ps(reinterpret_cast<float*>(s + (l + 1) * step), t1);
+      _mm_storeu_ps(reinterpret_cast<float*>(s + (l + 2) * step), t2);
+      _mm_storeu_ps(reinterpret_cast<float*>(s + (l + 3) * step), t3);
+    }
+  }
+#endif
+  for (; l < l1; ++l) {
+    for (I a = 0; a < 4; ++a) {
+      if (kGather) c[a * cj + l] = s[a + l * step];
+      else s[a + l * step] = c[a * cj + l];
+    }
+  }
+}
+
 // Views whose innermost dimension is strided (a transpose, NHWC <-> NCHW) while another
 // dimension `j` is contiguous in memory. Walking them row by row reads one element per cache
 // line; moving tiles of (j, innermost) instead reads and writes whole lines. Work items
@@ -127,7 +175,13 @@ bool move_tiles(const View& v, U* strided, U* compact) {
       const I j0 = I(item % blocks) * kTile, j1 = std::min(nj, j0 + kTile);
       for (I l0 = 0; l0 < len; l0 += kTileL) {
         const I l1 = std::min(len, l0 + kTileL);
-        for (I jj = j0; jj < j1; ++jj) {
+        I jj = j0;
+        if constexpr (sizeof(U) == 4) {
+          for (; jj + 4 <= j1; jj += 4) {
+            move_quads<U, kGather>(strided + so + jj, step, compact + co + jj * cj, cj, l0, l1);
+          }
+        }
+        for (; jj < j1; ++jj) {
           U* s = strided + so + jj;
           U* c = compact + co + jj * cj;
           for (I l = l0; l < l1; ++l) {
