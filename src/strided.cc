@@ -195,9 +195,66 @@ bool move_tiles(const View& v, U* strided, U* compact) {
   return true;
 }
 
+// Gathers of views whose innermost dim holds 2 or 3 values far apart while the next dim is
+// contiguous: an NCHW batch of RGB images viewed as NHWC, which conv's first layer compacts.
+// Row by row that is one element per step; here four consecutive values of the contiguous
+// dim are loaded from each of the 2-3 rows, transposed in registers and stored as 4 x len
+// contiguous values (whole 4-wide stores that overlap: each writes up to two values past its
+// own, which the next store in the same block rewrites; the block's last quads go one by
+// one). 1 thread: conv1's (128, 3, 32, 32) input 263 us before.
+constexpr I kNarrowBlock = 256;  // values of the contiguous dim per work item
+
+template <class U>
+bool gather_narrow(const View& v, const U* src, U* out) {
+#if defined(__SSE2__)
+  if constexpr (sizeof(U) == 4) {
+    const std::size_t nd = v.shape.size();
+    if (nd < 2) return false;
+    const I len = v.shape[nd - 1], step = v.strides[nd - 1], nj = v.shape[nd - 2];
+    if (len < 2 || len > 3 || v.strides[nd - 2] != 1 || nj < 8) return false;
+    std::size_t planes = 1;
+    for (std::size_t d = 0; d + 2 < nd; ++d) planes *= std::size_t(v.shape[d]);
+    const std::size_t blocks = std::size_t((nj + kNarrowBlock - 1) / kNarrowBlock);
+    const std::size_t threshold = kParallelMinElements / std::size_t(kNarrowBlock * len) + 1;
+    parallel_range(planes * blocks, threshold, [&](std::size_t i0, std::size_t i1) {
+      for (std::size_t item = i0; item < i1; ++item) {
+        const std::size_t plane = item / blocks;
+        std::size_t rest = plane;
+        I so = v.offset;
+        for (std::size_t d = nd - 2; d-- > 0;) {
+          so += I(rest % std::size_t(v.shape[d])) * v.strides[d];
+          rest /= std::size_t(v.shape[d]);
+        }
+        const float* s = reinterpret_cast<const float*>(src + so);
+        float* c = reinterpret_cast<float*>(out + I(plane) * nj * len);
+        const I j0 = I(item % blocks) * kNarrowBlock, j1 = std::min(nj, j0 + kNarrowBlock);
+        I jj = j0;
+        for (; jj + 8 <= j1; jj += 4) {  // quads with one more quad after them in the block
+          __m128 r0 = _mm_loadu_ps(s + jj), r1 = _mm_loadu_ps(s + step + jj);
+          __m128 r2 = len == 3 ? _mm_loadu_ps(s + 2 * step + jj) : _mm_setzero_ps();
+          __m128 r3 = _mm_setzero_ps();
+          _MM_TRANSPOSE4_PS(r0, r1, r2, r3);
+          _mm_storeu_ps(c + (jj + 0) * len, r0);
+          _mm_storeu_ps(c + (jj + 1) * len, r1);
+          _mm_storeu_ps(c + (jj + 2) * len, r2);
+          _mm_storeu_ps(c + (jj + 3) * len, r3);
+        }
+        for (; jj < j1; ++jj) {
+          for (I l = 0; l < len; ++l) c[jj * len + l] = s[jj + l * step];
+        }
+      }
+    }, 1);
+    return true;
+  }
+#endif
+  (void)v, (void)src, (void)out;
+  return false;
+}
+
 template <class U>
 void gather_t(const U* src, const View& view, U* out) {
   const View v = simplify(view);
+  if (gather_narrow(v, src, out)) return;
   if (move_tiles<U, true>(v, const_cast<U*>(src), out)) return;
   for_each_rows(v, true, [&](I pos, I count, I rstride, I len, I step, I at) {
     U* o = out + at;

@@ -96,6 +96,18 @@ def test_every_permute_of_a_4d_array(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("c,h,w", [(3, 32, 32), (2, 5, 7), (3, 1, 9), (2, 17, 19), (3, 4, 2)])
+def test_nchw_images_viewed_as_nhwc(dtype, c, h, w, threads):
+    """The narrow-channel path: 2-3 channels far apart, pixels contiguous (conv1's input);
+    odd pixel counts leave quads and single pixels at the end of each 256-pixel block."""
+    n = 5
+    base = _base(n * c * h * w, dtype)
+    check_view(base, (n, h, w, c), (c * h * w, w, 1, h * w), 0)
+    # a flipped channel order and a batch slice (offset) take the same path
+    check_view(base, (n - 1, h, w, c), (c * h * w, w, 1, -h * w), c * h * w + (c - 1) * h * w)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_flipped_and_offset_transposes(dtype, threads):
     rows, cols = 300, 200
     base = _base(rows * cols + 5, dtype)
