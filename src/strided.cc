@@ -4,7 +4,6 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
-#include <type_traits>
 
 #if defined(__SSE2__)
 #include <emmintrin.h>

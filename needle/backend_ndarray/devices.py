@@ -21,6 +21,7 @@ from .. import random as _random
 from .._core.dtypes import canonical_dtype
 from .._core.errors import BackendAttributeError, BackendUnavailable, DeviceError
 from .._core.handles import Callbacks, RemovableHandle
+from .._core.job_env import is_rank
 from .ndarray_limits import check_alloc, check_dims
 
 _MODULE_FOR_DEVICE = {
@@ -142,9 +143,6 @@ def _kernel_draws():
 _LAZY: list = []
 
 
-# Set by the launcher and by MPI's process managers in every rank: several ranks of one job
-# usually share a machine's cores.
-_RANK_ENV = ("NEEDLE_DIST_BACKEND", "PMI_RANK", "OMPI_COMM_WORLD_RANK")
 # libgomp counts its spin in iterations of a pause loop: 1000 lasted 20-40 us on a Zen 4 VM
 # (a 2-thread kernel issued 20 us after the last one found its worker awake, at 40 us asleep).
 _SHORT_SPIN = "1000"
@@ -167,7 +165,7 @@ def _prepare_cpu_threads() -> tuple:
     if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
         return ()
     chosen = {"OMP_WAIT_POLICY": "passive"}
-    if not any(os.environ.get(name) for name in _RANK_ENV):
+    if not is_rank():  # ranks of one job usually share a machine's cores
         chosen["GOMP_SPINCOUNT"] = _SHORT_SPIN
     os.environ.update(chosen)
     return tuple(chosen)

@@ -19,12 +19,14 @@ import os
 import sys
 from typing import Any, Iterable, Iterator, TextIO
 
+from .._core.job_env import RANK_VARS
+
 __all__ = ["PlainProgress", "progress_bar", "rank_from_env"]
 
 
 def rank_from_env() -> int:
     """This process's rank as the launcher (or mpiexec) announced it; 0 outside a job."""
-    for name in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK"):
+    for name in RANK_VARS:
         value = os.environ.get(name, "")
         if value.isdigit():
             return int(value)

@@ -15,6 +15,8 @@ import sys
 
 import pytest
 
+from needle._core.job_env import RANK_VARS
+
 CHILD = ("import os, needle\n"
          "needle.cpu()\n"
          "print('left:', os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))\n")
@@ -22,8 +24,7 @@ CHILD = ("import os, needle\n"
 
 def _run(extra: dict) -> tuple[dict, str]:
     env = {k: v for k, v in os.environ.items()
-           if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "NEEDLE_DIST_BACKEND", "PMI_RANK",
-                        "OMPI_COMM_WORLD_RANK")}
+           if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "NEEDLE_DIST_BACKEND", *RANK_VARS)}
     env.update(extra, OMP_DISPLAY_ENV="VERBOSE")
     proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True,
                           timeout=120, check=True)
@@ -38,6 +39,7 @@ def _run(extra: dict) -> tuple[dict, str]:
     ({}, "PASSIVE", "1000"),
     ({"NEEDLE_DIST_BACKEND": "tcp"}, "PASSIVE", "0"),
     ({"PMI_RANK": "1"}, "PASSIVE", "0"),
+    ({"RANK": "0"}, "PASSIVE", "0"),
     ({"GOMP_SPINCOUNT": "7"}, None, "7"),
 ])
 def test_needle_chooses_only_what_the_user_left_unset(extra, policy, spin):
