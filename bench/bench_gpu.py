@@ -127,7 +127,7 @@ def bench_elementwise(n: int, repeats: int) -> list:
         ("ewise_add", 3, lambda: B.ewise_add(x, y, out), lambda: torch.add(tx, ty, out=tout)),
         ("scalar_mul", 2, lambda: B.scalar_mul(x, 1.5, out), lambda: torch.mul(tx, 1.5,
                                                                                  out=tout)),
-        ("reduce_sum", 1, lambda: B.reduce_sum(x, red, n), lambda: torch.sum(tx, out=tred)),
+        ("reduce_sum", 1, lambda: B.reduce_sum(x, red, n), lambda: torch.sum(tx, dim=0, out=tred)),
     ]
     rows = [{"op": "copy", "needle": copy_bw, "torch": None, "copy": copy_bw}]
     for name, arrays, needle_fn, torch_fn in cases:

@@ -5,7 +5,7 @@
 # Needs (and installs nothing, no network): Python with NumPy, CuPy, PyTorch (CUDA), pybind11,
 # CMake, pytest; an NVIDIA GPU. Every step has its own timeout, cut further so that the whole
 # run ends within DEADLINE seconds (default 480: well inside 10 minutes); a failing step is
-# recorded and the next one still runs.
+# recorded and the next one still runs. BENCH_GPU_ARGS (e.g. "--quick") go to bench_gpu.py.
 # Exit status: 0 when every step passed, else the number of failed steps.
 set -uo pipefail
 if [ $# -ne 1 ]; then
@@ -16,7 +16,10 @@ OUT=$1
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python}
+# A plain "python" may be missing where "python3" is the interpreter that holds CuPy and PyTorch.
+PY=${PYTHON:-$(command -v python3 || command -v python)}
+# needle is built in place, not installed: subprocesses the tests start import it from here
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 NEEDLE_BUILD_JOBS=${NEEDLE_BUILD_JOBS:-8}
 unset CUPY_TF32  # float32 comparisons are without TF32 on both sides
 DEADLINE=${DEADLINE:-480}
@@ -60,17 +63,16 @@ a = B.Array(4); B.fill(a, 1.0)  # compiles strided.cu once (NVRTC), cached after
 print(B.to_numpy(a, (4,), (1,), 0))"
 # The backend's own kernel tests on the device (every entry point x dtype x view).
 step test_cuda_backend 120 "$PY" -m pytest python_tests/backend_ndarray/test_cuda_backend.py \
-  python_tests/backend_ndarray/test_cuda_launch.py -q -x -rs -p no:cacheprovider \
-  --junitxml="$OUT/test_cuda_backend.xml"
+  python_tests/backend_ndarray/test_cuda_launch.py -q -rs --tb=short -p no:cacheprovider
 # Every device-parametrised test of the suite, cuda case only.
 # Such a machine may lack the suite's other test dependencies (hypothesis, pytest-timeout,
 # scikit-learn, mpi4py): modules that cannot be imported are reported, not fatal.
 timeout_opt=()
 "$PY" -c "import pytest_timeout" 2>/dev/null && timeout_opt=(--timeout=120)
-step test_suite_cuda 120 "$PY" -m pytest python_tests -q -rs -k cuda -m "not mpi" \
-  --continue-on-collection-errors -p no:cacheprovider ${timeout_opt[@]+"${timeout_opt[@]}"} \
-  --junitxml="$OUT/test_suite_cuda.xml"
-step bench_gpu 180 "$PY" bench/bench_gpu.py --json "$OUT/bench_gpu.json"
+step test_suite_cuda 180 "$PY" -m pytest python_tests -q -rs -k cuda -m "not mpi" \
+  --tb=short --continue-on-collection-errors -p no:cacheprovider \
+  ${timeout_opt[@]+"${timeout_opt[@]}"}
+step bench_gpu 180 "$PY" bench/bench_gpu.py ${BENCH_GPU_ARGS:-} --json "$OUT/bench_gpu.json"
 
 echo "=== $failed step(s) failed; logs in $OUT" | tee -a "$summary"
 exit "$failed"

@@ -36,6 +36,7 @@ from .devices import (
 )
 from .ndarray_checks import (
     check_pair,
+    check_same_shape,
     index_view,
     is_scalar,
     normalize_axes,
@@ -415,9 +416,7 @@ class NDArray:
         if isinstance(other, NDArray):
             if other._device is not self._device or other._handle.dtype != out._handle.dtype:
                 check_pair(op, self, other)
-            if other._shape != self._shape:
-                raise ShapeError(f"{op}: shapes differ, expected {self._shape}, "
-                                 f"got {other._shape} (broadcast explicitly)")
+            check_same_shape(op, self, other)
             other_compact = other._compact or other.is_compact()
             if layout is None and not compact and not other_compact and other.is_dense():
                 layout = other  # self must be copied anyway: copy it into other's order
@@ -554,6 +553,7 @@ class NDArray:
         """
         kernel = getattr(self._device.mod, "ewise_tanh_grad", None)
         if kernel is None:
+            check_same_shape("tanh_grad", self, t)
             return self * (1 - t * t)
         return self._ewise(t, kernel, None, "tanh_grad")
 
@@ -561,6 +561,7 @@ class NDArray:
         """``self * sign(r)``: relu's backward from its output ``r >= 0`` (same shape)."""
         kernel = getattr(self._device.mod, "ewise_relu_grad", None)
         if kernel is None:
+            check_same_shape("relu_grad", self, r)
             return self * r.sign()
         return self._ewise(r, kernel, None, "relu_grad")
 

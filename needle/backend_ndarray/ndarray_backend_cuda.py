@@ -183,6 +183,8 @@ ewise_add, ewise_sub = _binary("ewise_add"), _binary("ewise_sub")
 ewise_mul, ewise_div = _binary("ewise_mul"), _binary("ewise_div")
 ewise_maximum, ewise_minimum = _binary("ewise_maximum"), _binary("ewise_minimum")
 ewise_power, ewise_eq, ewise_ge = _binary("ewise_power"), _binary("ewise_eq"), _binary("ewise_ge")
+# fused backward steps (NDArray.tanh_grad / relu_grad): one pass instead of three kernels
+ewise_tanh_grad, ewise_relu_grad = _binary("ewise_tanh_grad"), _binary("ewise_relu_grad")
 
 scalar_add, scalar_sub, scalar_rsub = _scalar("scalar_add"), _scalar("scalar_sub"), \
     _scalar("scalar_rsub")

@@ -60,6 +60,13 @@ def check_pair(op: str, a, b) -> None:
                          f"(convert one with .astype)")
 
 
+def check_same_shape(op: str, a, b) -> None:
+    """Elementwise operands must agree exactly: nothing is broadcast implicitly."""
+    if a._shape != b._shape:
+        raise ShapeError(f"{op}: shapes differ, expected {a._shape}, got {b._shape} "
+                         f"(broadcast explicitly)")
+
+
 def index_view(shape: tuple, strides: tuple, offset: int, idxs, op: str) -> tuple:
     """``(shape, strides, offset)`` of the view that ints and slices ``idxs`` pick.
 

@@ -210,10 +210,10 @@ class BatchNorm2d(BatchNorm1d):
     def forward(self, x: Tensor) -> Tensor:
         if x.ndim != 4:
             raise ShapeError(f"BatchNorm2d: expected an NCHW input, got shape {x.shape}")
+        if x.shape[1] != self.dim:  # before the composed path would name BatchNorm1d's rows
+            raise ShapeError(f"BatchNorm2d: expected {self.dim} channels (axis 1), got "
+                             f"shape {x.shape}")
         if self.training and ops.batch_norm_has_kernel(x):
-            if x.shape[1] != self.dim:
-                raise ShapeError(f"BatchNorm2d: expected {self.dim} channels (axis 1), got "
-                                 f"shape {x.shape}")
             return self._fused(x)  # statistics over N, H, W straight from NCHW: no transposes
         s = x.shape
         rows = ops.transpose(ops.transpose(x, (1, 2)), (2, 3))  # N, H, W, C

@@ -400,4 +400,6 @@ def test_power_one_half_is_numpys_square_root(device, dtype):
         got, got_t = (a ** 0.5).numpy(), (a.permute((1, 0)) ** 0.5).numpy()
     for g, w in ((got, want), (got_t, want_t)):
         np.testing.assert_array_equal(g, w)
-        np.testing.assert_array_equal(np.signbit(g), np.signbit(w))
+        # a NaN's sign is the hardware's default NaN (set on x86, clear on NVIDIA GPUs)
+        signed = ~np.isnan(w)
+        np.testing.assert_array_equal(np.signbit(g[signed]), np.signbit(w[signed]))

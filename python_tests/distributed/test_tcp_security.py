@@ -16,9 +16,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import zmq
 
-from ._tcp_attack import (
+zmq = pytest.importorskip("zmq", reason="pyzmq (the 'test' extra) is not installed")
+
+from ._tcp_attack import (  # noqa: E402
     BYE,
     curve_intruder,
     finish,

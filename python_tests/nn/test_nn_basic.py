@@ -122,18 +122,22 @@ def test_batchnorm1d_training_forward_dispatches_only_its_own_op(device, monkeyp
 
     bn = nn.BatchNorm1d(3, device=device)
     x = T(np.random.randn(8, 3), device, requires_grad=True)
-    calls, in_update = [], []
+    calls, in_update, updating = [], [], []
     real_op, real_update = tensor_module.make_from_op, bn._update_running
 
     def counting(cls, op, inputs, *rest):
         calls.append(type(op).__name__)
-        if in_update:
+        if updating:
             in_update.append(type(op).__name__)
         return real_op(cls, op, inputs, *rest)
 
     def update(*args):
         in_update.append("update")
-        real_update(*args)
+        updating.append(True)
+        try:
+            real_update(*args)
+        finally:
+            updating.clear()
 
     monkeypatch.setattr(tensor_module, "make_from_op", counting)
     monkeypatch.setattr(bn, "_update_running", update)

@@ -210,3 +210,7 @@ def test_bad_shapes_are_refused(device):
         ops.batch_norm(T(np.ones((0, 3)), device), w, b)
     with pytest.raises(ShapeError, match="BatchNorm2d: expected 3 channels"):
         nn.BatchNorm2d(3, device=device)(T(np.ones((2, 4, 2, 2)), device, "float32"))
+    # the composed path (eval mode; training on a device without the kernels) names the layer
+    # and the NCHW shape too, not the (N*H*W, C) rows it normalises
+    with pytest.raises(ShapeError, match=r"BatchNorm2d: expected 3 channels .*\(2, 4, 2, 2\)"):
+        nn.BatchNorm2d(3, device=device).eval()(T(np.ones((2, 4, 2, 2)), device, "float32"))

@@ -40,6 +40,23 @@ struct OpMin { template <typename A> static __device__ A apply(A a, A b) { retur
 struct OpEq { template <typename A> static __device__ A apply(A a, A b) { return a == b ? A(1) : A(0); } };
 struct OpGe { template <typename A> static __device__ A apply(A a, A b) { return a >= b ? A(1) : A(0); } };
 struct OpLe { template <typename A> static __device__ A apply(A a, A b) { return a <= b ? A(1) : A(0); } };
+// The backward steps of tanh and relu from their saved outputs (g, t) and (g, r), rounded as
+// the composed kernels round (t * t, then 1 - that, then g * that; g * sign(r), with
+// sign(+-0) = r itself and sign(NaN) = NaN), so that fused and composed agree bit for bit.
+struct OpTanhGrad {
+  template <typename A>
+  static __device__ A apply(A g, A t) {
+    const A square = t * t;
+    const A slope = A(1) - square;
+    return g * slope;
+  }
+};
+struct OpReluGrad {
+  template <typename A>
+  static __device__ A apply(A g, A r) {
+    return g * (r > A(0) ? A(1) : (r < A(0) ? A(-1) : r));
+  }
+};
 
 // ---- unary functors ----
 struct OpNeg { template <typename A> static __device__ A apply(A a) { return -a; } };
@@ -94,6 +111,8 @@ NEEDLE_ALL_TYPES(NEEDLE_BINARY_T, ewise_minimum, OpMin)
 NEEDLE_ALL_TYPES(NEEDLE_BINARY_T, ewise_power, OpPow)
 NEEDLE_ALL_TYPES(NEEDLE_BINARY_T, ewise_eq, OpEq)
 NEEDLE_ALL_TYPES(NEEDLE_BINARY_T, ewise_ge, OpGe)
+NEEDLE_ALL_TYPES(NEEDLE_BINARY_T, ewise_tanh_grad, OpTanhGrad)
+NEEDLE_ALL_TYPES(NEEDLE_BINARY_T, ewise_relu_grad, OpReluGrad)
 
 NEEDLE_ALL_TYPES(NEEDLE_SCALAR_T, scalar_add, OpAdd)
 NEEDLE_ALL_TYPES(NEEDLE_SCALAR_T, scalar_sub, OpSub)
