@@ -142,7 +142,7 @@ def bench_elementwise(n: int, repeats: int) -> list:
     return rows
 
 
-def _needle_resnet9_step():
+def _needle_resnet9_step(batch: int = 128):
     sys.path.insert(0, os.path.join(ROOT, "apps"))
     try:
         from apps.models import ResNet9
@@ -155,8 +155,8 @@ def _needle_resnet9_step():
     device = ndl.cuda()
     np.random.seed(0)
     model = ResNet9(device=device)
-    x = ndl.Tensor(np.random.rand(128, 3, 32, 32).astype(np.float32), device=device)
-    y = ndl.Tensor(np.random.randint(0, 10, 128), device=device)
+    x = ndl.Tensor(np.random.rand(batch, 3, 32, 32).astype(np.float32), device=device)
+    y = ndl.Tensor(np.random.randint(0, 10, batch), device=device)
     loss_fn, opt = nn.SoftmaxLoss(), optim.SGD(model.parameters(), lr=0.01)
     model.train()
 

@@ -40,7 +40,7 @@ MATMUL_IMPLS = ("cublas", "tiled")
 _matmul_impl = "cublas"  # expected faster; bench/bench_gpu.py measures both (docs/cuda.md)
 
 _EW, _ST, _RD, _MM = "elementwise.cu", "strided.cu", "reduce.cu", "matmul.cu"
-_FU = "fused.cu"
+_FU, _CV = "fused.cu", "conv.cu"
 
 
 class Array:
@@ -282,9 +282,18 @@ def _check_matmul(op: str, a: Array, b: Array, out: Array, m: int, n: int, p: in
 
 
 def _matmul_cublas(a: Array, b: Array, out: Array, m: int, n: int, p: int) -> None:
+    _gemm(a, b, out, m, n, p)
+
+
+def _gemm(a: Array, b: Array, out: Array, m: int, k: int, p: int, trans_a: bool = False,
+          trans_b: bool = False) -> None:
+    """``out (m, p) = op(a) @ op(b)`` through cuBLAS, ``op(a)`` being (m, k): ``a`` holds the
+    row-major (k, m) matrix when ``trans_a`` (likewise ``b`` holds (p, k) when ``trans_b``);
+    cuBLAS reads the transposes in place."""
     cupy = runtime.cupy_module()
-    left = _cupy_view(a, m * n).reshape(m, n)
-    right = _cupy_view(b, n * p).reshape(n, p)
+    left = _cupy_view(a, m * k).reshape((k, m) if trans_a else (m, k))
+    right = _cupy_view(b, k * p).reshape((p, k) if trans_b else (k, p))
+    left, right = (left.T if trans_a else left), (right.T if trans_b else right)
     result = _cupy_view(out, m * p).reshape(m, p)
     try:
         cupy.matmul(left, right, out=result)
@@ -373,6 +382,90 @@ def embedding_backward(g: Array, ids: Array, dtable: Array, num: int, dim: int,
     _host_ids(ids, n, num, "embedding: id out of range at position")
     if num * dim:
         runtime.launch(_EMB_BWD, dtable.dtype, num * dim, g, ids, dtable, num, dim, n)
+
+
+# ---- convolution: im2col / col2im kernels (cuda_kernels/conv.cu) around cuBLAS products -----
+# NHWC input (n, h, w, c), kernel (kh, kw, c, cout), output (n, ho, wo, cout), as the CPU
+# backends. The patch matrix (n*ho*wo, kh*kw*c) is a workspace of the call; a 1x1 kernel
+# with stride 1 and no padding needs none (its patch matrix is the input itself).
+_IM2COL = L.KernelSpec(_CV, "im2col", ("a", "a") + ("i64",) * 10, grid="indexed",
+                       dtypes=_FLOATS)
+_COL2IM = L.KernelSpec(_CV, "col2im", ("a", "a") + ("i64",) * 10, grid="indexed",
+                       dtypes=_FLOATS)
+
+
+def _conv_geometry(op: str, n, h, w, c, kh, kw, cout, stride, pad) -> tuple:
+    """The validated geometry plus ``(ho, wo)``, as the CPU backend validates it."""
+    n, h, w, c, kh, kw, cout, stride, pad = (int(v) for v in (n, h, w, c, kh, kw, cout,
+                                                               stride, pad))
+    if (min(n, h, w, c, kh, kw, cout, stride) < 1 or pad < 0 or h + 2 * pad < kh
+            or w + 2 * pad < kw):
+        raise ShapeError(f"{op}: expected sizes >= 1, stride >= 1, pad >= 0 and a kernel that "
+                         f"fits the padded input, got input ({n}, {h}, {w}, {c}), kernel "
+                         f"({kh}, {kw}, {cout}), stride {stride}, pad {pad}")
+    ho, wo = (h + 2 * pad - kh) // stride + 1, (w + 2 * pad - kw) // stride + 1
+    return n, h, w, c, kh, kw, cout, stride, pad, ho, wo
+
+
+def _is_pointwise(kh, kw, stride, pad) -> bool:
+    return kh == kw == stride == 1 and pad == 0
+
+
+def _im2col(x: Array, n, h, w, c, kh, kw, cout, stride, pad, ho, wo) -> Array:
+    if _is_pointwise(kh, kw, stride, pad):
+        return x
+    cols = Array(n * ho * wo * kh * kw * c, x.dtype)
+    runtime.launch(_IM2COL, x.dtype, cols.size, x, cols, n, h, w, c, kh, kw, stride, pad, ho,
+                   wo)
+    return cols
+
+
+def conv2d_forward(x: Array, w: Array, out: Array, n, h, wd, c, kh, kw, cout, stride,
+                   pad) -> None:
+    """``out (n, ho, wo, cout) = conv(x (n, h, wd, c), w (kh, kw, c, cout))``, zero padding."""
+    op = "conv2d_forward"
+    g = n, h, wd, c, kh, kw, cout, stride, pad, ho, wo = _conv_geometry(
+        op, n, h, wd, c, kh, kw, cout, stride, pad)
+    _fused_checks(op, out, {"x": (x, n * h * wd * c), "w": (w, kh * kw * c * cout),
+                            "out": (out, n * ho * wo * cout)}, (x, w))
+    _same_dtype(op, out, x, w)
+    _gemm(_im2col(x, *g), w, out, n * ho * wo, kh * kw * c, cout)
+
+
+def conv2d_weight_grad(x: Array, dy: Array, dw: Array, n, h, wd, c, kh, kw, cout, stride,
+                       pad) -> None:
+    """``dw (kh, kw, c, cout)``: the kernel gradient for the output gradient ``dy``."""
+    op = "conv2d_weight_grad"
+    g = n, h, wd, c, kh, kw, cout, stride, pad, ho, wo = _conv_geometry(
+        op, n, h, wd, c, kh, kw, cout, stride, pad)
+    _fused_checks(op, dw, {"x": (x, n * h * wd * c), "dy": (dy, n * ho * wo * cout),
+                           "dw": (dw, kh * kw * c * cout)}, (x, dy))
+    _same_dtype(op, dw, x, dy)
+    _gemm(_im2col(x, *g), dy, dw, kh * kw * c, n * ho * wo, cout, trans_a=True)
+
+
+def conv2d_input_grad(dy: Array, w: Array, dx: Array, n, h, wd, c, kh, kw, cout, stride,
+                      pad) -> None:
+    """``dx (n, h, wd, c)``: the input gradient for the output gradient ``dy``."""
+    op = "conv2d_input_grad"
+    n, h, wd, c, kh, kw, cout, stride, pad, ho, wo = _conv_geometry(
+        op, n, h, wd, c, kh, kw, cout, stride, pad)
+    _fused_checks(op, dx, {"dy": (dy, n * ho * wo * cout), "w": (w, kh * kw * c * cout),
+                           "dx": (dx, n * h * wd * c)}, (dy, w))
+    _same_dtype(op, dx, dy, w)
+    if _is_pointwise(kh, kw, stride, pad):
+        _gemm(dy, w, dx, n * ho * wo, cout, c, trans_b=True)
+        return
+    cols = Array(n * ho * wo * kh * kw * c, dx.dtype)
+    _gemm(dy, w, cols, n * ho * wo, cout, kh * kw * c, trans_b=True)
+    runtime.launch(_COL2IM, dx.dtype, n * h * wd * c, cols, dx, n, h, wd, c, kh, kw, stride,
+                   pad, ho, wo)
+
+
+def _same_dtype(op: str, out: Array, *inputs: Array) -> None:
+    for a in inputs:
+        if a.dtype != out.dtype:
+            raise DTypeError(f"{op}: dtypes differ, expected {out.dtype}, got {a.dtype}")
 
 
 # ---- threads -----------------------------------------------------------------------------

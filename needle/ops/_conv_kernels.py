@@ -1,11 +1,12 @@
 """The backend's fused convolution kernels, where a device has them (array level, no graph).
 
 ``ops_conv`` asks these first and falls back to im2col + matmul when they return ``None``:
-NumPy mode, devices without the kernels (``cuda()``) and float16. The kernels
-(``conv2d_forward``, ``conv2d_weight_grad``, ``conv2d_input_grad`` of the C++ backend) build
-im2col rows chunk by chunk in cache instead of materialising the whole patch matrix; see
-``src/conv_impl.h``. The NumPy reference device ``cpu_numpy()`` has the same kernels
-(``ndarray_backend_numpy_fused.py``), the oracle the C++ ones are tested against.
+NumPy mode, devices without the kernels and float16. The C++ backend's kernels
+(``conv2d_forward``, ``conv2d_weight_grad``, ``conv2d_input_grad``) build im2col rows chunk
+by chunk in cache instead of materialising the whole patch matrix (``src/conv_impl.h``); the
+CUDA backend's build the patch matrix in one kernel and hand the products to cuBLAS
+(``cuda_kernels/conv.cu``). The NumPy reference device ``cpu_numpy()`` has the same kernels
+(``ndarray_backend_numpy_fused.py``), the oracle the others are tested against.
 
 Example:
     >>> import numpy as np

@@ -213,6 +213,10 @@ class _DeviceArray:
     def reshape(self, *shape):
         return _DeviceArray(None, None, self._keep, self._view.reshape(*shape))
 
+    @property
+    def T(self):  # noqa: N802 - CuPy's name
+        return _DeviceArray(None, None, self._keep, self._view.T)
+
     def __setitem__(self, key, value) -> None:
         self._view[key] = value._view if isinstance(value, _DeviceArray) else value
 

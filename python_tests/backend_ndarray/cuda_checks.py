@@ -304,6 +304,57 @@ def check_embedding(B, dtype: str, num: int, dim: int, n: int) -> None:
     np.testing.assert_array_equal(get(B, dtable), want_dtable.array)
 
 
+# (n, h, w, c, kh, kw, cout, stride, pad): padding wider than some taps reach, strides above
+# 1 (ResNet9's 7x7 stride 4), a stride longer than the kernel (inputs no tap reads: zero
+# gradient), a 1x1 image under a 3x3 kernel, and the pointwise case that skips im2col.
+CONV_GEOMETRIES = ((1, 4, 4, 2, 3, 3, 5, 1, 1), (2, 7, 5, 3, 3, 3, 4, 2, 1),
+                   (1, 9, 10, 3, 7, 7, 4, 4, 3), (1, 3, 3, 2, 2, 3, 3, 3, 0),
+                   (2, 1, 1, 6, 3, 3, 5, 1, 1), (2, 4, 3, 8, 1, 1, 6, 1, 0))
+
+
+def check_conv(B, dtype: str, geom: tuple) -> None:
+    """Forward, kernel gradient and input gradient against the NumPy reference kernels
+    (float64 of the same rounded inputs); every output element is written (NaN-filled)."""
+    n, h, w, c, kh, kw, cout, stride, pad = geom
+    ho, wo = (h + 2 * pad - kh) // stride + 1, (w + 2 * pad - kw) // stride + 1
+    rng = np.random.default_rng(sum(geom))
+    x, wt = rand(rng, (n * h * w * c,), dtype), rand(rng, (kh * kw * c * cout,), dtype)
+    dy = rand(rng, (n * ho * wo * cout,), dtype)
+    got = [B.Array(size, dtype) for size in (dy.size, wt.size, x.size)]
+    for arr in got:
+        B.fill(arr, float("nan"))
+    bx, bw, bdy = put(B, x), put(B, wt), put(B, dy)
+    B.conv2d_forward(bx, bw, got[0], *geom)
+    B.conv2d_weight_grad(bx, bdy, got[1], *geom)
+    B.conv2d_input_grad(bdy, bw, got[2], *geom)
+    want = [R.Array(size, "float64") for size in (dy.size, wt.size, x.size)]
+    rx, rw, rdy = (put(R, v.astype(np.float64)) for v in (x, wt, dy))
+    RF.conv2d_forward(rx, rw, want[0], *geom)
+    RF.conv2d_weight_grad(rx, rdy, want[1], *geom)
+    RF.conv2d_input_grad(rdy, rw, want[2], *geom)
+    k = kh * kw * c
+    for name, arr, ref, terms in zip(("forward", "weight_grad", "input_grad"), got, want,
+                                     (k, n * ho * wo, k), strict=True):
+        result = get(B, arr)
+        assert not np.isnan(result).any(), f"conv2d {name}: elements left unwritten"
+        assert_close(result, ref.array, dtype, scale=2.0 * terms ** 0.5, ulps=16.0)
+
+
+def check_conv_refusals(B) -> None:
+    x = put(B, np.zeros(4 * 4 * 2, np.float32))
+    with pytest.raises(ShapeError, match="conv2d_forward: expected sizes >= 1"):
+        B.conv2d_forward(x, B.Array(50), B.Array(16), 1, 4, 4, 2, 5, 5, 1, 1, 0)
+    with pytest.raises(ShapeError, match="conv2d_forward: w too small"):
+        B.conv2d_forward(x, B.Array(3), B.Array(16), 1, 4, 4, 2, 3, 3, 1, 1, 1)
+    with pytest.raises(DTypeError, match="float16"):
+        B.conv2d_weight_grad(B.Array(32, "float16"), B.Array(16, "float16"),
+                             B.Array(18, "float16"), 1, 4, 4, 2, 3, 3, 1, 1, 1)
+    with pytest.raises(DTypeError, match="conv2d_input_grad: dtypes differ"):
+        B.conv2d_input_grad(B.Array(16, "float64"), B.Array(18), x, 1, 4, 4, 2, 3, 3, 1, 1, 1)
+    with pytest.raises(ValueError, match="share memory"):
+        B.conv2d_forward(x, B.Array(18), x, 1, 4, 4, 2, 3, 3, 1, 1, 1)
+
+
 def check_fused_refusals(B) -> None:
     z, loss, lse = put(B, np.zeros(6, np.float32)), B.Array(2), B.Array(2)
     for bad, name in ((3.0, "3.0"), (-1.0, "-1.0"), (1.5, "1.5"), (float("nan"), "nan")):
@@ -415,6 +466,16 @@ def test_matmul_tiled(backend, dtype, shape):
 @pytest.mark.parametrize("dtype", ("float32", "float64"))
 def test_softmax_xent(backend, dtype, n, k, spread):
     check_softmax_xent(backend, dtype, n, k, spread)
+
+
+@pytest.mark.parametrize("geom", CONV_GEOMETRIES, ids=lambda v: "x".join(map(str, v)))
+@pytest.mark.parametrize("dtype", ("float32", "float64"))
+def test_conv(backend, dtype, geom):
+    check_conv(backend, dtype, geom)
+
+
+def test_conv_refusals(backend):
+    check_conv_refusals(backend)
 
 
 @pytest.mark.parametrize("num, dim, n", ((1, 1, 1), (5, 3, 9), (40, 7, 300)),

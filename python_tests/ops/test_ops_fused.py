@@ -355,3 +355,34 @@ def test_conv_kernel_path_matches_im2col_path(device):
         a = a.numpy() if hasattr(a, "numpy") else a
         b = b.numpy() if hasattr(b, "numpy") else b
         np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.skipif(BACKEND != "nd", reason="nd-mode test")
+def test_conv_layers_on_emulated_cuda_match_cpu(emulated_cuda, monkeypatch):
+    """cuda() runs nn.Conv through its own im2col / col2im kernels around cuBLAS products:
+    the values and every gradient of a 3x3 stride-2 layer and a 1x1 layer (no im2col) are
+    cpu_numpy's, float64."""
+    from needle.backend_ndarray import cpu_numpy
+    from needle.backend_ndarray._cuda import runtime
+
+    launched, real_launch = [], runtime.launch
+
+    def counting(spec, *args, **kwargs):
+        launched.append(spec.base)
+        return real_launch(spec, *args, **kwargs)
+
+    monkeypatch.setattr(runtime, "launch", counting)
+    x = np.random.default_rng(15).standard_normal((2, 3, 7, 6))
+    results = []
+    for dev in (emulated_cuda, cpu_numpy()):
+        np.random.seed(0)
+        layers = [nn.Conv(3, 4, 3, stride=2, device=dev, dtype="float64"),
+                  nn.Conv(4, 5, 1, device=dev, dtype="float64")]
+        xt = T(x, dev, "float64", True)
+        y = layers[1](layers[0](xt))
+        (y * y).sum().backward()
+        results.append([y.numpy(), xt.grad.numpy()]
+                       + [p.grad.numpy() for layer in layers for p in layer.parameters()])
+    assert launched.count("im2col") == 2 and launched.count("col2im") == 1, launched
+    for got, want in zip(*results, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
