@@ -273,6 +273,41 @@ def matmul(a: Array, b: Array, out: Array, m: int, n: int, p: int) -> None:
         runtime.launch(_MATMUL, out.dtype, (m, p), a, b, out, m, n, p)
 
 
+def matmul_strided(a: Array, b: Array, out: Array, m: int, n: int, p: int, a_offset: int,
+                   ars: int, acs: int, b_offset: int, brs: int, bcs: int) -> None:
+    """``out (m×p) = A @ B`` where A and B are strided views (element strides >= 0) of ``a``
+    and ``b``: no compact copy of a transposed operand (every matmul backward multiplies by
+    a transpose), which cuBLAS reads in place; CuPy copies other layouts itself."""
+    op = "matmul_strided"
+    if min(ars, acs, brs, bcs) < 0:
+        raise ShapeError(f"{op}: strides must be >= 0, got a ({ars}, {acs}), b ({brs}, {bcs})")
+    if min(m, n, p) < 0:
+        raise ShapeError(f"{op}: dimensions must be >= 0, got m={m}, n={n}, p={p}")
+    for name, arr in (("a", a), ("b", b)):
+        if arr.dtype != out.dtype:
+            raise DTypeError(f"{op}: dtypes differ, expected {out.dtype}, got {name} "
+                             f"{arr.dtype}")
+    L.check_extent(op, "out", out, m * p)
+    if m == 0 or p == 0:
+        return
+    if n == 0:
+        fill(out, 0.0)
+        return
+    left = _strided_view(op, a, (m, n), (ars, acs), a_offset)
+    right = _strided_view(op, b, (n, p), (brs, bcs), b_offset)
+    runtime.cupy_module().matmul(left, right, out=_cupy_view(out, m * p).reshape(m, p))
+
+
+def _strided_view(op: str, a: Array, shape: tuple, strides: tuple, offset: int):
+    """A CuPy array over the (checked) strided view of ``a``, no copy."""
+    check_view(op, shape, strides, offset, a.size)
+    cupy = runtime.cupy_module()
+    mem = cupy.cuda.UnownedMemory(a.ptr(), max(a.size, 1) * a.itemsize, a)
+    return cupy.ndarray(shape, dtype=a.dtype,
+                        memptr=cupy.cuda.MemoryPointer(mem, int(offset) * a.itemsize),
+                        strides=tuple(int(s) * a.itemsize for s in strides))
+
+
 def _check_matmul(op: str, a: Array, b: Array, out: Array, m: int, n: int, p: int) -> None:
     if min(m, n, p) < 0:
         raise ShapeError(f"{op}: dimensions must be >= 0, got m={m}, n={n}, p={p}")

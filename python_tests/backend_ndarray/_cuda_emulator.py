@@ -196,12 +196,19 @@ class _UnownedMemory:
 
 
 class _DeviceArray:
-    def __init__(self, shape, dtype, memptr=None, _view=None):
+    def __init__(self, shape, dtype, memptr=None, strides=None, _view=None):
         if _view is None:
             dtype = np.dtype(dtype)
-            count = int(np.prod(shape))
+            shape = tuple(int(n) for n in shape)
+            if strides is None:
+                count = int(np.prod(shape))
+            else:  # byte strides >= 0: the view reaches one past its last element
+                reach = sum((n - 1) * s for n, s in zip(shape, strides, strict=True))
+                count = 1 + reach // dtype.itemsize
             buf = (ctypes.c_char * (count * dtype.itemsize)).from_address(memptr.ptr)
-            _view = np.frombuffer(buf, dtype=dtype, count=count).reshape(shape)
+            flat = np.frombuffer(buf, dtype=dtype, count=count)
+            _view = (flat.reshape(shape) if strides is None else
+                     np.lib.stride_tricks.as_strided(flat, shape, tuple(strides)))
         self._view, self._keep = _view, memptr
 
     def get(self) -> np.ndarray:
@@ -211,11 +218,11 @@ class _DeviceArray:
         self._view[...] = src
 
     def reshape(self, *shape):
-        return _DeviceArray(None, None, self._keep, self._view.reshape(*shape))
+        return _DeviceArray(None, None, self._keep, _view=self._view.reshape(*shape))
 
     @property
     def T(self):  # noqa: N802 - CuPy's name
-        return _DeviceArray(None, None, self._keep, self._view.T)
+        return _DeviceArray(None, None, self._keep, _view=self._view.T)
 
     def __setitem__(self, key, value) -> None:
         self._view[key] = value._view if isinstance(value, _DeviceArray) else value
@@ -265,6 +272,6 @@ class FakeCupy:
     def matmul(a, b, out=None):
         result = np.matmul(a._view, b._view)
         if out is None:
-            return _DeviceArray(None, None, None, result)
+            return _DeviceArray(None, None, None, _view=result)
         out._view[...] = result
         return out

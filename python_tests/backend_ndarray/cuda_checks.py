@@ -246,6 +246,46 @@ def check_matmul(B, dtype: str, m: int, n: int, p: int) -> None:
     assert_close(get(B, out, (m, p)), want, dtype, scale, ulps=4.0 * max(n, 1) ** 0.5 + 4)
 
 
+def _strided_operand(rng, rows, cols, layout, dtype):
+    """(values, buffer values, offset, row stride, col stride) of a rows x cols operand laid
+    out as 'n' (row-major), 't' (a transposed view), 's' (a column slice of a wider matrix)
+    or 'b' (one row broadcast down the rows: row stride 0, as NDArray's column sums)."""
+    values = rand(rng, (rows, cols), dtype)
+    if layout == "n":
+        return values, values, 0, cols, 1
+    if layout == "t":
+        return values, values.T, 0, 1, rows
+    if layout == "b":
+        values[:] = values[0]
+        return values, np.concatenate([rand(rng, (3,), dtype), values[0]]), 3, 0, 1
+    wide = rand(rng, (rows, cols + 5), dtype)
+    wide[:, 2:2 + cols] = values
+    return values, wide, 2, cols + 5, 1
+
+
+def check_matmul_strided(B, dtype: str, m: int, n: int, p: int, la: str, lb: str) -> None:
+    rng = np.random.default_rng(m * 10007 + n * 101 + p)
+    a, a_buf, a_off, ars, acs = _strided_operand(rng, m, n, la, dtype)
+    b, b_buf, b_off, brs, bcs = _strided_operand(rng, n, p, lb, dtype)
+    out = B.Array(m * p, dtype)
+    B.fill(out, float("nan"))  # must be overwritten, never accumulated into
+    B.matmul_strided(put(B, np.ascontiguousarray(a_buf)), put(B, np.ascontiguousarray(b_buf)),
+                     out, m, n, p, a_off, ars, acs, b_off, brs, bcs)
+    want = a.astype(np.float64) @ b.astype(np.float64)
+    scale = np.abs(a.astype(np.float64)) @ np.abs(b.astype(np.float64))
+    assert_close(get(B, out, (m, p)), want, dtype, scale, ulps=4.0 * max(n, 1) ** 0.5 + 4)
+
+
+def check_matmul_strided_refusals(B) -> None:
+    a, out = put(B, np.ones(12, np.float32)), B.Array(4)
+    with pytest.raises(ShapeError, match="matmul_strided: strides must be >= 0"):
+        B.matmul_strided(a, a, out, 2, 3, 2, 0, 3, 1, 11, -1, 1)
+    with pytest.raises(IndexError, match="matmul_strided: view reaches outside its buffer"):
+        B.matmul_strided(a, a, out, 2, 3, 2, 0, 3, 1, 7, 2, 1)
+    with pytest.raises(DTypeError, match="matmul_strided: dtypes differ"):
+        B.matmul_strided(a, put(B, np.ones(12)), out, 2, 3, 2, 0, 3, 1, 0, 2, 1)
+
+
 def check_matmul_tiled(B, dtype: str, m: int, n: int, p: int) -> None:
     t = B.__tile_size__
     rng = np.random.default_rng(9)
@@ -451,6 +491,18 @@ def test_matmul(backend, dtype, shape, impl):
         check_matmul(backend, dtype, *shape)
     finally:
         backend.set_matmul_impl(before)
+
+
+@pytest.mark.parametrize("layouts", ("nn", "tn", "nt", "tt", "sn", "ns", "bn", "tb"))
+@pytest.mark.parametrize("shape", ((1, 1, 1), (5, 3, 7), (33, 17, 9)),
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", ("float32", "float64"))
+def test_matmul_strided(backend, dtype, shape, layouts):
+    check_matmul_strided(backend, dtype, *shape, *layouts)
+
+
+def test_matmul_strided_refusals(backend):
+    check_matmul_strided_refusals(backend)
 
 
 @pytest.mark.parametrize("shape", ((4, 4, 4), (8, 12, 16), (12, 4, 8)),
