@@ -40,7 +40,7 @@ MATMUL_IMPLS = ("cublas", "tiled")
 _matmul_impl = "cublas"  # expected faster; bench/bench_gpu.py measures both (docs/cuda.md)
 
 _EW, _ST, _RD, _MM = "elementwise.cu", "strided.cu", "reduce.cu", "matmul.cu"
-_FU, _CV = "fused.cu", "conv.cu"
+_FU, _CV, _BN = "fused.cu", "conv.cu", "batch_norm.cu"
 
 
 class Array:
@@ -495,6 +495,63 @@ def conv2d_input_grad(dy: Array, w: Array, dx: Array, n, h, wd, c, kh, kw, cout,
     _gemm(dy, w, cols, n * ho * wo, cout, kh * kw * c, trans_b=True)
     runtime.launch(_COL2IM, dx.dtype, n * h * wd * c, cols, dx, n, h, wd, c, kh, kw, stride,
                    pad, ho, wo)
+
+
+# ---- batch normalisation (cuda_kernels/batch_norm.cu) ----------------------------------------
+# x viewed as (n, c, s); per-channel statistics by one block per channel (double sums in a
+# fixed order), then an elementwise pass: two launches forward, two backward.
+_BN_STATS = L.KernelSpec(_BN, "batch_norm_stats", ("a",) * 4 + ("i64",) * 3 + ("scalar",),
+                         grid="rows", dtypes=_FLOATS)
+_BN_APPLY = L.KernelSpec(_BN, "batch_norm_apply", ("a",) * 6 + ("i64",) * 3, grid="indexed",
+                         dtypes=_FLOATS)
+_BN_GRAD_STATS = L.KernelSpec(_BN, "batch_norm_grad_stats", ("a",) * 6 + ("i64",) * 3,
+                              grid="rows", dtypes=_FLOATS)
+_BN_GRAD_INPUT = L.KernelSpec(_BN, "batch_norm_grad_input", ("a",) * 8 + ("i64",) * 3,
+                              grid="indexed", dtypes=_FLOATS)
+
+
+def _bn_sizes(op: str, n, c, s) -> tuple:
+    n, c, s = int(n), int(c), int(s)
+    if min(n, c, s) < 0:
+        raise ShapeError(f"{op}: expected sizes n, c, s >= 0, got n={n}, c={c}, s={s}")
+    return n, c, s
+
+
+def batch_norm_forward(x: Array, w: Array, b: Array, y: Array, mean: Array, var: Array,
+                       invstd: Array, n, c, s, eps) -> None:
+    """Training-mode batch norm of ``x`` viewed as (n, c, s): per-channel ``mean``, biased
+    ``var``, ``invstd = 1/sqrt(var + eps)`` and ``y = w (x - mean) invstd + b``."""
+    op = "batch_norm_forward"
+    n, c, s = _bn_sizes(op, n, c, s)
+    if not float(eps) >= 0:
+        raise ValueError(f"{op}: expected eps >= 0, got {eps}")
+    total = n * c * s
+    _fused_checks(op, y, {"x": (x, total), "w": (w, c), "b": (b, c), "y": (y, total),
+                          "mean": (mean, c), "var": (var, c), "invstd": (invstd, c)},
+                  (x, w, b))
+    _same_dtype(op, y, x, w, b, mean, var, invstd)
+    if total == 0:
+        return
+    runtime.launch(_BN_STATS, y.dtype, c, x, mean, var, invstd, n, c, s, eps)
+    runtime.launch(_BN_APPLY, y.dtype, total, x, w, b, mean, invstd, y, n, c, s)
+
+
+def batch_norm_backward(dy: Array, x: Array, w: Array, mean: Array, invstd: Array, dx: Array,
+                        dw: Array, db: Array, n, c, s) -> None:
+    """``db = sum dy``, ``dw = sum dy xhat`` per channel and ``dx = w invstd (dy - db/m -
+    xhat dw/m)`` (``m = n s``) from the statistics the forward pass saved."""
+    op = "batch_norm_backward"
+    n, c, s = _bn_sizes(op, n, c, s)
+    total = n * c * s
+    _fused_checks(op, dx, {"dy": (dy, total), "x": (x, total), "w": (w, c),
+                           "mean": (mean, c), "invstd": (invstd, c), "dx": (dx, total),
+                           "dw": (dw, c), "db": (db, c)}, (dy, x, w, mean, invstd))
+    _same_dtype(op, dx, dy, x, w, mean, invstd, dw, db)
+    if total == 0:
+        return
+    runtime.launch(_BN_GRAD_STATS, dx.dtype, c, dy, x, mean, invstd, dw, db, n, c, s)
+    runtime.launch(_BN_GRAD_INPUT, dx.dtype, total, dy, x, w, mean, invstd, dw, db, dx, n, c,
+                   s)
 
 
 def _same_dtype(op: str, out: Array, *inputs: Array) -> None:

@@ -380,6 +380,52 @@ def check_conv(B, dtype: str, geom: tuple) -> None:
         assert_close(result, ref.array, dtype, scale=2.0 * terms ** 0.5, ulps=16.0)
 
 
+def check_batch_norm(B, dtype: str, n: int, c: int, s: int) -> None:
+    """Statistics, output and the three gradients against the NumPy reference kernels
+    (float64 of the same rounded inputs); a mean far from zero, so centring matters."""
+    rng = np.random.default_rng(n * 1000 + c * 10 + s)
+    x = (rng.standard_normal(n * c * s) * 4 + 3).astype(dtype)
+    w, b = rand(rng, (c,), dtype), rand(rng, (c,), dtype)
+    dy = rand(rng, (n * c * s,), dtype)
+    results = {}
+    for M, dt in ((B, dtype), (R, "float64")):
+        stats = [M.Array(c, dt) for _ in range(3)]
+        y, grads = M.Array(n * c * s, dt), [M.Array(n * c * s, dt), M.Array(c, dt),
+                                             M.Array(c, dt)]
+        for arr in [y] + stats + grads:
+            M.fill(arr, float("nan"))
+        xa, wa = put(M, x.astype(dt)), put(M, w.astype(dt))
+        fwd = B.batch_norm_forward if M is B else RF.batch_norm_forward
+        bwd = B.batch_norm_backward if M is B else RF.batch_norm_backward
+        fwd(xa, wa, put(M, b.astype(dt)), y, *stats, n, c, s, 1e-5)
+        bwd(put(M, dy.astype(dt)), xa, wa, stats[0], stats[2], *grads, n, c, s)
+        results[M] = [get(M, a) if M is B else a.array for a in [y] + stats + grads]
+    names = ("y", "mean", "var", "invstd", "dx", "dw", "db")
+    for name, got, want in zip(names, results[B], results[R], strict=True):
+        if n * c * s == 0:  # nothing is written: the NaN fill stays
+            assert np.isnan(got).all(), name
+        else:
+            # invstd reaches 1/sqrt(eps) for a constant channel (eps rounded to the dtype)
+            scale = np.maximum(float(n * s), np.abs(want))
+            assert_close(got, want, dtype, scale=scale, ulps=16.0)
+
+
+def check_batch_norm_refusals(B) -> None:
+    a = [B.Array(8) for _ in range(7)]
+    with pytest.raises(ShapeError, match="batch_norm_forward: x too small"):
+        B.batch_norm_forward(*a, 3, 2, 2, 1e-5)
+    with pytest.raises(ShapeError, match="expected sizes n, c, s >= 0"):
+        B.batch_norm_backward(*a, B.Array(8), -1, 2, 2)
+    with pytest.raises(ValueError, match="eps >= 0"):
+        B.batch_norm_forward(*a, 1, 2, 2, -1.0)
+    with pytest.raises(DTypeError, match="expected float32 or float64"):
+        B.batch_norm_forward(*[B.Array(8, "float16") for _ in range(7)], 2, 2, 2, 1e-5)
+    with pytest.raises(DTypeError, match="dtypes differ"):
+        B.batch_norm_backward(*a[:5], B.Array(8, "float64"), a[5], a[6], 2, 2, 2)
+    with pytest.raises(ValueError, match="share memory"):
+        B.batch_norm_forward(a[0], a[1], a[2], a[0], a[3], a[4], a[5], 2, 2, 2, 1e-5)
+
+
 def check_conv_refusals(B) -> None:
     x = put(B, np.zeros(4 * 4 * 2, np.float32))
     with pytest.raises(ShapeError, match="conv2d_forward: expected sizes >= 1"):
@@ -528,6 +574,19 @@ def test_conv(backend, dtype, geom):
 
 def test_conv_refusals(backend):
     check_conv_refusals(backend)
+
+
+# (n, c, s): one element; (N, C) rows; NCHW planes; planes longer than a block; channels of
+# more than a block's worth of rows; an empty batch (nothing written).
+@pytest.mark.parametrize("n, c, s", ((1, 1, 1), (5, 3, 1), (4, 3, 7), (2, 5, 300), (600, 2, 1),
+                                     (0, 3, 2)), ids=lambda v: str(v))
+@pytest.mark.parametrize("dtype", ("float32", "float64"))
+def test_batch_norm(backend, dtype, n, c, s):
+    check_batch_norm(backend, dtype, n, c, s)
+
+
+def test_batch_norm_refusals(backend):
+    check_batch_norm_refusals(backend)
 
 
 @pytest.mark.parametrize("num, dim, n", ((1, 1, 1), (5, 3, 9), (40, 7, 300)),

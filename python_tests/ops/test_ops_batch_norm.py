@@ -214,3 +214,38 @@ def test_bad_shapes_are_refused(device):
     # and the NCHW shape too, not the (N*H*W, C) rows it normalises
     with pytest.raises(ShapeError, match=r"BatchNorm2d: expected 3 channels .*\(2, 4, 2, 2\)"):
         nn.BatchNorm2d(3, device=device).eval()(T(np.ones((2, 4, 2, 2)), device, "float32"))
+
+
+@pytest.mark.skipif(BACKEND != "nd", reason="nd-mode test")
+def test_conv_batch_norm_block_on_emulated_cuda_matches_cpu(emulated_cuda, monkeypatch):
+    """cuda() normalises with its own kernels (two launches each way): a conv's NHWC output
+    seen as NCHW (the channels-last rows case) and a compact NCHW input give cpu_numpy's
+    values, running statistics and gradients, float64."""
+    from needle.backend_ndarray import cpu_numpy
+    from needle.backend_ndarray._cuda import runtime
+
+    launched, real_launch = [], runtime.launch
+
+    def counting(spec, *args, **kwargs):
+        launched.append(spec.base)
+        return real_launch(spec, *args, **kwargs)
+
+    monkeypatch.setattr(runtime, "launch", counting)
+    x = np.random.default_rng(16).standard_normal((3, 2, 5, 4)) * 3 + 1
+    results = []
+    for dev in (emulated_cuda, cpu_numpy()):
+        np.random.seed(0)
+        conv = nn.Conv(2, 4, 3, device=dev, dtype="float64")
+        bns = [nn.BatchNorm2d(2, device=dev, dtype="float64"),
+               nn.BatchNorm2d(4, device=dev, dtype="float64")]
+        xt = T(x, dev)
+        y = bns[1](conv(bns[0](xt)))
+        (y * y).sum().backward()
+        results.append([y.numpy(), xt.grad.numpy()]
+                       + [p.grad.numpy() for m in [conv] + bns for p in m.parameters()]
+                       + [a.numpy() for bn in bns for a in (bn.running_mean, bn.running_var)])
+    for name in ("batch_norm_stats", "batch_norm_apply", "batch_norm_grad_stats",
+                 "batch_norm_grad_input"):
+        assert launched.count(name) == 2, (name, launched)
+    for got, want in zip(*results, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
