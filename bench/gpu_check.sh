@@ -72,7 +72,10 @@ timeout_opt=()
 step test_suite_cuda 180 "$PY" -m pytest python_tests -q -rs -k cuda -m "not mpi" \
   --tb=short --continue-on-collection-errors -p no:cacheprovider \
   ${timeout_opt[@]+"${timeout_opt[@]}"}
-step bench_gpu 180 "$PY" bench/bench_gpu.py ${BENCH_GPU_ARGS:-} --json "$OUT/bench_gpu.json"
+step bench_gpu 180 "$PY" bench/bench_gpu.py ${BENCH_GPU_ARGS:-}
+# Where a cuda() training step spends its time: launches per kernel family, cProfile, the
+# host cost of one launch, elementwise kernel shapes (the input to the next round of work).
+step gpu_profile 120 "$PY" bench/gpu_profile.py
 
 echo "=== $failed step(s) failed; logs in $OUT" | tee -a "$summary"
 exit "$failed"
