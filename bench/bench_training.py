@@ -250,6 +250,9 @@ def main(argv=None) -> int:
     p.add_argument("--compiled", action="store_true",
                    help="add the needle step under ndl.compile as a column")
     args = p.parse_args(argv)
+    unknown = sorted(set(args.only.split(",")) - set(TITLES))
+    if unknown:
+        p.error(f"--only: unknown workload(s) {unknown}, expected some of {sorted(TITLES)}")
     import needle.backend_ndarray as nd
 
     device = nd.default_device() if args.device is None else nd.device_by_name(args.device)

@@ -139,6 +139,18 @@ class _Setter:
         self.as_tensor, self.requires_grad, self.device = as_tensor, requires_grad, device
 
 
+def _install_row(s: _Setter) -> tuple:
+    """What :meth:`KernelProgram.finish` needs of setter ``s``, flat: ``(container, key)``
+    for an attribute of a fixed object (None: set through ``loc``, per call), the slot and
+    view of the buffer, and whether a replaced ``cached_data`` must be noted."""
+    loc = s.loc
+    static = loc.kind == "attr" and loc.arg < 0
+    shape, strides, offset = s.view if s.slot is not None else (None, None, None)
+    note = loc.key == "cached_data" and loc.kind == "attr"
+    return (loc.container if static else None, loc.key, loc, s.slot, shape, strides, offset,
+            s.device, s.as_tensor, s.requires_grad, note)
+
+
 class KernelProgram:
     """A replayable kernel list (see the module docstring). ``run(args, kwargs)`` executes it
     and returns the step's result; :meth:`bind` and :meth:`finish` split that for callers
@@ -159,6 +171,7 @@ class KernelProgram:
         # the same (a gradient accumulating into x.grad takes another path than a first one)
         self.arg_locations = list(arg_grads)
         self.arg_sharing = tuple(arg_sharing)
+        self._installs = [_install_row(s) for s in setters]
         # set by prepare(): the runner (a C++ kernel list, else a generated Python function)
         self.native = None
         self._fn = None
@@ -206,8 +219,11 @@ class KernelProgram:
         (an old weight, an old gradient) is freed at its last use, not at the end. If a
         kernel raises, they stay cleared: the step's state is then as undefined as after an
         eager step that raised halfway."""
-        for s in self.setters:
-            s.loc.set(None, tensors)
+        for container, key, loc, *_ in self._installs:
+            if container is not None:
+                setattr(container, key, None)
+            else:
+                loc.set(None, tensors)
         if self.native is not None:
             return self.native.run(handles, self._external_slots, self._made)
         return self._fn(handles)
@@ -216,23 +232,26 @@ class KernelProgram:
         """Install what the program made into the state (``tensors``: the call's tensor
         arguments) and rebuild the result."""
 
-        def buffer(slot):
-            return made[slot]
-
-        for s in self.setters:
-            if s.slot is None:
+        # One pass over rows prepared at construction (_install_row): this runs on every call
+        # of a compiled step, once per parameter and gradient the step replaces.
+        view, make_const = _view, Tensor.make_const
+        for container, key, loc, slot, shape, strides, offset, device, as_tensor, \
+                requires_grad, note in self._installs:
+            if slot is None:
                 value = None
             else:
-                shape, strides, offset = s.view
-                value = _view(shape, strides, offset, s.device, buffer(s.slot))
-                if s.as_tensor:
-                    value = Tensor.make_const(value, requires_grad=s.requires_grad)
-            s.loc.set(value, tensors)
-            if s.loc.key == "cached_data" and s.loc.kind == "attr":
-                owner = tensors[s.loc.arg] if s.loc.arg >= 0 else s.loc.container
+                value = view(shape, strides, offset, device, made[slot])
+                if as_tensor:
+                    value = make_const(value, requires_grad=requires_grad)
+            if container is not None:
+                setattr(container, key, value)
+            else:
+                loc.set(value, tensors)
+            if note:
+                owner = container if container is not None else tensors[loc.arg]
                 if isinstance(owner, Tensor):
                     note_replaced(owner)
-        return _rebuild(self.result, buffer, self.device)
+        return _rebuild(self.result, made.__getitem__, self.device)
 
     def prepare(self, kernel=None, arena: dict | None = None, native: bool = True) -> None:
         """Make the runner, once, for the program that replays: its elementwise runs fused

@@ -304,9 +304,27 @@ class Guard:
             elif loc.kind == "item":
                 sizes[id(loc.container)] = (loc.container, len(loc.container))  # type: ignore
         self.sizes = list(sizes.values())
+        # the same checks split by kind, for the pass that finds nothing changed (every call
+        # of a compiled step): identities through weak references, then plain values
+        self._refs = [(get, tok) for get, tok in self.checks if tok.__class__ is weakref.ref]
+        self._values = [(get, tok[1]) for get, tok in self.checks
+                        if tok.__class__ is not weakref.ref]
 
     def failure(self) -> str | None:
         """None when nothing changed, else what did (the first difference found)."""
+        for container, size in self.sizes:
+            if len(container) != size:
+                return self._first_difference()
+        for get, ref in self._refs:
+            if ref() is not get():
+                return self._first_difference()
+        for get, value in self._values:
+            now = get()
+            if now is not value and not _same(value, now):
+                return self._first_difference()
+        return None
+
+    def _first_difference(self) -> str | None:
         for container, size in self.sizes:
             if len(container) != size:
                 return f"a container of the step's state changed size ({size} -> " \

@@ -16,6 +16,7 @@ import pytest
 import needle as ndl
 import needle.memory as mem
 from needle import nn
+from needle._core.errors import GraphError
 
 sys.path.append(os.path.dirname(__file__))
 from test_compile_models import make, step_for  # noqa: E402 - the shared model zoo
@@ -214,6 +215,29 @@ def test_a_step_whose_state_changes_every_call_settles_on_python_replays(dev):
         assert float(step(x).numpy()[0, 0]) == 2.0 * (i % 3)
     mode = step.replay_mode()
     assert mode["mode"] == "python" and "changed between calls" in mode["reason"]
+
+
+def test_replayed_steps_note_the_parameters_they_replace(dev):
+    """Each kernel replay bumps the data version of every parameter it replaces, as an eager
+    optimizer step does, so a graph that saved a parameter before the step refuses to
+    backpropagate through the old values afterwards."""
+    from needle.autograd.versions import data_version
+
+    np.random.seed(0)
+    model = nn.Linear(4, 3, device=dev)
+    opt = ndl.optim.SGD(model.parameters(), lr=0.1)
+    step = ndl.compile(sum_loss_step(model, opt))
+    x = ndl.Tensor(np.ones((2, 4)), device=dev, requires_grad=False)
+    for _ in range(FIRST_KERNEL_CALL + 1):
+        step(x)
+    replays = step.stats()["kernel_replays"]
+    before = [data_version(p) for p in model.parameters()]
+    stale = (model(ndl.Tensor(np.ones((2, 4)), device=dev)) ** 2).sum()
+    step(x)
+    assert step.stats()["kernel_replays"] == replays + 1
+    assert [data_version(p) for p in model.parameters()] == [v + 1 for v in before]
+    with pytest.raises(GraphError, match="saved .* for its gradient"):
+        stale.backward()
 
 
 def test_parameters_replaced_between_calls_are_read_anew(dev):
