@@ -43,6 +43,9 @@ _EW, _ST, _RD, _MM = "elementwise.cu", "strided.cu", "reduce.cu", "matmul.cu"
 _FU, _CV, _BN = "fused.cu", "conv.cu", "batch_norm.cu"
 
 
+_ITEMSIZE = {name: np.dtype(name).itemsize for name in L.SUFFIX}
+
+
 class Array:
     """A flat device buffer of ``size`` elements of ``dtype`` from the backend's allocator."""
 
@@ -50,11 +53,14 @@ class Array:
     __slots__ = ("_owner", "_ptr", "_size", "_dtype", "_itemsize", "__weakref__")
 
     def __init__(self, size: int, dtype: str = "float32"):
-        dtype = np.dtype(dtype).name
-        if dtype not in L.SUFFIX:
-            raise DTypeError(f"cuda Array: unsupported dtype, expected one of "
-                             f"{tuple(L.SUFFIX)}, got {dtype!r}")
-        self._itemsize = np.dtype(dtype).itemsize
+        itemsize = _ITEMSIZE.get(dtype)  # the canonical names without asking NumPy (hot path)
+        if itemsize is None:
+            dtype = np.dtype(dtype).name
+            if dtype not in L.SUFFIX:
+                raise DTypeError(f"cuda Array: unsupported dtype, expected one of "
+                                 f"{tuple(L.SUFFIX)}, got {dtype!r}")
+            itemsize = _ITEMSIZE[dtype]
+        self._itemsize = itemsize
         L.check_buffer_bytes("cuda Array", size, self._itemsize)
         self._size = int(size)
         self._dtype = dtype

@@ -176,7 +176,9 @@ def plan_reduce(rows: int, reduce_size: int, num_sms: int) -> ReducePlan:
 
 
 def _expected_dtype(kind: str, dtype: str) -> str | None:
-    return {"a": dtype, "acc": ACC_DTYPE[dtype], "src": None}.get(kind)
+    if kind == "a":
+        return dtype
+    return ACC_DTYPE[dtype] if kind == "acc" else None
 
 
 def prepare(spec: KernelSpec, dtype: str, work, args, src_dtype: str | None = None):
