@@ -22,7 +22,7 @@ Example:
     [0, 0, 0, 0, 0, 3, 2, 1, 0, 0, 1, 0, 0, 1, 0]
 """
 __all__ = ["LOAD", "STORE", "BINARY", "SCALAR", "RSCALAR", "UNARY", "MAX_REGISTERS",
-           "BINARY_OPS", "UNARY_OPS"]
+           "BINARY_OPS", "UNARY_OPS", "check_program"]
 
 MAX_REGISTERS = 16  # kProgramRegisters in src/kernels.h
 LOAD, STORE, BINARY, SCALAR, RSCALAR, UNARY = range(6)  # ProgramKind in src/kernels.h
@@ -31,3 +31,62 @@ BINARY_OPS = {name: i for i, name in enumerate(
      "relu_grad"))}
 UNARY_OPS = {name: i for i, name in enumerate(
     ("neg", "log", "exp", "tanh", "sqrt", "abs", "sign", "sigmoid"))}
+
+
+def check_program(code, n_in: int, n_out: int, n_scalars: int) -> None:
+    """Raise ``ValueError`` unless ``code`` is a valid program over ``n_in`` inputs, ``n_out``
+    outputs and ``n_scalars`` scalars: every register read after it is set, every index in
+    range, known kinds and ops, each output stored at most once.
+
+    Example:
+        >>> check_program([LOAD, 0, 0, 0, 0, STORE, 0, 0, 0, 0], 1, 1, 0)  # out0 = in0
+        >>> check_program([STORE, 0, 0, 3, 0], 1, 1, 0)
+        Traceback (most recent call last):
+        ...
+        ValueError: ewise_program: register 3 read before set
+    """
+    def bad(what):
+        raise ValueError(f"ewise_program: {what}")
+
+    if len(code) % 5:
+        bad(f"expected instructions of 5 ints, got {len(code)}")
+    ready = [False] * MAX_REGISTERS
+    stored = [False] * n_out
+
+    def reg(r, read):
+        if not 0 <= r < MAX_REGISTERS:
+            bad(f"register {r} outside [0, {MAX_REGISTERS})")
+        if read and not ready[r]:
+            bad(f"register {r} read before set")
+
+    for k in range(0, len(code), 5):
+        kind, op, dst, a, b = code[k:k + 5]
+        if kind == LOAD:
+            if not 0 <= a < n_in:
+                bad(f"input {a} out of range")
+            reg(dst, False)
+        elif kind == STORE:
+            if not 0 <= dst < n_out:
+                bad(f"output {dst} out of range")
+            if stored[dst]:  # the C++ backend computes straight into a stored-to output
+                bad(f"output {dst} stored twice")
+            stored[dst] = True
+            reg(a, True)
+            continue
+        elif kind in (BINARY, SCALAR, RSCALAR):
+            if not 0 <= op < len(BINARY_OPS):
+                bad(f"unknown binary op {op}")
+            if kind == BINARY:
+                reg(b, True)
+            elif not 0 <= b < n_scalars:
+                bad(f"scalar {b} out of range")
+            reg(a, True)
+            reg(dst, False)
+        elif kind == UNARY:
+            if not 0 <= op < len(UNARY_OPS):
+                bad(f"unknown unary op {op}")
+            reg(a, True)
+            reg(dst, False)
+        else:
+            bad(f"unknown instruction kind {kind}")
+        ready[dst] = True

@@ -24,6 +24,7 @@ import numpy as np
 from .._core.errors import DTypeError, ShapeError
 from ._cuda import launch as L
 from ._cuda import runtime
+from .ewise_codes import MAX_REGISTERS, check_program
 from .ndarray_checks import check_class_ids
 from .ndarray_limits import check_view
 
@@ -427,8 +428,11 @@ def embedding_backward(g: Array, ids: Array, dtable: Array, num: int, dim: int,
 
 # ---- convolution: im2col / col2im kernels (cuda_kernels/conv.cu) around cuBLAS products -----
 # NHWC input (n, h, w, c), kernel (kh, kw, c, cout), output (n, ho, wo, cout), as the CPU
-# backends. The patch matrix (n*ho*wo, kh*kw*c) is a workspace of the call; a 1x1 kernel
-# with stride 1 and no padding needs none (its patch matrix is the input itself).
+# backends. The patch matrix (n*ho*wo, kh*kw*c) is a workspace: callers that plan memory pass
+# one of conv2d_workspace(...) elements as the last argument (needle.ops does: the buffer is
+# then an allocation of the graph like any other, planned and measured); without it the call
+# allocates its own. A 1x1 kernel with stride 1 and no padding needs none (its patch matrix
+# is the input itself).
 _IM2COL = L.KernelSpec(_CV, "im2col", ("a", "a") + ("i64",) * 10, grid="indexed",
                        dtypes=_FLOATS)
 _COL2IM = L.KernelSpec(_CV, "col2im", ("a", "a") + ("i64",) * 10, grid="indexed",
@@ -452,17 +456,38 @@ def _is_pointwise(kh, kw, stride, pad) -> bool:
     return kh == kw == stride == 1 and pad == 0
 
 
-def _im2col(x: Array, n, h, w, c, kh, kw, cout, stride, pad, ho, wo) -> Array:
+def conv2d_workspace(n, h, wd, c, kh, kw, cout, stride, pad) -> int:
+    """Elements of the workspace that ``conv2d_forward``/``_weight_grad``/``_input_grad`` use
+    for this geometry (0: none)."""
+    n, h, wd, c, kh, kw, cout, stride, pad, ho, wo = _conv_geometry(
+        "conv2d_workspace", n, h, wd, c, kh, kw, cout, stride, pad)
+    return 0 if _is_pointwise(kh, kw, stride, pad) else n * ho * wo * kh * kw * c
+
+
+def _workspace(op: str, workspace, dtype: str, need: int, others: tuple) -> Array:
+    if workspace is None:
+        return Array(need, dtype)
+    if workspace.dtype != dtype:
+        raise DTypeError(f"{op}: dtypes differ, expected {dtype}, got workspace "
+                         f"{workspace.dtype}")
+    L.check_extent(op, "workspace", workspace, need)
+    if any(workspace.ptr() == a.ptr() for a in others):
+        raise ValueError(f"{op}: the workspace must not share memory with an operand")
+    return workspace
+
+
+def _im2col(x: Array, n, h, w, c, kh, kw, cout, stride, pad, ho, wo, workspace=None,
+            op="conv2d", others=()) -> Array:
     if _is_pointwise(kh, kw, stride, pad):
         return x
-    cols = Array(n * ho * wo * kh * kw * c, x.dtype)
+    cols = _workspace(op, workspace, x.dtype, n * ho * wo * kh * kw * c, (x, *others))
     runtime.launch(_IM2COL, x.dtype, cols.size, x, cols, n, h, w, c, kh, kw, stride, pad, ho,
                    wo)
     return cols
 
 
 def conv2d_forward(x: Array, w: Array, out: Array, n, h, wd, c, kh, kw, cout, stride,
-                   pad) -> None:
+                   pad, workspace: Array | None = None) -> None:
     """``out (n, ho, wo, cout) = conv(x (n, h, wd, c), w (kh, kw, c, cout))``, zero padding."""
     op = "conv2d_forward"
     g = n, h, wd, c, kh, kw, cout, stride, pad, ho, wo = _conv_geometry(
@@ -470,11 +495,11 @@ def conv2d_forward(x: Array, w: Array, out: Array, n, h, wd, c, kh, kw, cout, st
     _fused_checks(op, out, {"x": (x, n * h * wd * c), "w": (w, kh * kw * c * cout),
                             "out": (out, n * ho * wo * cout)}, (x, w))
     _same_dtype(op, out, x, w)
-    _gemm(_im2col(x, *g), w, out, n * ho * wo, kh * kw * c, cout)
+    _gemm(_im2col(x, *g, workspace, op, (w, out)), w, out, n * ho * wo, kh * kw * c, cout)
 
 
 def conv2d_weight_grad(x: Array, dy: Array, dw: Array, n, h, wd, c, kh, kw, cout, stride,
-                       pad) -> None:
+                       pad, workspace: Array | None = None) -> None:
     """``dw (kh, kw, c, cout)``: the kernel gradient for the output gradient ``dy``."""
     op = "conv2d_weight_grad"
     g = n, h, wd, c, kh, kw, cout, stride, pad, ho, wo = _conv_geometry(
@@ -482,11 +507,12 @@ def conv2d_weight_grad(x: Array, dy: Array, dw: Array, n, h, wd, c, kh, kw, cout
     _fused_checks(op, dw, {"x": (x, n * h * wd * c), "dy": (dy, n * ho * wo * cout),
                            "dw": (dw, kh * kw * c * cout)}, (x, dy))
     _same_dtype(op, dw, x, dy)
-    _gemm(_im2col(x, *g), dy, dw, kh * kw * c, n * ho * wo, cout, trans_a=True)
+    cols = _im2col(x, *g, workspace, op, (dy, dw))
+    _gemm(cols, dy, dw, kh * kw * c, n * ho * wo, cout, trans_a=True)
 
 
 def conv2d_input_grad(dy: Array, w: Array, dx: Array, n, h, wd, c, kh, kw, cout, stride,
-                      pad) -> None:
+                      pad, workspace: Array | None = None) -> None:
     """``dx (n, h, wd, c)``: the input gradient for the output gradient ``dy``."""
     op = "conv2d_input_grad"
     n, h, wd, c, kh, kw, cout, stride, pad, ho, wo = _conv_geometry(
@@ -497,10 +523,89 @@ def conv2d_input_grad(dy: Array, w: Array, dx: Array, n, h, wd, c, kh, kw, cout,
     if _is_pointwise(kh, kw, stride, pad):
         _gemm(dy, w, dx, n * ho * wo, cout, c, trans_b=True)
         return
-    cols = Array(n * ho * wo * kh * kw * c, dx.dtype)
+    cols = _workspace(op, workspace, dx.dtype, n * ho * wo * kh * kw * c, (dy, w, dx))
     _gemm(dy, w, cols, n * ho * wo, cout, kh * kw * c, trans_b=True)
     runtime.launch(_COL2IM, dx.dtype, n * h * wd * c, cols, dx, n, h, wd, c, kh, kw, stride,
                    pad, ho, wo)
+
+
+# ---- elementwise programs (cuda_kernels/elementwise.cu, ewise_program_*) ---------------------
+# The whole program travels by value in one struct (ProgramArgs in elementwise.cu): pointers,
+# scalars and instructions. Its capacity covers what needle builds: a fused run of
+# needle.compiler.fusion holds at most MAX_REGISTERS buffers (inputs and outputs together)
+# and so at most ~3 instructions per buffer; the optimizers' updates are shorter still.
+PROGRAM_LIMITS = {"inputs": 16, "outputs": 16, "scalars": 32, "instructions": 96}
+_PROGRAM_RECORD = np.dtype([("ins", "<u8", (16,)), ("outs", "<u8", (16,)),
+                            ("scalars", "<f8", (32,)), ("code", "<i4", (5 * 96,)),
+                            ("n_code", "<i4"), ("pad", "<i4")])
+_PROGRAM = L.KernelSpec(_EW, "ewise_program", ("record", "i64"), grid="indexed",
+                        dtypes=_FLOATS)
+# ewise_program writes pointers and scalars through 8-byte word views of the record
+assert _PROGRAM_RECORD.fields["outs"][1] == 16 * 8
+assert _PROGRAM_RECORD.fields["scalars"][1] == 32 * 8
+assert MAX_REGISTERS == 16  # NEEDLE_PROGRAM_REGISTERS in elementwise.cu
+
+
+def ewise_program(ins, outs, code, scalars, n) -> None:
+    """Run the elementwise program ``code`` (instruction set: ``ewise_codes``) over the first
+    ``n`` elements of every input, writing each output once: one launch, bitwise the result
+    of this backend's separate kernels run one by one."""
+    op = "ewise_program"
+    n = int(n)
+    if n < 0:
+        raise ValueError(f"{op}: expected n >= 0, got {n}")
+    if not outs:
+        raise ValueError(f"{op}: expected at least one output")
+    dtype = outs[0].dtype
+    if dtype not in _FLOATS:
+        raise DTypeError(f"{op}: expected float32 or float64, got {dtype}")
+    for arr in (*ins, *outs):
+        if arr.dtype != dtype or arr.size < n:
+            raise ValueError(f"{op}: every input and output must be {dtype} with at least {n} "
+                             f"elements, got {arr.dtype} with {arr.size}")
+    in_ptrs = {a.ptr() for a in ins}
+    for j, o in enumerate(outs):
+        if o.ptr() in in_ptrs:
+            raise ValueError(f"{op}: an output shares its buffer with an input")
+        if any(o.ptr() == p.ptr() for p in outs[:j]):
+            raise ValueError(f"{op}: two outputs share a buffer")
+    record = _program_template(tuple(code), len(ins), len(outs), len(scalars)).copy()
+    if n == 0:
+        return
+    # pointers and scalars into the record's first 64 eight-byte words (ins, outs, scalars)
+    words, floats = record.view(np.uint64), record.view(np.float64)
+    words[:len(ins)] = [a.ptr() for a in ins]
+    words[16:16 + len(outs)] = [o.ptr() for o in outs]
+    floats[32:32 + len(scalars)] = scalars
+    runtime.launch(_PROGRAM, dtype, n, record, n)
+
+
+_TEMPLATES: dict = {}
+
+
+def _program_template(code: tuple, n_in: int, n_out: int, n_scalars: int) -> np.ndarray:
+    """The record of a validated program with its instructions filled in, cached: a compiled
+    step or an optimizer runs the same few programs on every call."""
+    key = (code, n_in, n_out, n_scalars)
+    record = _TEMPLATES.get(key)
+    if record is not None:
+        return record
+    if not all(type(c) is int for c in code):
+        raise ValueError(f"ewise_program: instructions must be ints, got {code}")
+    check_program(list(code), n_in, n_out, n_scalars)
+    sizes = {"inputs": n_in, "outputs": n_out, "scalars": n_scalars,
+             "instructions": len(code) // 5}
+    for what, count in sizes.items():
+        if count > PROGRAM_LIMITS[what]:
+            raise ValueError(f"ewise_program: too many {what} for the CUDA kernel, expected at "
+                             f"most {PROGRAM_LIMITS[what]}, got {count}")
+    record = np.zeros(1, dtype=_PROGRAM_RECORD)
+    record["code"][0, :len(code)] = code
+    record["n_code"] = len(code) // 5
+    if len(_TEMPLATES) >= 4096:  # bounded: programs built on the fly would grow it forever
+        _TEMPLATES.clear()
+    _TEMPLATES[key] = record
+    return record
 
 
 # ---- batch normalisation (cuda_kernels/batch_norm.cu) ----------------------------------------

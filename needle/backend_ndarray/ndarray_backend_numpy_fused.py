@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .ewise_codes import BINARY, LOAD, MAX_REGISTERS, RSCALAR, SCALAR, STORE, UNARY
+from .ewise_codes import BINARY, LOAD, MAX_REGISTERS, RSCALAR, SCALAR, STORE, check_program
 from .ndarray_checks import check_class_ids
 
 __all__ = ["conv2d_forward", "conv2d_weight_grad", "conv2d_input_grad", "lstm_cell_forward",
@@ -223,54 +223,6 @@ def _kernels():
     return binary, scalar, rscalar, unary
 
 
-def _check_program(code, n_in: int, n_out: int, n_scalars: int) -> None:
-    def bad(what):
-        raise ValueError(f"ewise_program: {what}")
-
-    if len(code) % 5:
-        bad(f"expected instructions of 5 ints, got {len(code)}")
-    ready = [False] * MAX_REGISTERS
-    stored = [False] * n_out
-
-    def reg(r, read):
-        if not 0 <= r < MAX_REGISTERS:
-            bad(f"register {r} outside [0, {MAX_REGISTERS})")
-        if read and not ready[r]:
-            bad(f"register {r} read before set")
-
-    for k in range(0, len(code), 5):
-        kind, op, dst, a, b = code[k:k + 5]
-        if kind == LOAD:
-            if not 0 <= a < n_in:
-                bad(f"input {a} out of range")
-            reg(dst, False)
-        elif kind == STORE:
-            if not 0 <= dst < n_out:
-                bad(f"output {dst} out of range")
-            if stored[dst]:  # the C++ backend computes straight into a stored-to output
-                bad(f"output {dst} stored twice")
-            stored[dst] = True
-            reg(a, True)
-            continue
-        elif kind in (BINARY, SCALAR, RSCALAR):
-            if not 0 <= op < 11:
-                bad(f"unknown binary op {op}")
-            if kind == BINARY:
-                reg(b, True)
-            elif not 0 <= b < n_scalars:
-                bad(f"scalar {b} out of range")
-            reg(a, True)
-            reg(dst, False)
-        elif kind == UNARY:
-            if not 0 <= op < 8:
-                bad(f"unknown unary op {op}")
-            reg(a, True)
-            reg(dst, False)
-        else:
-            bad(f"unknown instruction kind {kind}")
-        ready[dst] = True
-
-
 def ewise_program(ins, outs, code, scalars, n) -> None:
     """Run a chain of elementwise ops over ``n`` elements (instruction format in
     src/ewise_program_impl.h) with this backend's own kernels, op by op on whole arrays: the
@@ -292,7 +244,7 @@ def ewise_program(ins, outs, code, scalars, n) -> None:
             raise ValueError("ewise_program: an output shares its buffer with an input")
         if any(np.shares_memory(o.array, p.array) for p in outs[:j]):
             raise ValueError("ewise_program: two outputs share a buffer")
-    _check_program(code, len(ins), len(outs), len(scalars))
+    check_program(code, len(ins), len(outs), len(scalars))
     binary, scalar, rscalar, unary = _kernels()
     regs: list = [None] * MAX_REGISTERS
     for k in range(0, len(code), 5):

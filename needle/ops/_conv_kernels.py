@@ -48,6 +48,17 @@ def _geometry(x, w, stride: int, padding: int) -> tuple:
     return (n, h, wd, c, kh, kw, cout, stride, padding)
 
 
+def _workspace(mod, like, geom: tuple) -> tuple:
+    """``(handle,)`` of a fresh workspace when the backend asks for one (the CUDA backend's
+    patch matrix), else ``()``. Allocated here, as an array of the graph, the buffer is
+    planned and measured by needle.memory and recorded by needle.compile like any other."""
+    size_of = getattr(mod, "conv2d_workspace", None)
+    size = size_of(*geom) if size_of is not None else 0
+    if not size:
+        return ()
+    return (NDArray.make((size,), device=like.device, dtype=like.dtype)._handle,)
+
+
 def forward(x, w, stride: int, padding: int):
     """``conv(x, w)`` (NHWC, kernel (KH, KW, Cin, Cout)) through the fused kernel, or None."""
     mod = _module(x, w)
@@ -57,7 +68,7 @@ def forward(x, w, stride: int, padding: int):
     ho, wo = (h + 2 * padding - kh) // stride + 1, (wd + 2 * padding - kw) // stride + 1
     x, w = x.compact(), w.compact()
     out = NDArray.make((n, ho, wo, cout), device=x.device, dtype=x.dtype)
-    mod.conv2d_forward(x._handle, w._handle, out._handle, *geom)
+    mod.conv2d_forward(x._handle, w._handle, out._handle, *geom, *_workspace(mod, x, geom))
     return out
 
 
@@ -70,8 +81,8 @@ def weight_grad(x, dy, kernel_shape: tuple, stride: int, padding: int):
     n, h, wd, c = x.shape
     kh, kw, _, cout = kernel_shape
     dw = NDArray.make(tuple(kernel_shape), device=x.device, dtype=x.dtype)
-    mod.conv2d_weight_grad(x._handle, dy._handle, dw._handle, n, h, wd, c, kh, kw, cout, stride,
-                           padding)
+    geom = (n, h, wd, c, kh, kw, cout, stride, padding)
+    mod.conv2d_weight_grad(x._handle, dy._handle, dw._handle, *geom, *_workspace(mod, x, geom))
     return dw
 
 
@@ -84,6 +95,6 @@ def input_grad(dy, w, input_shape: tuple, stride: int, padding: int):
     n, h, wd, c = input_shape
     kh, kw, _, cout = w.shape
     dx = NDArray.make(tuple(input_shape), device=dy.device, dtype=dy.dtype)
-    mod.conv2d_input_grad(dy._handle, w._handle, dx._handle, n, h, wd, c, kh, kw, cout, stride,
-                          padding)
+    geom = (n, h, wd, c, kh, kw, cout, stride, padding)
+    mod.conv2d_input_grad(dy._handle, w._handle, dx._handle, *geom, *_workspace(mod, dy, geom))
     return dx

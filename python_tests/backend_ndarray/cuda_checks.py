@@ -16,6 +16,7 @@ import pytest
 from needle._core.errors import DTypeError, ShapeError
 from needle.backend_ndarray import ndarray_backend_numpy as R
 from needle.backend_ndarray import ndarray_backend_numpy_fused as RF
+from needle.backend_ndarray.ewise_codes import BINARY_OPS, UNARY_OPS
 
 DTYPES = ("float32", "float64", "float16")
 EPS = {"float32": 1.2e-7, "float64": 2.3e-16, "float16": 9.8e-4}
@@ -378,6 +379,120 @@ def check_conv(B, dtype: str, geom: tuple) -> None:
         result = get(B, arr)
         assert not np.isnan(result).any(), f"conv2d {name}: elements left unwritten"
         assert_close(result, ref.array, dtype, scale=2.0 * terms ** 0.5, ulps=16.0)
+    # a caller's workspace (what needle.ops passes) gives the same bits as the call's own
+    size = B.conv2d_workspace(*geom)
+    assert size == (0 if (kh, kw, stride, pad) == (1, 1, 1, 0) else n * ho * wo * k)
+    workspace = B.Array(max(size, 1), dtype)
+    again = [B.Array(arr.size, dtype) for arr in got]
+    B.conv2d_forward(bx, bw, again[0], *geom, workspace)
+    B.conv2d_weight_grad(bx, bdy, again[1], *geom, workspace)
+    B.conv2d_input_grad(bdy, bw, again[2], *geom, workspace)
+    for first, second in zip(got, again, strict=True):
+        np.testing.assert_array_equal(get(B, first), get(B, second))
+
+
+# ---- elementwise programs ------------------------------------------------------------------
+def _separately(M, ins, code, scalars, n, dtype):
+    """The program run with module ``M``'s own separate kernels, op by op: the oracle that
+    ``M.ewise_program`` must match bit for bit."""
+    from needle.backend_ndarray.ewise_codes import BINARY, LOAD, SCALAR, STORE, UNARY
+
+    binary = [getattr(M, f"ewise_{name}") for name in BINARY_OPS]
+    scalar = [getattr(M, f"scalar_{name}", None) for name in BINARY_OPS]
+    rscalar = [M.scalar_add, M.scalar_rsub, M.scalar_mul, M.scalar_rdiv, M.scalar_maximum,
+               M.scalar_minimum, M.scalar_rpower, M.scalar_eq, M.scalar_le, None, None]
+    unary = [getattr(M, f"ewise_{name}") for name in UNARY_OPS]
+    regs, outs = {}, {}
+    for k in range(0, len(code), 5):
+        kind, op, dst, a, b = code[k:k + 5]
+        if kind == LOAD:
+            regs[dst] = ins[a]
+            continue
+        if kind == STORE:
+            outs[dst] = regs[a]
+            continue
+        result = M.Array(n, dtype)
+        if kind == BINARY:
+            binary[op](regs[a], regs[b], result)
+        elif kind == UNARY:
+            unary[op](regs[a], result)
+        else:
+            table = scalar if kind == SCALAR else rscalar
+            if table[op] is not None:
+                table[op](regs[a], scalars[b], result)
+            else:  # tanh_grad / relu_grad with a scalar: the binary kernel on a filled array
+                full = M.Array(n, dtype)
+                M.fill(full, scalars[b])
+                pair = (regs[a], full) if kind == SCALAR else (full, regs[a])
+                binary[op](*pair, result)
+        regs[dst] = result
+    return [get(M, outs[j])[:n] for j in sorted(outs)]
+
+
+def _every_op_programs():
+    """Programs that together use every op in every instruction kind, plus an SGD update
+    with momentum and a chain as long as a fused run gets."""
+    from needle.backend_ndarray.ewise_codes import BINARY, LOAD, RSCALAR, SCALAR, STORE, UNARY
+
+    programs = []
+    for op in range(len(BINARY_OPS)):
+        programs.append(("binary-" + list(BINARY_OPS)[op], 2, 3, [
+            LOAD, 0, 0, 0, 0, LOAD, 0, 1, 1, 0, BINARY, op, 2, 0, 1, SCALAR, op, 3, 0, 0,
+            RSCALAR, op, 4, 1, 1, STORE, 0, 0, 2, 0, STORE, 0, 1, 3, 0, STORE, 0, 2, 4, 0]))
+    for op in range(len(UNARY_OPS)):
+        programs.append(("unary-" + list(UNARY_OPS)[op], 1, 1, [
+            LOAD, 0, 0, 0, 0, UNARY, op, 1, 0, 0, STORE, 0, 0, 1, 0]))
+    # v' = momentum v + g; w' = w - lr v'
+    programs.append(("sgd-momentum", 3, 2, [
+        LOAD, 0, 0, 0, 0, LOAD, 0, 1, 1, 0, LOAD, 0, 2, 2, 0, SCALAR, 2, 3, 1, 0,
+        BINARY, 0, 4, 3, 2, SCALAR, 2, 5, 4, 1, BINARY, 1, 6, 0, 5, STORE, 0, 0, 6, 0,
+        STORE, 0, 1, 4, 0]))
+    chain = [LOAD, 0, 0, 0, 0, LOAD, 0, 1, 1, 0]
+    for step in range(14):  # 14 more registers, each op reading the last two
+        chain += [BINARY, step % 4, step + 2, step, step + 1]
+    programs.append(("long-chain", 2, 1, chain + [STORE, 0, 0, 15, 0]))
+    return programs
+
+
+PROGRAMS = _every_op_programs()
+
+
+def check_ewise_program(B, dtype: str, name: str, n: int) -> None:
+    _, n_in, n_out, code = next(p for p in PROGRAMS if p[0] == name)
+    rng = np.random.default_rng(len(name) * 31 + n)
+    values = [rand(rng, (n,), dtype, 0.25, 2.0) for _ in range(n_in)]  # pow/log/sqrt: real
+    if n > 4:
+        values[0][:3] = (0.0, -0.0, 1.0)
+        if n_in > 1:
+            values[1][:3] = (0.0, 1.0, 1.0)  # ties for max/min/eq/ge, zeros for relu_grad
+    scalars = [1.25, 0.5]
+    ins = [put(B, v) for v in values]
+    outs = [B.Array(n, dtype) for _ in range(n_out)]
+    for o in outs:
+        B.fill(o, float("nan"))
+    B.ewise_program(ins, outs, code, scalars, n)
+    with np.errstate(all="ignore"):
+        want = _separately(B, ins, code, scalars, n, dtype)
+    for j, (o, w) in enumerate(zip(outs, want, strict=True)):
+        np.testing.assert_array_equal(get(B, o), w, err_msg=f"{name}: output {j}")
+
+
+def check_ewise_program_refusals(B) -> None:
+    a, b, c = (put(B, np.ones(4, np.float32)) for _ in range(3))
+    copy = [0, 0, 0, 0, 0, 1, 0, 0, 0, 0]  # LOAD r0 = in0; STORE out0 = r0
+    with pytest.raises(ValueError, match="output shares its buffer with an input"):
+        B.ewise_program([a], [a], copy, [], 4)
+    with pytest.raises(ValueError, match="two outputs share a buffer"):
+        B.ewise_program([a], [b, b], copy + [1, 0, 1, 0, 0], [], 4)
+    with pytest.raises(ValueError, match="register 3 read before set"):
+        B.ewise_program([a], [b], [1, 0, 0, 3, 0], [], 4)
+    with pytest.raises(ValueError, match="at least 5 elements"):
+        B.ewise_program([a], [b], copy, [], 5)
+    with pytest.raises(DTypeError, match="float32 or float64"):
+        B.ewise_program([B.Array(4, "float16")], [B.Array(4, "float16")], copy, [], 4)
+    too_long = [0, 0, 0, 0, 0] + [3, 0, 1, 0, 0] * 96 + [1, 0, 0, 1, 0]
+    with pytest.raises(ValueError, match="too many instructions"):
+        B.ewise_program([a], [c], too_long, [1.0], 4)
 
 
 def check_batch_norm(B, dtype: str, n: int, c: int, s: int) -> None:
@@ -439,6 +554,12 @@ def check_conv_refusals(B) -> None:
         B.conv2d_input_grad(B.Array(16, "float64"), B.Array(18), x, 1, 4, 4, 2, 3, 3, 1, 1, 1)
     with pytest.raises(ValueError, match="share memory"):
         B.conv2d_forward(x, B.Array(18), x, 1, 4, 4, 2, 3, 3, 1, 1, 1)
+    assert B.conv2d_workspace(1, 4, 4, 2, 3, 3, 1, 1, 1) == 16 * 18
+    with pytest.raises(ShapeError, match="conv2d_forward: workspace too small"):
+        B.conv2d_forward(x, B.Array(18), B.Array(16), 1, 4, 4, 2, 3, 3, 1, 1, 1, B.Array(10))
+    with pytest.raises(ValueError, match="workspace must not share memory"):
+        big = B.Array(16 * 18)
+        B.conv2d_input_grad(B.Array(16), B.Array(18), big, 1, 4, 4, 2, 3, 3, 1, 1, 1, big)
 
 
 def check_fused_refusals(B) -> None:
@@ -574,6 +695,17 @@ def test_conv(backend, dtype, geom):
 
 def test_conv_refusals(backend):
     check_conv_refusals(backend)
+
+
+@pytest.mark.parametrize("n", (1, 1000))
+@pytest.mark.parametrize("name", [p[0] for p in PROGRAMS])
+@pytest.mark.parametrize("dtype", ("float32", "float64"))
+def test_ewise_program(backend, dtype, name, n):
+    check_ewise_program(backend, dtype, name, n)
+
+
+def test_ewise_program_refusals(backend):
+    check_ewise_program_refusals(backend)
 
 
 # (n, c, s): one element; (N, C) rows; NCHW planes; planes longer than a block; channels of

@@ -126,3 +126,45 @@ def test_plan_run_on_emulated_cuda(dev):
     p = mem.plan(g)
     out = p.run(x)
     np.testing.assert_array_equal(out.numpy(), infer(x).numpy())
+
+
+def test_conv_batch_norm_step_replays_kernels_on_emulated_cuda(dev):
+    """A conv + batch-norm step (the CUDA convolution kernels take a patch-matrix workspace
+    inside the call) replays as a kernel program with eager's parameters bitwise, its
+    planned peak measured, and the SGD-with-momentum updates fused (ewise_program)."""
+
+    def run_conv(compiled):
+        np.random.seed(0)
+        model = nn.Sequential(nn.Conv(2, 4, 3, stride=2, device=dev),
+                              nn.BatchNorm2d(4, device=dev), nn.ReLU(), nn.Flatten(),
+                              nn.Linear(4 * 3 * 3, 3, device=dev))
+        opt = ndl.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+        loss_fn = nn.SoftmaxLoss()
+
+        def step(x, y):
+            opt.reset_grad()
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss
+
+        step = ndl.compile(step) if compiled else step
+        rng = np.random.default_rng(3)
+        peaks = []
+        for _ in range(6):
+            x = ndl.Tensor(rng.standard_normal((2, 2, 5, 5)), device=dev, requires_grad=False)
+            y = ndl.Tensor(rng.integers(0, 3, 2), device=dev, requires_grad=False)
+            before = mem.stats(dev)["requested_bytes"]
+            mem.reset_peak(dev)
+            step(x, y)
+            peaks.append(mem.stats(dev)["peak_requested_bytes"] - before)
+        return [p.numpy() for p in model.parameters()], step, peaks
+
+    want, _, _ = run_conv(False)
+    got, step, peaks = run_conv(True)
+    mode = step.replay_mode()
+    assert mode["mode"] == "kernels" and step.stats()["kernel_replays"] == 2, mode
+    assert mode["fused_runs"] > 0, mode
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert peaks[-1] == peaks[-2] == step.memory()["planned_peak_bytes"]

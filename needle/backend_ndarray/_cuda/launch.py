@@ -53,7 +53,8 @@ class KernelSpec:
     Parameter kinds: ``"a"`` array of the kernel dtype, ``"acc"`` array of its compute dtype,
     ``"src"`` array of any dtype (the name gains the source suffix: casts), ``"scalar"``
     (cast to the kernel dtype), ``"i64"`` (int64), ``"view"`` (a ``(shape, strides, offset)``
-    triple packed as a StridedView). ``view_of`` is the position of the array the view
+    triple packed as a StridedView), ``"record"`` (a one-element structured NumPy array, passed
+    by value: a kernel's argument struct). ``view_of`` is the position of the array the view
     addresses: :func:`prepare` checks that the view lies inside it and that the other arrays
     hold the view's element count. ``dtypes``: the dtypes the source instantiates the kernel
     for (all three unless said).
@@ -210,6 +211,11 @@ def prepare(spec: KernelSpec, dtype: str, work, args, src_dtype: str | None = No
             kernel_args.append(np.int64(arg))
         elif kind == "view":
             kernel_args.append(pack_view(*arg, op=spec.base))
+        elif kind == "record":  # a one-element structured array, passed by value
+            if not (isinstance(arg, np.ndarray) and arg.shape == (1,) and arg.dtype.names):
+                raise TypeError(f"{spec.base}: expected a one-element structured array, got "
+                                f"{type(arg).__name__}")
+            kernel_args.append(arg)
         else:
             raise ValueError(f"{spec.base}: unknown parameter kind {kind!r}")
     grid, block = launch_config(spec.grid, work, dtype)

@@ -158,3 +158,100 @@ __device__ __forceinline__ void cast_body(const In* __restrict__ a, Out* __restr
 NEEDLE_CAST_FROM(f32, float)
 NEEDLE_CAST_FROM(f64, double)
 NEEDLE_CAST_FROM(f16, half_t)
+
+// ---- ewise_program: a chain of the ops above over n elements in one pass ------------------
+// Instruction kinds and op numbers as needle/backend_ndarray/ewise_codes.py (LOAD, STORE,
+// BINARY, SCALAR, RSCALAR, UNARY; BINARY_OPS, UNARY_OPS), validated on the host. Each op
+// applies its own kernel's functor in Traits<T>::acc and rounds to T, and scalars are rounded
+// to T first (as the scalar kernels receive them), so a program gives the bits of the separate
+// launches. The arguments travel by value; the host image is _PROGRAM_RECORD in
+// ndarray_backend_cuda.py (no padding: every field is naturally aligned).
+#define NEEDLE_PROGRAM_IO 16
+#define NEEDLE_PROGRAM_SCALARS 32
+#define NEEDLE_PROGRAM_CODE 96
+#define NEEDLE_PROGRAM_REGISTERS 16
+
+struct ProgramArgs {
+  unsigned long long ins[NEEDLE_PROGRAM_IO];
+  unsigned long long outs[NEEDLE_PROGRAM_IO];
+  double scalars[NEEDLE_PROGRAM_SCALARS];
+  int code[5 * NEEDLE_PROGRAM_CODE];
+  int n_code;
+  int pad;
+};
+
+template <typename A>
+__device__ __forceinline__ A program_binary(int op, A a, A b) {
+  switch (op) {
+    case 0: return OpAdd::apply(a, b);
+    case 1: return OpSub::apply(a, b);
+    case 2: return OpMul::apply(a, b);
+    case 3: return OpDiv::apply(a, b);
+    case 4: return OpMax::apply(a, b);
+    case 5: return OpMin::apply(a, b);
+    case 6: return OpPow::apply(a, b);
+    case 7: return OpEq::apply(a, b);
+    case 8: return OpGe::apply(a, b);
+    case 9: return OpTanhGrad::apply(a, b);
+    default: return OpReluGrad::apply(a, b);
+  }
+}
+
+template <typename A>
+__device__ __forceinline__ A program_unary(int op, A a) {
+  switch (op) {
+    case 0: return OpNeg::apply(a);
+    case 1: return OpLog::apply(a);
+    case 2: return OpExp::apply(a);
+    case 3: return OpTanh::apply(a);
+    case 4: return OpSqrt::apply(a);
+    case 5: return OpAbs::apply(a);
+    case 6: return OpSign::apply(a);
+    default: return OpSigmoid::apply(a);
+  }
+}
+
+// The reversed scalar ops that have a kernel of their own (scalar_rsub, scalar_rdiv,
+// scalar_rpower, scalar_le for ge) take (scalar, x); the commutative ones keep (x, scalar),
+// as scalar_add / scalar_maximum / ... compute them; tanh_grad and relu_grad go through the
+// binary kernel with the scalar first.
+__device__ __forceinline__ bool program_reverses(int op) {
+  return op == 1 || op == 3 || op == 6 || op == 8 || op == 9 || op == 10;
+}
+
+template <typename T>
+__device__ __forceinline__ void program_body(const ProgramArgs& p, long long n) {
+  typedef typename Traits<T>::acc A;
+  NEEDLE_FOR_EACH(i, n) {
+    T regs[NEEDLE_PROGRAM_REGISTERS];
+    for (int k = 0; k < p.n_code; ++k) {
+      const int* c = p.code + 5 * k;
+      const int kind = c[0], op = c[1], dst = c[2], a = c[3], b = c[4];
+      if (kind == 0) {
+        regs[dst] = reinterpret_cast<const T*>(p.ins[a])[i];
+      } else if (kind == 1) {
+        reinterpret_cast<T*>(p.outs[dst])[i] = regs[a];
+      } else if (kind == 2) {
+        regs[dst] = Traits<T>::store(
+            program_binary<A>(op, Traits<T>::load(regs[a]), Traits<T>::load(regs[b])));
+      } else if (kind == 3 || kind == 4) {
+        const A x = Traits<T>::load(regs[a]);
+        const A v = Traits<T>::load(Traits<T>::store((A)p.scalars[b]));
+        const bool reversed = kind == 4 && program_reverses(op);
+        regs[dst] = Traits<T>::store(reversed ? program_binary<A>(op, v, x)
+                                              : program_binary<A>(op, x, v));
+      } else {
+        regs[dst] = Traits<T>::store(program_unary<A>(op, Traits<T>::load(regs[a])));
+      }
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(NEEDLE_THREADS)
+    ewise_program_f32(const ProgramArgs p, long long n) {
+  program_body<float>(p, n);
+}
+extern "C" __global__ void __launch_bounds__(NEEDLE_THREADS)
+    ewise_program_f64(const ProgramArgs p, long long n) {
+  program_body<double>(p, n);
+}
