@@ -217,12 +217,8 @@ def test_a_step_whose_state_changes_every_call_settles_on_python_replays(dev):
     assert mode["mode"] == "python" and "changed between calls" in mode["reason"]
 
 
-def test_replayed_steps_note_the_parameters_they_replace(dev):
-    """Each kernel replay bumps the data version of every parameter it replaces, as an eager
-    optimizer step does, so a graph that saved a parameter before the step refuses to
-    backpropagate through the old values afterwards."""
-    from needle.autograd.versions import data_version
-
+def _linear_step_replaying_kernels(dev):
+    """(model, compiled SGD step, input) of a Linear layer, called until it replays kernels."""
     np.random.seed(0)
     model = nn.Linear(4, 3, device=dev)
     opt = ndl.optim.SGD(model.parameters(), lr=0.1)
@@ -230,6 +226,16 @@ def test_replayed_steps_note_the_parameters_they_replace(dev):
     x = ndl.Tensor(np.ones((2, 4)), device=dev, requires_grad=False)
     for _ in range(FIRST_KERNEL_CALL + 1):
         step(x)
+    return model, step, x
+
+
+def test_replayed_steps_note_the_parameters_they_replace(dev):
+    """Each kernel replay bumps the data version of every parameter it replaces, as an eager
+    optimizer step does, so a graph that saved a parameter before the step refuses to
+    backpropagate through the old values afterwards."""
+    from needle.autograd.versions import data_version
+
+    model, step, x = _linear_step_replaying_kernels(dev)
     replays = step.stats()["kernel_replays"]
     before = [data_version(p) for p in model.parameters()]
     stale = (model(ndl.Tensor(np.ones((2, 4)), device=dev)) ** 2).sum()
@@ -241,13 +247,7 @@ def test_replayed_steps_note_the_parameters_they_replace(dev):
 
 
 def test_parameters_replaced_between_calls_are_read_anew(dev):
-    np.random.seed(0)
-    model = nn.Linear(4, 3, device=dev)
-    opt = ndl.optim.SGD(model.parameters(), lr=0.1)
-    step = ndl.compile(sum_loss_step(model, opt))
-    x = ndl.Tensor(np.ones((2, 4)), device=dev, requires_grad=False)
-    for _ in range(FIRST_KERNEL_CALL + 1):
-        step(x)
+    model, step, x = _linear_step_replaying_kernels(dev)
     model.load_state_dict({k: np.zeros(v.shape, "float32")
                            for k, v in model.state_dict().items()})
     assert float(step(x).numpy()) == 0.0  # the loss of the zero weights, not the old ones

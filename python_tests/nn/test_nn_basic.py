@@ -272,3 +272,32 @@ def test_load_state_dict_reports_every_mismatch_at_once():
         assert fragment in message
     for key, value in model.state_dict().items():  # nothing was copied
         np.testing.assert_array_equal(value, before[key])
+
+
+def test_running_statistics_update_is_one_program_bitwise_the_composed_update(device,
+                                                                              monkeypatch):
+    """``running * (1 - m) + batch * m`` runs as one elementwise program where the backend
+    has them, with the bits of the three separate float32 kernels (NumPy's IEEE ops)."""
+    from needle.backend_ndarray import ewise_program
+
+    runs, real_run = [], ewise_program.run
+
+    def counting(*args, **kwargs):
+        runs.append(args[0])
+        return real_run(*args, **kwargs)
+
+    monkeypatch.setattr(ewise_program, "run", counting)
+    rng = np.random.default_rng(5)
+    old = [rng.standard_normal(7).astype(np.float32) for _ in range(2)]
+    now = [rng.standard_normal(7).astype(np.float32) for _ in range(2)]
+    bn = nn.BatchNorm1d(7, momentum=0.3, device=device)
+    bn.running_mean = T(old[0], device, requires_grad=False)
+    bn.running_var = T(old[1], device, requires_grad=False)
+    bn._update_running(T(now[0], device, requires_grad=False),
+                       T(now[1], device, requires_grad=False))
+    has_programs = getattr(device.mod, "ewise_program", None) is not None
+    assert len(runs) == (2 if has_programs else 0)
+    m = 0.3
+    for got, o, b in zip((bn.running_mean, bn.running_var), old, now, strict=True):
+        want = o * np.float32(1 - m) + b * np.float32(m)
+        np.testing.assert_array_equal(got.numpy(), want)
