@@ -65,6 +65,13 @@ def test_fused_update_is_bitwise_the_composed_one(device, rule, dtype, monkeypat
             np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_fused_update_on_emulated_cuda_is_bitwise_the_composed_one(emulated_cuda, rule,
+                                                                   monkeypatch):
+    """cuda()'s ewise_program (elementwise.cu) run through the emulator: the same bits."""
+    test_fused_update_is_bitwise_the_composed_one(emulated_cuda, rule, "float32", monkeypatch)
+
+
 def test_the_fused_update_allocates_no_temporaries():
     """Only the new θ and moments are allocated: ``optimizer_temp`` memory stays at zero."""
     from needle import memory as mem
