@@ -88,12 +88,16 @@ class Array:
         return f"cuda.Array(size={self._size}, dtype={self._dtype}, ptr={self._ptr:#x})"
 
 
-def _cupy_view(a: Array, count: int, offset: int = 0):
-    """A 1-D CuPy array over ``count`` elements of ``a`` from element ``offset`` (no copy)."""
+def _cupy_view(a: Array, count: int, offset: int = 0, shape=None, strides=None):
+    """A CuPy array over ``a`` from element ``offset``, no copy: ``count`` elements in 1-D, or
+    ``shape`` with element ``strides`` (the caller checked that the view fits the buffer)."""
     cupy = runtime.cupy_module()
     mem = cupy.cuda.UnownedMemory(a.ptr(), max(a.size, 1) * a.itemsize, a)
-    return cupy.ndarray((count,), dtype=a.dtype,
-                        memptr=cupy.cuda.MemoryPointer(mem, offset * a.itemsize))
+    memptr = cupy.cuda.MemoryPointer(mem, int(offset) * a.itemsize)
+    if shape is None:
+        return cupy.ndarray((count,), dtype=a.dtype, memptr=memptr)
+    return cupy.ndarray(shape, dtype=a.dtype, memptr=memptr,
+                        strides=tuple(int(s) * a.itemsize for s in strides))
 
 
 # ---- transfers, fill and strided copies ----------------------------------------------------
@@ -290,29 +294,19 @@ def matmul_strided(a: Array, b: Array, out: Array, m: int, n: int, p: int, a_off
         raise ShapeError(f"{op}: strides must be >= 0, got a ({ars}, {acs}), b ({brs}, {bcs})")
     if min(m, n, p) < 0:
         raise ShapeError(f"{op}: dimensions must be >= 0, got m={m}, n={n}, p={p}")
-    for name, arr in (("a", a), ("b", b)):
-        if arr.dtype != out.dtype:
-            raise DTypeError(f"{op}: dtypes differ, expected {out.dtype}, got {name} "
-                             f"{arr.dtype}")
+    _same_dtype(op, out, a, b)
     L.check_extent(op, "out", out, m * p)
     if m == 0 or p == 0:
         return
     if n == 0:
         fill(out, 0.0)
         return
-    left = _strided_view(op, a, (m, n), (ars, acs), a_offset)
-    right = _strided_view(op, b, (n, p), (brs, bcs), b_offset)
-    runtime.cupy_module().matmul(left, right, out=_cupy_view(out, m * p).reshape(m, p))
-
-
-def _strided_view(op: str, a: Array, shape: tuple, strides: tuple, offset: int):
-    """A CuPy array over the (checked) strided view of ``a``, no copy."""
-    check_view(op, shape, strides, offset, a.size)
-    cupy = runtime.cupy_module()
-    mem = cupy.cuda.UnownedMemory(a.ptr(), max(a.size, 1) * a.itemsize, a)
-    return cupy.ndarray(shape, dtype=a.dtype,
-                        memptr=cupy.cuda.MemoryPointer(mem, int(offset) * a.itemsize),
-                        strides=tuple(int(s) * a.itemsize for s in strides))
+    views = []
+    for arr, shape, strides, offset in ((a, (m, n), (ars, acs), a_offset),
+                                        (b, (n, p), (brs, bcs), b_offset)):
+        check_view(op, shape, strides, offset, arr.size)
+        views.append(_cupy_view(arr, 0, offset, shape, strides))
+    _matmul_into(*views, _cupy_view(out, m * p).reshape(m, p))
 
 
 def _check_matmul(op: str, a: Array, b: Array, out: Array, m: int, n: int, p: int) -> None:
@@ -332,11 +326,15 @@ def _gemm(a: Array, b: Array, out: Array, m: int, k: int, p: int, trans_a: bool 
     """``out (m, p) = op(a) @ op(b)`` through cuBLAS, ``op(a)`` being (m, k): ``a`` holds the
     row-major (k, m) matrix when ``trans_a`` (likewise ``b`` holds (p, k) when ``trans_b``);
     cuBLAS reads the transposes in place."""
-    cupy = runtime.cupy_module()
     left = _cupy_view(a, m * k).reshape((k, m) if trans_a else (m, k))
     right = _cupy_view(b, k * p).reshape((p, k) if trans_b else (k, p))
     left, right = (left.T if trans_a else left), (right.T if trans_b else right)
-    result = _cupy_view(out, m * p).reshape(m, p)
+    _matmul_into(left, right, _cupy_view(out, m * p).reshape(m, p))
+
+
+def _matmul_into(left, right, result) -> None:
+    """``result[...] = left @ right`` for CuPy arrays, through cuBLAS."""
+    cupy = runtime.cupy_module()
     try:
         cupy.matmul(left, right, out=result)
     except TypeError:  # older CuPy without out=: one extra device copy
@@ -462,6 +460,9 @@ def conv2d_workspace(n, h, wd, c, kh, kw, cout, stride, pad) -> int:
     n, h, wd, c, kh, kw, cout, stride, pad, ho, wo = _conv_geometry(
         "conv2d_workspace", n, h, wd, c, kh, kw, cout, stride, pad)
     return 0 if _is_pointwise(kh, kw, stride, pad) else n * ho * wo * kh * kw * c
+
+
+conv2d_workspace.query = True  # needle.compile calls it through (no buffer, no device state)
 
 
 def _workspace(op: str, workspace, dtype: str, need: int, others: tuple) -> Array:
@@ -592,7 +593,7 @@ def _program_template(code: tuple, n_in: int, n_out: int, n_scalars: int) -> np.
         return record
     if not all(type(c) is int for c in code):
         raise ValueError(f"ewise_program: instructions must be ints, got {code}")
-    check_program(list(code), n_in, n_out, n_scalars)
+    check_program(code, n_in, n_out, n_scalars)
     sizes = {"inputs": n_in, "outputs": n_out, "scalars": n_scalars,
              "instructions": len(code) // 5}
     for what, count in sizes.items():

@@ -206,8 +206,13 @@ class _Buffer:
         self.array = array
 
 
-def _kernels():
-    from . import ndarray_backend_numpy as B
+def kernel_tables(B=None) -> tuple:
+    """``(binary, scalar, rscalar, unary)``: backend ``B``'s separate kernels (the NumPy
+    reference unless given) for each op number of an elementwise program; ``scalar`` and
+    ``rscalar`` map op numbers to kernels (tanh_grad / relu_grad have none: they run the
+    binary kernel on a filled array). A program runs bitwise as these run one by one."""
+    if B is None:
+        from . import ndarray_backend_numpy as B
 
     binary = [B.ewise_add, B.ewise_sub, B.ewise_mul, B.ewise_div, B.ewise_maximum,
               B.ewise_minimum, B.ewise_power, B.ewise_eq, B.ewise_ge, B.ewise_tanh_grad,
@@ -245,7 +250,7 @@ def ewise_program(ins, outs, code, scalars, n) -> None:
         if any(np.shares_memory(o.array, p.array) for p in outs[:j]):
             raise ValueError("ewise_program: two outputs share a buffer")
     check_program(code, len(ins), len(outs), len(scalars))
-    binary, scalar, rscalar, unary = _kernels()
+    binary, scalar, rscalar, unary = kernel_tables()
     regs: list = [None] * MAX_REGISTERS
     for k in range(0, len(code), 5):
         kind, op, dst, a, b = code[k:k + 5]

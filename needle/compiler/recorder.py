@@ -68,11 +68,6 @@ class Const:
     __hash__ = None  # type: ignore[assignment]
 
 
-# Backend functions that compute a value from their arguments alone (no buffer, no device
-# state): called through, never recorded, and their result is no host read.
-QUERIES = frozenset({"conv2d_workspace"})
-
-
 @dataclass(frozen=True)
 class Alloc:
     """``Array(size, dtype)``: internal slot ``slot`` comes to life, attributed to memory
@@ -240,7 +235,9 @@ class _RecordingModule:
         if name in ("Array", "new_array"):  # new_array: Array(size, dtype) made cheaply
             wrapped: Any = _Alloc(value, self._rec, self._thread)
         elif callable(value) and not isinstance(value, type) and not name.startswith("_") \
-                and name not in QUERIES:
+                and not getattr(value, "query", False):
+            # a backend function marked ``query`` computes a value from its arguments alone
+            # (no buffer, no device state): called through, not recorded, no host read
             wrapped = self._wrap(name, value)
         else:
             wrapped = value

@@ -397,11 +397,7 @@ def _separately(M, ins, code, scalars, n, dtype):
     ``M.ewise_program`` must match bit for bit."""
     from needle.backend_ndarray.ewise_codes import BINARY, LOAD, SCALAR, STORE, UNARY
 
-    binary = [getattr(M, f"ewise_{name}") for name in BINARY_OPS]
-    scalar = [getattr(M, f"scalar_{name}", None) for name in BINARY_OPS]
-    rscalar = [M.scalar_add, M.scalar_rsub, M.scalar_mul, M.scalar_rdiv, M.scalar_maximum,
-               M.scalar_minimum, M.scalar_rpower, M.scalar_eq, M.scalar_le, None, None]
-    unary = [getattr(M, f"ewise_{name}") for name in UNARY_OPS]
+    binary, scalar, rscalar, unary = RF.kernel_tables(M)
     regs, outs = {}, {}
     for k in range(0, len(code), 5):
         kind, op, dst, a, b = code[k:k + 5]
@@ -418,7 +414,7 @@ def _separately(M, ins, code, scalars, n, dtype):
             unary[op](regs[a], result)
         else:
             table = scalar if kind == SCALAR else rscalar
-            if table[op] is not None:
+            if op in table:
                 table[op](regs[a], scalars[b], result)
             else:  # tanh_grad / relu_grad with a scalar: the binary kernel on a filled array
                 full = M.Array(n, dtype)

@@ -23,10 +23,16 @@ def dev(emulated_cuda):
     mod.set_allocator(None)
 
 
-def run(dev, compiled, calls=4):
+def _mlp(dev):
+    return nn.Sequential(nn.Linear(8, 16, device=dev), nn.ReLU(), nn.Dropout(0.3),
+                         nn.Linear(16, 4, device=dev))
+
+
+def run(dev, compiled, calls=4, make_model=_mlp, x_shape=(4, 8), classes=4, x_grad=True):
+    """SGD-with-momentum steps of ``make_model(dev)`` on random batches: (parameters after,
+    the step, the peak bytes each call requested)."""
     np.random.seed(0)
-    model = nn.Sequential(nn.Linear(8, 16, device=dev), nn.ReLU(), nn.Dropout(0.3),
-                          nn.Linear(16, 4, device=dev))
+    model = make_model(dev)
     opt = ndl.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
     loss_fn = nn.SoftmaxLoss()
 
@@ -43,8 +49,8 @@ def run(dev, compiled, calls=4):
     np.random.seed(2)
     peaks = []
     for _ in range(calls):
-        x = ndl.Tensor(rng.standard_normal((4, 8)), device=dev)
-        y = ndl.Tensor(rng.integers(0, 4, 4), device=dev)
+        x = ndl.Tensor(rng.standard_normal(x_shape), device=dev, requires_grad=x_grad)
+        y = ndl.Tensor(rng.integers(0, classes, x_shape[0]), device=dev)
         before = mem.stats(dev)["requested_bytes"]
         mem.reset_peak(dev)
         step(x, y)
@@ -133,32 +139,14 @@ def test_conv_batch_norm_step_replays_kernels_on_emulated_cuda(dev):
     inside the call) replays as a kernel program with eager's parameters bitwise, its
     planned peak measured, and the SGD-with-momentum updates fused (ewise_program)."""
 
+    def conv_net(dev):
+        return nn.Sequential(nn.Conv(2, 4, 3, stride=2, device=dev),
+                             nn.BatchNorm2d(4, device=dev), nn.ReLU(), nn.Flatten(),
+                             nn.Linear(4 * 3 * 3, 3, device=dev))
+
     def run_conv(compiled):
-        np.random.seed(0)
-        model = nn.Sequential(nn.Conv(2, 4, 3, stride=2, device=dev),
-                              nn.BatchNorm2d(4, device=dev), nn.ReLU(), nn.Flatten(),
-                              nn.Linear(4 * 3 * 3, 3, device=dev))
-        opt = ndl.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
-        loss_fn = nn.SoftmaxLoss()
-
-        def step(x, y):
-            opt.reset_grad()
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            opt.step()
-            return loss
-
-        step = ndl.compile(step) if compiled else step
-        rng = np.random.default_rng(3)
-        peaks = []
-        for _ in range(6):
-            x = ndl.Tensor(rng.standard_normal((2, 2, 5, 5)), device=dev, requires_grad=False)
-            y = ndl.Tensor(rng.integers(0, 3, 2), device=dev, requires_grad=False)
-            before = mem.stats(dev)["requested_bytes"]
-            mem.reset_peak(dev)
-            step(x, y)
-            peaks.append(mem.stats(dev)["peak_requested_bytes"] - before)
-        return [p.numpy() for p in model.parameters()], step, peaks
+        return run(dev, compiled, calls=6, make_model=conv_net, x_shape=(2, 2, 5, 5),
+                   classes=3, x_grad=False)
 
     want, _, _ = run_conv(False)
     got, step, peaks = run_conv(True)
