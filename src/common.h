@@ -127,7 +127,12 @@ static inline half_bits float_to_half(float f) { return double_to_half(double(f)
 // ~1e5-1e6 elements or ~1e7 flop (docs/performance.md).
 constexpr std::size_t kParallelMinElements = 100000;      // memory-bound loops
 constexpr std::size_t kParallelMinHeavyElements = 16384;  // exp/tanh/log/pow: compute-bound
-constexpr double kParallelMinFlops = 2e6;                 // matmul
+
+// Flops below which a matrix product or convolution stays on the calling thread: 2e6 when
+// libgomp's idle workers sleep after a short spin (a product then pays ~40 us to wake one on
+// the project's VMs), 5e5 when they spin long enough for back-to-back kernels to find them
+// awake (threads.cc reads that from the environment libgomp was loaded with).
+double parallel_min_flops();
 
 int num_threads();
 void set_num_threads(int n);

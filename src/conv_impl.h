@@ -126,7 +126,7 @@ inline thread_local Scratch tls_conv_rows;
 
 inline int conv_threads(const ConvGeom& g) {
   const double flops = 2.0 * double(g.pixels()) * double(g.k()) * double(g.cout);
-  return flops >= kParallelMinFlops ? num_threads() : 1;
+  return flops >= parallel_min_flops() ? num_threads() : 1;
 }
 
 #include "conv_direct_impl.h"

@@ -11,7 +11,7 @@
 // called with the slots' Array objects, without the Python interpreter in between.
 #pragma once
 // No includes here: this file is pasted inside needle's anonymous namespace; the includer
-// brings pybind11, <memory>, <vector>, array.h, kernels.h and ewise_program.h.
+// brings pybind11, <chrono>, <memory>, <string>, <vector>, array.h, kernels.h and ewise_program.h.
 
 class KernelList {
  public:
@@ -109,7 +109,17 @@ class KernelList {
       slots.buf[std::size_t(slot)] = pyarray::array_or_null(handles[i], "_KernelList.run");
     }
     handles.attr("clear")();
-    for (const Step& s : steps_) run_step(s, slots, regs);
+    if (profile_) {
+      times_ns_.assign(steps_.size(), 0);
+      for (std::size_t i = 0; i < steps_.size(); ++i) {
+        const auto start = std::chrono::steady_clock::now();
+        run_step(steps_[i], slots, regs);
+        times_ns_[i] = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                           std::chrono::steady_clock::now() - start).count();
+      }
+    } else {
+      for (const Step& s : steps_) run_step(s, slots, regs);
+    }
     py::tuple out(outputs.size());
     for (std::size_t i = 0; i < outputs.size(); ++i) {
       const int slot = check_slot(outputs[i]);
@@ -123,6 +133,17 @@ class KernelList {
   }
 
   std::size_t size() const { return steps_.size(); }
+
+  // Profiling (bench/profile_compiled.py): while on, each run times every step; timings()
+  // gives (label, nanoseconds) per step of the last profiled run.
+  void set_profile(bool on) { profile_ = on; }
+  py::list timings() const {
+    py::list out;
+    for (std::size_t i = 0; i < times_ns_.size() && i < steps_.size(); ++i) {
+      out.append(py::make_tuple(label(steps_[i]), times_ns_[i]));
+    }
+    return out;
+  }
 
  private:
   struct Step {
@@ -282,8 +303,30 @@ class KernelList {
     }
   }
 
+  static std::string label(const Step& s) {
+    static const char* const kinds[] = {"alloc", "free", "binary", "scalar", "unary",
+                                        "matmul_strided", "reduce", "compact", "fill",
+                                        "program", "python"};
+    std::string out = kinds[s.kind];
+    if (s.kind == kBinary || s.kind == kScalar || s.kind == kUnary || s.kind == kReduce) {
+      out += ":" + std::to_string(s.op);
+    } else if (s.kind == kPython) {
+      py::object name = py::getattr(s.fn, "__name__", py::str("?"));
+      out += ":" + py::str(name).cast<std::string>();
+    } else if (s.kind == kMatmulStrided) {
+      // m x n times n x p, with each operand's (row, column) strides
+      const auto& d = s.ints;
+      out += ":" + std::to_string(d[0]) + "x" + std::to_string(d[1]) + "x" +
+             std::to_string(d[2]) + " a(" + std::to_string(d[4]) + "," + std::to_string(d[5]) +
+             ") b(" + std::to_string(d[7]) + "," + std::to_string(d[8]) + ")";
+    }
+    return out;
+  }
+
   int n_slots_, n_scalars_;
   std::vector<Step> steps_;
+  bool profile_ = false;
+  std::vector<std::int64_t> times_ns_;
 };
 
 inline void bind_kernel_list(py::module_& m) {
@@ -302,5 +345,7 @@ inline void bind_kernel_list(py::module_& m) {
       .def("program", &KernelList::add_program)
       .def("python", &KernelList::add_python)
       .def("run", &KernelList::run)
+      .def("set_profile", &KernelList::set_profile)
+      .def("timings", &KernelList::timings)
       .def("__len__", &KernelList::size);
 }

@@ -411,7 +411,7 @@ void gemm(const T* a, std::ptrdiff_t ars, std::ptrdiff_t acs, const T* b, std::p
     const int nt = n * p >= kParallelMinElements ? num_threads() : 1;
     return gemv_rows(a, acs, b, brs, c, n, p, nt);
   }
-  const int nt = flops >= kParallelMinFlops ? num_threads() : 1;
+  const int nt = flops >= parallel_min_flops() ? num_threads() : 1;
   gemm_nt(a, ars, acs, b, brs, bcs, c, p, m, n, p, nt, false);
 }
 

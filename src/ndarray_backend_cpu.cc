@@ -8,6 +8,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -354,6 +355,8 @@ PYBIND11_MODULE(ndarray_backend_cpu, m) {
 
   m.def("set_num_threads", &nd::set_num_threads, py::arg("n"));
   m.def("get_num_threads", &nd::num_threads);
+  m.def("_parallel_min_flops", &nd::parallel_min_flops,
+        "Flops from which a matmul or convolution uses every kernel thread (src/threads.cc).");
   // Private: which kernel build runs ("avx512", "avx2" or "baseline"); tests use it to cover
   // every build the CPU runs, benchmarks to print it with the matmul micro-kernels.
   m.def("_get_isa", [] { return std::string(g_kernels->name); });

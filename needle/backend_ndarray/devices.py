@@ -12,6 +12,7 @@ Example:
 """
 from __future__ import annotations
 
+import ctypes
 import importlib
 import os
 
@@ -159,16 +160,27 @@ def _prepare_cpu_threads() -> tuple:
     # find the worker awake, an idle one still sleeps); a distributed rank does not spin
     # (two ResNet9 processes sharing 2 cores ran 14% slower each with the short spin).
     # Only what the user left unset is chosen; if another library loaded libgomp first
-    # (import torch before needle), its settings stand. Returns the names set, which the
-    # caller removes again once the module is loaded: child processes (the ranks a launcher
-    # starts) choose for themselves.
-    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+    # (import torch before needle), its settings stand and nothing is set: the kernels read
+    # the environment libgomp was loaded with to pick their matmul thread threshold
+    # (src/threads.cc). Returns the names set, which the caller removes again once the
+    # module is loaded: child processes (the ranks a launcher starts) choose for themselves.
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ \
+            or _libgomp_loaded():
         return ()
     chosen = {"OMP_WAIT_POLICY": "passive"}
     if not is_rank():  # ranks of one job usually share a machine's cores
         chosen["GOMP_SPINCOUNT"] = _SHORT_SPIN
     os.environ.update(chosen)
     return tuple(chosen)
+
+
+def _libgomp_loaded() -> bool:
+    """Whether this process already holds libgomp (the soname PyTorch's wheel ships too)."""
+    try:
+        ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    except (OSError, AttributeError):  # not loaded (or no RTLD_NOLOAD on this platform)
+        return False
+    return True
 
 
 def _device(name: str) -> BackendDevice:

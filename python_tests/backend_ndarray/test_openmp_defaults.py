@@ -4,7 +4,9 @@ libgomp reads OMP_WAIT_POLICY and GOMP_SPINCOUNT once, when it is loaded, and pr
 uses under ``OMP_DISPLAY_ENV=VERBOSE``: each case starts a fresh interpreter, makes ``cpu()``
 and reads that report. A process on its own gets sleeping workers that spin briefly first; a
 distributed rank gets no spin; whatever the user set stands; the variables needle chose do not
-stay in ``os.environ`` (child processes choose for themselves).
+stay in ``os.environ`` (child processes choose for themselves). If libgomp is already loaded
+(PyTorch imported first), needle sets nothing. Small matrix products use both threads only
+when the workers spin long enough to be awake for them (the kernels' flop threshold).
 """
 from __future__ import annotations
 
@@ -21,12 +23,18 @@ CHILD = ("import os, needle\n"
          "needle.cpu()\n"
          "print('left:', os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))\n")
 
+# The same after loading libgomp first, as `import torch` does (its wheel ships the soname).
+PRELOADED = "import ctypes, os\nctypes.CDLL('libgomp.so.1', mode=os.RTLD_GLOBAL)\n" + CHILD
 
-def _run(extra: dict) -> tuple[dict, str]:
+THRESHOLD = ("from needle.backend_ndarray import ndarray_backend_cpu as b\n"
+             "print('min flops:', b._parallel_min_flops())\n")
+
+
+def _run(extra: dict, child: str = CHILD) -> tuple[dict, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "NEEDLE_DIST_BACKEND", *RANK_VARS)}
     env.update(extra, OMP_DISPLAY_ENV="VERBOSE")
-    proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True,
                           timeout=120, check=True)
     shown = dict(re.findall(r"^\s*(OMP_WAIT_POLICY|GOMP_SPINCOUNT) = '([^']*)'", proc.stderr,
                             re.MULTILINE))
@@ -56,3 +64,18 @@ def test_a_user_wait_policy_keeps_its_own_spin():
     assert shown["OMP_WAIT_POLICY"] == "ACTIVE"
     assert shown["GOMP_SPINCOUNT"] not in ("0", "1000")
     assert out.strip() == "left: active None"
+
+
+@pytest.mark.parametrize("extra, child, min_flops", [
+    ({}, CHILD, 2e6),  # needle's short spin: a sleeping worker costs more than it gives
+    ({}, PRELOADED, 5e5),  # libgomp's default spin (300000 iterations)
+    ({"OMP_WAIT_POLICY": "ACTIVE"}, CHILD, 5e5),
+    ({"OMP_WAIT_POLICY": "passive"}, CHILD, 2e6),
+    ({"GOMP_SPINCOUNT": "20k"}, CHILD, 5e5),
+    ({"GOMP_SPINCOUNT": "9999"}, CHILD, 2e6),
+    ({"GOMP_SPINCOUNT": "infinite"}, CHILD, 5e5),
+    ({"NEEDLE_DIST_BACKEND": "tcp"}, CHILD, 2e6),
+])
+def test_small_products_use_threads_only_for_spinning_workers(extra, child, min_flops):
+    shown, out = _run(extra, child + THRESHOLD)
+    assert out.strip().splitlines()[-1] == f"min flops: {min_flops}", shown

@@ -92,3 +92,31 @@ def test_bad_runs_raise_instead_of_crashing(mod):
         kl.run([], [0], [])
     with pytest.raises((TypeError, RuntimeError)):
         kl.run(["not an array"], [0], [])
+
+
+def test_profiled_runs_time_every_step_under_its_label(mod):
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    w = np.ones((4, 2), np.float32)
+
+    def bookkeeping():
+        return 1.5
+
+    kl = mod._KernelList(5, 1)
+    kl.python(bookkeeping, [], [], [], [], 0)
+    kl.alloc(2, 8, "float32", "activation")
+    kl.matmul_strided(0, 1, 2, [3, 4, 2, 0, 4, 1, 0, 2, 1])
+    kl.alloc(3, 8, "float32", "activation")
+    kl.scalar(2, False, 2, 0.0, 0, 3)  # times register 0
+    kl.free(2)
+    assert kl.timings() == []  # nothing profiled yet
+    kl.set_profile(True)
+    (out,) = kl.run([_array(mod, x), _array(mod, w)], [0, 1], [3])
+    np.testing.assert_array_equal(_values(mod, out, (3, 2)), (x @ w) * np.float32(1.5))
+    timings = kl.timings()
+    assert [label for label, _ in timings] == [
+        "python:bookkeeping", "alloc", "matmul_strided:3x4x2 a(4,1) b(2,1)", "alloc",
+        "scalar:2", "free"]
+    assert all(type(ns) is int and ns >= 0 for _, ns in timings)
+    kl.set_profile(False)
+    kl.run([_array(mod, x), _array(mod, w)], [0, 1], [3])
+    assert [label for label, _ in kl.timings()][0] == "python:bookkeeping"  # the profiled run's
