@@ -50,6 +50,7 @@ from .memory import attribute as _attribute
 from .ops import (
     ops_batch_norm,
     ops_conv,
+    ops_linear,
     ops_logarithmic,
     ops_mathematic,
     ops_shape,
@@ -66,6 +67,7 @@ RULES: dict[type, str] = {
     # products: the float16 work
     ops_mathematic.MatMul: LOWER,
     ops_conv.Conv: LOWER,
+    ops_linear.FusedLinear: LOWER,  # bias too, as PyTorch's linear (nn.Linear composes instead)
     # reductions and numerically sensitive elementwise functions: float32
     ops_shape.Summation: FLOAT32,
     ops_logarithmic.LogSumExp: FLOAT32,

@@ -117,13 +117,14 @@ def release(node) -> None:
 
 # Candidates: [weakref to node, sweeps survived]. Weak, so the list keeps nothing alive; an
 # entry leaves at its first sweep unless the user still names the node (at most _MAX_SWEEPS).
-_CANDIDATES: list = []
+CANDIDATES: list = []
 
 
 def track(node, op, inputs) -> None:
-    """Count ``node``'s links to tracked inputs, note what ``op`` saves, then sweep."""
+    """Count ``node``'s links to tracked inputs and note what ``op`` saves; the next recorded
+    op sweeps before it computes."""
     saved = node._saved  # set when saved_tensors_hooks were active: references decide then
-    if _CANDIDATES:
+    if CANDIDATES:
         # links matter only for candidates still listed: with none listed (every output of a
         # small model) there is nothing to count
         save = op.save_inputs
@@ -139,15 +140,14 @@ def track(node, op, inputs) -> None:
         handle = getattr(node.cached_data, "_handle", None)
         if handle is not None and handle.size >= RELEASE_MIN_ELEMENTS:
             node._tracked = True
-            _CANDIDATES.append([_ref(node), 0])
-    if len(_CANDIDATES) > 1:
-        sweep()
+            CANDIDATES.append([_ref(node), 0])
+    # the sweep runs at the start of the next recorded op, before it allocates (value.py)
 
 
 def sweep(final: bool = False) -> None:
     """Release candidates that only graph links reach; forget the kept and the long-held."""
     survivors = []
-    for entry in _CANDIDATES:
+    for entry in CANDIDATES:
         node = entry[0]()
         if node is None or node._keep or node._freed:
             continue
@@ -158,7 +158,7 @@ def sweep(final: bool = False) -> None:
             entry[1] += 1
             survivors.append(entry)
     node = entry = None
-    _CANDIDATES[:] = survivors
+    CANDIDATES[:] = survivors
 
 
 def _calibrate() -> int:

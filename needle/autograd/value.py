@@ -24,6 +24,8 @@ from ..memory import categories as _mem_categories
 from ..memory import observers as _mem_observers
 from .grad_mode import STATE
 from .hooks import SAVED_SELF, pack_saved
+from .release import CANDIDATES as _CANDIDATES
+from .release import sweep as _sweep
 from .release import track as _track
 
 __all__ = ["Op", "Value", "describe", "make_from_op", "leaf", "live_count", "set_live_count"]
@@ -152,6 +154,10 @@ def make_from_op(cls, op, inputs, _observe=True):
                 record = True
                 _MEM_STATE.op_category = "activation"
                 break
+        if record and _CANDIDATES and _ND:
+            # release what only the graph still reaches before this op allocates: the
+            # previous layer's unsaved output goes now, not after this op (release.py)
+            _sweep()
     try:
         if len(inputs) == 1:
             node.cached_data = op.compute(inputs[0].cached_data)

@@ -220,6 +220,19 @@ class NDArray:
             self._device.scalar_setitem(self.size, float(value), self._handle, self._shape,
                                         self._strides, self._offset)
 
+    def _add_in_place(self, other: "NDArray") -> None:
+        # self += other into self's buffer, for a compact array only its creator can see yet
+        # (a fused op's result: no version bump, and nobody else reads the old values).
+        # Elementwise kernels read and write each element at one index, so the output may be
+        # the first operand. ``other`` of any layout (a broadcast bias is compacted first).
+        if other._device is not self._device or other._handle.dtype != self._handle.dtype:
+            check_pair("add", self, other)
+        check_same_shape("add", self, other)
+        if not (self._compact or self.is_compact()):
+            raise ValueError("_add_in_place: expected a compact array to add into")
+        b = other if other._compact or other.is_compact() else other._copy("add")
+        self._device.ewise_add(self._handle, b._handle, self._handle)
+
     def to(self, device) -> "NDArray":
         """This array on ``device`` (self when already there)."""
         if device == self._device:

@@ -289,12 +289,24 @@ def _region_node(region, outputs, positions, slot_tensors) -> list:
         op.output = outputs[positions[0]].realize_cached_data()
         node = op(*slot_tensors)
         node._saved = (_same, region.detach_arrays())
+        _keep_boundary(node)
         return [node]
     op = _RegionTupleOp(region)
     op.output = tuple(outputs[i].realize_cached_data() for i in positions)
     node = op(*slot_tensors)
     node._saved = (_same, region.detach_arrays())
+    _keep_boundary(node)
     return [node[k] for k in range(len(positions))]
+
+
+def _keep_boundary(node) -> None:
+    # The region's output stays with its node until the node is freed, whatever else holds
+    # it. No op saves it, so autograd's release would otherwise free it once only graph links
+    # reach it, but only if that happened within its first sweeps (release.py looks at a
+    # tensor a bounded number of times), so whether the boundary outlived the next region's
+    # forward depended on how many ops that forward recorded. The checkpoint planner's cost
+    # model counts it as held while the region's backward recomputes (needle.checkpoint.plan).
+    node._keep = True
 
 
 def _backprop(roots, out_grads, edges, create_graph: bool) -> tuple:

@@ -11,8 +11,8 @@ output's gradient is ones) under :func:`needle.memory.profile` and gives one row
 * ``recomputed``, ``recomputed_bytes``: activation buffers allocated again during backward (the
   recomputation of checkpointed segments);
 * ``extra_flops``: forward FLOPs run again during backward (multiply-adds count 2: a matmul
-  ``2·m·k·n``; elementwise ops 1 per output element; reductions 1 per input element; views,
-  reshapes and broadcasts 0);
+  ``2·m·k·n``, a linear layer that plus 1 per output element for its bias; elementwise ops 1
+  per output element; reductions 1 per input element; views, reshapes and broadcasts 0);
 * ``draws_replayed``: random draws made again while recomputing (dropout masks: the same
   numbers, see docs/checkpointing.md);
 * ``predicted_peak``, ``measured_peak``: the activation peak the cost model predicts from the
@@ -65,10 +65,11 @@ def op_flops(name: str, input_shapes: list, output_shape) -> int:
     """FLOPs of one forward op by the module docstring's rule."""
     if name in _FREE or name.startswith("_Region"):
         return 0
-    if name == "MatMul" and len(input_shapes) == 2:
-        a, b = input_shapes
+    if name in ("MatMul", "FusedLinear") and len(input_shapes) >= 2:
+        a, b = input_shapes[:2]
         batch = math.prod(output_shape[:-2]) if len(output_shape) > 2 else 1
-        return 2 * batch * a[-2] * a[-1] * b[-1]
+        bias = math.prod(output_shape) if len(input_shapes) == 3 else 0  # linear's bias add
+        return 2 * batch * a[-2] * a[-1] * b[-1] + bias
     if name in _REDUCE and input_shapes:
         return math.prod(input_shapes[0])
     return math.prod(output_shape) if output_shape is not None else 0

@@ -20,6 +20,7 @@ import math
 from .. import init, ops
 from .._core.errors import ShapeError
 from ..autograd import Tensor, is_grad_enabled
+from ..autograd.grad_mode import STATE
 from ..autograd.tensor import replace_data
 from ..backend_ndarray import ewise_program as _program
 from ..compiler.effects import compiling
@@ -68,6 +69,13 @@ class Linear(Module):
             raise ShapeError(
                 f"Linear: input features differ, expected last dimension {self.in_features}, "
                 f"got shape {X.shape}")
+        if self.bias is not None and STATE.cast_policy is None and isinstance(X, Tensor) \
+                and X.ndim >= 2:
+            # one graph node (ops.linear) for the product, the bias broadcast and the sum:
+            # bitwise the composed layer's forward and gradients
+            return ops.linear(X, self.weight, self.bias)
+        # under autocast the product runs in the low dtype and the bias add promotes (a
+        # float32 bias gives a float32 output), as the composed ops' own rules say
         y = X @ self.weight
         if self.bias is not None:
             y = y + _bias_for(self.bias, y.shape)

@@ -14,6 +14,7 @@ from .ops_batch_norm import *  # noqa: F401,F403
 from .ops_conv import *  # noqa: F401,F403
 from .ops_embedding import *  # noqa: F401,F403
 from .ops_fused import *  # noqa: F401,F403
+from .ops_linear import *  # noqa: F401,F403
 from .ops_logarithmic import *  # noqa: F401,F403
 from .ops_mathematic import *  # noqa: F401,F403
 from .ops_mathematic import _ADD, _MATMUL, _MUL, _NEG, as_scalar  # noqa: F401

@@ -107,6 +107,15 @@ if ND:
     def matmul(a, b):
         return array_api.matmul(a, b)
 
+    def add_to_fresh(y, b):
+        """``y + b`` written into ``y``, an array the calling op just made (no one else
+        holds it); ``b`` of ``y``'s shape, any layout. Saves the op one output-sized
+        buffer."""
+        if type(y) is not _NDArrayClass or type(b) is not _NDArrayClass:
+            return y + b
+        y._add_in_place(b)
+        return y
+
     def zeros(shape, like):
         return like.device.full(tuple(shape), 0.0, like.dtype)
 
@@ -182,6 +191,10 @@ else:
 
     exp, log, tanh, sqrt = numpy.exp, numpy.log, numpy.tanh, numpy.sqrt
     maximum, matmul = numpy.maximum, numpy.matmul
+
+    def add_to_fresh(y, b):
+        # NumPy mode: a new array, as the composed ops give (np mode lets dtypes promote)
+        return y + b
 
     def sign(a):
         return numpy.sign(a)

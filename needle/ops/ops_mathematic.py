@@ -422,17 +422,21 @@ class MatMul(TensorOp):
 
     def plain_gradient(self, out_grad, node):
         a, b = node.saved_tensors
-        g, x, y = out_grad.cached_data, a.cached_data, b.cached_data
         first, second = node.inputs
-        need_a, need_b = first.requires_grad, second.requires_grad
-        if len(x.shape) == 2 and len(y.shape) == 2:
-            # the common case: two plain products, already of the inputs' shapes
-            return (_const(g @ A.swap_last(y)) if need_a else None,
-                    _const(A.swap_last(x) @ g) if need_b else None)
-        return (_const(A.sum_to_shape(A.matmul(g, A.swap_last(y)), a.shape))
-                if need_a else None,
-                _const(A.sum_to_shape(A.matmul(A.swap_last(x), g), b.shape))
-                if need_b else None)
+        return _matmul_plain_gradients(out_grad.cached_data, a, b, first.requires_grad,
+                                      second.requires_grad)
+
+
+def _matmul_plain_gradients(g, a, b, need_a: bool, need_b: bool) -> tuple:
+    """``(dA, dB)`` of ``A @ B`` for the output gradient array ``g`` as constant Tensors
+    (None where not needed): MatMul's plain gradient, and nn.Linear's (ops_linear)."""
+    x, y = a.cached_data, b.cached_data
+    if len(x.shape) == 2 and len(y.shape) == 2:
+        # the common case: two plain products, already of the inputs' shapes
+        return (_const(g @ A.swap_last(y)) if need_a else None,
+                _const(A.swap_last(x) @ g) if need_b else None)
+    return (_const(A.sum_to_shape(A.matmul(g, A.swap_last(y)), a.shape)) if need_a else None,
+            _const(A.sum_to_shape(A.matmul(A.swap_last(x), g), b.shape)) if need_b else None)
 
 
 def matmul(a, b):

@@ -108,7 +108,7 @@ def test_optimizer_step_between_forward_and_backward_raises(device):
         layer(x).sum().backward()
         loss = layer(x).sum()
         opt.step()
-        with pytest.raises(GraphError, match="MatMul saved input 1.*replaced"):
+        with pytest.raises(GraphError, match="FusedLinear saved input 1.*replaced"):
             loss.backward()
 
 

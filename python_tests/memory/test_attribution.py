@@ -136,7 +136,7 @@ def test_record_names_forward_ops_and_backward_steps():
     with mem.record(DEV) as events:
         model(x).sum().backward()
     ops = {e.op for e in events if e.kind == "alloc"}
-    assert {"MatMul", "ReLU", "MatMul.gradient", "ReLU.gradient"} <= ops
+    assert {"FusedLinear", "ReLU", "FusedLinear.gradient", "ReLU.gradient"} <= ops
     assert all(e.category == "gradient" for e in events
                if e.kind == "alloc" and e.op and e.op.endswith(".gradient"))
     assert mem.observers.active_observer() is None  # observation is off again

@@ -90,7 +90,7 @@ def test_small_activations_leave_the_device_too(monkeypatch):
     plain, g_plain = _held_between_forward_and_backward(model, x, _Plain)
     hand, _ = _held_between_forward_and_backward(model, x, _HandWritten)
     offl, g_off = _held_between_forward_and_backward(model, x, mem.offload_saved_tensors)
-    assert hand >= plain >= 3 * LAYERS * 2048  # matmul, +bias, relu of every layer
+    assert hand >= plain >= 2 * LAYERS * 2048  # linear (one op), relu of every layer
     assert offl == 512
     for a, b in zip(g_plain, g_off, strict=True):
         np.testing.assert_array_equal(a, b)

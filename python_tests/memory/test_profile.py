@@ -95,7 +95,7 @@ def test_timeline_json_has_labelled_axes_op_names_and_phase_bands(tmp_path):
     tl = data["devices"]["cpu_numpy"]["timeline"]
     assert tl["x_label"] == "allocator event (op order)" and "bytes" in tl["y_label"]
     assert len(tl["x"]) == len(tl["ops"]) == len(tl["time_s"]) == len(tl["series"]["weight"])
-    assert {"MatMul", "ReLU", "MatMul.gradient", "Adam.step"} <= set(tl["ops"])
+    assert {"FusedLinear", "ReLU", "FusedLinear.gradient", "Adam.step"} <= set(tl["ops"])
     assert [b["phase"] for b in tl["bands"] if b["phase"] != "other"][:3] == [
         "forward", "backward", "optimizer"]
     peak = tl["peak"]

@@ -50,6 +50,51 @@ def test_linear_gradients(device):
                      lin.weight.detach(), lin.bias.detach())
 
 
+@pytest.mark.parametrize("x_shape, bias_shape", [((6, 4), (1, 3)), ((6, 4), (3,)),
+                                                  ((2, 6, 4), (1, 3))])
+def test_linear_is_one_node_bitwise_the_composed_layer(device, x_shape, bias_shape):
+    """nn.Linear records one FusedLinear node whose output and gradients are the composed
+    x @ W + broadcast(b)'s bit for bit, and allocates one buffer fewer (the sum is written
+    into the product)."""
+    from needle import memory
+
+    rng = np.random.default_rng(0)
+    lin = nn.Linear(4, 3, device=device)
+    lin.bias = nn.Parameter(T(rng.standard_normal(bias_shape), device))
+    y_shape = x_shape[:-1] + (3,)
+    x_np, g_np = rng.standard_normal(x_shape), rng.standard_normal(y_shape)
+    results = []
+    for fused in (True, False):
+        x = T(x_np, device, requires_grad=True)
+        lin.weight.grad = lin.bias.grad = None
+        with memory.record(device) as events:
+            if fused:
+                y = lin(x)
+                assert type(y.op).__name__ == "FusedLinear" and y.inputs[0] is x
+            else:
+                bias = ops.reshape(lin.bias, (1,) * (len(x_shape) - 1) + (3,))
+                y = x @ lin.weight + ops.broadcast_to(bias, y_shape)
+        allocs = sum(e.kind == "alloc" for e in events)
+        y.backward(T(g_np, device))
+        results.append((allocs, y.numpy(), x.grad.numpy(), lin.weight.grad.numpy(),
+                        lin.bias.grad.numpy()))
+    (fused_allocs, *fused), (composed_allocs, *composed) = results
+    assert lin.bias.grad.shape == bias_shape
+    for a, b in zip(fused, composed, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert fused_allocs == composed_allocs - 1
+
+
+def test_linear_refuses_bad_shapes_naming_the_op(device):
+    x, w = T(np.ones((2, 3)), device), T(np.ones((3, 4)), device)
+    with pytest.raises(ShapeError, match=r"linear: bias .* got \(1, 5\)"):
+        ops.linear(x, w, T(np.ones((1, 5)), device))
+    with pytest.raises(ShapeError, match=r"linear: input features differ"):
+        ops.linear(T(np.ones((2, 5)), device), w)
+    with pytest.raises(ShapeError, match=r"linear: expected x with at least 2 dims"):
+        ops.linear(T(np.ones(3), device), w)
+
+
 def test_activations_flatten_identity(device):
     x = np.random.randn(2, 3, 4)
     t = T(x, device)
