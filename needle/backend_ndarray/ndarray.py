@@ -229,7 +229,8 @@ class NDArray:
             check_pair("add", self, other)
         check_same_shape("add", self, other)
         if not (self._compact or self.is_compact()):
-            raise ValueError("_add_in_place: expected a compact array to add into")
+            raise ShapeError(f"add: expected a compact array to add into in place, got a "
+                             f"view of shape {self._shape} with strides {self._strides}")
         b = other if other._compact or other.is_compact() else other._copy("add")
         self._device.ewise_add(self._handle, b._handle, self._handle)
 

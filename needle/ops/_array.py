@@ -111,8 +111,9 @@ if ND:
         """``y + b`` written into ``y``, an array the calling op just made (no one else
         holds it); ``b`` of ``y``'s shape, any layout. Saves the op one output-sized
         buffer."""
-        if type(y) is not _NDArrayClass or type(b) is not _NDArrayClass:
-            return y + b
+        if type(y) is not _NDArrayClass or type(b) is not _NDArrayClass \
+                or not y.is_compact():
+            return y + b  # (a product returned as a view: the plain sum)
         y._add_in_place(b)
         return y
 

@@ -140,6 +140,24 @@ def test_compact_of_random_views_matches_numpy(data):
         np.testing.assert_array_equal(got.numpy(), want)
 
 
+def test_add_in_place_of_a_broadcast_row(device):
+    """A fused op's ``y += b`` (ops.linear's bias): into y's own buffer, b of any layout;
+    a view, another dtype or another shape is refused naming the op."""
+    rng = np.random.default_rng(0)
+    y_np, b_np = _rand(rng, (4, 3)), _rand(rng, (1, 3))
+    y = nd.array(y_np, device=device)
+    ptr = y._handle.ptr()
+    y._add_in_place(nd.array(b_np, device=device).broadcast_to((4, 3)))
+    np.testing.assert_array_equal(y.numpy(), y_np + b_np)  # the same float32 additions
+    assert y._handle.ptr() == ptr
+    with pytest.raises(ShapeError, match="add: expected a compact array"):
+        y.permute((1, 0))._add_in_place(nd.array(np.ones((3, 4)), device=device))
+    with pytest.raises(ShapeError, match="add"):
+        y._add_in_place(nd.array(np.ones((4, 4)), device=device))
+    with pytest.raises(DTypeError, match="add"):
+        y._add_in_place(nd.array(np.ones((4, 3)), dtype="float64", device=device))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_setitem_in_place(device, dtype):
     x = np.arange(30, dtype=dtype).reshape(5, 6)
