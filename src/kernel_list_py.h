@@ -11,7 +11,8 @@
 // called with the slots' Array objects, without the Python interpreter in between.
 #pragma once
 // No includes here: this file is pasted inside needle's anonymous namespace; the includer
-// brings pybind11, <chrono>, <memory>, <string>, <vector>, array.h, kernels.h and ewise_program.h.
+// brings pybind11, <chrono>, <memory>, <string>, <vector>, array.h, kernels.h and
+// ewise_program.h.
 
 class KernelList {
  public:
