@@ -178,9 +178,12 @@ class Optimizer:
     def _theta_category(self, p: Tensor) -> str:
         return "master" if p in self.master else "weight"
 
-    def _new_theta(self, p: Tensor, theta):
+    def _new_theta(self, p: Tensor, theta, plain: bool = False):
         """An empty array for ``p``'s new θ, ``master`` or ``weight`` memory from its
-        allocation (for an update program to write)."""
+        allocation (for an update program to write). ``plain``: the caller holds the
+        ``weight`` category open and ``p`` has no master (:meth:`_plain_fused_steps`)."""
+        if plain:
+            return _program.empty_like(theta)
         with _framework_category(self._theta_category(p)):
             return _program.empty_like(theta)
 
@@ -197,10 +200,14 @@ class Optimizer:
             new = theta - delta
         self._install(p, new)
 
-    def _install(self, p: Tensor, new) -> None:
+    def _install(self, p: Tensor, new, plain: bool = False) -> None:
         """Make ``new`` the parameter's θ: its master (and the master's float16 rounding
-        into ``p``), or ``p``'s data."""
-        if p in self.master:
+        into ``p``), or ``p``'s data. ``plain``: ``p`` has no master and ``new`` is of its
+        dtype (:meth:`_plain_fused_steps`)."""
+        if plain:
+            p.cached_data = new
+            note_replaced(p)
+        elif p in self.master:
             self.master[p] = new
             with _framework_category("weight"):
                 p.cached_data = new.astype(p.cached_data.dtype)
@@ -213,29 +220,30 @@ class Optimizer:
 
     # ----- the fused updates' fast path ---------------------------------------------------
     # A small model's step updates dozens of parameters, and the general path (_grads,
-    # _theta, _fused_step, _install) costs ~5 us of Python per parameter. Most steps need
-    # none of it: no float16 masters, no gradient scale. The subclasses' _plain_fused_steps
-    # make the same allocations in the same order and categories, run the same programs
-    # and install the same way, at about a third of the cost (SGD on MLPResNet: 175 -> 108
-    # us per step); a parameter it cannot take goes to the general path.
-    def _plain_params(self, rest: list):
-        """``(p, θ, grad)`` of each parameter with a gradient when the fast path applies
-        (not compiling, no gradient scale, no float16 masters; θ enters the ``weight``
-        memory category's block of the caller); else every parameter goes to ``rest``."""
-        if compiling() or self.grad_scale is not None or self.master:
-            rest.extend(self.params)
-            return
-        for p in self.params:
-            grad = p.grad
-            if grad is not None:
-                yield p, p.realize_cached_data(), grad.realize_cached_data()
+    # _theta, _grad, a category scope per new θ, _install's checks) costs ~5 us of Python
+    # per parameter. Most steps need none of it: no float16 masters, no gradient scale.
+    # _plain_fused_steps runs the same _fused_step, with the same allocations in the same
+    # order and categories, at about a third of the cost (SGD on MLPResNet: 175 -> ~120 us
+    # per step); a parameter it cannot take goes to the general path.
+    def _fused_step(self, p: Tensor, theta, g, scalars: list, plain: bool = False) -> bool:
+        """``p``'s update as an elementwise program (subclasses), or False: not fused."""
+        return False
 
-    def _install_plain(self, p: Tensor, new) -> None:
-        """:meth:`_install` for a parameter without a master, ``new`` of its dtype."""
-        p.cached_data = new
-        note_replaced(p)
-        if self._fresh is not None:
-            self._fresh.add(id(new))
+    def _plain_fused_steps(self, scalars: list) -> list:
+        """:meth:`_fused_step` (``plain``) for every parameter with a gradient when the fast
+        path applies (not compiling, no gradient scale, no float16 masters); returns the
+        parameters left for the general path (all of them when it does not apply)."""
+        if compiling() or self.grad_scale is not None or self.master:
+            return self.params
+        rest: list = []
+        with _framework_category("weight"):  # the new θ's category, opened once
+            for p in self.params:
+                grad = p.grad
+                if grad is not None and not self._fused_step(
+                        p, p.realize_cached_data(), grad.realize_cached_data(), scalars,
+                        plain=True):
+                    rest.append(p)  # mixed dtypes, views, a backend without the kernel
+        return rest
 
     def rebind(self, p: Tensor, data) -> None:
         """Point parameter ``p`` at ``data``, an array holding the same values as its current
@@ -355,49 +363,23 @@ class SGD(Optimizer):
                 u = g
             self._assign(p, theta, u * lr)
 
-    def _plain_fused_steps(self, scalars: list) -> list:
-        """:meth:`_fused_step` for the parameters :meth:`_plain_params` gives; returns the
-        parameters left for the general path."""
-        mom = scalars[2]
-        momentum, decay = bool(mom), bool(scalars[1])
-        states = self.u
-        available, run, empty_like = _program.available, _program.run, _program.empty_like
-        rest: list = []
-        with _framework_category("weight"):
-            for p, theta, g in self._plain_params(rest):
-                u = states.get(p) if momentum else None
-                arrays = (theta, g) if u is None else (theta, g, u)
-                if not available(arrays):
-                    rest.append(p)  # mixed dtypes, views, a backend without the kernel
-                    continue
-                if momentum:
-                    with _framework_category("optimizer"):
-                        outs = [empty_like(theta)]
-                    outs.append(empty_like(theta))  # the new θ: weight memory
-                else:
-                    outs = [empty_like(theta)]
-                run(_sgd_program(momentum, u is not None, decay), arrays, scalars, outs)
-                if momentum:
-                    states[p] = outs[0]
-                self._install_plain(p, outs[-1])
-        return rest
-
-    def _fused_step(self, p: Tensor, theta, g, scalars: list) -> bool:
+    def _fused_step(self, p: Tensor, theta, g, scalars: list, plain: bool = False) -> bool:
         """The update of ``p`` as one pass over memory with no temporaries, bitwise the
         composed one, where the arrays allow (else False). A compiled step takes the
-        composed path: the compiler fuses it itself."""
+        composed path: the compiler fuses it itself. ``plain``: see
+        :meth:`_plain_fused_steps`."""
         mom = scalars[2]
         u = self.u.get(p) if mom else None
         arrays = (theta, g) if u is None else (theta, g, u)
         if compiling() or not _program.available(arrays):
             return False
         outs = [self._new_state(theta)] if mom else []
-        outs.append(self._new_theta(p, theta))
+        outs.append(self._new_theta(p, theta, plain))
         _program.run(_sgd_program(bool(mom), u is not None, bool(scalars[1])), arrays,
                      scalars, outs)
         if mom:
             self.u[p] = outs[0]
-        self._install(p, outs[-1])
+        self._install(p, outs[-1], plain)
         return True
 
 
@@ -510,10 +492,11 @@ class Adam(Optimizer):
             self.v[p] = _state(v)
             self._assign(p, theta, (m / c1 * lr) / ((v / c2) ** 0.5 + eps))
 
-    def _fused_step(self, p: Tensor, theta, g, scalars: list) -> bool:
+    def _fused_step(self, p: Tensor, theta, g, scalars: list, plain: bool = False) -> bool:
         """The update of ``p`` as two passes over memory with no temporaries (the new m,
         then the new v and θ from it), bitwise the composed one, where the arrays allow
-        (else False). A compiled step takes the composed path: the compiler fuses it."""
+        (else False). A compiled step takes the composed path: the compiler fuses it.
+        ``plain``: see :meth:`_plain_fused_steps`."""
         m, v = self.m.get(p), self.v.get(p)
         first = m is None
         if (v is None) != first or compiling() \
@@ -524,42 +507,13 @@ class Adam(Optimizer):
         _program.run(_adam_m_program(first, decay), (theta, g) if first else (theta, g, m),
                      scalars, [new_m])
         self.m[p] = m = new_m  # the old m is freed before the new v is made
-        outs = [self._new_state(theta), self._new_theta(p, theta)]
+        outs = [self._new_state(theta), self._new_theta(p, theta, plain)]
         _program.run(_adam_v_theta_program(first, decay),
                      (theta, g, m) if first else (theta, g, m, v), scalars, outs)
         self.v[p] = outs[0]
         v = None
-        self._install(p, outs[1])
+        self._install(p, outs[1], plain)
         return True
-
-    def _plain_fused_steps(self, scalars: list) -> list:
-        """:meth:`_fused_step` for the parameters :meth:`_plain_params` gives; returns the
-        parameters left for the general path."""
-        decay = bool(scalars[0])
-        ms, vs = self.m, self.v
-        available, run, empty_like = _program.available, _program.run, _program.empty_like
-        rest: list = []
-        with _framework_category("weight"):
-            for p, theta, g in self._plain_params(rest):
-                m, v = ms.get(p), vs.get(p)
-                first = m is None
-                arrays = (theta, g) if first else (theta, g, m, v)
-                if (v is None) != first or not available(arrays):
-                    rest.append(p)
-                    continue
-                with _framework_category("optimizer"):
-                    new_m = empty_like(theta)
-                run(_adam_m_program(first, decay), arrays[:3], scalars, [new_m])
-                ms[p] = m = new_m  # the old m is freed before the new v is made
-                arrays = (theta, g, m) if first else (theta, g, m, v)
-                with _framework_category("optimizer"):
-                    outs = [empty_like(theta)]
-                outs.append(empty_like(theta))  # the new θ: weight memory
-                run(_adam_v_theta_program(first, decay), arrays, scalars, outs)
-                vs[p] = outs[0]
-                v = arrays = None
-                self._install_plain(p, outs[1])
-        return rest
 
     def _advance(self) -> tuple:
         """One more step: ``t += 1``, and the bias corrections ``(1 − β1^t, 1 − β2^t)``."""
