@@ -223,7 +223,7 @@ class Optimizer:
     # _theta, _grad, a category scope per new θ, _install's checks) costs ~5 us of Python
     # per parameter. Most steps need none of it: no float16 masters, no gradient scale.
     # _plain_fused_steps runs the same _fused_step, with the same allocations in the same
-    # order and categories, at about a third of the cost (SGD on MLPResNet: 175 -> ~120 us
+    # order and categories, with less Python per parameter (SGD on MLPResNet: 175 -> ~120 us
     # per step); a parameter it cannot take goes to the general path.
     def _fused_step(self, p: Tensor, theta, g, scalars: list, plain: bool = False) -> bool:
         """``p``'s update as an elementwise program (subclasses), or False: not fused."""

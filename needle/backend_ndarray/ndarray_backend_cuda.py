@@ -570,9 +570,10 @@ def ewise_program(ins, outs, code, scalars, n) -> None:
             raise ValueError(f"{op}: an output shares its buffer with an input")
         if any(o.ptr() == p.ptr() for p in outs[:j]):
             raise ValueError(f"{op}: two outputs share a buffer")
-    record = _program_template(tuple(code), len(ins), len(outs), len(scalars)).copy()
+    template = _program_template(tuple(code), len(ins), len(outs), len(scalars))  # checks
     if n == 0:
         return
+    record = template.copy()
     # pointers and scalars into the record's first 64 eight-byte words (ins, outs, scalars)
     words, floats = record.view(np.uint64), record.view(np.float64)
     words[:len(ins)] = [a.ptr() for a in ins]
