@@ -7,7 +7,8 @@ Rows (issue 8 targets in brackets):
   * elementwise on 1e8 float32, GB/s moved: needle ewise_add / scalar_mul / reduce_sum against
     the device's own copy bandwidth (cudaMemcpy device to device) [>= 0.7x copy], and PyTorch.
   * ResNet9 training, batch 128, SGD, images/s [>= 0.5x PyTorch]; skipped with a message if
-    apps/models.py has no ResNet9 or needle cannot train it on cuda().
+    apps/models.py has no ResNet9 or needle cannot train it on cuda(); then the same step
+    under ``ndl.compile`` (replayed), against a second PyTorch measurement.
 Each measurement: warm-up, then --repeats timed blocks alternating needle and PyTorch, the
 median kept; ratios are needle / PyTorch (or / copy bandwidth). Timings never decide a test.
 
@@ -142,7 +143,9 @@ def bench_elementwise(n: int, repeats: int) -> list:
     return rows
 
 
-def _needle_resnet9_step(batch: int = 128):
+def _needle_resnet9_step(batch: int = 128, compiled: bool = False):
+    """One SGD step of ResNet9 on cuda(); ``compiled``: the step runs under ``ndl.compile``
+    (traced once, then replayed as its recorded kernel list)."""
     sys.path.insert(0, os.path.join(ROOT, "apps"))
     try:
         from apps.models import ResNet9
@@ -160,11 +163,20 @@ def _needle_resnet9_step(batch: int = 128):
     loss_fn, opt = nn.SoftmaxLoss(), optim.SGD(model.parameters(), lr=0.01)
     model.train()
 
-    def step():
+    def train_step(x, y):
         loss = loss_fn(model(x), y)
         opt.reset_grad()
         loss.backward()
         opt.step()
+        return loss
+
+    if compiled:
+        train_step = ndl.compile(train_step)
+        for _ in range(4):  # warm-up, trace, record twice: later calls replay
+            train_step(x, y)
+
+    def step():
+        train_step(x, y)
 
     return step
 
@@ -221,6 +233,18 @@ def bench_resnet9(repeats: int) -> list:
     row = {"needle": 128 / t_needle, "torch": 128 / t_torch}
     print(f"ResNet9 b128 SGD train: needle {row['needle']:9.0f} img/s  PyTorch "
           f"{row['torch']:9.0f} img/s  ratio {row['needle'] / row['torch']:.2f}", flush=True)
+    try:
+        compiled_step = _needle_resnet9_step(compiled=True)
+        t_compiled, t_torch = _median_pair(compiled_step, _torch_resnet9_step(), B.synchronize,
+                                           torch.cuda.synchronize, repeats)
+    except Exception as exc:  # noqa: BLE001 - the eager row above still stands
+        print(f"resnet9 compiled: failed ({type(exc).__name__}: {exc})", flush=True)
+        traceback.print_exc(limit=5)
+        return [row]
+    row.update(compiled=128 / t_compiled, torch_again=128 / t_torch)
+    print(f"ResNet9 b128 SGD train, ndl.compile: needle {row['compiled']:9.0f} img/s  PyTorch "
+          f"{row['torch_again']:9.0f} img/s  ratio {row['compiled'] / row['torch_again']:.2f}",
+          flush=True)
     return [row]
 
 

@@ -54,7 +54,11 @@ def emulated_cuda():
         pytest.skip("g++ not found: no CUDA emulator")
     from needle.backend_ndarray import ndarray_backend_cuda as backend
     from needle.backend_ndarray._cuda import runtime
+    from needle.memory import registry
 
+    # Tests under the emulator install and remove allocators of their own under the name
+    # "cuda": on a machine with a GPU the real device's allocator is put back afterwards.
+    saved_allocator = registry._ALLOCATORS.get("cuda")
     saved = (runtime._cupy, runtime._reason, runtime._allocator)
     caches = (runtime._modules, runtime._functions, runtime._num_sms)
     saved_caches = [dict(c) for c in caches]
@@ -63,6 +67,9 @@ def emulated_cuda():
         cache.clear()
     yield nd.BackendDevice("cuda", backend)
     runtime._cupy, runtime._reason, runtime._allocator = saved
+    registry._ALLOCATORS.pop("cuda", None)
+    if saved_allocator is not None:
+        registry.register_allocator("cuda", saved_allocator)
     for cache, old in zip(caches, saved_caches, strict=True):
         cache.clear()
         cache.update(old)

@@ -158,7 +158,7 @@ def scalar_setitem(size, val, out: Array, shape, strides, offset) -> None:
 
 # ---- elementwise -------------------------------------------------------------------------
 def _binary(base: str):
-    spec = L.KernelSpec(_EW, base, ("a", "a", "a", "i64"))
+    spec = L.KernelSpec(_EW, base, ("a", "a", "a", "i64"), grid="packed")
 
     def kernel(a: Array, b: Array, out: Array) -> None:
         if out.size:
@@ -169,7 +169,7 @@ def _binary(base: str):
 
 
 def _scalar(base: str):
-    spec = L.KernelSpec(_EW, base, ("a", "scalar", "a", "i64"))
+    spec = L.KernelSpec(_EW, base, ("a", "scalar", "a", "i64"), grid="packed")
 
     def kernel(a: Array, val, out: Array) -> None:
         if out.size:
@@ -180,7 +180,7 @@ def _scalar(base: str):
 
 
 def _unary(base: str):
-    spec = L.KernelSpec(_EW, base, ("a", "a", "i64"))
+    spec = L.KernelSpec(_EW, base, ("a", "a", "i64"), grid="packed")
 
     def kernel(a: Array, out: Array) -> None:
         if out.size:
@@ -210,7 +210,7 @@ ewise_tanh, ewise_sqrt, ewise_abs = _unary("ewise_tanh"), _unary("ewise_sqrt"), 
     _unary("ewise_abs")
 ewise_sign, ewise_sigmoid = _unary("ewise_sign"), _unary("ewise_sigmoid")
 
-_CAST = L.KernelSpec(_EW, "ewise_cast", ("src", "a", "i64"))
+_CAST = L.KernelSpec(_EW, "ewise_cast", ("src", "a", "i64"), grid="packed")
 
 
 def ewise_cast(a: Array, out: Array) -> None:
@@ -539,7 +539,7 @@ PROGRAM_LIMITS = {"inputs": 16, "outputs": 16, "scalars": 32, "instructions": 96
 _PROGRAM_RECORD = np.dtype([("ins", "<u8", (16,)), ("outs", "<u8", (16,)),
                             ("scalars", "<f8", (32,)), ("code", "<i4", (5 * 96,)),
                             ("n_code", "<i4"), ("pad", "<i4")])
-_PROGRAM = L.KernelSpec(_EW, "ewise_program", ("record", "i64"), grid="indexed",
+_PROGRAM = L.KernelSpec(_EW, "ewise_program", ("record", "i64"), grid="packed",
                         dtypes=_FLOATS)
 # ewise_program writes pointers and scalars through 8-byte word views of the record
 assert _PROGRAM_RECORD.fields["outs"][1] == 16 * 8

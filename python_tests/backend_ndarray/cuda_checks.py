@@ -473,6 +473,56 @@ def check_ewise_program(B, dtype: str, name: str, n: int) -> None:
         np.testing.assert_array_equal(get(B, o), w, err_msg=f"{name}: output {j}")
 
 
+def _shifted(B, x: np.ndarray, shift: int):
+    """A buffer of ``B`` holding ``x`` that starts ``shift`` elements past an allocator
+    address (a second handle sharing the owner of a larger buffer): the backend never makes
+    one, so this is how the kernels' unaligned path is reached."""
+    base = put(B, np.concatenate([np.zeros(shift, x.dtype), x]))
+    view = object.__new__(type(base))
+    for slot in ("_owner", "_dtype", "_itemsize"):
+        setattr(view, slot, getattr(base, slot))
+    view._ptr, view._size = base.ptr() + shift * base.itemsize, x.size
+    return view
+
+
+def check_packs_and_tails(B, dtype: str) -> None:
+    """The elementwise kernels move four elements per thread when every pointer is aligned to
+    four of them, single elements for the tail and for unaligned buffers: every size around a
+    pack gives the same bits aligned and one element off, and the reference's values."""
+    rng = np.random.default_rng(11)
+    other = "float64" if dtype != "float64" else "float32"
+    _, n_in, n_out, code = next(p for p in PROGRAMS if p[0] == "sgd-momentum")
+    for n in (1, 2, 3, 4, 5, 7, 8, 9, 1001):
+        a, b = rand(rng, (n,), dtype, 0.25, 2.0), rand(rng, (n,), dtype, 0.25, 2.0)
+        results = []
+        for shift in (0, 1):
+            ha, hb = _shifted(B, a, shift), _shifted(B, b, shift)
+            outs = {}
+            for name, kernel, args in (("add", B.ewise_add, (ha, hb)),
+                                       ("mul", B.scalar_mul, (ha, 1.7)),
+                                       ("exp", B.ewise_exp, (ha,))):
+                out = _shifted(B, np.full(n, np.nan, dtype), shift)
+                kernel(*args, out)
+                outs[name] = get(B, out)
+            cast = _shifted(B, np.zeros(n, other), shift)
+            B.ewise_cast(ha, cast)
+            outs["cast"] = get(B, cast)
+            if dtype != "float16":  # programs run in float32 and float64
+                ins = [ha, hb, _shifted(B, a[::-1].copy(), shift)]
+                prog = [_shifted(B, np.full(n, np.nan, dtype), shift) for _ in range(n_out)]
+                B.ewise_program(ins, prog, code, [0.9, 0.1], n)
+                outs["program"] = [get(B, o) for o in prog]
+                assert n_in == len(ins)
+            results.append(outs)
+        aligned, unaligned = results
+        for name in aligned:
+            np.testing.assert_array_equal(aligned[name], unaligned[name], err_msg=f"{name}, n={n}")
+        assert_close(aligned["add"], _run(R, "ewise_add", a, b, n=n, dtype=dtype), dtype)
+        assert_close(aligned["mul"], _run(R, "scalar_mul", a, 1.7, n=n, dtype=dtype), dtype)
+        assert_close(aligned["exp"], _run(R, "ewise_exp", a, n=n, dtype=dtype), dtype)
+        np.testing.assert_array_equal(aligned["cast"], a.astype(other))
+
+
 def check_ewise_program_refusals(B) -> None:
     a, b, c = (put(B, np.ones(4, np.float32)) for _ in range(3))
     copy = [0, 0, 0, 0, 0, 1, 0, 0, 0, 0]  # LOAD r0 = in0; STORE out0 = r0
@@ -702,6 +752,11 @@ def test_conv_refusals(backend):
 @pytest.mark.parametrize("dtype", ("float32", "float64"))
 def test_ewise_program(backend, dtype, name, n):
     check_ewise_program(backend, dtype, name, n)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packs_and_tails(backend, dtype):
+    check_packs_and_tails(backend, dtype)
 
 
 def test_ewise_program_refusals(backend):

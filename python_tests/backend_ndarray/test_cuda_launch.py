@@ -62,6 +62,13 @@ def test_elementwise_grid(n, blocks):
     assert L.launch_config("elementwise", n) == ((blocks,), (256,))
 
 
+@pytest.mark.parametrize("n,blocks", [(1, 1), (1024, 1), (1025, 2), (10**8, 97657),
+                                      (2**40, 2**30), (2**45, 2**31 - 1)])
+def test_packed_grid_has_a_thread_per_four_elements(n, blocks):
+    assert L.PACK == 4
+    assert L.launch_config("packed", n) == ((blocks,), (256,))
+
+
 def test_matmul_grid_covers_output():
     for dtype in ("float32", "float64", "float16"):
         bm, bn = L.MATMUL_TILES[dtype]

@@ -28,6 +28,8 @@ from ..ndarray_limits import MAX_BUFFER_BYTES, check_view
 THREADS_PER_BLOCK = 256
 MAX_DIMS = 8
 MAX_GRID_X = 2**31 - 1
+# Elements per thread of the "packed" kernels (NEEDLE_PACK in cuda_kernels/elementwise.cu).
+PACK = 4
 MAX_GRID_Y = 65535
 # Rows of at most this many elements are reduced by one thread each (reduce_small_*).
 SMALL_REDUCE = 32
@@ -92,8 +94,10 @@ def launch_config(kind: str, work, dtype: str = "float32") -> tuple:
     """``(grid, block)`` for a kernel kind: the one place grids are computed.
 
     Kinds: ``"elementwise"`` (``work`` = element count; buffers are size-checked against
-    it), ``"indexed"`` (the same grid for kernels that index their inputs themselves:
-    strided views, which may broadcast a small buffer, and the tiled layout), ``"rows"``
+    it), ``"packed"`` (the same for the kernels of elementwise.cu, which move :data:`PACK`
+    elements per thread: a grid for ``work / PACK`` threads), ``"indexed"`` (the
+    elementwise grid for kernels that index their inputs themselves: strided views, which
+    may broadcast a small buffer, and the tiled layout), ``"rows"``
     (``work`` = number of blocks: one per row or per (row, chunk)), ``"matmul"``
     (``work`` = ``(m, p)``; tiles of :data:`MATMUL_TILES` for ``dtype``).
 
@@ -103,6 +107,8 @@ def launch_config(kind: str, work, dtype: str = "float32") -> tuple:
     block = (THREADS_PER_BLOCK,)
     if kind in ("elementwise", "indexed"):
         return (grid_1d(work),), block
+    if kind == "packed":
+        return (grid_1d(-(-int(work) // PACK)),), block
     if kind == "rows":
         return (max(1, min(int(work), MAX_GRID_X)),), block
     if kind == "matmul":
@@ -269,7 +275,7 @@ def _pointer_arg(spec: KernelSpec, kind: str, arg, dtype: str, work) -> np.uint6
     if expected is not None and arg.dtype != expected:
         raise DTypeError(f"{spec.base}: wrong buffer dtype, expected {expected}, "
                          f"got {arg.dtype}")
-    if spec.grid == "elementwise" and kind in ("a", "src") and arg.size < work:
+    if spec.grid in ("elementwise", "packed") and kind in ("a", "src") and arg.size < work:
         raise ShapeError(f"{spec.base}: buffer too small, expected at least {work} elements, "
                          f"got {arg.size}")
     return np.uint64(arg.ptr())
