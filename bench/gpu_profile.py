@@ -1,19 +1,23 @@
 """Where needle's time goes on a CUDA device: the facts the next round of CUDA work needs.
 
-Three parts, each printed as it finishes:
+Four parts, each printed as it finishes:
   * ``resnet9``: a ResNet9 batch-128 SGD step on cuda(): synchronised wall time per step;
     per step, the kernel launches (by kernel family), cuBLAS products, host<->device copies
     and device synchronisations, counted by wrapping the backend's entry points; the time of
     each kernel family with a synchronisation after every launch (launch + GPU time,
     serialised); and cProfile's top functions by own and by cumulative time.
+  * ``overlap``: eager and compiled (``ndl.compile``, replayed) ResNet9 steps: when the
+    step's Python returns against when the GPU has drained its kernels (host- or GPU-bound),
+    where the device-to-host copies of a step come from, and cProfile of one replayed step.
   * ``launch``: the host cost of one small launch (1,000 float32 elements): needle's backend
     call, the same CuPy RawKernel called directly, and ``torch.mul(out=)``.
-  * ``ewise``: four shapes of the same scalar-multiply kernel on 1e8 float32 (one element
-    per thread as needle's kernels do today; a grid capped at 8 blocks per multiprocessor
-    and strided; four elements per thread; float4 loads), in GB/s against cudaMemcpy.
+  * ``ewise``: shapes of the same scalar-multiply kernel on 1e8 float32 (one element per
+    thread; a grid capped at 8 blocks per multiprocessor and strided; four elements per
+    thread; float4 loads, as needle's elementwise kernels do since they measured 0.98x of
+    copy here), in GB/s against cudaMemcpy.
 
 Usage:
-    python bench/gpu_profile.py [--only resnet9,launch,ewise] [--steps 3] [--batch 128]
+    python bench/gpu_profile.py [--only resnet9,overlap,launch,ewise] [--steps 3] [--batch 128]
 Needs CuPy and an NVIDIA GPU (PyTorch for the ``launch`` row). Timings never decide a test.
 """
 from __future__ import annotations
@@ -127,6 +131,59 @@ def profile_resnet9(steps: int, batch: int = 128) -> None:
         print(f"--- cProfile, one step, by {order}\n{text.getvalue()}", flush=True)
 
 
+def profile_overlap(steps: int, batch: int = 128) -> None:
+    """Host-bound or GPU-bound: for the eager and the compiled (replayed) ResNet9 step, the
+    time until the step's Python returns (kernels queued) against the time until the GPU has
+    drained them; where each device-to-host copy (which waits for the GPU) comes from; and a
+    cProfile of one replayed step."""
+    import traceback
+
+    from bench_gpu import _needle_resnet9_step
+
+    from needle.backend_ndarray import ndarray_backend_cuda as B
+    from needle.backend_ndarray._cuda import runtime
+
+    compiled_step = None
+    for name, compiled in (("eager", False), ("compiled", True)):
+        step = _needle_resnet9_step(batch, compiled=compiled)
+        for _ in range(2):
+            step()
+        queued, drained = [], []
+        for _ in range(steps):
+            runtime.synchronize()
+            start = time.perf_counter()
+            step()
+            queued.append(time.perf_counter() - start)
+            runtime.synchronize()
+            drained.append(time.perf_counter() - start)
+        print(f"resnet9 b{batch} {name:8s}: Python returns after "
+              f"{statistics.median(queued) * 1e3:6.2f} ms, GPU drained after "
+              f"{statistics.median(drained) * 1e3:6.2f} ms", flush=True)
+        real, seen = B.to_numpy, []
+
+        def noting(*args, _real=real, _seen=seen):
+            _seen.append("".join(traceback.format_stack(limit=6)[:-1]))
+            return _real(*args)
+
+        B.to_numpy = noting
+        try:
+            step()
+        finally:
+            B.to_numpy = real
+        print(f"  {len(seen)} device-to-host copies per {name} step", flush=True)
+        for where in seen[:2]:
+            print(where, flush=True)
+        compiled_step = step
+    prof = cProfile.Profile()
+    prof.enable()
+    compiled_step()
+    runtime.synchronize()
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+    print(f"--- cProfile, one replayed (compiled) step, by tottime\n{text.getvalue()}", flush=True)
+
+
 def _events_ms(cupy, fn, repeats: int = 20) -> float:
     fn()
     cupy.cuda.runtime.deviceSynchronize()
@@ -207,13 +264,13 @@ def profile_ewise() -> None:
     v, nn = np.float32(1.5), np.int64(n)
     blocks = -(-n // threads)
     variants = {
-        "one per thread (needle today)": lambda: mod.get_function("one_per_thread")(
+        "one per thread": lambda: mod.get_function("one_per_thread")(
             (blocks,), (threads,), (a, v, o, nn)),
         f"grid capped at {8 * sms} blocks": lambda: mod.get_function("one_per_thread")(
             (8 * sms,), (threads,), (a, v, o, nn)),
         "four per thread": lambda: mod.get_function("four_per_thread")(
             (-(-n // (4 * threads)),), (threads,), (a, v, o, nn)),
-        "float4 loads": lambda: mod.get_function("vec4")(
+        "float4 loads (needle)": lambda: mod.get_function("vec4")(
             (-(-(n // 4) // threads),), (threads,), (a, v, o, np.int64(n // 4))),
         "float4 loads, capped grid": lambda: mod.get_function("vec4")(
             (8 * sms,), (threads,), (a, v, o, np.int64(n // 4))),
@@ -231,12 +288,12 @@ def profile_ewise() -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", default="resnet9,launch,ewise")
+    p.add_argument("--only", default="resnet9,overlap,launch,ewise")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--batch", type=int, default=128)
     args = p.parse_args(argv)
     parts = {"resnet9": lambda: profile_resnet9(args.steps, args.batch), "launch": profile_launch,
-             "ewise": profile_ewise}
+             "ewise": profile_ewise, "overlap": lambda: profile_overlap(args.steps, args.batch)}
     for name in args.only.split(","):
         parts[name]()
     return 0

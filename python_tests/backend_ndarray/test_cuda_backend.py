@@ -86,19 +86,23 @@ def test_allocator_seam_and_pool():
         calls.append(nbytes)
         return cupy.cuda.alloc(nbytes)
 
+    # needle.memory's caching allocator is installed when cuda() is made: put it back after,
+    # or every later test allocates past it (test_nn_basic counts its events)
+    previous = runtime._allocator
     B.set_allocator(counting)
     try:
         a = B.Array(1000, "float16")
         assert calls == [2000]
         B.fill(a, 1.0)
         np.testing.assert_array_equal(get(B, a), np.ones(1000, np.float16))
+        B.set_allocator(None)  # CuPy's pool
+        pool = cupy.get_default_memory_pool()
+        used = pool.used_bytes()
+        keep = B.Array(1 << 20, "float32")
+        assert pool.used_bytes() >= used + (1 << 22)
+        del keep
     finally:
-        B.set_allocator(None)
-    pool = cupy.get_default_memory_pool()
-    used = pool.used_bytes()
-    keep = B.Array(1 << 20, "float32")
-    assert pool.used_bytes() >= used + (1 << 22)
-    del keep
+        B.set_allocator(previous)
 
 
 def test_kernels_cached_per_device():

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _cuda_emulator import FakeCupy, compiler_available
+from _cuda_emulator import compiler_available
 from cuda_checks import *  # noqa: F401,F403 - the shared test functions
 from cuda_checks import put
 
@@ -24,19 +24,10 @@ pytestmark = [pytest.mark.slow,
 
 
 @pytest.fixture(scope="module")
-def emulated():
-    saved = (runtime._cupy, runtime._reason, runtime._allocator)
-    caches = (runtime._modules, runtime._functions, runtime._num_sms)
-    saved_caches = [dict(c) for c in caches]
-    fake = FakeCupy(num_sms=2)
-    runtime._cupy, runtime._reason, runtime._allocator = fake, None, None
-    for c in caches:
-        c.clear()
-    yield fake
-    runtime._cupy, runtime._reason, runtime._allocator = saved
-    for c, old in zip(caches, saved_caches, strict=True):
-        c.clear()
-        c.update(old)
+def emulated(emulated_cuda):
+    """The stand-in for CuPy behind conftest's emulated cuda() device (which also puts the
+    runtime's state back afterwards)."""
+    return runtime.cupy_module()
 
 
 @pytest.fixture
