@@ -159,10 +159,14 @@ class SoftmaxLoss(Module):
 
 
 @functools.lru_cache(maxsize=None)
-def _running_average_program() -> _program.Program:
-    """``old * s0 + now * s1`` over inputs (old, now): the composed update's three kernels."""
-    prog = _program.Program(2)
-    prog.store(prog.binary("add", prog.scalar("mul", 0, 0), prog.scalar("mul", 1, 1)))
+@functools.cache
+def _running_averages_program() -> _program.Program:
+    """``(old_mean * s0 + mean * s1, old_var * s0 + var * s1)`` over inputs (old_mean, mean,
+    old_var, var): both running averages in one kernel, each the composed update's three
+    kernels bit for bit. Built once: a program is immutable once made."""
+    prog = _program.Program(4)
+    for old, now in ((0, 1), (2, 3)):
+        prog.store(prog.binary("add", prog.scalar("mul", old, 0), prog.scalar("mul", now, 1)))
     return prog
 
 
@@ -190,13 +194,14 @@ class BatchNorm1d(Module):
         # op is dispatched through autograd (six per layer and step as Tensor arithmetic).
         # Where the backend runs elementwise programs, each update is one kernel instead of
         # three, bitwise the same (a compiled step fuses the three itself).
-        for running, batch in ((self.running_mean, mean), (self.running_var, var)):
-            old, now = running.realize_cached_data(), batch.realize_cached_data()
-            if not compiling() and _program.available((old, now)):
-                (new,) = _program.run(_running_average_program(), (old, now), [1 - m, m])
-            else:
-                new = old * (1 - m) + now * m
-            replace_data(running, new)
+        arrays = (self.running_mean.realize_cached_data(), mean.realize_cached_data(),
+                  self.running_var.realize_cached_data(), var.realize_cached_data())
+        if not compiling() and _program.available(arrays):
+            news = _program.run(_running_averages_program(), arrays, [1 - m, m])
+        else:
+            news = [old * (1 - m) + now * m for old, now in (arrays[:2], arrays[2:])]
+        replace_data(self.running_mean, news[0])
+        replace_data(self.running_var, news[1])
 
     def forward(self, x: Tensor) -> Tensor:
         if x.ndim != 2 or x.shape[1] != self.dim:
