@@ -21,19 +21,19 @@ import math
 
 import numpy as np
 
-from .._core.errors import DTypeError, ShapeError
+from .._core.errors import DTypeError, IndexOutOfRange, ShapeError
 from ._cuda import launch as L
 from ._cuda import runtime
 from .ewise_codes import MAX_REGISTERS, check_program
 from .ndarray_checks import check_class_ids
 from .ndarray_limits import check_view
 
-# Availability (read by the device lookup), the allocator seam and a device-wide sync.
+# Availability (read by the device lookup) and the allocator seam; the device-wide sync is
+# synchronize() below (it also runs the deferred label checks).
 available = runtime.available
 unavailable_reason = runtime.unavailable_reason
 set_allocator = runtime.set_allocator
 get_allocator = runtime.get_allocator
-synchronize = runtime.synchronize
 
 __device_name__ = "cuda"
 __tile_size__ = 4
@@ -102,7 +102,9 @@ def _cupy_view(a: Array, count: int, offset: int = 0, shape=None, strides=None):
 
 # ---- transfers, fill and strided copies ----------------------------------------------------
 def to_numpy(a: Array, shape, strides, offset) -> np.ndarray:
-    """A NumPy copy of the strided view; non-contiguous views are compacted on the GPU first."""
+    """A NumPy copy of the strided view; non-contiguous views are compacted on the GPU first.
+    The host waits for the device here: the deferred label checks run first."""
+    check_pending()
     shape, strides = tuple(int(n) for n in shape), tuple(int(s) for s in strides)
     count = check_view("to_numpy", shape, strides, int(offset), a.size)
     if count == 0:
@@ -375,9 +377,54 @@ def _fused_checks(op: str, out: Array, sizes: dict, inputs: tuple) -> None:
         raise ValueError(f"{op}: out must not share memory with an input")
 
 
-def _host_ids(ids: Array, n: int, k: int, what: str) -> None:
+# ---- label and id checks, deferred to the next synchronisation -----------------------------
+# Checking labels at the launch copies them to the host, which waits for every kernel queued
+# before: twice per training step (loss forward and backward), so host and GPU took turns
+# instead of overlapping. A launch records the check instead, over a device copy of the ids
+# made in stream order (the ids' own buffer may be reused, e.g. by a compiled step's arena,
+# before the check runs); the checks run, and the first failure raises naming the op and
+# position, where the host waits for the device anyway: to_numpy and synchronize, or once
+# MAX_PENDING_CHECKS have piled up. Meanwhile the kernels write NaN for a bad label and read
+# nothing out of bounds (fused.cu).
+MAX_PENDING_CHECKS = 64
+_PENDING_CHECKS: list = []
+
+
+def _defer_ids_check(ids: Array, n: int, k: int, what: str) -> None:
     if n:
-        check_class_ids(to_numpy(ids, (n,), (1,), 0), k, what)
+        _PENDING_CHECKS.append((_cupy_view(ids, n).copy(), k, what))
+        if len(_PENDING_CHECKS) > MAX_PENDING_CHECKS:
+            check_pending()
+
+
+def pending_checks() -> int:
+    """How many deferred label/id checks wait for the next synchronisation."""
+    return len(_PENDING_CHECKS)
+
+
+def check_pending() -> None:
+    """Run the deferred label/id checks of earlier launches (waits for their copies).
+
+    Raises:
+        IndexOutOfRange: the first bad label or id, naming the op and position, as the check
+            at the launch did.
+    """
+    if not _PENDING_CHECKS:
+        return
+    pending = list(_PENDING_CHECKS)
+    _PENDING_CHECKS.clear()
+    for snapshot, k, what in pending:
+        try:
+            check_class_ids(snapshot.get(), k, what)
+        except IndexError as exc:
+            raise IndexOutOfRange(f"{exc} (a launch before this synchronisation of the cuda "
+                                  f"device; the checks wait for one)") from None
+
+
+def synchronize() -> None:
+    """Wait for every kernel queued on the current device, then run the deferred checks."""
+    runtime.synchronize()
+    check_pending()
 
 
 def softmax_xent_forward(z: Array, labels: Array, loss: Array, lse: Array, n: int,
@@ -386,7 +433,7 @@ def softmax_xent_forward(z: Array, labels: Array, loss: Array, lse: Array, n: in
     op = "softmax_xent_forward"
     _fused_checks(op, loss, {"z": (z, n * k), "labels": (labels, n), "loss": (loss, n),
                              "lse": (lse, n)}, (z, labels))
-    _host_ids(labels, n, k, f"{op}: class label out of range at row")
+    _defer_ids_check(labels, n, k, f"{op}: class label out of range at row")
     if n:
         runtime.launch(_XENT_FWD, loss.dtype, n, z, labels, loss, lse, n, k)
 
@@ -397,7 +444,7 @@ def softmax_xent_backward(z: Array, labels: Array, lse: Array, g: Array, dz: Arr
     op = "softmax_xent_backward"
     _fused_checks(op, dz, {"z": (z, n * k), "labels": (labels, n), "lse": (lse, n),
                            "g": (g, n), "dz": (dz, n * k)}, (z, labels, lse, g))
-    _host_ids(labels, n, k, f"{op}: class label out of range at row")
+    _defer_ids_check(labels, n, k, f"{op}: class label out of range at row")
     if n * k:
         runtime.launch(_XENT_BWD, dz.dtype, n * k, z, labels, lse, g, dz, n, k)
 
@@ -408,7 +455,7 @@ def embedding_forward(table: Array, ids: Array, out: Array, num: int, dim: int,
     op = "embedding_forward"
     _fused_checks(op, out, {"table": (table, num * dim), "ids": (ids, n),
                             "out": (out, n * dim)}, (table, ids))
-    _host_ids(ids, n, num, "embedding: id out of range at position")
+    _defer_ids_check(ids, n, num, "embedding: id out of range at position")
     if n * dim:
         runtime.launch(_EMB_FWD, out.dtype, n * dim, table, ids, out, num, dim, n)
 
@@ -419,7 +466,7 @@ def embedding_backward(g: Array, ids: Array, dtable: Array, num: int, dim: int,
     op = "embedding_backward"
     _fused_checks(op, dtable, {"g": (g, n * dim), "ids": (ids, n),
                                "dtable": (dtable, num * dim)}, (g, ids))
-    _host_ids(ids, n, num, "embedding: id out of range at position")
+    _defer_ids_check(ids, n, num, "embedding: id out of range at position")
     if num * dim:
         runtime.launch(_EMB_BWD, dtable.dtype, num * dim, g, ids, dtable, num, dim, n)
 

@@ -214,6 +214,9 @@ class _DeviceArray:
     def get(self) -> np.ndarray:
         return self._view.copy()
 
+    def copy(self) -> "_DeviceArray":
+        return _DeviceArray(None, None, _view=self._view.copy())
+
     def set(self, src) -> None:
         self._view[...] = src
 

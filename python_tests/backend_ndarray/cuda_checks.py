@@ -591,6 +591,26 @@ def check_batch_norm_refusals(B, errors: dict | None = None) -> None:
         B.batch_norm_forward(a[0], a[1], a[2], a[0], a[3], a[4], a[5], 2, 2, 2, 1e-5)
 
 
+def check_deferred_checks(B) -> None:
+    """A deferred label check sees the labels as they were at the launch (a copy made in
+    stream order), runs at the first copy to the host of any array, and piles up at most
+    MAX_PENDING_CHECKS launches before it runs by itself."""
+    z, loss, lse = put(B, np.zeros(6, np.float32)), B.Array(2), B.Array(2)
+    labels = put(B, np.array([0.0, 5.0], np.float32))
+    B.softmax_xent_forward(z, labels, loss, lse, 2, 3)
+    B.fill(labels, 1.0)  # the buffer is reused before the check runs: the launch's values count
+    other = put(B, np.ones(3, np.float32))
+    with pytest.raises(IndexError, match="at row 1, expected an integer in \\[0, 3\\), got 5.0"):
+        get(B, other)
+    np.testing.assert_array_equal(get(B, other), np.ones(3))  # checked once: nothing left
+    B.fill(labels, 2.0)
+    for _ in range(B.MAX_PENDING_CHECKS):
+        B.softmax_xent_forward(z, labels, loss, lse, 2, 3)
+    assert B.pending_checks() == B.MAX_PENDING_CHECKS
+    B.softmax_xent_forward(z, labels, loss, lse, 2, 3)
+    assert B.pending_checks() == 0
+
+
 def check_conv_refusals(B) -> None:
     x = put(B, np.zeros(4 * 4 * 2, np.float32))
     with pytest.raises(ShapeError, match="conv2d_forward: expected sizes >= 1"):
@@ -613,15 +633,38 @@ def check_conv_refusals(B) -> None:
 
 
 def check_fused_refusals(B) -> None:
+    """Bad labels and ids: the kernels write NaN where a value would come from one (and read
+    nothing out of bounds); the host check, deferred from the launch, raises at the next
+    synchronisation naming the op, the position and the value."""
     z, loss, lse = put(B, np.zeros(6, np.float32)), B.Array(2), B.Array(2)
-    for bad, name in ((3.0, "3.0"), (-1.0, "-1.0"), (1.5, "1.5"), (float("nan"), "nan")):
+    for bad, name in ((3.0, "3.0"), (-1.0, "-1.0"), (1.5, "1.5"), (float("nan"), "nan"),
+                      (1e30, r"1\.00000001504")):  # float32(1e30), past any int64 too
         labels = put(B, np.array([0.0, bad], np.float32))
+        B.softmax_xent_forward(z, labels, loss, lse, 2, 3)
         with pytest.raises(IndexError, match=f"softmax_xent_forward: class label out of range "
                                              f"at row 1, expected an integer in \\[0, 3\\), "
                                              f"got {name}"):
-            B.softmax_xent_forward(z, labels, loss, lse, 2, 3)
+            B.synchronize()
+        assert B.pending_checks() == 0
+        np.testing.assert_allclose(get(B, loss), [np.log(3.0), np.nan], rtol=1e-6)
+        dz = B.Array(6)
+        B.softmax_xent_backward(z, labels, lse, put(B, np.ones(2, np.float32)), dz, 2, 3)
+        with pytest.raises(IndexError, match="softmax_xent_backward: class label out of range "
+                                             "at row 1"):
+            get(B, dz)  # any copy to the host waits, so it runs the checks first
+        got = get(B, dz).reshape(2, 3)
+        np.testing.assert_allclose(got[0], [1 / 3 - 1, 1 / 3, 1 / 3], rtol=1e-6)
+        assert np.isnan(got[1]).all()
+        out = B.Array(4)
+        B.embedding_forward(z, labels, out, 3, 2, 2)
         with pytest.raises(IndexError, match="embedding: id out of range at position 1"):
-            B.embedding_forward(z, labels, B.Array(4), 3, 2, 2)
+            B.synchronize()
+        assert np.isnan(get(B, out)[2:]).all()
+        table = B.Array(6)
+        B.embedding_backward(put(B, np.ones(4, np.float32)), labels, table, 3, 2, 2)
+        with pytest.raises(IndexError, match="embedding: id out of range at position 1"):
+            B.synchronize()
+        np.testing.assert_array_equal(get(B, table), [1, 1, 0, 0, 0, 0])  # the bad id skipped
     ok = put(B, np.array([0.0, 2.0], np.float32))
     with pytest.raises(ShapeError, match="z too small"):
         B.softmax_xent_forward(z, ok, loss, lse, 2, 4)
@@ -757,6 +800,10 @@ def test_ewise_program(backend, dtype, name, n):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_packs_and_tails(backend, dtype):
     check_packs_and_tails(backend, dtype)
+
+
+def test_deferred_checks(backend):
+    check_deferred_checks(backend)
 
 
 def test_ewise_program_refusals(backend):

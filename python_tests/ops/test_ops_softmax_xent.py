@@ -99,12 +99,14 @@ def test_bad_labels_raise_index_out_of_range(device, fused, monkeypatch):
     if not fused:
         monkeypatch.setattr(ops, "softmax_xent_has_kernel", lambda z: False)
     z = T(np.zeros((3, 4)), device, "float32")
+    # at the call, or (cuda(): the check waits for the device) at the next copy to the host
     for bad in (4.0, -1.0, 2.5):
         y = T(np.array([0.0, bad, 1.0]), device, "float32", False)
         with pytest.raises(IndexOutOfRange):
-            nn.SoftmaxLoss()(z, y)
+            nn.SoftmaxLoss()(z, y).numpy()
     with pytest.raises(IndexOutOfRange, match="at row 1, expected an integer in \\[0, 4\\)"):
-        ops.softmax_cross_entropy(z, T(np.array([0.0, 9.0, 1.0]), device, "float32", False))
+        ops.softmax_cross_entropy(z, T(np.array([0.0, 9.0, 1.0]), device, "float32",
+                                       False)).numpy()
 
 
 def test_bad_shapes_are_refused(device):
@@ -113,3 +115,32 @@ def test_bad_shapes_are_refused(device):
         ops.softmax_cross_entropy(z, T(np.zeros(2), device, requires_grad=False))
     with pytest.raises(ShapeError, match="logits must be \\(batch, classes\\)"):
         ops.softmax_cross_entropy(T(np.zeros(3), device), T(np.zeros(3), device))
+
+
+def test_a_cuda_step_copies_nothing_to_the_host_for_its_labels(emulated_cuda, monkeypatch):
+    """On cuda() the label check waits for the next synchronisation (a copy to the host at
+    the launch would stall the device queue twice per step): a loss forward and backward
+    with the fused kernels copy nothing to the host, and a bad label raises from the next
+    copy, naming the op and the row."""
+    from needle.backend_ndarray import ndarray_backend_cuda as B
+
+    B.check_pending()  # nothing of earlier tests left
+    copies = []
+    real = B.to_numpy
+    monkeypatch.setattr(B, "to_numpy", lambda *a: copies.append(a) or real(*a))
+    rng = np.random.default_rng(0)
+    z0 = rng.standard_normal((4, 3))
+    z = T(z0, emulated_cuda, "float32")
+    loss = nn.SoftmaxLoss()(z, T([0.0, 2.0, 1.0, 2.0], emulated_cuda, "float32", False))
+    loss.backward()
+    assert copies == [] and B.pending_checks() == 2  # forward and backward each deferred
+    lse = np.log(np.exp(z0).sum(axis=1))
+    np.testing.assert_allclose(loss.numpy(), np.mean(lse - z0[range(4), [0, 2, 1, 2]]),
+                               rtol=1e-5)
+    assert B.pending_checks() == 0
+    bad = nn.SoftmaxLoss()(z, T([0.0, 3.0, 1.0, 2.0], emulated_cuda, "float32", False))
+    with pytest.raises(IndexOutOfRange, match="softmax_xent_forward: class label out of range "
+                                              "at row 1, expected an integer in \\[0, 3\\), "
+                                              "got 3.0"):
+        bad.numpy()
+    assert np.isnan(bad.numpy())  # the kernel's NaN for the bad row, checked once

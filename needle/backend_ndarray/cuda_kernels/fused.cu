@@ -1,11 +1,28 @@
 // Fused kernels of the optional protocol (docs/backend_protocol.md): softmax cross-entropy
 // from class labels, and embedding row lookup, forward and backward.
 //
-// Labels and ids arrive in the kernel's dtype; the launcher (ndarray_backend_cuda.py) has
-// checked on the host that each is an integer in range, so the kernels index with them
-// directly. Only float32 and float64 are instantiated (the ops use these kernels for those
-// dtypes and compute float16 with array ops).
+// Labels and ids arrive in the kernel's dtype. The launcher (ndarray_backend_cuda.py) checks
+// them on the host only at the next synchronisation of the device (reading them at the launch
+// would stall the queue twice per training step), so a kernel meets bad ones: it reads
+// nothing out of bounds and writes NaN where the value would have come from a bad label
+// (the backward scatter skips a bad id). Only float32 and float64 are instantiated (the ops
+// use these kernels for those dtypes and compute float16 with array ops).
 #include "common.cuh"
+
+// ``label`` as an index when it is an integer in [0, limit), else -1 (NaN included).
+template <typename T>
+__device__ __forceinline__ long long class_index(T label, long long limit) {
+  typedef typename Traits<T>::acc A;
+  const A v = Traits<T>::load(label);
+  if (!(v >= A(0)) || !(v < A(limit))) return -1;
+  const long long i = (long long)v;
+  return A(i) == v ? i : -1;
+}
+
+template <typename A>
+__device__ __forceinline__ A quiet_nan() {
+  return m_sqrt(A(-1));
+}
 
 // One block per row (grid-stride over rows): lse = max + log(sum exp(z - max)) and
 // loss = lse - z[label], in the compute type.
@@ -34,9 +51,9 @@ __device__ __forceinline__ void softmax_xent_forward_body(const T* __restrict__ 
     s = block_reduce<A, RedSum>(s);
     if (threadIdx.x == 0) {
       const A total = m + m_log(s);
-      const long long y = (long long)Traits<T>::load(labels[row]);
+      const long long y = class_index(labels[row], k);
       lse[row] = Traits<T>::store(total);
-      loss[row] = Traits<T>::store(total - Traits<T>::load(zr[y]));
+      loss[row] = Traits<T>::store(y >= 0 ? total - Traits<T>::load(zr[y]) : quiet_nan<A>());
     }
     __syncthreads();  // row_max is written again for the next row
   }
@@ -50,9 +67,10 @@ __device__ __forceinline__ void softmax_xent_backward_body(
   typedef typename Traits<T>::acc A;
   NEEDLE_FOR_EACH(i, n * k) {
     const long long row = i / k, j = i - row * k;
+    const long long y = class_index(labels[row], k);
     A v = m_exp(Traits<T>::load(z[i]) - Traits<T>::load(lse[row]));
-    if (j == (long long)Traits<T>::load(labels[row])) v -= A(1);
-    dz[i] = Traits<T>::store(v * Traits<T>::load(g[row]));
+    if (j == y) v -= A(1);
+    dz[i] = Traits<T>::store(y >= 0 ? v * Traits<T>::load(g[row]) : quiet_nan<A>());
   }
 }
 
@@ -64,7 +82,8 @@ __device__ __forceinline__ void embedding_forward_body(const T* __restrict__ tab
                                                        long long dim, long long n) {
   NEEDLE_FOR_EACH(i, n * dim) {
     const long long pos = i / dim, d = i - pos * dim;
-    out[i] = table[(long long)Traits<T>::load(ids[pos]) * dim + d];
+    const long long r = class_index(ids[pos], num);
+    out[i] = r >= 0 ? table[r * dim + d] : Traits<T>::store(quiet_nan<typename Traits<T>::acc>());
   }
 }
 
@@ -81,7 +100,7 @@ __device__ __forceinline__ void embedding_backward_body(const T* __restrict__ g,
     const long long r = i / dim, d = i - r * dim;
     A acc = A(0);
     for (long long p = 0; p < n; ++p) {
-      if ((long long)Traits<T>::load(ids[p]) == r) acc += Traits<T>::load(g[p * dim + d]);
+      if (class_index(ids[p], num) == r) acc += Traits<T>::load(g[p * dim + d]);
     }
     dtable[i] = Traits<T>::store(acc);
   }
