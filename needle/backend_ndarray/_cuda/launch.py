@@ -201,18 +201,15 @@ def prepare(spec: KernelSpec, dtype: str, work, args, src_dtype: str | None = No
     """
     if len(args) != len(spec.params):
         raise TypeError(f"{spec.base}: expected {len(spec.params)} arguments, got {len(args)}")
-    if dtype not in spec.dtypes:
-        raise DTypeError(f"cuda kernel {spec.base}: unsupported dtype, expected one of "
-                         f"{spec.dtypes}, got {dtype!r}")
+    name, params, scalar_type = _launch_plan(spec, dtype, src_dtype)
     if spec.view_of is not None:
         _check_view_args(spec, args, work)
-    name = kernel_name(spec.base, dtype, src_dtype)
     kernel_args = []
-    for kind, arg in zip(spec.params, args, strict=True):
-        if kind in ("a", "acc", "src"):
-            kernel_args.append(_pointer_arg(spec, kind, arg, dtype, work))
+    for (kind, expected, sized), arg in zip(params, args):  # noqa: B905 - lengths checked
+        if kind in _POINTER_KINDS:
+            kernel_args.append(_pointer_arg(spec, arg, expected, work if sized else None))
         elif kind == "scalar":
-            kernel_args.append(scalar_arg(arg, dtype))
+            kernel_args.append(scalar_type(arg))
         elif kind == "i64":
             kernel_args.append(np.int64(arg))
         elif kind == "view":
@@ -226,6 +223,29 @@ def prepare(spec: KernelSpec, dtype: str, work, args, src_dtype: str | None = No
             raise ValueError(f"{spec.base}: unknown parameter kind {kind!r}")
     grid, block = launch_config(spec.grid, work, dtype)
     return name, grid, block, tuple(kernel_args)
+
+
+_POINTER_KINDS = frozenset(("a", "acc", "src"))
+# (spec, dtype, src_dtype) -> (kernel name, ((kind, expected dtype, size-checked), ...), the
+# scalar type): what each launch of a kernel would otherwise work out again. The host cost of
+# a launch is most of a small-kernel GPU step.
+_LAUNCH_PLANS: dict = {}
+
+
+def _launch_plan(spec: KernelSpec, dtype: str, src_dtype: str | None) -> tuple:
+    key = (spec, dtype, src_dtype)
+    plan = _LAUNCH_PLANS.get(key)
+    if plan is None:
+        if dtype not in spec.dtypes:
+            raise DTypeError(f"cuda kernel {spec.base}: unsupported dtype, expected one of "
+                             f"{spec.dtypes}, got {dtype!r}")
+        # elementwise kernels read as many elements of each input and output as they write
+        sized = spec.grid in ("elementwise", "packed")
+        params = tuple((kind, _expected_dtype(kind, dtype), sized and kind in ("a", "src"))
+                       for kind in spec.params)
+        plan = (kernel_name(spec.base, dtype, src_dtype), params, np.dtype(dtype).type)
+        _LAUNCH_PLANS[key] = plan
+    return plan
 
 
 def check_buffer_bytes(op: str, size: int, itemsize: int) -> int:
@@ -267,15 +287,16 @@ def _check_view_args(spec: KernelSpec, args, work) -> None:
             check_extent(spec.base, "compact buffer", args[i], count)
 
 
-def _pointer_arg(spec: KernelSpec, kind: str, arg, dtype: str, work) -> np.uint64:
-    if not callable(getattr(arg, "ptr", None)) or not hasattr(arg, "dtype"):
+def _pointer_arg(spec: KernelSpec, arg, expected: str | None, work) -> np.uint64:
+    # ``work``: None where the buffer is not size-checked against the launch
+    try:
+        ptr, have, size = arg.ptr(), arg.dtype, arg.size
+    except (AttributeError, TypeError):
         raise DTypeError(f"{spec.base}: expected a contiguous CUDA buffer (Array), "
-                         f"got {type(arg).__name__}")
-    expected = _expected_dtype(kind, dtype)
-    if expected is not None and arg.dtype != expected:
-        raise DTypeError(f"{spec.base}: wrong buffer dtype, expected {expected}, "
-                         f"got {arg.dtype}")
-    if spec.grid in ("elementwise", "packed") and kind in ("a", "src") and arg.size < work:
+                         f"got {type(arg).__name__}") from None
+    if expected is not None and have != expected:
+        raise DTypeError(f"{spec.base}: wrong buffer dtype, expected {expected}, got {have}")
+    if work is not None and size < work:
         raise ShapeError(f"{spec.base}: buffer too small, expected at least {work} elements, "
-                         f"got {arg.size}")
-    return np.uint64(arg.ptr())
+                         f"got {size}")
+    return np.uint64(ptr)
