@@ -27,9 +27,25 @@ __device__ __forceinline__ unsigned long long address(const void* p) {
   return reinterpret_cast<unsigned long long>(p);
 }
 
-template <typename T, typename Op, int W>
-__device__ __forceinline__ void binary_packs(const T* a, const T* b, T* out, long long packs,
-                                             long long first) {
+// out = f(a) (f maps one element) over `packs` packs of W elements from element `first`.
+template <int W, typename In, typename Out, typename F>
+__device__ __forceinline__ void map_packs(const In* a, Out* out, long long packs,
+                                          long long first, F f) {
+  const Pack<In, W>* pa = reinterpret_cast<const Pack<In, W>*>(a + first);
+  Pack<Out, W>* po = reinterpret_cast<Pack<Out, W>*>(out + first);
+  NEEDLE_FOR_EACH(i, packs) {
+    const Pack<In, W> x = pa[i];
+    Pack<Out, W> r;
+#pragma unroll
+    for (int w = 0; w < W; ++w) r.v[w] = f(x.v[w]);
+    po[i] = r;
+  }
+}
+
+// out = f(a, b) over `packs` packs of W elements from element `first`.
+template <int W, typename T, typename F>
+__device__ __forceinline__ void map2_packs(const T* a, const T* b, T* out, long long packs,
+                                           long long first, F f) {
   const Pack<T, W>* pa = reinterpret_cast<const Pack<T, W>*>(a + first);
   const Pack<T, W>* pb = reinterpret_cast<const Pack<T, W>*>(b + first);
   Pack<T, W>* po = reinterpret_cast<Pack<T, W>*>(out + first);
@@ -37,73 +53,52 @@ __device__ __forceinline__ void binary_packs(const T* a, const T* b, T* out, lon
     const Pack<T, W> x = pa[i], y = pb[i];
     Pack<T, W> r;
 #pragma unroll
-    for (int w = 0; w < W; ++w) {
-      r.v[w] = Traits<T>::store(Op::apply(Traits<T>::load(x.v[w]), Traits<T>::load(y.v[w])));
-    }
+    for (int w = 0; w < W; ++w) r.v[w] = f(x.v[w], y.v[w]);
     po[i] = r;
   }
+}
+
+// out[i] = f(a[i]) for i < n: packs where both pointers allow, single elements for the rest.
+template <typename In, typename Out, typename F>
+__device__ __forceinline__ void map(const In* a, Out* out, long long n, F f) {
+  long long done = 0;
+  if (packs_aligned(address(a), sizeof(Pack<In, NEEDLE_PACK>)) &&
+      packs_aligned(address(out), sizeof(Pack<Out, NEEDLE_PACK>))) {
+    done = n / NEEDLE_PACK * NEEDLE_PACK;
+    map_packs<NEEDLE_PACK>(a, out, n / NEEDLE_PACK, 0, f);
+  }
+  map_packs<1>(a, out, n - done, done, f);
+}
+
+template <typename T, typename F>
+__device__ __forceinline__ void map2(const T* a, const T* b, T* out, long long n, F f) {
+  long long done = 0;
+  if (packs_aligned(address(a) | address(b) | address(out), sizeof(Pack<T, NEEDLE_PACK>))) {
+    done = n / NEEDLE_PACK * NEEDLE_PACK;
+    map2_packs<NEEDLE_PACK>(a, b, out, n / NEEDLE_PACK, 0, f);
+  }
+  map2_packs<1>(a, b, out, n - done, done, f);
 }
 
 template <typename T, typename Op>
 __device__ __forceinline__ void binary_body(const T* __restrict__ a, const T* __restrict__ b,
                                             T* __restrict__ out, long long n) {
-  long long done = 0;
-  if (packs_aligned(address(a) | address(b) | address(out), sizeof(Pack<T, NEEDLE_PACK>))) {
-    done = n / NEEDLE_PACK * NEEDLE_PACK;
-    binary_packs<T, Op, NEEDLE_PACK>(a, b, out, n / NEEDLE_PACK, 0);
-  }
-  binary_packs<T, Op, 1>(a, b, out, n - done, done);
-}
-
-template <typename T, typename Op, int W>
-__device__ __forceinline__ void scalar_packs(const T* a, typename Traits<T>::acc v, T* out,
-                                             long long packs, long long first) {
-  const Pack<T, W>* pa = reinterpret_cast<const Pack<T, W>*>(a + first);
-  Pack<T, W>* po = reinterpret_cast<Pack<T, W>*>(out + first);
-  NEEDLE_FOR_EACH(i, packs) {
-    const Pack<T, W> x = pa[i];
-    Pack<T, W> r;
-#pragma unroll
-    for (int w = 0; w < W; ++w) r.v[w] = Traits<T>::store(Op::apply(Traits<T>::load(x.v[w]), v));
-    po[i] = r;
-  }
+  map2(a, b, out, n, [](T x, T y) {
+    return Traits<T>::store(Op::apply(Traits<T>::load(x), Traits<T>::load(y)));
+  });
 }
 
 template <typename T, typename Op>
 __device__ __forceinline__ void scalar_body(const T* __restrict__ a, T val, T* __restrict__ out,
                                             long long n) {
   const typename Traits<T>::acc v = Traits<T>::load(val);
-  long long done = 0;
-  if (packs_aligned(address(a) | address(out), sizeof(Pack<T, NEEDLE_PACK>))) {
-    done = n / NEEDLE_PACK * NEEDLE_PACK;
-    scalar_packs<T, Op, NEEDLE_PACK>(a, v, out, n / NEEDLE_PACK, 0);
-  }
-  scalar_packs<T, Op, 1>(a, v, out, n - done, done);
-}
-
-template <typename T, typename Op, int W>
-__device__ __forceinline__ void unary_packs(const T* a, T* out, long long packs,
-                                            long long first) {
-  const Pack<T, W>* pa = reinterpret_cast<const Pack<T, W>*>(a + first);
-  Pack<T, W>* po = reinterpret_cast<Pack<T, W>*>(out + first);
-  NEEDLE_FOR_EACH(i, packs) {
-    const Pack<T, W> x = pa[i];
-    Pack<T, W> r;
-#pragma unroll
-    for (int w = 0; w < W; ++w) r.v[w] = Traits<T>::store(Op::apply(Traits<T>::load(x.v[w])));
-    po[i] = r;
-  }
+  map(a, out, n, [v](T x) { return Traits<T>::store(Op::apply(Traits<T>::load(x), v)); });
 }
 
 template <typename T, typename Op>
 __device__ __forceinline__ void unary_body(const T* __restrict__ a, T* __restrict__ out,
                                            long long n) {
-  long long done = 0;
-  if (packs_aligned(address(a) | address(out), sizeof(Pack<T, NEEDLE_PACK>))) {
-    done = n / NEEDLE_PACK * NEEDLE_PACK;
-    unary_packs<T, Op, NEEDLE_PACK>(a, out, n / NEEDLE_PACK, 0);
-  }
-  unary_packs<T, Op, 1>(a, out, n - done, done);
+  map(a, out, n, [](T x) { return Traits<T>::store(Op::apply(Traits<T>::load(x))); });
 }
 
 // ---- binary functors (also used with the scalar as second operand) ----
@@ -218,30 +213,10 @@ NEEDLE_ALL_TYPES(NEEDLE_UNARY_T, ewise_sign, OpSign)
 NEEDLE_ALL_TYPES(NEEDLE_UNARY_T, ewise_sigmoid, OpSigmoid)
 
 // ---- casts: ewise_cast_<from>_<to> for every ordered pair (identity included) ----
-template <typename In, typename Out, int W>
-__device__ __forceinline__ void cast_packs(const In* a, Out* out, long long packs,
-                                           long long first) {
-  const Pack<In, W>* pa = reinterpret_cast<const Pack<In, W>*>(a + first);
-  Pack<Out, W>* po = reinterpret_cast<Pack<Out, W>*>(out + first);
-  NEEDLE_FOR_EACH(i, packs) {
-    const Pack<In, W> x = pa[i];
-    Pack<Out, W> r;
-#pragma unroll
-    for (int w = 0; w < W; ++w) r.v[w] = Convert<Out, In>::apply(x.v[w]);
-    po[i] = r;
-  }
-}
-
 template <typename In, typename Out>
 __device__ __forceinline__ void cast_body(const In* __restrict__ a, Out* __restrict__ out,
                                           long long n) {
-  long long done = 0;
-  if (packs_aligned(address(a), sizeof(Pack<In, NEEDLE_PACK>)) &&
-      packs_aligned(address(out), sizeof(Pack<Out, NEEDLE_PACK>))) {
-    done = n / NEEDLE_PACK * NEEDLE_PACK;
-    cast_packs<In, Out, NEEDLE_PACK>(a, out, n / NEEDLE_PACK, 0);
-  }
-  cast_packs<In, Out, 1>(a, out, n - done, done);
+  map(a, out, n, [](In x) { return Convert<Out, In>::apply(x); });
 }
 
 #define NEEDLE_CAST(SIN, TIN, SOUT, TOUT)                                                    \
