@@ -159,11 +159,10 @@ class SoftmaxLoss(Module):
 
 
 @functools.lru_cache(maxsize=None)
-@functools.cache
 def _running_averages_program() -> _program.Program:
     """``(old_mean * s0 + mean * s1, old_var * s0 + var * s1)`` over inputs (old_mean, mean,
     old_var, var): both running averages in one kernel, each the composed update's three
-    kernels bit for bit. Built once: a program is immutable once made."""
+    kernels bit for bit."""
     prog = _program.Program(4)
     for old, now in ((0, 1), (2, 3)):
         prog.store(prog.binary("add", prog.scalar("mul", old, 0), prog.scalar("mul", now, 1)))
@@ -192,8 +191,8 @@ class BatchNorm1d(Module):
         # On the arrays, in the stats' own dtype (np mode lets float64 batches reach a float32
         # layer): no graph is kept alive across steps, the Tensors keep their identity, and no
         # op is dispatched through autograd (six per layer and step as Tensor arithmetic).
-        # Where the backend runs elementwise programs, each update is one kernel instead of
-        # three, bitwise the same (a compiled step fuses the three itself).
+        # Where the backend runs elementwise programs, both updates are one kernel instead of
+        # six, bitwise the same (a compiled step fuses the composed ones itself).
         arrays = (self.running_mean.realize_cached_data(), mean.realize_cached_data(),
                   self.running_var.realize_cached_data(), var.realize_cached_data())
         if not compiling() and _program.available(arrays):

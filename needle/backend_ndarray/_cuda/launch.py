@@ -28,9 +28,9 @@ from ..ndarray_limits import MAX_BUFFER_BYTES, check_view
 THREADS_PER_BLOCK = 256
 MAX_DIMS = 8
 MAX_GRID_X = 2**31 - 1
+MAX_GRID_Y = 65535
 # Elements per thread of the "packed" kernels (NEEDLE_PACK in cuda_kernels/elementwise.cu).
 PACK = 4
-MAX_GRID_Y = 65535
 # Rows of at most this many elements are reduced by one thread each (reduce_small_*).
 SMALL_REDUCE = 32
 # Each block of a split reduction gets at least this many elements.

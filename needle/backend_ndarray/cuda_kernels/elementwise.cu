@@ -1,17 +1,17 @@
-// Elementwise kernels on compact arrays: binary, scalar, unary and dtype casts.
+// Elementwise kernels on compact arrays: binary, scalar, unary, dtype casts and programs.
 //
 // One template per shape of operation, one functor per op, and extern "C" instantiations named
 // <op>_<f32|f64|f16> so that the Python side finds them by plain name. Each kernel computes in
 // Traits<T>::acc (float for float16) and guards its bounds with a grid-stride loop.
 #include "common.cuh"
 
-// Elementwise kernels move W = 4 elements per thread with one vector access (16 bytes for
+// The kernels move NEEDLE_PACK = 4 elements per thread with one vector access (16 bytes for
 // float) when every pointer of the launch is aligned to such a pack: a 1e8-element float32
 // scalar multiply ran at 0.49x of a device-to-device copy one element per thread and at 0.98x
 // with float4 loads (H200, bench/gpu_profile.py). The launcher sizes the grid for n / 4
-// threads ("vector4"); a grid-stride loop over single elements covers the tail and unaligned
-// buffers. Each lane computes exactly what the one-element path computes, so both give the
-// same bits.
+// threads (grid kind "packed"); a grid-stride loop over single elements covers the tail and
+// unaligned buffers. Each lane computes exactly what the one-element path computes, so both
+// give the same bits.
 #define NEEDLE_PACK 4
 
 template <typename T, int W>
