@@ -39,6 +39,7 @@ Example:
 """
 from __future__ import annotations
 
+import bisect
 import threading
 
 import numpy as np
@@ -90,7 +91,9 @@ class ArenaAllocator:
         self.strict = strict
         self.thread = threading.get_ident()  # only this thread's requests follow the plan
         self.diverged: str | None = None
-        self.views: list[ArenaBlock] = []
+        # tensor id -> its block in this run (non-strict runs: see previous_occupants)
+        self.blocks: dict[int, ArenaBlock] = {}
+        self.previous = previous_occupants(plan) if not strict else None
         self.real = real
         self.sequence = graph.allocations
         self.offsets = plan.assignments
@@ -131,16 +134,18 @@ class ArenaAllocator:
             return self.real.allocate(nbytes, dtype, category)
         size = self.sizes[tensor_id]
         if not self.strict:  # a longer lifetime than traced must not share bytes
-            self.views = [v for v in self.views if not v.free]
-            if any(v.offset < offset + size and offset < v.offset + v.size for v in self.views):
-                self._diverge(f"allocation #{j} would share bytes with a planned buffer still "
-                              "alive (released later than traced)")
-                return self.allocate(nbytes, dtype, category)
+            blocks = self.blocks
+            for before in self.previous[j]:
+                held = blocks.get(before)
+                if held is not None and not held.free:
+                    self._diverge(f"allocation #{j} would share bytes with a planned buffer "
+                                  "still alive (released later than traced)")
+                    return self.allocate(nbytes, dtype, category)
         self.count += 1
         self.live += 1
         block = ArenaBlock(self, offset, size, nbytes, tensor_id)
         if not self.strict:
-            self.views.append(block)
+            self.blocks[tensor_id] = block
         return block
 
     def release(self, block: ArenaBlock) -> None:
@@ -162,6 +167,47 @@ class ArenaAllocator:
             self.data = None
             self.block.release()
             self.block = None
+
+
+def previous_occupants(plan) -> list[tuple[int, ...]]:
+    """Per traced allocation, the planned buffers that last held some of its arena bytes
+    before it (empty for an output); made once per plan.
+
+    A non-strict run checks only these for still being alive, not every live buffer: if any
+    older buffer still held one of those bytes, the buffer that took the byte after it would
+    have met it alive, and the run would have left the plan there.
+    """
+    cached = plan.__dict__.get("_previous_occupants")
+    if cached is not None:
+        return cached
+    starts: list[int] = []   # the arena as sorted, disjoint [start, end) pieces
+    pieces: list[tuple[int, int, int]] = []  # (start, end, tensor id) in the order of starts
+    out = []
+    for tensor_id, _ in plan.graph.allocations:
+        offset = plan.assignments.get(tensor_id)
+        if offset is None:
+            out.append(())
+            continue
+        lo, hi = offset, offset + plan.sizes[tensor_id]
+        i = bisect.bisect_right(starts, lo) - 1
+        if i < 0 or pieces[i][1] <= lo:
+            i += 1
+        j, holders, kept = i, [], []
+        while j < len(pieces) and pieces[j][0] < hi:
+            start, end, holder = pieces[j]
+            holders.append(holder)
+            if start < lo:
+                kept.append((start, lo, holder))
+            if end > hi:
+                kept.append((hi, end, holder))
+            j += 1
+        kept.append((lo, hi, tensor_id))
+        kept.sort()
+        pieces[i:j] = kept
+        starts[i:j] = [p[0] for p in kept]
+        out.append(tuple(dict.fromkeys(holders)))
+    object.__setattr__(plan, "_previous_occupants", out)  # a frozen dataclass: a cache only
+    return out
 
 
 def _cpp_calls(plan) -> tuple:
