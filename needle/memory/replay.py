@@ -93,7 +93,7 @@ class ArenaAllocator:
         self.diverged: str | None = None
         # tensor id -> its block in this run (non-strict runs: see previous_occupants)
         self.blocks: dict[int, ArenaBlock] = {}
-        self.previous = previous_occupants(plan) if not strict else None
+        self.previous: list[tuple[int, ...]] = previous_occupants(plan) if not strict else []
         self.real = real
         self.sequence = graph.allocations
         self.offsets = plan.assignments
@@ -182,7 +182,7 @@ def previous_occupants(plan) -> list[tuple[int, ...]]:
         return cached
     starts: list[int] = []   # the arena as sorted, disjoint [start, end) pieces
     pieces: list[tuple[int, int, int]] = []  # (start, end, tensor id) in the order of starts
-    out = []
+    out: list[tuple[int, ...]] = []
     for tensor_id, _ in plan.graph.allocations:
         offset = plan.assignments.get(tensor_id)
         if offset is None:
