@@ -66,13 +66,16 @@ def emulated_cuda():
     for cache in caches:
         cache.clear()
     yield nd.BackendDevice("cuda", backend)
-    runtime._cupy, runtime._reason, runtime._allocator = saved
-    registry._ALLOCATORS.pop("cuda", None)
-    if saved_allocator is not None:
-        registry.register_allocator("cuda", saved_allocator)
-    for cache, old in zip(caches, saved_caches, strict=True):
-        cache.clear()
-        cache.update(old)
+    try:
+        backend.check_pending()  # label checks of emulated launches: not the real device's
+    finally:
+        runtime._cupy, runtime._reason, runtime._allocator = saved
+        registry._ALLOCATORS.pop("cuda", None)
+        if saved_allocator is not None:
+            registry.register_allocator("cuda", saved_allocator)
+        for cache, old in zip(caches, saved_caches, strict=True):
+            cache.clear()
+            cache.update(old)
 
 
 # Tests under these folders count bytes on deliberately small tensors: let autograd release
