@@ -1,0 +1,70 @@
+"""The host side of a cuda() ResNet9 step, measured without a GPU.
+
+The CUDA backend runs against the host emulator of the tests
+(python_tests/backend_ndarray/_cuda_emulator.py) with every kernel and every cuBLAS product
+made a no-op, under needle's caching allocator as on a real device. What remains is needle's
+Python per step: autograd, NDArray, the launcher, the allocator (eager), or the replayed
+kernel list (``ndl.compile``). Then ``gpu_profile.py``'s ``overlap`` part runs as it would on
+a GPU: the time until each step's Python returns (here the whole step), the device-to-host
+copies a step makes (each one makes a real GPU wait), and cProfile of one replayed step.
+
+Usage:
+    python bench/cuda_host_time.py [--steps 3] [--batch 128]
+The numbers are host time only; on a GPU the kernels overlap with them. Timings never decide
+a test.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+sys.path.insert(0, os.path.join(ROOT, "apps"))
+
+
+class _NoKernel:
+    def __call__(self, grid, block, args) -> None:
+        pass
+
+
+def install_no_op_device():
+    """Route ``ndl.cuda()`` to the emulated backend with no-op kernels; returns the device."""
+    path = os.path.join(ROOT, "python_tests", "backend_ndarray", "_cuda_emulator.py")
+    spec = importlib.util.spec_from_file_location("_needle_cuda_emulator", path)
+    emulator = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(emulator)
+
+    import needle as ndl
+    import needle.backend_ndarray as nd
+    from needle.backend_ndarray import ndarray_backend_cuda as B
+    from needle.backend_ndarray._cuda import runtime
+    from needle.memory.cuda_allocator import install_cuda_allocator
+    from needle.memory.registry import register_allocator
+
+    runtime._cupy, runtime._reason, runtime._allocator = emulator.FakeCupy(num_sms=132), None, None
+    register_allocator("cuda", install_cuda_allocator(B, runtime._cupy.cuda.alloc))
+    runtime.function = lambda source, name: _NoKernel()
+    emulator.FakeCupy.matmul = staticmethod(lambda a, b, out=None: out)
+    device = nd.BackendDevice("cuda", B)
+    ndl.cuda = lambda: device  # what bench_gpu's ResNet9 step asks for
+    return device
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--batch", type=int, default=128)
+    args = p.parse_args(argv)
+    install_no_op_device()
+    import gpu_profile
+
+    gpu_profile.profile_overlap(args.steps, args.batch)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
