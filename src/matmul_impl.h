@@ -262,9 +262,11 @@ void gemm_nt(const T* a, std::ptrdiff_t ars, std::ptrdiff_t acs, const T* b, std
     }
     return;
   }
-  // Row blocks: a multiple of the thread count when that fits, so the static split is even.
+  // Row blocks: a multiple of the thread count when that fits, so the static split is even,
+  // and of equal height even when that is not a multiple of MR: 128 rows on two threads are
+  // 64 + 64 (five tiles and a 4-row edge tile each), not 72 + 56 (six tiles against five).
   const std::size_t ic_blocks = std::size_t(nt) * ceil_div(m, std::size_t(nt) * G::MC);
-  const std::size_t mc = min_size(G::MC, ceil_div(ceil_div(m, ic_blocks), MR) * MR);
+  const std::size_t mc = min_size(G::MC, ceil_div(m, ic_blocks));
   const std::size_t n_ic = ceil_div(m, mc);
   const std::size_t nc_max = min_size(G::NC, ceil_div(p, NR) * NR);
   const std::size_t kc_max = min_size(G::KC, n);
