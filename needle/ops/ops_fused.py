@@ -263,7 +263,9 @@ class FusedLSTMLayer(TensorTupleOp):
         steps, batch, width_in = x.shape
         need = [t.requires_grad for t in node.inputs]
         d_steps = A.split(d_out, 0)
-        w_hh_t = A.swap_last(w_hh.cached_data)
+        # W_hh.T compacted once for all T products: the kernel reads a compact B in place,
+        # a transposed view it would pack (gather) again at every step; same sums, same bits
+        w_hh_t = A.compact(A.swap_last(w_hh.cached_data))
         dzs = [None] * steps
         for t in reversed(range(steps)):
             dz, dc = _gates_backward(self.gates[t], self.tanh_c[t], self.c_prev[t],
