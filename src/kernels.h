@@ -65,14 +65,17 @@ struct KernelTable {
   void (*conv_weight_grad)(DType t, const void* x, const void* dy, void* dw, const ConvGeom& g);
   void (*conv_input_grad)(DType t, const void* dy, const void* w, void* dx, const ConvGeom& g);
   // LSTM cell gates (float32/float64, compact; see lstm_impl.h). Forward: z (B x 4H, gate
-  // blocks i, f, g, o), bias (4H, or null), c (B x H) -> h2, c2 (B x H), gates (B x 4H,
-  // activations), tc = tanh(c2) (B x H). Backward: dz (B x 4H) and dc_prev (B x H) from the
-  // saved gates, tc and c and the output gradients dh, dc (B x H).
-  void (*lstm_forward)(DType t, const void* z, const void* bias, const void* c, void* h2,
-                       void* c2, void* gates, void* tc, std::size_t batch, std::size_t hidden);
+  // blocks i, f, g, o), z_add (B x 4H added before z, or null: a step's rows of an input
+  // projection made for all steps at once), bias (4H, or null), c (B x H) -> h2, c2 (B x H),
+  // gates (B x 4H, activations), tc = tanh(c2) (B x H). Backward: dz (B x 4H) and dc_prev
+  // (B x H) from the saved gates, tc and c and the output gradients dh (plus dh_add, or
+  // null) and dc (B x H).
+  void (*lstm_forward)(DType t, const void* z, const void* z_add, const void* bias,
+                       const void* c, void* h2, void* c2, void* gates, void* tc,
+                       std::size_t batch, std::size_t hidden);
   void (*lstm_backward)(DType t, const void* gates, const void* tc, const void* c,
-                        const void* dh, const void* dc, void* dz, void* dc_prev,
-                        std::size_t batch, std::size_t hidden);
+                        const void* dh, const void* dh_add, const void* dc, void* dz,
+                        void* dc_prev, std::size_t batch, std::size_t hidden);
   // Batch normalisation, training mode (float32/float64, compact; see batchnorm_impl.h):
   // x (N, C, S) -> y, and per channel the batch mean, biased variance and 1/sqrt(var + eps);
   // backward: dx, dw, db from dy, x, w and the saved mean and invstd.

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -42,6 +43,28 @@ void check_distinct(const char* op, const Array& out, const Array& a, const Arra
   if (out.data() == a.data() || out.data() == b.data()) {
     throw std::invalid_argument(std::string(op) + ": out must not share memory with an input");
   }
+}
+
+// The elements [offset, offset + need) of an optional operand `what` (null when absent):
+// same dtype as `ref`, inside the buffer, not one of the outputs.
+const void* optional_rows(const char* op, const char* what, const Array* a, std::int64_t offset,
+                          std::size_t need, const Array& ref,
+                          std::initializer_list<const Array*> outs) {
+  if (a == nullptr) return nullptr;
+  check_same(op, *a, ref);
+  if (offset < 0 || std::size_t(offset) > a->size() || a->size() - std::size_t(offset) < need) {
+    throw std::invalid_argument(std::string(op) + ": " + what + " too small, expected " +
+                                std::to_string(need) + " elements from offset " +
+                                std::to_string(offset) + ", got a buffer of " +
+                                std::to_string(a->size()));
+  }
+  for (const Array* o : outs) {
+    if (o->data() == a->data()) {
+      throw std::invalid_argument(std::string(op) + ": " + what +
+                                  " must not share memory with an output");
+    }
+  }
+  return static_cast<const char*>(a->data()) + std::size_t(offset) * itemsize(a->dtype());
 }
 
 // The geometry from the Python arguments, validated (sizes >= 1, stride >= 1, pad >= 0, the
@@ -135,7 +158,8 @@ void bind_lstm(py::module_& m, const KernelTable* const* kernels) {
   m.def("lstm_cell_forward", [kernels](const Array& z, const Array* bias, const Array& c,
                                        Array& h_out, Array& c_out, Array& gates_out,
                                        Array& tanh_c_out, std::int64_t batch,
-                                       std::int64_t hidden) {
+                                       std::int64_t hidden, const Array* z_add,
+                                       std::int64_t z_add_offset) {
     const char* op = "lstm_cell_forward";
     if (batch < 0 || hidden < 0) {
       throw std::invalid_argument(std::string(op) + ": expected batch, hidden >= 0, got " +
@@ -160,16 +184,19 @@ void bind_lstm(py::module_& m, const KernelTable* const* kernels) {
       check_size(op, "bias", *bias, 4 * h);
     }
     const void* bias_data = bias ? bias->data() : nullptr;
+    const void* add = optional_rows(op, "z_add", z_add, z_add_offset, rows * 4 * h, z,
+                                    {&h_out, &c_out, &gates_out, &tanh_c_out});
     py::gil_scoped_release release;
-    (*kernels)->lstm_forward(z.dtype(), z.data(), bias_data, c.data(), h_out.data(),
+    (*kernels)->lstm_forward(z.dtype(), z.data(), add, bias_data, c.data(), h_out.data(),
                              c_out.data(), gates_out.data(), tanh_c_out.data(), rows, h);
   }, py::arg("z"), py::arg("bias").none(true), py::arg("c"), py::arg("h_out"),
      py::arg("c_out"), py::arg("gates_out"), py::arg("tanh_c_out"), py::arg("batch"),
-     py::arg("hidden"));
+     py::arg("hidden"), py::arg("z_add").none(true) = py::none(), py::arg("z_add_offset") = 0);
   m.def("lstm_cell_backward", [kernels](const Array& gates, const Array& tanh_c,
                                         const Array& c, const Array& dh, const Array& dc,
                                         Array& dz_out, Array& dc_prev_out, std::int64_t batch,
-                                        std::int64_t hidden) {
+                                        std::int64_t hidden, const Array* dh_add,
+                                        std::int64_t dh_add_offset) {
     const char* op = "lstm_cell_backward";
     if (batch < 0 || hidden < 0) {
       throw std::invalid_argument(std::string(op) + ": expected batch, hidden >= 0, got " +
@@ -188,10 +215,14 @@ void bind_lstm(py::module_& m, const KernelTable* const* kernels) {
     check_size(op, "dc", dc, rows * h);
     check_size(op, "dz_out", dz_out, rows * 4 * h);
     check_size(op, "dc_prev_out", dc_prev_out, rows * h);
+    const void* add = optional_rows(op, "dh_add", dh_add, dh_add_offset, rows * h, gates,
+                                    {&dz_out, &dc_prev_out});
     py::gil_scoped_release release;
     (*kernels)->lstm_backward(gates.dtype(), gates.data(), tanh_c.data(), c.data(), dh.data(),
-                              dc.data(), dz_out.data(), dc_prev_out.data(), rows, h);
-  });
+                              add, dc.data(), dz_out.data(), dc_prev_out.data(), rows, h);
+  }, py::arg("gates"), py::arg("tanh_c"), py::arg("c"), py::arg("dh"), py::arg("dc"),
+     py::arg("dz_out"), py::arg("dc_prev_out"), py::arg("batch"), py::arg("hidden"),
+     py::arg("dh_add").none(true) = py::none(), py::arg("dh_add_offset") = 0);
 }
 
 namespace {

@@ -75,8 +75,22 @@ def conv2d_input_grad(dy, w, dx, n, h, wd, c, kh, kw, cout, stride, pad) -> None
     dx.array[:n * h * wd * c] = padded[:, pad:pad + h, pad:pad + wd, :].reshape(-1)
 
 
-def lstm_cell_forward(z, bias, c, h_out, c_out, gates_out, tanh_c_out, batch, hidden) -> None:
+def _rows(op: str, what: str, a, offset: int, need: int):
+    """Elements ``[offset, offset + need)`` of the optional operand ``a`` (None if absent)."""
+    if a is None:
+        return None
+    if offset < 0 or offset + need > a.array.size:
+        raise ValueError(f"{op}: {what} too small, expected {need} elements from offset "
+                         f"{offset}, got a buffer of {a.array.size}")
+    return a.array[offset:offset + need]
+
+
+def lstm_cell_forward(z, bias, c, h_out, c_out, gates_out, tanh_c_out, batch, hidden,
+                      z_add=None, z_add_offset=0) -> None:
     pre = z.array[:batch * 4 * hidden].reshape(batch, 4, hidden)
+    add = _rows("lstm_cell_forward", "z_add", z_add, z_add_offset, batch * 4 * hidden)
+    if add is not None:  # a step's rows of the whole sequence's input projection, then z
+        pre = add.reshape(batch, 4, hidden) + pre
     if bias is not None:
         pre = pre + bias.array[:4 * hidden].reshape(1, 4, hidden)
     gates = np.empty_like(pre)
@@ -91,12 +105,16 @@ def lstm_cell_forward(z, bias, c, h_out, c_out, gates_out, tanh_c_out, batch, hi
     h_out.array[:batch * hidden] = (gates[:, 3] * tanh_c).reshape(-1)
 
 
-def lstm_cell_backward(gates, tanh_c, c, dh, dc, dz_out, dc_prev_out, batch, hidden) -> None:
+def lstm_cell_backward(gates, tanh_c, c, dh, dc, dz_out, dc_prev_out, batch, hidden,
+                       dh_add=None, dh_add_offset=0) -> None:
     g = gates.array[:batch * 4 * hidden].reshape(batch, 4, hidden)
     i, f, gg, o = g[:, 0], g[:, 1], g[:, 2], g[:, 3]
     t = tanh_c.array[:batch * hidden].reshape(batch, hidden)
     c_prev = c.array[:batch * hidden].reshape(batch, hidden)
     dh_ = dh.array[:batch * hidden].reshape(batch, hidden)
+    add = _rows("lstm_cell_backward", "dh_add", dh_add, dh_add_offset, batch * hidden)
+    if add is not None:
+        dh_ = add.reshape(batch, hidden) + dh_
     dct = dc.array[:batch * hidden].reshape(batch, hidden) + dh_ * o * (1 - t * t)
     dz = np.stack([dct * gg * i * (1 - i), dct * c_prev * f * (1 - f), dct * i * (1 - gg * gg),
                    dh_ * t * o * (1 - o)], axis=1)

@@ -84,13 +84,16 @@ def _kernel_module(*arrays):
     return mod
 
 
-def _gates_forward(z, bias, c):
-    """(h', c', gates, tanh(c')) from the preactivation z (B, 4H) without bias."""
+def _gates_forward(z, bias, c, z_add=None):
+    """(h', c', gates, tanh(c')) from the preactivation z (B, 4H) without bias. ``z_add``
+    (kernel devices only): ``(rows, offset)``, a compact array whose elements from ``offset``
+    on are added before z (a step's input projection, read in place)."""
     batch, width = z.shape
     hidden = width // 4
     mod = _kernel_module(z)
     if mod is not None:
         z, c = z.compact(), c.compact()
+        add, offset = (None, 0) if z_add is None else (z_add[0]._handle, z_add[1])
         make = NDArray.make
         dev, dt = z.device, z.dtype
         h2, c2 = make((batch, hidden), device=dev, dtype=dt), make((batch, hidden), device=dev,
@@ -99,8 +102,9 @@ def _gates_forward(z, bias, c):
                                                                       dtype=dt)
         mod.lstm_cell_forward(z._handle, None if bias is None else bias.compact()._handle,
                               c._handle, h2._handle, c2._handle, gates._handle, tc._handle,
-                              batch, hidden)
+                              batch, hidden, add, offset)
         return h2, c2, gates, tc
+    assert z_add is None, "z_add is for the gate kernel"
     pre = z if bias is None else z + A.broadcast_to(A.reshape(bias, (1, width)), z.shape)
     blocks = [A.compact(A.slice_view(pre, (slice(0, batch), slice(q * hidden, (q + 1) * hidden))))
               for q in range(4)]
@@ -112,18 +116,22 @@ def _gates_forward(z, bias, c):
     return o * tc, c2, gates, tc
 
 
-def _gates_backward(gates, tc, c, dh, dc):
-    """(dz (B, 4H), dc_prev (B, H)) from the saved gates, tanh(c') and c and dh', dc'."""
+def _gates_backward(gates, tc, c, dh, dc, dh_add=None):
+    """(dz (B, 4H), dc_prev (B, H)) from the saved gates, tanh(c') and c and dh', dc'.
+    ``dh_add`` (kernel devices only): ``(rows, offset)`` added to dh' as ``z_add`` is to z
+    in :func:`_gates_forward`."""
     batch, width = gates.shape
     hidden = width // 4
     mod = _kernel_module(gates)
     if mod is not None:
+        add, offset = (None, 0) if dh_add is None else (dh_add[0]._handle, dh_add[1])
         dz = NDArray.make((batch, width), device=gates.device, dtype=gates.dtype)
         dc_prev = NDArray.make((batch, hidden), device=gates.device, dtype=gates.dtype)
         mod.lstm_cell_backward(gates._handle, tc._handle, A.compact(c)._handle,
                                A.compact(dh)._handle, A.compact(dc)._handle, dz._handle,
-                               dc_prev._handle, batch, hidden)
+                               dc_prev._handle, batch, hidden, add, offset)
         return dz, dc_prev
+    assert dh_add is None, "dh_add is for the gate kernel"
     i, f, g, o = (A.compact(A.slice_view(gates, (slice(0, batch),
                                                  slice(q * hidden, (q + 1) * hidden))))
                   for q in range(4))
@@ -245,13 +253,20 @@ class FusedLSTMLayer(TensorTupleOp):
             raise ShapeError("lstm_layer: expected a sequence of at least one step, got T = 0")
         hidden = _check((batch, width_in), h0, c0, w_ih, w_hh, biases, "lstm_layer")
         bias = _bias_sum(biases)
-        projected = A.matmul(A.reshape(A.compact(x), (steps * batch, width_in)), w_ih)
-        projected = A.split(A.reshape(projected, (steps, batch, 4 * hidden)), 0)
+        projected = A.compact(A.matmul(A.reshape(A.compact(x), (steps * batch, width_in)),
+                                       w_ih))
+        in_place = _kernel_module(projected) is not None
+        if not in_place:
+            parts = A.split(A.reshape(projected, (steps, batch, 4 * hidden)), 0)
         self.gates, self.tanh_c, self.c_prev, self.h_steps = [], [], [], []
         h, c = h0, c0
         for t in range(steps):
             self.c_prev.append(c)
-            h, c, gates, tanh_c = _gates_forward(projected[t] + A.matmul(h, w_hh), bias, c)
+            if in_place:  # the gate kernel adds step t's rows of `projected`: no copy of them
+                z_add = (projected, t * batch * 4 * hidden)
+                h, c, gates, tanh_c = _gates_forward(A.matmul(h, w_hh), bias, c, z_add)
+            else:
+                h, c, gates, tanh_c = _gates_forward(parts[t] + A.matmul(h, w_hh), bias, c)
             self.gates.append(gates)
             self.tanh_c.append(tanh_c)
             self.h_steps.append(h)
@@ -262,14 +277,22 @@ class FusedLSTMLayer(TensorTupleOp):
         d_out, dh, dc = (out_grad.cached_data[i] for i in range(3))
         steps, batch, width_in = x.shape
         need = [t.requires_grad for t in node.inputs]
-        d_steps = A.split(d_out, 0)
+        in_place = _kernel_module(self.gates[0]) is not None
+        if in_place:  # the gate kernel adds step t's rows of d_out to dh itself
+            d_out = A.compact(d_out)
+        else:
+            d_steps = A.split(d_out, 0)
         # W_hh.T compacted once for all T products: the kernel reads a compact B in place,
         # a transposed view it would pack (gather) again at every step; same sums, same bits
         w_hh_t = A.compact(A.swap_last(w_hh.cached_data))
         dzs = [None] * steps
         for t in reversed(range(steps)):
-            dz, dc = _gates_backward(self.gates[t], self.tanh_c[t], self.c_prev[t],
-                                     d_steps[t] + dh, dc)
+            if in_place:
+                dz, dc = _gates_backward(self.gates[t], self.tanh_c[t], self.c_prev[t], dh, dc,
+                                         (d_out, t * batch * dh.shape[1]))
+            else:
+                dz, dc = _gates_backward(self.gates[t], self.tanh_c[t], self.c_prev[t],
+                                         d_steps[t] + dh, dc)
             dzs[t] = dz
             if t > 0 or need[1]:
                 dh = A.matmul(dz, w_hh_t)

@@ -256,6 +256,80 @@ def test_lstm_cell_kernels_match_reference(batch, hidden, dtype, with_bias, isa)
     _lstm_both(batch, hidden, dtype, with_bias, seed=batch * 100 + hidden)
 
 
+def _lstm_with_rows_added(backend, dt, z, bias, c, dh, dc, rows, d_rows, offsets, batch,
+                          hidden):
+    """The gate kernels with ``z_add``/``dh_add`` (a step's rows of ``rows``/``d_rows``),
+    and the same kernels on the sums formed first in ``dt``; every output, flat."""
+    runs = []
+    for in_place in (True, False):
+        if in_place:
+            extra_f = (put(backend, rows, dt), offsets[0])
+            extra_b = (put(backend, d_rows, dt), offsets[1])
+            z_in, dh_in = z, dh
+        else:
+            extra_f = extra_b = ()
+            n_z, n_h = batch * 4 * hidden, batch * hidden
+            z_in = rows.astype(dt)[offsets[0]:offsets[0] + n_z] + z.astype(dt)
+            dh_in = d_rows.astype(dt)[offsets[1]:offsets[1] + n_h] + dh.astype(dt)
+        outs = [backend.Array(size, dt) for size in
+                (batch * hidden, batch * hidden, batch * 4 * hidden, batch * hidden)]
+        backend.lstm_cell_forward(put(backend, z_in, dt), put(backend, bias, dt),
+                                  put(backend, c, dt), *outs, batch, hidden, *extra_f)
+        grads = [backend.Array(batch * 4 * hidden, dt), backend.Array(batch * hidden, dt)]
+        backend.lstm_cell_backward(outs[2], outs[3], put(backend, c, dt),
+                                   put(backend, dh_in, dt), put(backend, dc, dt), *grads,
+                                   batch, hidden, *extra_b)
+        runs.append([flat(backend, a) for a in outs + grads])
+    return runs
+
+
+@settings(max_examples=30, deadline=None)
+@given(batch=st.integers(1, 12), hidden=st.integers(1, 40), steps=st.integers(1, 4),
+       dtype=st.sampled_from(["float32", "float64"]), isa=st.sampled_from(ISAS))
+def test_lstm_cell_kernels_add_one_step_of_rows_in_place(batch, hidden, steps, dtype, isa):
+    # lstm_layer hands the gate kernels step t's rows of the whole sequence's input
+    # projection (and of the output gradient) instead of copying them out and adding: the
+    # kernels must give bitwise what the separate addition gave, on both backends
+    cpu._set_isa(isa)
+    rng = np.random.default_rng(batch * 1000 + hidden * 10 + steps)
+    z = rng.standard_normal(batch * 4 * hidden) * 2
+    bias = rng.standard_normal(4 * hidden)
+    c, dh, dc = (rng.standard_normal(batch * hidden) for _ in range(3))
+    rows = rng.standard_normal(steps * batch * 4 * hidden) * 2
+    d_rows = rng.standard_normal(steps * batch * hidden)
+    t = steps - 1  # the last step: its rows end at the end of the buffer
+    offsets = (t * batch * 4 * hidden, t * batch * hidden)
+    results = {}
+    for backend, dt in ((cpu, dtype), (ref, "float64")):
+        in_place, separate = _lstm_with_rows_added(backend, dt, z, bias, c, dh, dc, rows,
+                                                   d_rows, offsets, batch, hidden)
+        for got, want in zip(in_place, separate, strict=True):
+            np.testing.assert_array_equal(got, want)
+        results[backend] = in_place
+    for got, want in zip(results[cpu], results[ref], strict=True):
+        assert_close(got, want, dtype)
+
+
+def test_lstm_cell_kernels_refuse_bad_rows_to_add():
+    batch, hidden = 2, 3
+    z, c, dh, dc = (cpu.Array(n) for n in (24, 6, 6, 6))
+    outs = [cpu.Array(n) for n in (6, 6, 24, 6)]
+    for backend in (cpu, ref):
+        rows = backend.Array(30)
+        with pytest.raises(ValueError, match="lstm_cell_forward: z_add too small, expected 24 "
+                                             "elements from offset 7, got a buffer of 30"):
+            backend.lstm_cell_forward(*(backend.Array(n) for n in (24,)), None,
+                                      *(backend.Array(n) for n in (6, 6, 6, 24, 6)),
+                                      batch, hidden, rows, 7)
+        with pytest.raises(ValueError, match="lstm_cell_backward: dh_add too small"):
+            backend.lstm_cell_backward(*(backend.Array(n) for n in (24, 6, 6, 6, 6, 24, 6)),
+                                       batch, hidden, backend.Array(6), -1)
+    with pytest.raises(TypeError, match="lstm_cell_forward: dtypes differ"):
+        cpu.lstm_cell_forward(z, None, c, *outs, batch, hidden, cpu.Array(24, "float64"), 0)
+    with pytest.raises(ValueError, match="z_add must not share memory with an output"):
+        cpu.lstm_cell_forward(z, None, c, *outs, batch, hidden, outs[2], 0)
+
+
 def test_lstm_cell_kernels_refuse_bad_input():
     z = cpu.Array(8)
     with pytest.raises(ValueError, match="lstm_cell_forward: c too small"):
