@@ -8,7 +8,7 @@
 // function, the expected and the actual argument types.
 //
 // Included by ndarray_backend_cpu.cc only, inside its anonymous namespace, after the entry
-// points it calls (binary, scalar, unary, reduce, matmul, matmul_strided) and
+// points it calls (binary, add_rows, scalar, unary, reduce, matmul, matmul_strided) and
 // translate_check_errors.
 #pragma once
 // No includes here (see above): the includer brings pybind11, fast_call_args.h and kernels.h.
@@ -64,6 +64,17 @@ PyObject* binary_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   return guarded(
       [&] { binary(e.op, e.name, *array_of(args[0]), *array_of(args[1]), *array_of(args[2])); });
+}
+
+inline PyObject* add_rows_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  constexpr const char* expected = "a: Array, row: Array, out: Array, m, n: int";
+  std::int64_t v[2];
+  if (nargs != 5 || !arrays(args, 0, 3)) {
+    return argument_error("ewise_add_rows", expected, args, nargs);
+  }
+  if (!int_args("ewise_add_rows", expected, args, nargs, 3, 5, v)) return nullptr;
+  return guarded(
+      [&] { add_rows(*array_of(args[0]), *array_of(args[1]), *array_of(args[2]), v[0], v[1]); });
 }
 
 struct ScalarEntry {
@@ -227,6 +238,9 @@ PyMethodDef* method_table(std::index_sequence<B...>, std::index_sequence<S...>,
       method(kReduce[R].name, reduce_call<int(R)>,
              "(a, out, reduce_size): out[i] = op over a[i * reduce_size : (i + 1) * "
              "reduce_size].")...,
+      method("ewise_add_rows", add_rows_call,
+             "(a, row, out, m, n): out (m x n) = a (m x n) + row (n elements) added to every "
+             "row; out may be a."),
       method("fill", fill_call, "(out, val): every element of out set to val."),
       method("compact", view_copy_call<false>,
              "(a, out, shape, strides, offset): the view of a (element strides and offset) "

@@ -1,7 +1,8 @@
 // A kernel program run from C++: needle.compile's replay without a Python line per kernel.
 // Included by ndarray_backend_cpu.cc only, inside its anonymous namespace, after the entry
-// points it calls (binary, scalar, unary, matmul_strided, reduce, compact, fill): each step
-// runs through the same checks and kernels as the Python-visible function of the same name.
+// points it calls (binary, add_rows, scalar, unary, matmul_strided, reduce, compact, fill):
+// each step runs through the same checks and kernels as the Python-visible function of the
+// same name.
 //
 // needle/compiler/native.py builds a _KernelList from a recorded program: slots hold the
 // buffers (externals handed in per run, the others made by alloc steps and dropped by free
@@ -17,7 +18,7 @@
 class KernelList {
  public:
   enum Kind { kAlloc, kFree, kBinary, kScalar, kUnary, kMatmulStrided, kReduce, kCompact, kFill,
-              kProgram, kPython };
+              kProgram, kPython, kAddRows };
 
   explicit KernelList(int n_slots, int n_scalars) : n_slots_(n_slots), n_scalars_(n_scalars) {
     if (n_slots < 0 || n_scalars < 0) throw std::invalid_argument("_KernelList: bad sizes");
@@ -34,6 +35,9 @@ class KernelList {
   }
   void add_free(int slot) { add(kFree, 0, {slot}, {}); }
   void add_binary(int op, int a, int b, int out) { add(kBinary, op, {a, b, out}, {}); }
+  void add_add_rows(int a, int row, int out, std::int64_t m, std::int64_t n) {
+    add(kAddRows, 0, {a, row, out}, {m, n});
+  }
   void add_scalar(int op, bool reversed, int a, double val, int reg, int out) {
     Step& s = add(kScalar, op, {a, out}, {});
     s.reversed = reversed;
@@ -262,6 +266,9 @@ class KernelList {
         return needle::compact(at(slots, v[0]), at(slots, v[1]), s.shape, s.strides, s.ints[0]);
       case kFill:
         return needle::fill(at(slots, v[0]), s.value);
+      case kAddRows:
+        return needle::add_rows(at(slots, v[0]), at(slots, v[1]), at(slots, v[2]), s.ints[0],
+                                s.ints[1]);
       case kProgram: {
         std::vector<const Array*> ins;
         std::vector<Array*> outs;
@@ -307,7 +314,7 @@ class KernelList {
   static std::string label(const Step& s) {
     static const char* const kinds[] = {"alloc", "free", "binary", "scalar", "unary",
                                         "matmul_strided", "reduce", "compact", "fill",
-                                        "program", "python"};
+                                        "program", "python", "add_rows"};
     std::string out = kinds[s.kind];
     if (s.kind == kBinary || s.kind == kScalar || s.kind == kUnary || s.kind == kReduce) {
       out += ":" + std::to_string(s.op);
@@ -337,6 +344,7 @@ inline void bind_kernel_list(py::module_& m) {
       .def("alloc", &KernelList::add_alloc)
       .def("free", &KernelList::add_free)
       .def("binary", &KernelList::add_binary)
+      .def("add_rows", &KernelList::add_add_rows)
       .def("scalar", &KernelList::add_scalar)
       .def("unary", &KernelList::add_unary)
       .def("matmul_strided", &KernelList::add_matmul_strided)

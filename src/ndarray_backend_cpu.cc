@@ -175,6 +175,38 @@ void binary(BinOp op, const char* name, const Array& a, const Array& b, Array& o
   g_kernels->binary(op, out.dtype(), a.data(), b.data(), out.data(), out.size());
 }
 
+// out (m x n) = a (m x n) + row (n) added to every row: a linear layer's bias, without
+// the broadcast copy of it that ewise_add would need. Each row is ewise_add's own kernel on
+// n elements, so the sums are bitwise the broadcast addition's. out may be a (in place).
+void add_rows(const Array& a, const Array& row, Array& out, std::int64_t m, std::int64_t n) {
+  constexpr const char* op = "ewise_add_rows";
+  same_dtype(op, a, out);
+  same_dtype(op, row, out);
+  if (m < 0 || n < 0) {
+    throw ShapeArgError(std::string(op) + ": dimensions must be >= 0, got m=" +
+                        std::to_string(m) + ", n=" + std::to_string(n));
+  }
+  const std::size_t total = elements(op, "a", m, n), cols = std::size_t(n);
+  big_enough(op, "a", a, total);
+  big_enough(op, "out", out, total);
+  big_enough(op, "row", row, cols);
+  if (row.data() == out.data()) {
+    throw std::invalid_argument(std::string(op) + ": out must not share memory with row");
+  }
+  if (!total) return;
+  const std::size_t bytes = cols * itemsize(out.dtype());
+  const auto* in = static_cast<const char*>(a.data());
+  auto* dst = static_cast<char*>(out.data());
+  ReleaseGilIfLarge release(double(total));
+  parallel_range(std::size_t(m), kParallelMinElements / cols + 1,
+                 [&](std::size_t r0, std::size_t r1) {
+                   for (std::size_t r = r0; r < r1; ++r) {
+                     g_kernels->binary(BinOp::add, out.dtype(), in + r * bytes, row.data(),
+                                       dst + r * bytes, cols);
+                   }
+                 }, 1);
+}
+
 void scalar(BinOp op, bool reversed, const char* name, const Array& a, double val, Array& out) {
   same_dtype(name, a, out);
   big_enough(name, "a", a, out.size());

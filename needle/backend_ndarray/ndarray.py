@@ -231,8 +231,19 @@ class NDArray:
         if not (self._compact or self.is_compact()):
             raise ShapeError(f"add: expected a compact array to add into in place, got a "
                              f"view of shape {self._shape} with strides {self._strides}")
-        b = other if other._compact or other.is_compact() else other._copy("add")
-        self._device.ewise_add(self._handle, b._handle, self._handle)
+        if other._compact or other.is_compact():
+            self._device.ewise_add(self._handle, other._handle, self._handle)
+            return
+        shape, strides = self._shape, other._strides
+        add_rows = getattr(self._device.mod, "ewise_add_rows", None)
+        if (add_rows is not None and len(shape) >= 2 and other._offset == 0
+                and strides[-1] == 1 and not any(strides[:-1])):
+            # a row broadcast to every row (a linear layer's bias): added from the row itself
+            # instead of from a compacted copy of the broadcast (batch x features elements)
+            n = shape[-1]
+            add_rows(self._handle, other._handle, self._handle, self.size // n if n else 0, n)
+            return
+        self._device.ewise_add(self._handle, other._copy("add")._handle, self._handle)
 
     def to(self, device) -> "NDArray":
         """This array on ``device`` (self when already there)."""

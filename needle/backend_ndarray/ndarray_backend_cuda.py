@@ -212,6 +212,23 @@ ewise_tanh, ewise_sqrt, ewise_abs = _unary("ewise_tanh"), _unary("ewise_sqrt"), 
     _unary("ewise_abs")
 ewise_sign, ewise_sigmoid = _unary("ewise_sign"), _unary("ewise_sigmoid")
 
+# "indexed": the row is smaller than the launch; the extents are checked below instead
+_ADD_ROWS = L.KernelSpec(_EW, "ewise_add_rows", ("a", "a", "a", "i64", "i64"), grid="indexed")
+
+
+def ewise_add_rows(a: Array, row: Array, out: Array, m: int, n: int) -> None:
+    """``out (m, n) = a (m, n) + row (n)``, the row added to every row; ``out`` may be ``a``."""
+    m, n = int(m), int(n)
+    if m < 0 or n < 0:
+        raise ShapeError(f"ewise_add_rows: dimensions must be >= 0, got m={m}, n={n}")
+    for what, arr, need in (("a", a, m * n), ("out", out, m * n), ("row", row, n)):
+        L.check_extent("ewise_add_rows", what, arr, need)
+    if row.ptr() == out.ptr():
+        raise ValueError("ewise_add_rows: out must not share memory with row")
+    if m * n:
+        runtime.launch(_ADD_ROWS, out.dtype, m * n, a, row, out, m * n, n)
+
+
 _CAST = L.KernelSpec(_EW, "ewise_cast", ("src", "a", "i64"), grid="packed")
 
 

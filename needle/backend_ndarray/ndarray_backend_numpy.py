@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from .._core.errors import ShapeError
+from .._core.errors import DTypeError, ShapeError
 from .ndarray_limits import check_alloc, check_view
 
 __device_name__ = "numpy"
@@ -152,6 +152,21 @@ def _unary(fn):
 
 
 ewise_add = _binary(np.add)
+
+
+def ewise_add_rows(a: Array, row: Array, out: Array, m: int, n: int) -> None:
+    """out (m x n) = a (m x n) + row (n) added to every row; out may be a."""
+    if min(m, n) < 0:
+        raise ShapeError(f"ewise_add_rows: dimensions must be >= 0, got m={m}, n={n}")
+    for what, arr, need in (("a", a, m * n), ("out", out, m * n), ("row", row, n)):
+        _need(arr, need, "ewise_add_rows", what)
+    for what, arr in (("a", a), ("row", row)):
+        if arr.array.dtype != out.array.dtype:
+            raise DTypeError(f"ewise_add_rows: dtypes differ, expected {out.array.dtype} for "
+                             f"{what}, got {arr.array.dtype}")
+    if row is out:
+        raise ValueError("ewise_add_rows: out must not share memory with row")
+    out.array[:m * n] = (a.array[:m * n].reshape(m, n) + row.array[:n]).reshape(-1)
 ewise_sub = _binary(np.subtract)
 ewise_mul = _binary(np.multiply)
 ewise_div = _binary(np.divide)

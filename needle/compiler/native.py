@@ -106,6 +106,10 @@ def _native(kl, op: Call, registers: dict) -> bool:
                 kl.scalar(code, k == RSCALAR, refs[0], 0.0, _reg(a[1], registers), refs[2])
                 return True
         return False
+    if op.name == "ewise_add_rows" and len(a) == 5 and None not in refs[:3] \
+            and all(type(x) is int for x in a[3:]):
+        kl.add_rows(*refs[:3], a[3], a[4])
+        return True
     if op.name == "matmul_strided" and len(a) == 12 and None not in refs[:3] \
             and all(type(x) is int for x in a[3:]):
         kl.matmul_strided(*refs[:3], list(a[3:]))

@@ -109,8 +109,8 @@ if ND:
 
     def add_to_fresh(y, b):
         """``y + b`` written into ``y``, an array the calling op just made (no one else
-        holds it); ``b`` of ``y``'s shape, any layout. Saves the op one output-sized
-        buffer."""
+        holds it); ``b`` of ``y``'s shape, any layout (a broadcast row is read in place,
+        see ``NDArray._add_in_place``). Saves the op one output-sized buffer."""
         if type(y) is not _NDArrayClass or type(b) is not _NDArrayClass \
                 or not y.is_compact():
             return y + b  # (a product returned as a view: the plain sum)

@@ -135,6 +135,34 @@ def test_elementwise_entry_points(backend, dtype):
         close(get(backend, out, (2, 3)), expected, dtype)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+def test_add_rows(backend, dtype):
+    """ewise_add_rows: the row added to every row, bitwise ewise_add of the broadcast row,
+    into a new buffer or in place; bad sizes, aliasing and dtypes are refused naming it."""
+    rng = np.random.default_rng(1)
+    x, r = rng.uniform(-2, 2, (5, 7)).astype(dtype), rng.uniform(-2, 2, 7).astype(dtype)
+    a, row, out = put(backend, x, dtype), put(backend, r, dtype), backend.Array(35, dtype)
+    backend.ewise_add_rows(a, row, out, 5, 7)
+    broadcast = backend.Array(35, dtype)
+    backend.ewise_add(a, put(backend, np.broadcast_to(r, (5, 7)), dtype), broadcast)
+    np.testing.assert_array_equal(get(backend, out, (5, 7)), get(backend, broadcast, (5, 7)))
+    np.testing.assert_array_equal(get(backend, out, (5, 7)), x + r)
+    backend.ewise_add_rows(a, row, a, 5, 7)  # in place
+    np.testing.assert_array_equal(get(backend, a, (5, 7)), x + r)
+    backend.ewise_add_rows(a, row, out, 0, 7)  # no rows: nothing read or written
+    with pytest.raises(ValueError, match="ewise_add_rows: row too small"):
+        backend.ewise_add_rows(a, put(backend, r[:6], dtype), out, 5, 7)
+    with pytest.raises(ValueError, match="ewise_add_rows: out too small"):
+        backend.ewise_add_rows(a, row, backend.Array(34, dtype), 5, 7)
+    with pytest.raises(ValueError, match="ewise_add_rows: dimensions must be >= 0"):
+        backend.ewise_add_rows(a, row, out, -1, 7)
+    with pytest.raises(ValueError, match="ewise_add_rows: out must not share memory with row"):
+        backend.ewise_add_rows(a, row, row, 1, 7)
+    other = "float64" if dtype != "float64" else "float32"
+    with pytest.raises(TypeError, match="ewise_add_rows"):
+        backend.ewise_add_rows(a, put(backend, r, other), out, 5, 7)
+
+
 @pytest.mark.parametrize("src,dst", [("float32", "float64"), ("float64", "float16"),
                                      ("float16", "float32")])
 def test_cast(backend, src, dst):

@@ -158,6 +158,27 @@ def test_add_in_place_of_a_broadcast_row(device):
         y._add_in_place(nd.array(np.ones((4, 3)), dtype="float64", device=device))
 
 
+def test_add_in_place_reads_a_broadcast_row_without_copying_it(device, monkeypatch):
+    # ops.linear's bias: the backend's ewise_add_rows adds the row itself; the broadcast
+    # (batch x features elements) is never compacted. A row at an offset, or any other
+    # layout, is still copied first, with the same sums.
+    rng = np.random.default_rng(3)
+    y_np, rows = _rand(rng, (2, 4, 3)), _rand(rng, (2, 3))
+    y = nd.array(y_np, device=device)
+    first = nd.array(rows[0], device=device).broadcast_to((2, 4, 3))
+    second = nd.array(rows, device=device)[1:2, :].as_strided((2, 4, 3), (0, 0, 1))  # offset 3
+    copies = []
+    real_copy = nd.NDArray._copy
+    monkeypatch.setattr(nd.NDArray, "_copy", lambda self, op="compact": copies.append(op)
+                        or real_copy(self, op))
+    y._add_in_place(first)
+    np.testing.assert_array_equal(y.numpy(), y_np + rows[0])
+    assert copies == []
+    y._add_in_place(second)
+    np.testing.assert_array_equal(y.numpy(), (y_np + rows[0]) + rows[1])
+    assert copies == ["add"]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_setitem_in_place(device, dtype):
     x = np.arange(30, dtype=dtype).reshape(5, 6)

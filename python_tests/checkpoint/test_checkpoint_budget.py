@@ -92,7 +92,7 @@ def test_measured_costs_of_a_linear_relu_block():
     unit = 64 * 512 * 4
     c = measure_layer_costs(layers, x)
     # keeps its ReLU output (saved by ReLU and by the next layer); while running, one more
-    # unit: the compacted bias beside x@W (+b is written into x@W), then x@W + b beside the
-    # ReLU output (released as the next layer's first op starts, before it allocates)
+    # unit: x@W + b (+b added into x@W from the bias row) beside the ReLU output (released
+    # as the next layer's first op starts, before it allocates)
     assert [(k.output, k.kept, k.working, k.keeps_output) for k in c[1:-1]] == \
         [(unit, unit, 2 * unit, True)] * (LAYERS - 2)

@@ -189,6 +189,19 @@ NEEDLE_ALL_TYPES(NEEDLE_BINARY_T, ewise_ge, OpGe)
 NEEDLE_ALL_TYPES(NEEDLE_BINARY_T, ewise_tanh_grad, OpTanhGrad)
 NEEDLE_ALL_TYPES(NEEDLE_BINARY_T, ewise_relu_grad, OpReluGrad)
 
+// out[i] = a[i] + row[i % cols] for i < n: a row added to every row of an (n / cols, cols)
+// array (a linear layer's bias) without a broadcast copy; each sum is ewise_add's. out may
+// be a (both are read and written at one index only).
+#define NEEDLE_ADD_ROWS_T(NAME, OP, SUF, T)                                                   \
+  extern "C" __global__ void __launch_bounds__(NEEDLE_THREADS)                               \
+      NAME##_##SUF(const T* a, const T* __restrict__ row, T* out, long long n,               \
+                   long long cols) {                                                         \
+    NEEDLE_FOR_EACH(i, n) {                                                                  \
+      out[i] = Traits<T>::store(OP::apply(Traits<T>::load(a[i]), Traits<T>::load(row[i % cols]))); \
+    }                                                                                        \
+  }
+NEEDLE_ALL_TYPES(NEEDLE_ADD_ROWS_T, ewise_add_rows, OpAdd)
+
 NEEDLE_ALL_TYPES(NEEDLE_SCALAR_T, scalar_add, OpAdd)
 NEEDLE_ALL_TYPES(NEEDLE_SCALAR_T, scalar_sub, OpSub)
 NEEDLE_ALL_TYPES(NEEDLE_SCALAR_T, scalar_rsub, OpRsub)
