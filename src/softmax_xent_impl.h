@@ -7,7 +7,7 @@
 //
 // The composed ops (max, a broadcast subtraction, exp, sum, log, a one-hot product, ...)
 // make ~8 passes over the n x k logits forward and as many backward, each through a new
-// buffer; these make two forward (max, then exp and sum into a row scratch) and one
+// buffer; these make two forward (max, then exp and sum as each exp is made) and one
 // backward. Labels are checked by the caller (integers in [0, k)).
 
 template <class T>
@@ -18,21 +18,76 @@ T xent_row_max(const T* z, std::size_t k) {
   return m;
 }
 
+// sum_j exp(z_j - m) in double, one pass over the row: each exp is the vector exp of
+// un_loop_plain (the same float per element as exponentiating a copy of z - m), summed into
+// double lanes as it is made, with no scratch row written and read back.
+template <class T>
+double xent_exp_sum(const T* z, T m, std::size_t k) {
+  std::size_t j = 0;
+  double s = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    const __m512 vm = _mm512_set1_ps(m);
+    __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
+    for (; j + 16 <= k; j += 16) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(z + j), vm));
+      lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
+      hi = _mm512_add_pd(hi, _mm512_cvtps_pd(_mm256_castpd_ps(
+                                 _mm512_extractf64x4_pd(_mm512_castps_pd(e), 1))));
+    }
+    s = _mm512_reduce_add_pd(_mm512_add_pd(lo, hi));
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  if constexpr (std::is_same_v<T, float>) {
+    const __m256 vm = _mm256_set1_ps(m);
+    __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
+    for (; j + 8 <= k; j += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(z + j), vm));
+      lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+      hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+    }
+    alignas(32) double lanes[4];
+    _mm256_store_pd(lanes, _mm256_add_pd(lo, hi));
+    s = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+  }
+#endif
+  for (; j < k; ++j) s += double(apply_un<UnOp::exp, T>(T(z[j] - m)));
+  return s;
+}
+
+// out_j = g exp(z_j - l), one pass (the same floats as exponentiating z - l, then scaling).
+template <class T>
+void xent_scaled_exp(const T* z, T l, T g, T* out, std::size_t k) {
+  std::size_t j = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    const __m512 vl = _mm512_set1_ps(l), vg = _mm512_set1_ps(g);
+    for (; j + 16 <= k; j += 16) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(z + j), vl));
+      _mm512_storeu_ps(out + j, _mm512_mul_ps(e, vg));
+    }
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  if constexpr (std::is_same_v<T, float>) {
+    const __m256 vl = _mm256_set1_ps(l), vg = _mm256_set1_ps(g);
+    for (; j + 8 <= k; j += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(z + j), vl));
+      _mm256_storeu_ps(out + j, _mm256_mul_ps(e, vg));
+    }
+  }
+#endif
+  for (; j < k; ++j) out[j] = T(apply_un<UnOp::exp, T>(T(z[j] - l)) * g);
+}
+
 template <class T>
 void xent_forward_t(const T* z, const T* labels, T* loss, T* lse, std::size_t n,
                     std::size_t k) {
   const std::size_t threshold = kParallelMinHeavyElements / (k ? k : 1) + 1;
   parallel_range(n, threshold, [&](std::size_t r0, std::size_t r1) {
-    std::vector<T> scratch(k);
     for (std::size_t i = r0; i < r1; ++i) {
       const T* row = z + i * k;
       const T m = xent_row_max(row, k);
-      for (std::size_t j = 0; j < k; ++j) scratch[j] = row[j] - m;
-      un_loop_plain<UnOp::exp, T>(scratch.data(), scratch.data(), k);
-      double s = 0;
-#pragma omp simd reduction(+ : s)
-      for (std::size_t j = 0; j < k; ++j) s += double(scratch[j]);
-      const T l = T(double(m) + std::log(s));
+      const T l = T(double(m) + std::log(xent_exp_sum(row, m, k)));
       lse[i] = l;
       loss[i] = l - row[std::size_t(labels[i])];
     }
@@ -45,13 +100,9 @@ void xent_backward_t(const T* z, const T* labels, const T* lse, const T* g, T* d
   const std::size_t threshold = kParallelMinHeavyElements / (k ? k : 1) + 1;
   parallel_range(n, threshold, [&](std::size_t r0, std::size_t r1) {
     for (std::size_t i = r0; i < r1; ++i) {
-      const T* row = z + i * k;
+      const T gi = g[i];
       T* out = dz + i * k;
-      const T l = lse[i], gi = g[i];
-      for (std::size_t j = 0; j < k; ++j) out[j] = row[j] - l;
-      un_loop_plain<UnOp::exp, T>(out, out, k);
-#pragma omp simd
-      for (std::size_t j = 0; j < k; ++j) out[j] *= gi;
+      xent_scaled_exp(z + i * k, lse[i], gi, out, k);
       out[std::size_t(labels[i])] -= gi;
     }
   }, 1);
