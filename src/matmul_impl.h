@@ -192,6 +192,8 @@ void pack_b_panel(const T* b, std::ptrdiff_t rs, std::ptrdiff_t cs, std::size_t 
 // rows stay within a few pages, and panel by panel was as fast or faster there (128 x 784 x
 // 100, rows of 400 bytes: 10% slower row by row at 2 threads).
 constexpr std::size_t kRowPackMinStride = 1024;
+// Largest B (packed, every K block) packed before any block is multiplied (see gemm_nt).
+constexpr std::size_t kPackAllBytes = 512 * 1024;
 
 // Panels [jp0, jp1) of a row-major B block (kc rows of nc values, row stride brs) packed
 // row by row: each row's values are read in one contiguous run. Packing panel by panel
@@ -274,7 +276,15 @@ void gemm_nt(const T* a, std::ptrdiff_t ars, std::ptrdiff_t acs, const T* b, std
   // A read in place or packed: see use_direct_a
   const bool direct_a = G::kDirectA && acs == 1 && use_direct_a(direct_b, ars, p, NR, sizeof(T),
                                                                G::kDirectAPanels);
-  T* bpack = direct_b ? nullptr : tls_pack_b.get<T>(kc_max * nc_max);
+  // B packed for every K block at once when all of it is small enough to stay in L2: the
+  // threads then wait for each other once, not twice per K block (128x784x100 on two
+  // threads: one barrier instead of ten). Each C tile still belongs to one thread and sees
+  // the K blocks in order, so the sums are bitwise those of the block-by-block schedule.
+  const std::size_t k_blocks = ceil_div(n, G::KC);
+  const bool pack_all = !direct_b && nt > 1 && k_blocks > 1 && p <= G::NC &&
+                        k_blocks * kc_max * nc_max * sizeof(T) <= kPackAllBytes;
+  T* bpack = direct_b ? nullptr
+                      : tls_pack_b.get<T>((pack_all ? k_blocks : 1) * kc_max * nc_max);
 
   // The loop nest runs in one parallel region; a single-threaded call skips the region (its
   // set-up costs microseconds, as much as a whole 64 x 64 product). The `omp for` loops
@@ -295,21 +305,38 @@ void gemm_nt(const T* a, std::ptrdiff_t ars, std::ptrdiff_t acs, const T* b, std
       // With fewer row blocks than threads, each row block's panels are split further.
       const std::size_t jr_parts =
           n_ic >= std::size_t(nt) ? 1 : min_size(panels, ceil_div(nt, n_ic));
-      for (std::size_t pc = 0; pc < n; pc += G::KC) {
+      // this thread's share of the panels of K block `pc`, packed into `dst`
+      const auto pack_block = [&](std::size_t pc, T* dst) {
         const std::size_t kc = min_size(G::KC, n - pc);
         const T* bblock = b + std::ptrdiff_t(pc) * brs + std::ptrdiff_t(jc);
         const auto packs = share(direct_b ? 0 : panels);
         if (bcs == 1 && std::size_t(brs) * sizeof(T) >= kRowPackMinStride) {
-          pack_b_rows<T, NR>(bblock, brs, kc, nc, packs.first, packs.second, bpack);
+          pack_b_rows<T, NR>(bblock, brs, kc, nc, packs.first, packs.second, dst);
         } else {
           for (std::size_t jp = packs.first; jp < packs.second; ++jp) {
             const std::size_t j0 = jp * NR;
             pack_b_panel<T, NR>(b + std::ptrdiff_t(pc) * brs + std::ptrdiff_t(jc + j0) * bcs,
-                                brs, bcs, kc, min_size(NR, nc - j0), bpack + jp * NR * kc);
+                                brs, bcs, kc, min_size(NR, nc - j0), dst + jp * NR * kc);
           }
         }
-        if (teams > 1 && !direct_b) {
+      };
+      if (pack_all) {
+        for (std::size_t pc = 0; pc < n; pc += G::KC) {
+          pack_block(pc, bpack + (pc / G::KC) * kc_max * nc_max);
+        }
+        if (teams > 1) {
 #pragma omp barrier
+        }
+      }
+      for (std::size_t pc = 0; pc < n; pc += G::KC) {
+        const std::size_t kc = min_size(G::KC, n - pc);
+        const T* bblock = b + std::ptrdiff_t(pc) * brs + std::ptrdiff_t(jc);
+        T* const bslot = pack_all ? bpack + (pc / G::KC) * kc_max * nc_max : bpack;
+        if (!pack_all) {
+          pack_block(pc, bpack);
+          if (teams > 1 && !direct_b) {
+#pragma omp barrier
+          }
         }
         const auto items = share(n_ic * jr_parts);
         for (std::size_t item = items.first; item < items.second; ++item) {
@@ -324,7 +351,7 @@ void gemm_nt(const T* a, std::ptrdiff_t ars, std::ptrdiff_t acs, const T* b, std
           const std::size_t jp0 = panels * part / jr_parts, jp1 = panels * (part + 1) / jr_parts;
           for (std::size_t jp = jp0; jp < jp1; ++jp) {
             const std::size_t j0 = jp * NR, nr = min_size(NR, nc - j0);
-            const T* bp = direct_b ? bblock + j0 : bpack + jp * NR * kc;
+            const T* bp = direct_b ? bblock + j0 : bslot + jp * NR * kc;
             const T* ablock = a + std::ptrdiff_t(ic) * ars + std::ptrdiff_t(pc);
             for (std::size_t i0 = 0; i0 < mcur;) {
               const T* ap = direct_a ? ablock + std::ptrdiff_t(i0) * ars : apack + i0 * kc;
@@ -334,7 +361,7 @@ void gemm_nt(const T* a, std::ptrdiff_t ars, std::ptrdiff_t acs, const T* b, std
             }
           }
         }
-        if (teams > 1 && !direct_b) {  // the next block's packing overwrites bpack
+        if (teams > 1 && !direct_b && !pack_all) {  // the next block's packing overwrites bpack
 #pragma omp barrier
         }
       }

@@ -419,6 +419,35 @@ def test_matmul_threaded_blocks(shape, threads, isa):
     np.testing.assert_allclose(flat(cpu, cout), expected, rtol=1e-4, atol=1e-4 * max(n, 1)**0.5)
 
 
+@pytest.mark.parametrize("shape,dtype", [((128, 784, 100), "float32"),
+                                         ((131, 700, 100), "float32"),
+                                         ((97, 600, 60), "float64"),
+                                         ((64, 3000, 90), "float32")])  # B too big: by block
+def test_matmul_on_two_threads_is_bitwise_one_thread(shape, dtype, isa):
+    # Products whose packed B fits in L2 are packed for every K block before any block is
+    # multiplied (one barrier, src/matmul_impl.h); row blocks split evenly (128 rows: 64 + 64).
+    # Each C tile still sees the K blocks in order on one thread: the same bits as one thread.
+    m, n, p = shape
+    a, b = _matmul_case(m, n, p, dtype, seed=3)
+    ca, cb = put(cpu, a, dtype), put(cpu, b, dtype)
+    before = cpu.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2):
+            cpu.set_num_threads(threads)
+            out = cpu.Array(m * p, dtype)
+            cpu.fill(out, np.nan)
+            cpu.matmul(ca, cb, out, m, n, p)
+            outs.append(flat(cpu, out))
+    finally:
+        cpu.set_num_threads(before)
+    np.testing.assert_array_equal(outs[0], outs[1])
+    rtol, atol = MATMUL_TOL[dtype]
+    np.testing.assert_allclose(outs[1].astype(np.float64),
+                               (a.astype(np.float64) @ b.astype(np.float64)).reshape(-1),
+                               rtol=rtol, atol=atol * n**0.5)
+
+
 def _to_tiles(x: np.ndarray, t: int) -> np.ndarray:
     r, c = x.shape
     return x.reshape(r // t, t, c // t, t).transpose(0, 2, 1, 3).copy()
