@@ -1,7 +1,7 @@
 // A kernel program run from C++: needle.compile's replay without a Python line per kernel.
 // Included by ndarray_backend_cpu.cc only, inside its anonymous namespace, after the entry
-// points it calls (binary, add_rows, scalar, unary, matmul_strided, reduce, compact, fill):
-// each step runs through the same checks and kernels as the Python-visible function of the
+// points it calls (binary, add_rows, scalar, unary, matmul_strided, reduce, compact,
+// ewise_setitem, fill): each step runs through the same checks and kernels as the Python-visible function of the
 // same name.
 //
 // needle/compiler/native.py builds a _KernelList from a recorded program: slots hold the
@@ -18,7 +18,7 @@
 class KernelList {
  public:
   enum Kind { kAlloc, kFree, kBinary, kScalar, kUnary, kMatmulStrided, kReduce, kCompact, kFill,
-              kProgram, kPython, kAddRows };
+              kProgram, kPython, kAddRows, kSetitem };
 
   explicit KernelList(int n_slots, int n_scalars) : n_slots_(n_slots), n_scalars_(n_scalars) {
     if (n_slots < 0 || n_scalars < 0) throw std::invalid_argument("_KernelList: bad sizes");
@@ -50,11 +50,14 @@ class KernelList {
     add(kMatmulStrided, 0, {a, b, out}, dims);
   }
   void add_reduce(int op, int a, int out, std::int64_t size) { add(kReduce, op, {a, out}, {size}); }
-  void add_compact(int a, int out, const Dims& shape, const Dims& strides, std::int64_t offset) {
+  // compact (a strided view of `a` gathered into `out`) or, with `scatter`, ewise_setitem
+  // (compact `a` written into a strided view of `out`)
+  void add_compact(int a, int out, const Dims& shape, const Dims& strides, std::int64_t offset,
+                   bool scatter) {
     if (shape.size() != strides.size()) {
       throw std::invalid_argument("_KernelList.compact: shape and strides differ in length");
     }
-    Step& s = add(kCompact, 0, {a, out}, {offset});
+    Step& s = add(scatter ? kSetitem : kCompact, 0, {a, out}, {offset});
     s.shape = shape;
     s.strides = strides;
   }
@@ -264,6 +267,9 @@ class KernelList {
                               s.ints[0]);
       case kCompact:
         return needle::compact(at(slots, v[0]), at(slots, v[1]), s.shape, s.strides, s.ints[0]);
+      case kSetitem:
+        return needle::ewise_setitem(at(slots, v[0]), at(slots, v[1]), s.shape, s.strides,
+                                     s.ints[0]);
       case kFill:
         return needle::fill(at(slots, v[0]), s.value);
       case kAddRows:
@@ -314,7 +320,7 @@ class KernelList {
   static std::string label(const Step& s) {
     static const char* const kinds[] = {"alloc", "free", "binary", "scalar", "unary",
                                         "matmul_strided", "reduce", "compact", "fill",
-                                        "program", "python", "add_rows"};
+                                        "program", "python", "add_rows", "setitem"};
     std::string out = kinds[s.kind];
     if (s.kind == kBinary || s.kind == kScalar || s.kind == kUnary || s.kind == kReduce) {
       out += ":" + std::to_string(s.op);
@@ -349,7 +355,8 @@ inline void bind_kernel_list(py::module_& m) {
       .def("unary", &KernelList::add_unary)
       .def("matmul_strided", &KernelList::add_matmul_strided)
       .def("reduce", &KernelList::add_reduce)
-      .def("compact", &KernelList::add_compact)
+      .def("compact", &KernelList::add_compact, py::arg("a"), py::arg("out"), py::arg("shape"),
+           py::arg("strides"), py::arg("offset"), py::arg("scatter") = false)
       .def("fill", &KernelList::add_fill)
       .def("program", &KernelList::add_program)
       .def("python", &KernelList::add_python)

@@ -117,10 +117,10 @@ def _native(kl, op: Call, registers: dict) -> bool:
     if op.name in _REDUCE and len(a) == 3 and None not in refs[:2] and type(a[2]) is int:
         kl.reduce(_REDUCE[op.name], refs[0], refs[1], a[2])
         return True
-    if op.name == "compact" and len(a) == 5 and None not in refs[:2] \
+    if op.name in ("compact", "ewise_setitem") and len(a) == 5 and None not in refs[:2] \
             and isinstance(a[2], (tuple, list)) and isinstance(a[3], (tuple, list)) \
             and type(a[4]) is int:
-        kl.compact(refs[0], refs[1], list(a[2]), list(a[3]), a[4])
+        kl.compact(refs[0], refs[1], list(a[2]), list(a[3]), a[4], op.name == "ewise_setitem")
         return True
     if op.name == "fill" and len(a) == 2 and refs[0] is not None and type(a[1]) in (int, float):
         kl.fill(refs[0], float(a[1]))
