@@ -228,8 +228,30 @@ void pack_b_rows(const T* b, std::ptrdiff_t brs, std::size_t kc, std::size_t nc,
 // a row stride of a multiple of 4 KiB their rows would fight over the same L1 sets.
 constexpr std::size_t kDirectBBytes = std::size_t(256) << 10;
 
-inline bool use_direct_b(std::size_t n, std::size_t p, std::size_t item) {
-  return n * p * item <= kDirectBBytes;
+// Up to 1 MiB of B is read in place too when C has few rows (each packed B value would serve
+// few row tiles, so packing cost about what it saved: X.T @ dZ of the LSTM LM, 100 x 320 x
+// 400 float32, 180 -> 139 us on two threads; the MLP's x @ W, 128 x 784 x 100, 139 ->
+// 119 us) and B's rows spread over L1's sets. Rows a multiple of 4 lines apart fall into at
+// most 16 of its 64 sets and evict each other: 512 x 512 read in place ran at 0.27x NumPy.
+constexpr std::size_t kDirectBFewRowsBytes = std::size_t(1) << 20;
+constexpr std::size_t kDirectBFewRows = 256;
+
+inline bool rows_spread_over_sets(std::size_t row_bytes) {
+  if (row_bytes % 64) return true;  // rows start at different offsets within lines
+  std::size_t lines = row_bytes / 64, twos = 1;
+  while (lines % 2 == 0 && twos < 64) {
+    lines /= 2;
+    twos *= 2;
+  }
+  return twos <= 2;  // 32 or 64 distinct sets over 64 consecutive rows
+}
+
+inline bool use_direct_b(std::size_t m, std::size_t n, std::size_t p, std::size_t item,
+                         std::size_t row_bytes) {
+  const std::size_t bytes = n * p * item;
+  if (bytes <= kDirectBBytes) return true;
+  return m <= kDirectBFewRows && bytes <= kDirectBFewRowsBytes &&
+         rows_spread_over_sets(row_bytes);
 }
 
 // A's rows read in place by the micro-kernel (A row-major, acs == 1) instead of packed. With
@@ -272,7 +294,8 @@ void gemm_nt(const T* a, std::ptrdiff_t ars, std::ptrdiff_t acs, const T* b, std
   const std::size_t n_ic = ceil_div(m, mc);
   const std::size_t nc_max = min_size(G::NC, ceil_div(p, NR) * NR);
   const std::size_t kc_max = min_size(G::KC, n);
-  const bool direct_b = G::kDirectB && bcs == 1 && use_direct_b(n, p, sizeof(T));
+  const bool direct_b = G::kDirectB && bcs == 1 &&
+                        use_direct_b(m, n, p, sizeof(T), std::size_t(brs) * sizeof(T));
   // A read in place or packed: see use_direct_a
   const bool direct_a = G::kDirectA && acs == 1 && use_direct_a(direct_b, ars, p, NR, sizeof(T),
                                                                G::kDirectAPanels);

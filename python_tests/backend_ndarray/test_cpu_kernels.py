@@ -419,14 +419,17 @@ def test_matmul_threaded_blocks(shape, threads, isa):
     np.testing.assert_allclose(flat(cpu, cout), expected, rtol=1e-4, atol=1e-4 * max(n, 1)**0.5)
 
 
-@pytest.mark.parametrize("shape,dtype", [((128, 784, 100), "float32"),
-                                         ((131, 700, 100), "float32"),
-                                         ((97, 600, 60), "float64"),
-                                         ((64, 3000, 90), "float32")])  # B too big: by block
+@pytest.mark.parametrize("shape,dtype", [
+    ((128, 784, 100), "float32"),  # 313 KB of B, few rows of C: B read in place
+    ((97, 600, 60), "float64"),    # the same in float64
+    ((300, 784, 100), "float32"),  # more rows: B packed, every K block before the products
+    ((128, 600, 128), "float32"),  # rows of B 8 lines apart (few L1 sets): packed, all at once
+    ((64, 3000, 90), "float32"),   # B over 1 MiB: packed block by block
+])
 def test_matmul_on_two_threads_is_bitwise_one_thread(shape, dtype, isa):
-    # Products whose packed B fits in L2 are packed for every K block before any block is
-    # multiplied (one barrier, src/matmul_impl.h); row blocks split evenly (128 rows: 64 + 64).
-    # Each C tile still sees the K blocks in order on one thread: the same bits as one thread.
+    # How B is read (in place, packed all at once, block by block; src/matmul_impl.h) and how
+    # rows are split (128 rows: 64 + 64) change with the shape; each C tile still sees the K
+    # blocks in order on one thread, so two threads give one thread's bits.
     m, n, p = shape
     a, b = _matmul_case(m, n, p, dtype, seed=3)
     ca, cb = put(cpu, a, dtype), put(cpu, b, dtype)
