@@ -83,8 +83,9 @@ void lstm_forward_t(const T* z, const T* z_add, const T* bias, const T* c, T* h2
   parallel_range(batch, kParallelMinHeavyElements / (width + 1) + 1, [&](std::size_t b0,
                                                                         std::size_t b1) {
     for (std::size_t b = b0; b < b1; ++b) {
-      lstm_row_forward(z + b * width, z_add ? z_add + b * width : nullptr, bias, c + b * hidden, h2 + b * hidden, c2 + b * hidden,
-                       gates + b * width, tc + b * hidden, hidden);
+      lstm_row_forward(z + b * width, z_add ? z_add + b * width : nullptr, bias,
+                       c + b * hidden, h2 + b * hidden, c2 + b * hidden, gates + b * width,
+                       tc + b * hidden, hidden);
     }
   }, 1);
 }

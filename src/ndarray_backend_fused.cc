@@ -6,8 +6,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <initializer_list>
 #include <cstring>
+#include <initializer_list>
 #include <stdexcept>
 #include <string>
 

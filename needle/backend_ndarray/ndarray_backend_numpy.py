@@ -152,6 +152,17 @@ def _unary(fn):
 
 
 ewise_add = _binary(np.add)
+ewise_sub = _binary(np.subtract)
+ewise_mul = _binary(np.multiply)
+ewise_div = _binary(np.divide)
+ewise_maximum = _binary(np.maximum)
+ewise_minimum = _binary(np.minimum)
+ewise_power = _binary(np.power)
+ewise_eq = _binary(lambda a, b: a == b)
+ewise_ge = _binary(lambda a, b: a >= b)
+# the backward of tanh and relu from their saved outputs (see NDArray.tanh_grad/relu_grad)
+ewise_tanh_grad = _binary(lambda g, t: g * (1 - t * t))
+ewise_relu_grad = _binary(lambda g, r: g * np.sign(r))
 
 
 def ewise_add_rows(a: Array, row: Array, out: Array, m: int, n: int) -> None:
@@ -167,17 +178,7 @@ def ewise_add_rows(a: Array, row: Array, out: Array, m: int, n: int) -> None:
     if row is out:
         raise ValueError("ewise_add_rows: out must not share memory with row")
     out.array[:m * n] = (a.array[:m * n].reshape(m, n) + row.array[:n]).reshape(-1)
-ewise_sub = _binary(np.subtract)
-ewise_mul = _binary(np.multiply)
-ewise_div = _binary(np.divide)
-ewise_maximum = _binary(np.maximum)
-ewise_minimum = _binary(np.minimum)
-ewise_power = _binary(np.power)
-ewise_eq = _binary(lambda a, b: a == b)
-ewise_ge = _binary(lambda a, b: a >= b)
-# the backward of tanh and relu from their saved outputs (see NDArray.tanh_grad/relu_grad)
-ewise_tanh_grad = _binary(lambda g, t: g * (1 - t * t))
-ewise_relu_grad = _binary(lambda g, r: g * np.sign(r))
+
 
 scalar_add = _scalar(np.add)
 scalar_sub = _scalar(np.subtract)

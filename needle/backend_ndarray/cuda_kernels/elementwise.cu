@@ -197,7 +197,8 @@ NEEDLE_ALL_TYPES(NEEDLE_BINARY_T, ewise_relu_grad, OpReluGrad)
       NAME##_##SUF(const T* a, const T* __restrict__ row, T* out, long long n,               \
                    long long cols) {                                                         \
     NEEDLE_FOR_EACH(i, n) {                                                                  \
-      out[i] = Traits<T>::store(OP::apply(Traits<T>::load(a[i]), Traits<T>::load(row[i % cols]))); \
+      const T r = row[i % cols];                                                             \
+      out[i] = Traits<T>::store(OP::apply(Traits<T>::load(a[i]), Traits<T>::load(r)));       \
     }                                                                                        \
   }
 NEEDLE_ALL_TYPES(NEEDLE_ADD_ROWS_T, ewise_add_rows, OpAdd)
