@@ -237,13 +237,9 @@ constexpr std::size_t kDirectBFewRowsBytes = std::size_t(1) << 20;
 constexpr std::size_t kDirectBFewRows = 256;
 
 inline bool rows_spread_over_sets(std::size_t row_bytes) {
-  if (row_bytes % 64) return true;  // rows start at different offsets within lines
-  std::size_t lines = row_bytes / 64, twos = 1;
-  while (lines % 2 == 0 && twos < 64) {
-    lines /= 2;
-    twos *= 2;
-  }
-  return twos <= 2;  // 32 or 64 distinct sets over 64 consecutive rows
+  // not whole lines apart: rows start at different offsets within lines; else a stride of
+  // an odd or twice-odd number of lines visits 64 or 32 sets
+  return row_bytes % 64 != 0 || (row_bytes / 64) % 4 != 0;
 }
 
 inline bool use_direct_b(std::size_t m, std::size_t n, std::size_t p, std::size_t item,

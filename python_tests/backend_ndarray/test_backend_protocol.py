@@ -150,6 +150,7 @@ def test_add_rows(backend, dtype):
     backend.ewise_add_rows(a, row, a, 5, 7)  # in place
     np.testing.assert_array_equal(get(backend, a, (5, 7)), x + r)
     backend.ewise_add_rows(a, row, out, 0, 7)  # no rows: nothing read or written
+    np.testing.assert_array_equal(get(backend, out, (5, 7)), x + r)
     with pytest.raises(ValueError, match="ewise_add_rows: row too small"):
         backend.ewise_add_rows(a, put(backend, r[:6], dtype), out, 5, 7)
     with pytest.raises(ValueError, match="ewise_add_rows: out too small"):

@@ -311,19 +311,18 @@ def test_lstm_cell_kernels_add_one_step_of_rows_in_place(batch, hidden, steps, d
 
 
 def test_lstm_cell_kernels_refuse_bad_rows_to_add():
-    batch, hidden = 2, 3
-    z, c, dh, dc = (cpu.Array(n) for n in (24, 6, 6, 6))
-    outs = [cpu.Array(n) for n in (6, 6, 24, 6)]
+    batch, hidden = 2, 3  # z and gates hold 24 elements, the state 6
     for backend in (cpu, ref):
-        rows = backend.Array(30)
+        z, c, dh, dc = (backend.Array(n) for n in (24, 6, 6, 6))
+        outs = [backend.Array(n) for n in (6, 6, 24, 6)]
         with pytest.raises(ValueError, match="lstm_cell_forward: z_add too small, expected 24 "
                                              "elements from offset 7, got a buffer of 30"):
-            backend.lstm_cell_forward(*(backend.Array(n) for n in (24,)), None,
-                                      *(backend.Array(n) for n in (6, 6, 6, 24, 6)),
-                                      batch, hidden, rows, 7)
+            backend.lstm_cell_forward(z, None, c, *outs, batch, hidden, backend.Array(30), 7)
         with pytest.raises(ValueError, match="lstm_cell_backward: dh_add too small"):
-            backend.lstm_cell_backward(*(backend.Array(n) for n in (24, 6, 6, 6, 6, 24, 6)),
-                                       batch, hidden, backend.Array(6), -1)
+            backend.lstm_cell_backward(outs[2], outs[3], c, dh, dc, backend.Array(24),
+                                       backend.Array(6), batch, hidden, backend.Array(6), -1)
+    z, c = cpu.Array(24), cpu.Array(6)
+    outs = [cpu.Array(n) for n in (6, 6, 24, 6)]
     with pytest.raises(TypeError, match="lstm_cell_forward: dtypes differ"):
         cpu.lstm_cell_forward(z, None, c, *outs, batch, hidden, cpu.Array(24, "float64"), 0)
     with pytest.raises(ValueError, match="z_add must not share memory with an output"):
