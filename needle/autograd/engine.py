@@ -260,6 +260,8 @@ def _propagate(root, grad, retain_graph, create_graph, accumulate, grad_all_node
             node.inputs = ()
             if node._saved is not None:  # (a new key in the node's dict costs more than a read)
                 node._saved = None
+            if op.release_held is not None:  # arrays a fused op keeps for its backward
+                op.release_held()
             node._freed = True
         del node, grad, parts
         # plain zip (lengths already checked equal): strict=False, a keyword argument, sends

@@ -96,11 +96,15 @@ class Op:
 
     ``held_arrays()`` names the arrays an op object itself keeps for its backward besides the
     saved tensors (a fused op's intermediates: batch statistics, gate activations), so that
-    memory accounting counts them among what the graph saves.
+    memory accounting counts them among what the graph saves. An op that holds arrays also
+    defines ``release_held()``, which drops them: a backward without ``retain_graph`` calls
+    it right after the node's own step, as it drops the node's saved tensors (a loss the
+    caller still holds no longer keeps its op's arrays alive).
     """
 
     save_inputs: tuple[int, ...] | None = None
     save_output = False
+    release_held = None  # see the class docstring; a method on ops that hold arrays
 
     def held_arrays(self) -> tuple:
         """Arrays kept on the op for backward beyond ``saved_tensors`` (none by default)."""

@@ -21,6 +21,8 @@ Example:
 """
 from __future__ import annotations
 
+from math import prod as _prod
+
 from . import ewise_codes as _codes
 from .ndarray import NDArray, _alloc
 
@@ -106,7 +108,7 @@ def run(program: Program, ins, scalars, outs=None) -> list[NDArray]:
     if outs is None:
         outs = [empty_like(first) for _ in range(program.n_outputs)]
     first._device.mod.ewise_program([a._handle for a in ins], [o._handle for o in outs],
-                                    program.code, scalars, first.size)
+                                    program.code, scalars, _prod(first._shape))
     return outs
 
 

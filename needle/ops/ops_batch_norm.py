@@ -176,6 +176,9 @@ class FusedBatchNorm(TensorOp):
     def held_arrays(self) -> tuple:
         return tuple(a for a in (self.mean, self.var, self.invstd) if a is not None)
 
+    def release_held(self) -> None:
+        self.mean = self.var = self.invstd = None
+
     def plain_gradient(self, out_grad, node):
         x, w = node.saved_tensors
         xd = x.cached_data

@@ -158,6 +158,9 @@ class FusedLSTMCell(TensorTupleOp):
     def held_arrays(self) -> tuple:
         return tuple(a for a in (self.gates, self.tanh_c) if a is not None)
 
+    def release_held(self) -> None:
+        self.gates = self.tanh_c = None
+
     def compute(self, x, h, c, w_ih, w_hh, *biases):
         _check(x.shape, h, c, w_ih, w_hh, biases)
         z = A.matmul(x, w_ih) + A.matmul(h, w_hh)
@@ -243,6 +246,9 @@ class FusedLSTMLayer(TensorTupleOp):
     def held_arrays(self) -> tuple:
         return tuple(a for group in (self.gates, self.tanh_c, self.c_prev, self.h_steps)
                      if group is not None for a in group)
+
+    def release_held(self) -> None:
+        self.gates = self.tanh_c = self.c_prev = self.h_steps = None
 
     def compute(self, x, h0, c0, w_ih, w_hh, *biases):
         if len(x.shape) != 3:

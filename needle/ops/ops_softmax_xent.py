@@ -6,6 +6,10 @@ records ``logsumexp``, a product with the one-hot, sums and a division; on a lan
 new buffer. ``softmax_cross_entropy`` records one node: the C++ backend's
 ``softmax_xent_forward`` gives each row's ``logsumexp`` and loss in two passes, and the plain
 backward is one ``softmax_xent_backward`` pass writing ``g (softmax(z) − onehot(y))``.
+``reduction="mean"`` (what ``nn.SoftmaxLoss`` runs) makes the batch mean part of the same
+node: its forward runs the kernels of ``summation(rows) / n`` after the rows' losses and its
+backward hands every row ``g / n``, so the values are bitwise the composed mean's, and a
+step visits one node instead of three (a small model's step is dispatch-bound).
 
 Labels are class ids (any float dtype; integers in ``[0, k)``, checked by the kernel, which
 raises :class:`~needle.IndexOutOfRange` naming the row). The C++ and CUDA backends (and the
@@ -26,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._core.errors import IndexOutOfRange, ShapeError
+from .._core.errors import IndexOutOfRange, NeedleError, ShapeError
 from ..autograd import TensorOp
 from ..autograd.tensor import const as _leaf
 from ..backend_ndarray.ndarray import NDArray
@@ -85,18 +89,30 @@ class SoftmaxCrossEntropy(TensorOp):
     """Per-row ``logsumexp(z) − z[y]`` of logits ``z`` (n, k) and labels ``y`` (n,).
 
     The rows' ``logsumexp`` is kept on the op (``lse``, n values) for the plain backward.
-    ``y`` gets a zero gradient (when it requires one).
+    ``y`` gets a zero gradient (when it requires one). ``mean``: the output is the rows'
+    mean (a scalar) instead.
     """
 
     save_inputs = (0, 1)
 
-    def __init__(self):
+    def __init__(self, mean: bool = False):
         self.lse = None
+        self.mean = mean
 
     def held_arrays(self) -> tuple:
         return () if self.lse is None else (self.lse,)
 
+    def release_held(self) -> None:
+        self.lse = None
+
     def compute(self, z, y):
+        rows = self._rows(z, y)
+        if not self.mean:
+            return rows
+        # the composed mean's kernels: summation over the rows, then the scalar division
+        return A.reduce_sum(rows, (0,)) / rows.shape[0]
+
+    def _rows(self, z, y):
         n, k = _check(z.shape, y.shape)
         mod = _kernel_module(z)
         if mod is not None:
@@ -117,6 +133,8 @@ class SoftmaxCrossEntropy(TensorOp):
         z, y = node.saved_tensors
         zd, yd, g = z.cached_data, y.cached_data, out_grad.cached_data
         n, k = zd.shape
+        if self.mean:  # as the composed mean's backward: g / n, spread over the rows
+            g = A.broadcast_to(A.reshape(A.compact(g / n), (1,)), (n,))
         mod = _kernel_module(zd)
         if mod is not None:
             zd = zd.compact()
@@ -131,6 +149,8 @@ class SoftmaxCrossEntropy(TensorOp):
     def gradient(self, out_grad, node):
         z, y = node.inputs
         n, k = z.shape
+        if self.mean:
+            out_grad = broadcast_to(reshape(out_grad / n, (1,)), (n,))
         soft = exp(z - broadcast_to(reshape(logsumexp(z, axes=(1,)), (n, 1)), (n, k)))
         picked = _leaf(_one_hot_like(y.realize_cached_data(), z.realize_cached_data()))
         weights = broadcast_to(reshape(out_grad, (n, 1)), (n, k))
@@ -158,11 +178,16 @@ def _one_hot_like(y, z):
     return A.from_numpy_like(rows, z)
 
 
-def softmax_cross_entropy(logits, labels):
-    """Per-row softmax cross-entropy ``logsumexp(z_i) − z_i[y_i]`` (shape (n,)).
+def softmax_cross_entropy(logits, labels, reduction: str = "none"):
+    """Per-row softmax cross-entropy ``logsumexp(z_i) − z_i[y_i]`` (shape (n,)), or with
+    ``reduction="mean"`` their mean over the rows (a scalar, one graph node).
 
     Raises:
         ShapeError: logits not 2-D or labels not of shape (n,).
         IndexOutOfRange: a label that is not an integer in ``[0, k)``.
+        NeedleError: a reduction other than "none" and "mean".
     """
-    return SoftmaxCrossEntropy()(logits, labels)
+    if reduction not in ("none", "mean"):
+        raise NeedleError(f"softmax_cross_entropy: unknown reduction, expected 'none' or "
+                          f"'mean', got {reduction!r}")
+    return SoftmaxCrossEntropy(reduction == "mean")(logits, labels)

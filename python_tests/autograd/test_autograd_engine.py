@@ -448,3 +448,28 @@ def test_a_processed_nodes_op_is_gone_before_the_next_node_runs():
     del rows
     loss.backward()
     assert seen == [True]
+
+
+def test_a_backward_releases_the_arrays_an_op_holds_unless_the_graph_is_retained():
+    """The loss a caller keeps is itself a node whose op holds arrays (the mean cross-entropy's
+    lse, batch norm's statistics): a backward without retain_graph drops them with the saved
+    tensors (Op.release_held); with retain_graph they stay and a second backward agrees."""
+    labels = Tensor(np.array([0.0, 1.0, 4.0, 2.0]), requires_grad=False)
+    grads = []
+    for retain in (False, True):
+        z = _t((4, 5))
+        normed = ops.batch_norm(z, Tensor(np.ones(5)), Tensor(np.zeros(5)))[0]
+        loss = ops.softmax_cross_entropy(normed, labels, reduction="mean")
+        bn_op = normed.op
+        del normed
+        assert loss.op.held_arrays() and bn_op.held_arrays()
+        loss.backward(retain_graph=retain)
+        grads.append(z.grad.numpy())
+        if retain:
+            assert loss.op.held_arrays() and bn_op.held_arrays()
+            z.grad = None
+            loss.backward()
+            np.testing.assert_array_equal(z.grad.numpy(), grads[0])
+        else:
+            assert loss.op.held_arrays() == () and bn_op.held_arrays() == ()
+    np.testing.assert_array_equal(grads[0], grads[1])

@@ -10,6 +10,7 @@ from typing import Callable
 
 import numpy as np
 
+import needle as ndl
 import needle.ops as ops
 
 
@@ -55,6 +56,14 @@ def _lse_ref(x, axes):
 
 def _sigmoid_ref(x):
     return 1 / (1 + np.exp(-x))
+
+
+# the labels of the softmax_xent_mean case (a constant: no gradient flows into them)
+_LABELS = np.array([5.0, 0.0, 2.0, 2.0])
+
+
+def _const_like(values, like):
+    return ndl.Tensor(values, device=like.device, dtype=like.dtype, requires_grad=False)
 
 
 CASES = [
@@ -106,6 +115,9 @@ CASES = [
     Case("linear_batched", ops.linear, lambda x, w, b: x @ w + b,
          ((2, 3, 4), (4, 5), (1, 5))),
     Case("linear_no_bias", ops.linear, np.matmul, ((3, 4), (4, 2))),
+    Case("softmax_xent_mean",
+         lambda z: ops.softmax_cross_entropy(z, _const_like(_LABELS, z), reduction="mean"),
+         lambda z: np.mean(_lse_ref(z, 1) - z[np.arange(4), _LABELS.astype(int)]), ((4, 6),)),
     Case("logsoftmax", ops.logsoftmax, lambda a: a - _lse_ref(a, 1)[:, None], ((4, 6),)),
     Case("logsumexp_all", ops.logsumexp, lambda a: _lse_ref(a, None), ((3, 4),)),
     Case("logsumexp_axes", lambda a: ops.logsumexp(a, (0, 2)), lambda a: _lse_ref(a, (0, 2)),

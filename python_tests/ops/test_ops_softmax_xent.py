@@ -8,7 +8,7 @@ import torch
 
 import needle.ops as ops
 from needle import nn
-from needle._core.errors import IndexOutOfRange, ShapeError
+from needle._core.errors import IndexOutOfRange, NeedleError, ShapeError
 from needle.autograd import Tensor, gradcheck
 from needle.backend_selection import BACKEND
 
@@ -90,8 +90,9 @@ def test_fused_loss_records_one_node_and_builds_no_one_hot(device):
     finally:
         device.__dict__.pop("from_numpy", None)
     assert 6 * 50 not in uploads  # no (n, k) one-hot made on the host and copied over
-    node = loss.inputs[0].inputs[0]  # (summation(per-row losses)) / n
-    assert isinstance(node.op, ops.SoftmaxCrossEntropy) and node.inputs[0] is z
+    # one node: the per-row losses and their mean
+    assert isinstance(loss.op, ops.SoftmaxCrossEntropy) and loss.op.mean
+    assert loss.inputs[0] is z and loss.inputs[1] is y
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "composed"])
@@ -144,3 +145,30 @@ def test_a_cuda_step_copies_nothing_to_the_host_for_its_labels(emulated_cuda, mo
                                               "got 3.0"):
         bad.numpy()
     assert np.isnan(bad.numpy())  # the kernel's NaN for the bad row, checked once
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_mean_reduction_is_bitwise_the_composed_mean(device, dtype):
+    """reduction="mean" (nn.SoftmaxLoss's one node) runs the kernels of
+    summation(rows) / n forward and of their gradients backward: the same bits."""
+    rng = np.random.default_rng(3)
+    z0, y0 = rng.standard_normal((9, 6)) * 4, rng.integers(0, 6, 9).astype(np.float64)
+    results = []
+    for one_node in (True, False):
+        z, y = T(z0, device, dtype), T(y0, device, dtype, False)
+        if one_node:
+            loss = ops.softmax_cross_entropy(z, y, reduction="mean")
+        else:
+            loss = ops.summation(ops.softmax_cross_entropy(z, y)) / 9
+        loss.backward()
+        results.append((loss.numpy(), z.grad.numpy()))
+    assert results[0][0].shape == ()
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    np.testing.assert_array_equal(results[0][1], results[1][1])
+
+
+def test_unknown_reduction_is_refused(device):
+    z = T(np.zeros((2, 3)), device)
+    with pytest.raises(NeedleError, match="unknown reduction, expected 'none' or 'mean', "
+                                          "got 'sum'"):
+        ops.softmax_cross_entropy(z, T([0.0, 1.0], device, requires_grad=False), "sum")

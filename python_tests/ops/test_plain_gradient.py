@@ -48,6 +48,8 @@ def _extra_cases(device):
          [rng.standard_normal(s) for s in ((3, 2, 2, 2), (2,), (2,))], [True] * 3),
         ("softmax_xent", lambda z, y: ops.SoftmaxCrossEntropy()(z, y),
          [rng.standard_normal((4, 5)), np.array([0.0, 4.0, 2.0, 2.0])], [True, False]),
+        ("softmax_xent_mean", lambda z, y: ops.SoftmaxCrossEntropy(mean=True)(z, y),
+         [rng.standard_normal((4, 5)), np.array([3.0, 1.0, 2.0, 0.0])], [True, False]),
         ("batch_norm_rows", lambda *t: ops.FusedBatchNorm(1e-5)(*t),
          [rng.standard_normal(s) for s in ((5, 3), (3,), (3,))], [True, False, True]),
     ]
