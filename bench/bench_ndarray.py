@@ -114,12 +114,12 @@ def _buffer(values: np.ndarray):
 
 def _matmul_operands(rng, kind: str, n: int, dtype: str):
     """(m, k, p), NumPy's operands and needle's call for one matmul family."""
-    if kind == "colsum":  # ones(1, n) @ X (n x 8n): how needle sums a bias gradient's rows
+    if kind == "colsum":  # the rows of X (n x 8n) added up: a bias gradient's column sum,
+        # needle's reduce_sum_leading against NumPy's X.sum(axis=0) (counted as ones @ X)
         x = rng.standard_normal((n, 8 * n)).astype(dtype)
-        ones, hx, hc = np.ones((1, n), dtype), _buffer(x), cpu.Array(8 * n, dtype)
-        one = _buffer(np.ones(1, dtype))  # needle's ones row is a stride-0 view of one element
-        call = partial(cpu.matmul_strided, one, hx, hc, 1, n, 8 * n, 0, 0, 0, 0, 8 * n, 1)
-        return (1, n, 8 * n), partial(np.matmul, ones, x), call
+        hx, hc = _buffer(x), cpu.Array(8 * n, dtype)
+        call = partial(cpu.reduce_sum_leading, hx, hc, n, 8 * n)
+        return (1, n, 8 * n), partial(np.sum, x, axis=0), call
     if kind == "layers":
         m, k, p, a_t, b_t = LAYER_PRODUCTS[n]
     else:
@@ -137,7 +137,7 @@ def _matmul_operands(rng, kind: str, n: int, dtype: str):
 
 
 MATMUL_KINDS = {"square": "n x n @ n x n", "tall": "8n x n @ n x n/8", "aT": "a.T @ b",
-                "bT": "a @ b.T", "colsum": "ones(1, n) @ n x 8n",
+                "bT": "a @ b.T", "colsum": "sum of n rows, n x 8n",
                 "layers": "the course models' layer products (sizes ignored)"}
 
 # kind "layers": the products of the benchmarked models' widest linear layers, forward and

@@ -8,8 +8,8 @@
 // function, the expected and the actual argument types.
 //
 // Included by ndarray_backend_cpu.cc only, inside its anonymous namespace, after the entry
-// points it calls (binary, add_rows, scalar, unary, reduce, matmul, matmul_strided) and
-// translate_check_errors.
+// points it calls (binary, add_rows, scalar, unary, reduce, sum_leading, matmul,
+// matmul_strided) and translate_check_errors.
 #pragma once
 // No includes here (see above): the includer brings pybind11, fast_call_args.h and kernels.h.
 
@@ -165,6 +165,15 @@ PyObject* reduce_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return guarded([&] { reduce(e.op, e.name, *array_of(args[0]), *array_of(args[1]), size); });
 }
 
+inline PyObject* sum_leading_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  constexpr const char* expected = "a: Array, out: Array, m, n: int";
+  std::int64_t v[2];
+  if (nargs != 4 || !arrays(args, 0, 2)) {
+    return argument_error("reduce_sum_leading", expected, args, nargs);
+  }
+  if (!int_args("reduce_sum_leading", expected, args, nargs, 2, 4, v)) return nullptr;
+  return guarded([&] { sum_leading(*array_of(args[0]), *array_of(args[1]), v[0], v[1]); });
+}
 
 // compact(a, out, shape, strides, offset) and ewise_setitem(a, out, shape, strides, offset):
 // a strided view gathered into a compact array, or a compact array scattered into a view.
@@ -238,6 +247,8 @@ PyMethodDef* method_table(std::index_sequence<B...>, std::index_sequence<S...>,
       method(kReduce[R].name, reduce_call<int(R)>,
              "(a, out, reduce_size): out[i] = op over a[i * reduce_size : (i + 1) * "
              "reduce_size].")...,
+      method("reduce_sum_leading", sum_leading_call,
+             "(a, out, m, n): out (n elements) = the m rows of a (m x n) added up."),
       method("ewise_add_rows", add_rows_call,
              "(a, row, out, m, n): out (m x n) = a (m x n) + row (n elements) added to every "
              "row; out may be a."),

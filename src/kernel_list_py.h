@@ -1,8 +1,8 @@
 // A kernel program run from C++: needle.compile's replay without a Python line per kernel.
 // Included by ndarray_backend_cpu.cc only, inside its anonymous namespace, after the entry
-// points it calls (binary, add_rows, scalar, unary, matmul_strided, reduce, compact,
-// ewise_setitem, fill): each step runs through the same checks and kernels as the Python-visible function of the
-// same name.
+// points it calls (binary, add_rows, scalar, unary, matmul_strided, reduce, sum_leading,
+// compact, ewise_setitem, fill): each step runs through the same checks and kernels as the
+// Python-visible function of the same name.
 //
 // needle/compiler/native.py builds a _KernelList from a recorded program: slots hold the
 // buffers (externals handed in per run, the others made by alloc steps and dropped by free
@@ -18,7 +18,7 @@
 class KernelList {
  public:
   enum Kind { kAlloc, kFree, kBinary, kScalar, kUnary, kMatmulStrided, kReduce, kCompact, kFill,
-              kProgram, kPython, kAddRows, kSetitem };
+              kProgram, kPython, kAddRows, kSetitem, kSumLeading };
 
   explicit KernelList(int n_slots, int n_scalars) : n_slots_(n_slots), n_scalars_(n_scalars) {
     if (n_slots < 0 || n_scalars < 0) throw std::invalid_argument("_KernelList: bad sizes");
@@ -50,6 +50,9 @@ class KernelList {
     add(kMatmulStrided, 0, {a, b, out}, dims);
   }
   void add_reduce(int op, int a, int out, std::int64_t size) { add(kReduce, op, {a, out}, {size}); }
+  void add_sum_leading(int a, int out, std::int64_t m, std::int64_t n) {
+    add(kSumLeading, 0, {a, out}, {m, n});
+  }
   // compact (a strided view of `a` gathered into `out`) or, with `scatter`, ewise_setitem
   // (compact `a` written into a strided view of `out`)
   void add_compact(int a, int out, const Dims& shape, const Dims& strides, std::int64_t offset,
@@ -272,6 +275,8 @@ class KernelList {
                                      s.ints[0]);
       case kFill:
         return needle::fill(at(slots, v[0]), s.value);
+      case kSumLeading:
+        return needle::sum_leading(at(slots, v[0]), at(slots, v[1]), s.ints[0], s.ints[1]);
       case kAddRows:
         return needle::add_rows(at(slots, v[0]), at(slots, v[1]), at(slots, v[2]), s.ints[0],
                                 s.ints[1]);
@@ -320,7 +325,8 @@ class KernelList {
   static std::string label(const Step& s) {
     static const char* const kinds[] = {"alloc", "free", "binary", "scalar", "unary",
                                         "matmul_strided", "reduce", "compact", "fill",
-                                        "program", "python", "add_rows", "setitem"};
+                                        "program", "python", "add_rows", "setitem",
+                                        "sum_leading"};
     std::string out = kinds[s.kind];
     if (s.kind == kBinary || s.kind == kScalar || s.kind == kUnary || s.kind == kReduce) {
       out += ":" + std::to_string(s.op);
@@ -351,6 +357,7 @@ inline void bind_kernel_list(py::module_& m) {
       .def("free", &KernelList::add_free)
       .def("binary", &KernelList::add_binary)
       .def("add_rows", &KernelList::add_add_rows)
+      .def("sum_leading", &KernelList::add_sum_leading)
       .def("scalar", &KernelList::add_scalar)
       .def("unary", &KernelList::add_unary)
       .def("matmul_strided", &KernelList::add_matmul_strided)

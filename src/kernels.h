@@ -51,6 +51,8 @@ struct KernelTable {
   void (*cast)(DType from, const void* a, DType to, void* out, std::size_t n);
   // out[r] = op(a[r*size .. r*size+size)) for r < rows.
   void (*reduce)(RedOp op, DType t, const void* a, void* out, std::size_t rows, std::size_t size);
+  // out[j] = sum over i < m of a[i*n + j]: the m rows of a (m x n) added up (column sums).
+  void (*sum_leading)(DType t, const void* a, void* out, std::size_t m, std::size_t n);
   // out(m x p) = a(m x n) @ b(n x p), row-major, overwrites out.
   void (*matmul)(DType t, const void* a, const void* b, void* out, std::size_t m, std::size_t n,
                  std::size_t p);

@@ -32,7 +32,7 @@ namespace NEEDLE_ISA {
 #include "mt19937_impl.h"
 
 extern const KernelTable table = {
-    NEEDLE_ISA_NAME, binary, scalar, unary, cast, reduce, matmul, matmul_strided,
+    NEEDLE_ISA_NAME, binary, scalar, unary, cast, reduce, sum_leading, matmul, matmul_strided,
     conv_forward, conv_weight_grad, conv_input_grad, lstm_forward, lstm_backward,
     bn_forward, bn_backward, xent_forward, xent_backward, ewise_program, uniform_fill,
     GemmConfig<float>::name, GemmConfig<double>::name,

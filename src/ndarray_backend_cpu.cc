@@ -325,6 +325,24 @@ void reduce(RedOp op, const char* name, const Array& a, Array& out, std::int64_t
   g_kernels->reduce(op, out.dtype(), a.data(), out.data(), out.size(), std::size_t(reduce_size));
 }
 
+// out (n) = the m rows of a (m x n) added up: the sum over an array's leading axes (a linear
+// layer's bias gradient) in one pass, without the ones-vector product NDArray used for it.
+void sum_leading(const Array& a, Array& out, std::int64_t m, std::int64_t n) {
+  constexpr const char* op = "reduce_sum_leading";
+  same_dtype(op, a, out);
+  if (m < 0 || n < 0) {
+    throw ShapeArgError(std::string(op) + ": dimensions must be >= 0, got m=" +
+                        std::to_string(m) + ", n=" + std::to_string(n));
+  }
+  big_enough(op, "a", a, elements(op, "a", m, n));
+  big_enough(op, "out", out, std::size_t(n));
+  if (n && a.data() == out.data()) {
+    throw std::invalid_argument(std::string(op) + ": out must not share memory with a");
+  }
+  ReleaseGilIfLarge release(double(m) * double(n));
+  g_kernels->sum_leading(out.dtype(), a.data(), out.data(), std::size_t(m), std::size_t(n));
+}
+
 // The class `name` of needle._core.errors, or `fallback` when needle is not importable (the
 // module used on its own); resolved once, kept for the life of the process.
 PyObject* needle_error(const char* name, PyObject* fallback) {

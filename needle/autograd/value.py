@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import gc
+from typing import Callable
 
 from .._core.errors import GraphError
 from .._core.handles import RemovableHandle
@@ -104,7 +105,8 @@ class Op:
 
     save_inputs: tuple[int, ...] | None = None
     save_output = False
-    release_held = None  # see the class docstring; a method on ops that hold arrays
+    # see the class docstring: a method on ops that hold arrays, None on all others
+    release_held: Callable[[], None] | None = None
 
     def held_arrays(self) -> tuple:
         """Arrays kept on the op for backward beyond ``saved_tensors`` (none by default)."""

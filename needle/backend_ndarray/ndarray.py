@@ -700,8 +700,14 @@ class NDArray:
         return _view(out_shape, _compact_strides(out_shape), 0, self._device, summed._handle)
 
     def _sum_rows(self, m: int, k: int) -> "NDArray":
-        """The buffer read as an (m, k) row-major matrix, summed over its rows: one
-        ``ones(1, m) @ X`` matmul (the ones a stride-0 view of one element); shape (1, k)."""
+        """The buffer read as an (m, k) row-major matrix, summed over its rows; shape (1, k).
+        The backend's ``reduce_sum_leading`` where it has one (one pass, sums in double),
+        else one ``ones(1, m) @ X`` matmul (the ones a stride-0 view of one element)."""
+        kernel = getattr(self._device.mod, "reduce_sum_leading", None)
+        if kernel is not None:
+            out = _alloc((1, k), self._device, self._handle.dtype, "sum")
+            kernel(self._handle, out._handle, m, k)
+            return out
         one = _alloc((1,), self._device, self._handle.dtype, "sum")
         one._fill(1.0)
         ones = _view((1, m), (0, 0), 0, self._device, one._handle)

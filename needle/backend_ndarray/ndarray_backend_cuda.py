@@ -270,6 +270,25 @@ def _reduce(op: str):
 
 reduce_sum, reduce_max, reduce_min = _reduce("sum"), _reduce("max"), _reduce("min")
 
+_SUM_LEADING = L.KernelSpec(_RD, "reduce_sum_leading", ("a", "a", "i64", "i64"))
+
+
+def reduce_sum_leading(a: Array, out: Array, m: int, n: int) -> None:
+    """``out (n)`` = the ``m`` rows of ``a (m, n)`` added up, rows in order, in the element
+    type (float for float16)."""
+    m, n = int(m), int(n)
+    if m < 0 or n < 0:
+        raise ShapeError(f"reduce_sum_leading: dimensions must be >= 0, got m={m}, n={n}")
+    if a.dtype != out.dtype:
+        raise DTypeError(f"reduce_sum_leading: dtypes differ, expected {out.dtype} for a, "
+                         f"got {a.dtype}")
+    L.check_extent("reduce_sum_leading", "a", a, m * n)
+    L.check_extent("reduce_sum_leading", "out", out, n)
+    if n and a.ptr() == out.ptr():
+        raise ValueError("reduce_sum_leading: out must not share memory with a")
+    if n:
+        runtime.launch(_SUM_LEADING, out.dtype, n, a, out, m, n)
+
 
 # ---- matmul ------------------------------------------------------------------------------
 _MATMUL = L.KernelSpec(_MM, "matmul", ("a", "a", "a", "i64", "i64", "i64"), grid="matmul")

@@ -252,6 +252,25 @@ def reduce_sum(a: Array, out: Array, reduce_size: int) -> None:
     out.array[:] = _blocks(a, out, reduce_size).sum(axis=1)
 
 
+def reduce_sum_leading(a: Array, out: Array, m: int, n: int) -> None:
+    """out (n) = the m rows of a (m x n) added up, rows in order, in the element type (float32
+    for float16), as the C++ and CUDA kernels add them."""
+    if min(m, n) < 0:
+        raise ShapeError(f"reduce_sum_leading: dimensions must be >= 0, got m={m}, n={n}")
+    _need(a, m * n, "reduce_sum_leading", "a")
+    _need(out, n, "reduce_sum_leading", "out")
+    if a.array.dtype != out.array.dtype:
+        raise DTypeError(f"reduce_sum_leading: dtypes differ, expected {out.array.dtype} for "
+                         f"a, got {a.array.dtype}")
+    if n and a is out:
+        raise ValueError("reduce_sum_leading: out must not share memory with a")
+    rows = a.array[:m * n].reshape(m, n)
+    total = np.zeros(n, np.float32 if rows.dtype == np.float16 else rows.dtype)
+    for row in rows:  # one row at a time: the kernels' order (NumPy's own sum over axis 0
+        total += row  # pairs them up when the columns are one apart, n = 1)
+    out.array[:n] = total
+
+
 def reduce_max(a: Array, out: Array, reduce_size: int) -> None:
     out.array[:] = _blocks(a, out, reduce_size).max(axis=1)
 

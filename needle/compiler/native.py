@@ -110,6 +110,10 @@ def _native(kl, op: Call, registers: dict) -> bool:
             and all(type(x) is int for x in a[3:]):
         kl.add_rows(*refs[:3], a[3], a[4])
         return True
+    if op.name == "reduce_sum_leading" and len(a) == 4 and None not in refs[:2] \
+            and all(type(x) is int for x in a[2:]):
+        kl.sum_leading(*refs[:2], a[2], a[3])
+        return True
     if op.name == "matmul_strided" and len(a) == 12 and None not in refs[:3] \
             and all(type(x) is int for x in a[3:]):
         kl.matmul_strided(*refs[:3], list(a[3:]))

@@ -164,6 +164,42 @@ def test_add_rows(backend, dtype):
         backend.ewise_add_rows(a, put(backend, r, other), out, 5, 7)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+@pytest.mark.parametrize("m,n", [(5, 7), (9, 70), (1, 33), (0, 4)])
+def test_sum_leading(backend, dtype, m, n):
+    """reduce_sum_leading: the m rows added up in order in the element type (float32 for
+    float16), bitwise; a column of big, 1, -big pins that type down (float32 loses the 1
+    next to 1e8, float64 keeps it, float16's float32 sums keep it next to 1e4); bad sizes,
+    aliasing and dtypes are refused naming it."""
+    rng = np.random.default_rng(m * 100 + n)
+    x = rng.uniform(-2, 2, (m, n))
+    if m >= 3:
+        big = 1e8 if dtype != "float16" else 1e4
+        x[:, 0] = 0.0
+        x[:3, 0] = [big, 1.0, -big]
+    x = x.astype(dtype)
+    a = put(backend, x if m else np.zeros((1, n)), dtype)  # (no empty buffer to copy into)
+    out = backend.Array(n, dtype)
+    backend.reduce_sum_leading(a, out, m, n)
+    total = np.zeros(n, "float32" if dtype == "float16" else dtype)
+    for row in x:
+        total += row
+    np.testing.assert_array_equal(get(backend, out, (n,)), total.astype(dtype))
+    if m >= 3:
+        assert get(backend, out, (n,))[0] == (0.0 if dtype == "float32" else 1.0)
+    with pytest.raises(ValueError, match="reduce_sum_leading: a too small"):
+        backend.reduce_sum_leading(a, out, max(m, 1) + 1, n)
+    with pytest.raises(ValueError, match="reduce_sum_leading: out too small"):
+        backend.reduce_sum_leading(a, backend.Array(n - 1, dtype), m, n)
+    with pytest.raises(ValueError, match="reduce_sum_leading: dimensions must be >= 0"):
+        backend.reduce_sum_leading(a, out, -1, n)
+    with pytest.raises(ValueError, match="reduce_sum_leading: out must not share memory"):
+        backend.reduce_sum_leading(a, a, 1, n)
+    other = "float64" if dtype != "float64" else "float32"
+    with pytest.raises(TypeError, match="reduce_sum_leading"):
+        backend.reduce_sum_leading(put(backend, x, other), out, m, n)
+
+
 @pytest.mark.parametrize("src,dst", [("float32", "float64"), ("float64", "float16"),
                                      ("float16", "float32")])
 def test_cast(backend, src, dst):

@@ -179,6 +179,27 @@ def test_add_in_place_reads_a_broadcast_row_without_copying_it(device, monkeypat
     assert copies == ["add"]
 
 
+def test_sums_over_leading_axes_run_one_column_sum_kernel(device, monkeypatch):
+    """A compact array summed over its leading axes (a bias gradient), and a dense NHWC
+    buffer seen as NCHW summed over N, H, W, are (M, K) column sums: one
+    reduce_sum_leading call each, no matmul and no transposing copy."""
+    if getattr(device.mod, "reduce_sum_leading", None) is None:
+        pytest.skip("backend without reduce_sum_leading (the ones-vector product runs)")
+    rng = np.random.default_rng(5)
+    x_np = _rand(rng, (6, 4, 3))
+    calls = []
+    real = device.mod.reduce_sum_leading
+    monkeypatch.setattr(device.mod, "reduce_sum_leading",
+                        lambda a, out, m, n: calls.append((m, n)) or real(a, out, m, n))
+    x = nd.array(x_np, device=device)
+    np.testing.assert_allclose(x.sum(axis=(0, 1)).numpy(), x_np.sum(axis=(0, 1)), rtol=1e-5)
+    np.testing.assert_allclose(x.sum(axis=0, keepdims=True).numpy(),
+                               x_np.sum(axis=0, keepdims=True), rtol=1e-5)
+    nchw = x.permute((0, 2, 1))  # channels (3) on axis 1, laid out last
+    np.testing.assert_allclose(nchw.sum(axis=(0, 2)).numpy(), x_np.sum(axis=(0, 1)), rtol=1e-5)
+    assert calls == [(24, 3), (6, 12), (24, 3)]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_setitem_in_place(device, dtype):
     x = np.arange(30, dtype=dtype).reshape(5, 6)

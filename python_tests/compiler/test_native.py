@@ -68,6 +68,23 @@ def test_every_step_kind_computes_what_its_kernel_does(mod):
     np.testing.assert_array_equal(_values(mod, s9, (2,)), [7.5, 7.5])
 
 
+def test_the_column_sum_step_computes_what_its_kernel_does(mod):
+    """sum_leading (a linear layer's bias gradient in a compiled step) is a C++ step of its
+    own, with the checks of reduce_sum_leading."""
+    x = np.random.default_rng(1).standard_normal((5, 3)).astype(np.float32)
+    kl = mod._KernelList(2, 0)
+    kl.alloc(1, 3, "float32", "activation")
+    kl.sum_leading(0, 1, 5, 3)
+    (out,) = kl.run([_array(mod, x)], [0], [1])
+    np.testing.assert_array_equal(_values(mod, out, (3,)),
+                                  (((x[0] + x[1]) + x[2]) + x[3]) + x[4])
+    bad = mod._KernelList(2, 0)
+    bad.alloc(1, 3, "float32", "activation")
+    bad.sum_leading(0, 1, 6, 3)  # one row more than the input holds
+    with pytest.raises(ValueError, match="reduce_sum_leading: a too small"):
+        bad.run([_array(mod, x)], [0], [1])
+
+
 def test_bad_lists_are_refused_when_built(mod):
     kl = mod._KernelList(3, 1)
     with pytest.raises(ValueError, match="slot 3"):

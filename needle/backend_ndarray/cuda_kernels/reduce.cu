@@ -79,3 +79,22 @@ __device__ __forceinline__ void small_body(const In* __restrict__ a, Out* __rest
 NEEDLE_REDUCE_ALL(sum, RedSum)
 NEEDLE_REDUCE_ALL(max, RedMax)
 NEEDLE_REDUCE_ALL(min, RedMin)
+
+// Column sums: out[j] = the sum over i < rows of a[i * cols + j], the rows of a (rows, cols)
+// array added up (a linear layer's bias gradient). One thread per column adds its rows in
+// order in the compute type (float for float16), as the C++ kernel does; neighbouring
+// threads read neighbouring elements of each row.
+#define NEEDLE_SUM_LEADING_T(SUF, T)                                                         \
+  extern "C" __global__ void __launch_bounds__(NEEDLE_THREADS)                               \
+      reduce_sum_leading_##SUF(const T* __restrict__ a, T* __restrict__ out, long long rows, \
+                               long long cols) {                                             \
+    typedef Traits<T>::acc A;                                                                \
+    NEEDLE_FOR_EACH(j, cols) {                                                               \
+      A acc = A(0);                                                                          \
+      for (long long i = 0; i < rows; ++i) acc += Traits<T>::load(a[i * cols + j]);          \
+      out[j] = Traits<T>::store(acc);                                                        \
+    }                                                                                        \
+  }
+NEEDLE_SUM_LEADING_T(f32, float)
+NEEDLE_SUM_LEADING_T(f64, double)
+NEEDLE_SUM_LEADING_T(f16, half_t)
