@@ -463,3 +463,15 @@ def test_power_one_half_is_numpys_square_root(device, dtype):
         # a NaN's sign is the hardware's default NaN (set on x86, clear on NVIDIA GPUs)
         signed = ~np.isnan(w)
         np.testing.assert_array_equal(np.signbit(g[signed]), np.signbit(w[signed]))
+
+
+def test_reshape_to_its_own_shape_is_the_array_itself(device):
+    """The gradients of ops reshape to the shape they already have many times a step: a
+    tuple equal to the shape gives the array back without checks; any other spelling of a
+    shape (a list, a NumPy array, -1) still goes through them."""
+    a = nd.array(np.arange(6.0).reshape(2, 3), device=device)
+    assert a.reshape((2, 3)) is a
+    assert a.reshape([2, 3]).shape == (2, 3) and a.reshape(np.array([3, 2])).shape == (3, 2)
+    assert a.reshape((-1, 3)).shape == (2, 3)
+    with pytest.raises(ShapeError, match="reshape: size differs"):
+        a.reshape((4, 2))
