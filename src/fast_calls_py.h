@@ -66,13 +66,23 @@ PyObject* binary_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       [&] { binary(e.op, e.name, *array_of(args[0]), *array_of(args[1]), *array_of(args[2])); });
 }
 
-inline PyObject* add_rows_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  constexpr const char* expected = "a: Array, row: Array, out: Array, m, n: int";
-  std::int64_t v[2];
-  if (nargs != 5 || !arrays(args, 0, 3)) {
-    return argument_error("ewise_add_rows", expected, args, nargs);
+// The arguments of an entry point taking `n_arrays` Arrays and then two ints (m, n), the
+// ints into dims; false with the Python error set.
+inline bool arrays_and_dims(const char* name, const char* expected, PyObject* const* args,
+                            Py_ssize_t nargs, Py_ssize_t n_arrays, std::int64_t* dims) {
+  if (nargs != n_arrays + 2 || !arrays(args, 0, n_arrays)) {
+    argument_error(name, expected, args, nargs);
+    return false;
   }
-  if (!int_args("ewise_add_rows", expected, args, nargs, 3, 5, v)) return nullptr;
+  return int_args(name, expected, args, nargs, n_arrays, n_arrays + 2, dims);
+}
+
+inline PyObject* add_rows_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  std::int64_t v[2];
+  if (!arrays_and_dims("ewise_add_rows", "a: Array, row: Array, out: Array, m, n: int", args,
+                       nargs, 3, v)) {
+    return nullptr;
+  }
   return guarded(
       [&] { add_rows(*array_of(args[0]), *array_of(args[1]), *array_of(args[2]), v[0], v[1]); });
 }
@@ -166,12 +176,11 @@ PyObject* reduce_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 }
 
 inline PyObject* sum_leading_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  constexpr const char* expected = "a: Array, out: Array, m, n: int";
   std::int64_t v[2];
-  if (nargs != 4 || !arrays(args, 0, 2)) {
-    return argument_error("reduce_sum_leading", expected, args, nargs);
+  if (!arrays_and_dims("reduce_sum_leading", "a: Array, out: Array, m, n: int", args, nargs,
+                       2, v)) {
+    return nullptr;
   }
-  if (!int_args("reduce_sum_leading", expected, args, nargs, 2, 4, v)) return nullptr;
   return guarded([&] { sum_leading(*array_of(args[0]), *array_of(args[1]), v[0], v[1]); });
 }
 
