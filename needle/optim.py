@@ -374,7 +374,8 @@ class SGD(Optimizer):
         mom, decay, u_of = scalars[2], bool(scalars[1]), self.u
         fresh, rest = self._fresh, []
         available, empty_like, run = _program.available, _program.empty_like, _program.run
-        programs = (_sgd_program(bool(mom), False, decay), _sgd_program(bool(mom), True, decay))
+        first = _sgd_program(bool(mom), False, decay)  # no momentum yet (or none at all)
+        later = _sgd_program(True, True, decay) if mom else first
         with _framework_category("weight"):  # the new θ's category, opened once
             for p in self.params:
                 grad = p.grad
@@ -390,7 +391,7 @@ class SGD(Optimizer):
                     outs = [self._new_state(theta), empty_like(theta)]
                 else:
                     outs = [empty_like(theta)]
-                run(programs[u is not None], arrays, scalars, outs)
+                run(first if u is None else later, arrays, scalars, outs)
                 if mom:
                     u_of[p] = outs[0]
                 new = outs[-1]

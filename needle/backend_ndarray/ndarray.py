@@ -703,8 +703,8 @@ class NDArray:
 
     def _sum_rows(self, m: int, k: int) -> "NDArray":
         """The buffer read as an (m, k) row-major matrix, summed over its rows; shape (1, k).
-        The backend's ``reduce_sum_leading`` where it has one (one pass, sums in double),
-        else one ``ones(1, m) @ X`` matmul (the ones a stride-0 view of one element)."""
+        The backend's ``reduce_sum_leading`` where it has one (one pass, the rows added in
+        order), else one ``ones(1, m) @ X`` matmul (the ones a stride-0 view of one element)."""
         kernel = getattr(self._device.mod, "reduce_sum_leading", None)
         if kernel is not None:
             out = _alloc((1, k), self._device, self._handle.dtype, "sum")
