@@ -291,7 +291,8 @@ def _propagate(root, grad, retain_graph, create_graph, accumulate, grad_all_node
             deps[key] = left
             if left == 0:
                 if inp.op is None:
-                    _finish_leaf(inp, _sum(pending.pop(key)), accumulate)
+                    parts = pending.pop(key)
+                    _finish_leaf(inp, parts[0] if len(parts) == 1 else _sum(parts), accumulate)
                 else:
                     heappush(heap, (-inp._seq, inp))
         # nothing of this node outlives its step (an op may hold arrays: SoftmaxCrossEntropy)
