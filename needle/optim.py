@@ -363,44 +363,6 @@ class SGD(Optimizer):
                 u = g
             self._assign(p, theta, u * lr)
 
-    def _plain_fused_steps(self, scalars: list) -> list:
-        """:meth:`Optimizer._plain_fused_steps` with :meth:`_fused_step` written into the
-        loop: SGD steps every small model of the course, and the shared loop's calls per
-        parameter (``_fused_step``, ``_new_theta``, ``_install``) cost ~1.3 µs of Python
-        each (MLPResNet's 28 parameters: ~118 → ~105 µs per step). The same program,
-        allocations in the same order and categories, and installs: bitwise the same."""
-        if compiling() or self.grad_scale is not None or self.master:
-            return self.params
-        mom, decay, u_of = scalars[2], bool(scalars[1]), self.u
-        fresh, rest = self._fresh, []
-        available, empty_like, run = _program.available, _program.empty_like, _program.run
-        first = _sgd_program(bool(mom), False, decay)  # no momentum yet (or none at all)
-        later = _sgd_program(True, True, decay) if mom else first
-        with _framework_category("weight"):  # the new θ's category, opened once
-            for p in self.params:
-                grad = p.grad
-                if grad is None:
-                    continue
-                theta, g = p.realize_cached_data(), grad.realize_cached_data()
-                u = u_of.get(p) if mom else None
-                arrays = (theta, g) if u is None else (theta, g, u)
-                if not available(arrays):
-                    rest.append(p)  # mixed dtypes, views, a backend without the kernel
-                    continue
-                if mom:
-                    outs = [self._new_state(theta), empty_like(theta)]
-                else:
-                    outs = [empty_like(theta)]
-                run(first if u is None else later, arrays, scalars, outs)
-                if mom:
-                    u_of[p] = outs[0]
-                new = outs[-1]
-                p.cached_data = new  # _install(p, new, plain=True), written out
-                note_replaced(p)
-                if fresh is not None:
-                    fresh.add(id(new))
-        return rest
-
     def _fused_step(self, p: Tensor, theta, g, scalars: list, plain: bool = False) -> bool:
         """The update of ``p`` as one pass over memory with no temporaries, bitwise the
         composed one, where the arrays allow (else False). A compiled step takes the

@@ -66,6 +66,16 @@ std::size_t elements(const char* op, const char* what, std::int64_t rows, std::i
   return std::size_t(n);
 }
 
+// The element count of an (m x n) operand `a` of `op`: both dimensions >= 0, the product
+// checked as elements() does.
+std::size_t matrix_elements(const char* op, std::int64_t m, std::int64_t n) {
+  if (m < 0 || n < 0) {
+    throw ShapeArgError(std::string(op) + ": dimensions must be >= 0, got m=" +
+                        std::to_string(m) + ", n=" + std::to_string(n));
+  }
+  return elements(op, "a", m, n);
+}
+
 View make_view(Dims shape, Dims strides, std::int64_t offset) {
   return View{std::move(shape), std::move(strides), offset};
 }
@@ -182,11 +192,7 @@ void add_rows(const Array& a, const Array& row, Array& out, std::int64_t m, std:
   constexpr const char* op = "ewise_add_rows";
   same_dtype(op, a, out);
   same_dtype(op, row, out);
-  if (m < 0 || n < 0) {
-    throw ShapeArgError(std::string(op) + ": dimensions must be >= 0, got m=" +
-                        std::to_string(m) + ", n=" + std::to_string(n));
-  }
-  const std::size_t total = elements(op, "a", m, n), cols = std::size_t(n);
+  const std::size_t total = matrix_elements(op, m, n), cols = std::size_t(n);
   big_enough(op, "a", a, total);
   big_enough(op, "out", out, total);
   big_enough(op, "row", row, cols);
@@ -330,11 +336,7 @@ void reduce(RedOp op, const char* name, const Array& a, Array& out, std::int64_t
 void sum_leading(const Array& a, Array& out, std::int64_t m, std::int64_t n) {
   constexpr const char* op = "reduce_sum_leading";
   same_dtype(op, a, out);
-  if (m < 0 || n < 0) {
-    throw ShapeArgError(std::string(op) + ": dimensions must be >= 0, got m=" +
-                        std::to_string(m) + ", n=" + std::to_string(n));
-  }
-  big_enough(op, "a", a, elements(op, "a", m, n));
+  big_enough(op, "a", a, matrix_elements(op, m, n));
   big_enough(op, "out", out, std::size_t(n));
   if (n && a.data() == out.data()) {
     throw std::invalid_argument(std::string(op) + ": out must not share memory with a");

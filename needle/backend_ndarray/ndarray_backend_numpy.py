@@ -109,6 +109,13 @@ def _need(arr: Array, count: int, op: str, what: str) -> None:
                          f"got {arr.size}")
 
 
+def _same_dtype(op: str, out: Array, **inputs: Array) -> None:
+    for what, arr in inputs.items():
+        if arr.array.dtype != out.array.dtype:
+            raise DTypeError(f"{op}: dtypes differ, expected {out.array.dtype} for {what}, "
+                             f"got {arr.array.dtype}")
+
+
 def compact(a: Array, out: Array, shape, strides, offset) -> None:
     view = _view(a, shape, strides, offset, "compact")
     _need(out, view.size, "compact", "out")
@@ -171,10 +178,7 @@ def ewise_add_rows(a: Array, row: Array, out: Array, m: int, n: int) -> None:
         raise ShapeError(f"ewise_add_rows: dimensions must be >= 0, got m={m}, n={n}")
     for what, arr, need in (("a", a, m * n), ("out", out, m * n), ("row", row, n)):
         _need(arr, need, "ewise_add_rows", what)
-    for what, arr in (("a", a), ("row", row)):
-        if arr.array.dtype != out.array.dtype:
-            raise DTypeError(f"ewise_add_rows: dtypes differ, expected {out.array.dtype} for "
-                             f"{what}, got {arr.array.dtype}")
+    _same_dtype("ewise_add_rows", out, a=a, row=row)
     if row is out:
         raise ValueError("ewise_add_rows: out must not share memory with row")
     out.array[:m * n] = (a.array[:m * n].reshape(m, n) + row.array[:n]).reshape(-1)
@@ -259,9 +263,7 @@ def reduce_sum_leading(a: Array, out: Array, m: int, n: int) -> None:
         raise ShapeError(f"reduce_sum_leading: dimensions must be >= 0, got m={m}, n={n}")
     _need(a, m * n, "reduce_sum_leading", "a")
     _need(out, n, "reduce_sum_leading", "out")
-    if a.array.dtype != out.array.dtype:
-        raise DTypeError(f"reduce_sum_leading: dtypes differ, expected {out.array.dtype} for "
-                         f"a, got {a.array.dtype}")
+    _same_dtype("reduce_sum_leading", out, a=a)
     if n and a is out:
         raise ValueError("reduce_sum_leading: out must not share memory with a")
     rows = a.array[:m * n].reshape(m, n)
