@@ -16,9 +16,12 @@ float32 without ever being rewritten.
 
 Fused updates. Where the backend has ``ewise_program`` (``cpu()``, ``cpu_numpy()``) and the
 arrays are compact float32/float64, each parameter's update is one pass over memory (Adam:
-two) that writes only the new θ and moments: no temporaries, and bitwise the values of the
-composed arithmetic, which runs everywhere else (``cuda()``, float16 arrays) and inside a
-compiled step (whose compiler fuses the recorded kernels itself).
+two) that writes only θ and the moments: no temporaries, and bitwise the values of the
+composed arithmetic, which runs everywhere else (float16 arrays, masters, scaled gradients)
+and inside a compiled step (whose compiler fuses the recorded kernels itself). Without
+masters or a gradient scale the fused update runs in place, as PyTorch's optimizers do: θ
+and the moments are rewritten in their own buffers (a write every alias of the buffer sees,
+and which a graph that saved θ refuses afterwards); the other paths install new arrays.
 
 Memory (needle.memory categories): a step's temporaries are ``optimizer_temp``, moments
 ``optimizer``, new weights ``weight`` from their allocation. At most this many arrays of one
@@ -43,6 +46,7 @@ import math
 import numpy as np
 
 from ._core.errors import NeedleError, ShapeError
+from ._core.versions import note_write as _note_write
 from .autograd import Tensor
 from .autograd.tensor import replace_data
 from .autograd.versions import note_replaced
@@ -179,16 +183,20 @@ class Optimizer:
         return "master" if p in self.master else "weight"
 
     def _new_theta(self, p: Tensor, theta, plain: bool = False):
-        """An empty array for ``p``'s new θ, ``master`` or ``weight`` memory from its
-        allocation (for an update program to write). ``plain``: the caller holds the
-        ``weight`` category open and ``p`` has no master (:meth:`_plain_fused_steps`)."""
+        """The array an update program writes ``p``'s new θ to: an empty one, ``master`` or
+        ``weight`` memory from its allocation; with ``plain``, θ itself (updated in place,
+        see :meth:`_plain_fused_steps`)."""
         if plain:
-            return _program.empty_like(theta)
+            return theta
         with _framework_category(self._theta_category(p)):
             return _program.empty_like(theta)
 
-    def _new_state(self, like):
-        """An empty array for a new moment: ``optimizer`` memory from its allocation."""
+    def _new_state(self, like, old=None, plain: bool = False):
+        """The array an update program writes a new moment to: an empty one, ``optimizer``
+        memory from its allocation; with ``plain``, the ``old`` moment where there is one
+        (updated in place)."""
+        if plain and old is not None:
+            return old
         with _framework_category("optimizer"):
             return _program.empty_like(like)
 
@@ -202,10 +210,10 @@ class Optimizer:
 
     def _install(self, p: Tensor, new, plain: bool = False) -> None:
         """Make ``new`` the parameter's θ: its master (and the master's float16 rounding
-        into ``p``), or ``p``'s data. ``plain``: ``p`` has no master and ``new`` is of its
-        dtype (:meth:`_plain_fused_steps`)."""
-        if plain:
-            p.cached_data = new
+        into ``p``), or ``p``'s data. ``plain``: ``new`` is ``p``'s own array, updated in
+        place (:meth:`_plain_fused_steps`); the write is recorded."""
+        if plain:  # updated in place: a write into the buffer, seen by every alias of it
+            _note_write(new._handle)
             note_replaced(p)
         elif p in self.master:
             self.master[p] = new
@@ -222,27 +230,30 @@ class Optimizer:
     # A small model's step updates dozens of parameters, and the general path (_grads,
     # _theta, _grad, a category scope per new θ, _install's checks) costs ~5 us of Python
     # per parameter. Most steps need none of it: no float16 masters, no gradient scale.
-    # _plain_fused_steps runs the same _fused_step, with the same allocations in the same
-    # order and categories, with less Python per parameter (SGD on MLPResNet: 175 -> ~120 us
-    # per step); a parameter it cannot take goes to the general path.
+    # _plain_fused_steps runs the same _fused_step programs in place, as PyTorch's
+    # optimizers do: θ and the moments are written into their own buffers (the programs read
+    # every element before they store it), so a step allocates nothing after the first and
+    # its peak holds no second copy of the weights (SGD on MLPResNet: 175 -> ~120 us per
+    # step with new buffers, ~55 in place). The write bumps the buffer's version, so a graph
+    # that saved θ refuses to backpropagate through it afterwards, as after a replacement.
+    # A parameter it cannot take goes to the general path, which installs new buffers.
     def _fused_step(self, p: Tensor, theta, g, scalars: list, plain: bool = False) -> bool:
         """``p``'s update as an elementwise program (subclasses), or False: not fused."""
         return False
 
     def _plain_fused_steps(self, scalars: list) -> list:
-        """:meth:`_fused_step` (``plain``) for every parameter with a gradient when the fast
-        path applies (not compiling, no gradient scale, no float16 masters); returns the
+        """:meth:`_fused_step` (``plain``: in place) for every parameter with a gradient when
+        the fast path applies (not compiling, no gradient scale, no float16 masters); returns the
         parameters left for the general path (all of them when it does not apply)."""
         if compiling() or self.grad_scale is not None or self.master:
             return self.params
         rest: list = []
-        with _framework_category("weight"):  # the new θ's category, opened once
-            for p in self.params:
-                grad = p.grad
-                if grad is not None and not self._fused_step(
-                        p, p.realize_cached_data(), grad.realize_cached_data(), scalars,
-                        plain=True):
-                    rest.append(p)  # mixed dtypes, views, a backend without the kernel
+        for p in self.params:
+            grad = p.grad
+            if grad is not None and not self._fused_step(
+                    p, p.realize_cached_data(), grad.realize_cached_data(), scalars,
+                    plain=True):
+                rest.append(p)  # mixed dtypes, views, a backend without the kernel
         return rest
 
     def rebind(self, p: Tensor, data) -> None:
@@ -373,7 +384,7 @@ class SGD(Optimizer):
         arrays = (theta, g) if u is None else (theta, g, u)
         if compiling() or not _program.available(arrays):
             return False
-        outs = [self._new_state(theta)] if mom else []
+        outs = [self._new_state(theta, u, plain)] if mom else []
         outs.append(self._new_theta(p, theta, plain))
         _program.run(_sgd_program(bool(mom), u is not None, bool(scalars[1])), arrays,
                      scalars, outs)
@@ -503,11 +514,11 @@ class Adam(Optimizer):
                 or not _program.available((theta, g) if first else (theta, g, m, v)):
             return False
         decay = bool(scalars[0])
-        new_m = self._new_state(theta)
+        new_m = self._new_state(theta, m, plain)
         _program.run(_adam_m_program(first, decay), (theta, g) if first else (theta, g, m),
                      scalars, [new_m])
         self.m[p] = m = new_m  # the old m is freed before the new v is made
-        outs = [self._new_state(theta), self._new_theta(p, theta, plain)]
+        outs = [self._new_state(theta, v, plain), self._new_theta(p, theta, plain)]
         _program.run(_adam_v_theta_program(first, decay),
                      (theta, g, m) if first else (theta, g, m, v), scalars, outs)
         self.v[p] = outs[0]

@@ -1,7 +1,8 @@
 // Entry point of ewise_program, the fused elementwise kernel of needle.compile's kernel
 // programs (see ewise_program_impl.h for the instruction format). Everything a bad program
 // could crash on is checked here, once per call: dtypes, sizes, register and operand indices,
-// op codes, and that no output aliases an input (a block would read what it already wrote).
+// op codes, and that an output sharing an input's buffer is written only after the program's
+// last read of that input (else a block would read what it already wrote).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -84,6 +85,39 @@ void check_ewise_program(const std::vector<std::int32_t>& code, std::size_t n_in
   }
 }
 
+void check_in_place(const std::vector<std::int32_t>& code, std::size_t in, std::size_t out) {
+  // Registers are views of the input (kLoad does not copy) until overwritten: after the
+  // store to `out`, a read of a register still viewing input `in` would see the new values.
+  // The store may be fused with the computation before it (ewise_program_impl.h), which then
+  // reads and writes each element at one index: an update such as θ − lr·g in place.
+  const auto refuse = [&] {
+    bad("output " + std::to_string(out) + " shares its buffer with input " + std::to_string(in) +
+        " and the program reads that input after storing the output (in place, every read "
+        "of the input must come first)");
+  };
+  bool views[kProgramRegisters] = {};
+  bool stored = false;
+  for (std::size_t k = 0; k + 4 < code.size(); k += 5) {
+    const std::int32_t kind = code[k], dst = code[k + 2], a = code[k + 3], b = code[k + 4];
+    const auto viewed = [&](std::int32_t r) {
+      return r >= 0 && r < kProgramRegisters && views[r];
+    };
+    if (kind == kLoad) {
+      if (stored && std::size_t(a) == in) refuse();
+      if (dst >= 0 && dst < kProgramRegisters) views[dst] = std::size_t(a) == in;
+      continue;
+    }
+    const bool reads = viewed(a) || (kind == kBinary && viewed(b));
+    if (kind == kStore) {
+      if (reads && (stored || std::size_t(dst) == out)) refuse();  // a copy onto itself too
+      if (std::size_t(dst) == out) stored = true;
+      continue;
+    }
+    if (stored && reads) refuse();
+    if (dst >= 0 && dst < kProgramRegisters) views[dst] = false;
+  }
+}
+
 void run_ewise_program(const KernelTable& kernels, const std::vector<const Array*>& ins,
                        const std::vector<Array*>& outs, const std::vector<std::int32_t>& code,
                        const std::vector<double>& scalars, std::int64_t n, bool checked) {
@@ -108,8 +142,8 @@ void run_ewise_program(const KernelTable& kernels, const std::vector<const Array
       bad("every output must be " + std::string(dtype_name(t)) + " with at least " +
           std::to_string(n) + " elements");
     }
-    for (const Array* a : ins) {
-      if (a->data() == o->data()) bad("an output shares its buffer with an input");
+    for (std::size_t i = 0; i < ins.size(); ++i) {
+      if (ins[i]->data() == o->data()) check_in_place(code, i, j);
     }
     for (std::size_t k = 0; k < j; ++k) {  // see check_ewise_program: one store per buffer
       if (outs[k]->data() == o->data()) bad("two outputs share a buffer");

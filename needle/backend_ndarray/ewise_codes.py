@@ -22,7 +22,7 @@ Example:
     [0, 0, 0, 0, 0, 3, 2, 1, 0, 0, 1, 0, 0, 1, 0]
 """
 __all__ = ["LOAD", "STORE", "BINARY", "SCALAR", "RSCALAR", "UNARY", "MAX_REGISTERS",
-           "BINARY_OPS", "UNARY_OPS", "check_program"]
+           "BINARY_OPS", "UNARY_OPS", "check_program", "check_in_place"]
 
 MAX_REGISTERS = 16  # kProgramRegisters in src/kernels.h
 LOAD, STORE, BINARY, SCALAR, RSCALAR, UNARY = range(6)  # ProgramKind in src/kernels.h
@@ -90,3 +90,52 @@ def check_program(code, n_in: int, n_out: int, n_scalars: int) -> None:
         else:
             bad(f"unknown instruction kind {kind}")
         ready[dst] = True
+
+
+def check_in_place(code, in_index: int, out_index: int) -> None:
+    """Raise ``ValueError`` unless ``code`` may run with output ``out_index`` in the buffer of
+    input ``in_index``: every read of that input (its loads and the registers holding them)
+    must come before the output's store, or at the computation stored there, which reads and
+    writes each element at one index. A program updating θ in place (``θ − lr·g`` stored
+    into θ's buffer) qualifies; one reading θ again after storing it does not.
+
+    Example:
+        >>> update = [LOAD, 0, 0, 0, 0, LOAD, 0, 1, 1, 0,
+        ...           BINARY, BINARY_OPS["sub"], 2, 0, 1, STORE, 0, 0, 2, 0]
+        >>> check_in_place(update, 0, 0)              # out0 = in0 - in1, into in0's buffer
+        >>> try:                                      # out1 = in0, read after the store
+        ...     check_in_place(update + [STORE, 0, 1, 0, 0], 0, 0)
+        ... except ValueError as exc:
+        ...     print(str(exc)[:57])
+        ewise_program: output 0 shares its buffer with input 0 an
+    """
+    def refuse():
+        raise ValueError(
+            f"ewise_program: output {out_index} shares its buffer with input {in_index} and "
+            f"the program reads that input after storing the output (in place, every read of "
+            f"the input must come first)")
+
+    views = [False] * MAX_REGISTERS  # registers still holding the input as loaded
+    stored = False
+
+    def viewed(r):
+        return 0 <= r < MAX_REGISTERS and views[r]
+
+    for k in range(0, len(code) - 4, 5):
+        kind, _op, dst, a, b = code[k:k + 5]
+        if kind == LOAD:
+            if stored and a == in_index:
+                refuse()
+            if 0 <= dst < MAX_REGISTERS:
+                views[dst] = a == in_index
+            continue
+        reads = viewed(a) or (kind == BINARY and viewed(b))
+        if kind == STORE:
+            if reads and (stored or dst == out_index):  # a copy onto itself too
+                refuse()
+            stored = stored or dst == out_index
+            continue
+        if stored and reads:
+            refuse()
+        if 0 <= dst < MAX_REGISTERS:
+            views[dst] = False

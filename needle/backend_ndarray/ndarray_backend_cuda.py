@@ -24,7 +24,7 @@ import numpy as np
 from .._core.errors import DTypeError, IndexOutOfRange, ShapeError
 from ._cuda import launch as L
 from ._cuda import runtime
-from .ewise_codes import MAX_REGISTERS, check_program
+from .ewise_codes import MAX_REGISTERS, check_in_place, check_program
 from .ndarray_checks import check_class_ids
 from .ndarray_limits import check_view
 
@@ -646,13 +646,14 @@ def ewise_program(ins, outs, code, scalars, n) -> None:
         if arr.dtype != dtype or arr.size < n:
             raise ValueError(f"{op}: every input and output must be {dtype} with at least {n} "
                              f"elements, got {arr.dtype} with {arr.size}")
-    in_ptrs = {a.ptr() for a in ins}
+    template = _program_template(tuple(code), len(ins), len(outs), len(scalars))  # checks
+    in_ptrs = [a.ptr() for a in ins]
     for j, o in enumerate(outs):
-        if o.ptr() in in_ptrs:
-            raise ValueError(f"{op}: an output shares its buffer with an input")
+        for i, ptr in enumerate(in_ptrs):
+            if ptr == o.ptr():
+                check_in_place(code, i, j)  # in place where every read of the input is first
         if any(o.ptr() == p.ptr() for p in outs[:j]):
             raise ValueError(f"{op}: two outputs share a buffer")
-    template = _program_template(tuple(code), len(ins), len(outs), len(scalars))  # checks
     if n == 0:
         return
     record = template.copy()

@@ -19,7 +19,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from .ewise_codes import BINARY, LOAD, MAX_REGISTERS, RSCALAR, SCALAR, STORE, check_program
+from .ewise_codes import (
+    BINARY,
+    LOAD,
+    MAX_REGISTERS,
+    RSCALAR,
+    SCALAR,
+    STORE,
+    check_in_place,
+    check_program,
+)
 from .ndarray_checks import check_class_ids
 
 __all__ = ["conv2d_forward", "conv2d_weight_grad", "conv2d_input_grad", "lstm_cell_forward",
@@ -262,12 +271,15 @@ def ewise_program(ins, outs, code, scalars, n) -> None:
         if arr.array.dtype != dtype or arr.array.size < n:
             raise ValueError(f"ewise_program: every input and output must be {dtype} with at "
                              f"least {n} elements")
+    check_program(code, len(ins), len(outs), len(scalars))
     for j, o in enumerate(outs):
-        if any(np.shares_memory(o.array, a.array) for a in ins):
-            raise ValueError("ewise_program: an output shares its buffer with an input")
+        for i, a in enumerate(ins):
+            if a.array is o.array:
+                check_in_place(code, i, j)  # the whole buffer: allowed where reads come first
+            elif np.shares_memory(o.array, a.array):
+                raise ValueError("ewise_program: an output shares its buffer with an input")
         if any(np.shares_memory(o.array, p.array) for p in outs[:j]):
             raise ValueError("ewise_program: two outputs share a buffer")
-    check_program(code, len(ins), len(outs), len(scalars))
     binary, scalar, rscalar, unary = kernel_tables()
     regs: list = [None] * MAX_REGISTERS
     for k in range(0, len(code), 5):

@@ -48,16 +48,21 @@ TOP = 3            # contributors named at the peak of the plot
 PHASES = ("forward", "backward", "optimizer", "other")
 
 
+def _shape(shape) -> list | None:
+    """A buffer's tensor shape as a list: [] for a scalar (a loss), None when unknown."""
+    return None if shape is None else list(shape)
+
+
 def _live_entry(rec) -> dict:
     return {"block": rec.block, "bytes": rec.nbytes, "requested": rec.requested,
-            "category": rec.category, "shape": list(rec.shape) if rec.shape else None,
+            "category": rec.category, "shape": _shape(rec.shape),
             "dtype": rec.dtype, "op": rec.op, "line": rec.line, "user_line": rec.user_line,
             "phase": rec.phase, "allocated_at": rec.index}
 
 
 def _baseline_entry(b: dict) -> dict:
     return {"block": b["block"], "bytes": b["nbytes"], "requested": b["requested"],
-            "category": b["category"], "shape": list(b["shape"]) if b["shape"] else None,
+            "category": b["category"], "shape": _shape(b["shape"]),
             "dtype": b["dtype"], "op": b["op"], "line": None, "user_line": None,
             "phase": "before", "allocated_at": None}
 

@@ -12,12 +12,14 @@ largest ``r(parameter bytes)``, ``A`` = the largest activation block of the step
 row                                 prediction (terms)                                     tol.
 ==================================  =====================================================  =====
 weight (peak)                       parameters (ledger) + block rounding + the new          0
-                                    weight beside the old one during the update (``M``)
+                                    weight beside the old one during the update (``M``;
+                                    0 where the update is fused: in place)
 gradient (peak)                     parameter gradients (ledger) + block rounding;         seed +
                                     gap: gradients in flight during backward               (2+b)A
                                                                                            + M
 optimizer (peak)                    moments (ledger) + rounding + the new moment beside    0
-                                    the old one (``M``, when the state existed before)
+                                    the old one (``M``, when the state existed before
+                                    and the update is not fused)
 optimizer_temp (peak)               the update's temporaries: ``t x M``, t = Adam 3,       0
                                     SGD 1, SGD with momentum 3 (1 on its first step),
                                     +1 with weight decay; 0 where the update is fused
@@ -252,10 +254,12 @@ def reconcile_step(*, ledger: Ledger, param_bytes: list, optimizer: str, first_s
     rounding = _rounding(param_bytes)
     moments = ledger["optimizer moments"]
     k = moments // max(n_bytes, 1) if n_bytes else 0
+    # a fused update rewrites θ and the moments in place (needle.optim): nothing beside them
+    beside = 0 if fused_update else m
     rows = [
-        ReconRow("weight", "weight", "peak", ledger["working weights"] + rounding + m,
+        ReconRow("weight", "weight", "peak", ledger["working weights"] + rounding + beside,
                  (("parameters (ledger)", ledger["working weights"]),
-                  ("block rounding", rounding), ("new weight beside the old", m)),
+                  ("block rounding", rounding), ("new weight beside the old", beside)),
                  cats["weight"]["peak"], (), 0),
     ]
     grads = ledger["gradients"] + rounding
@@ -266,7 +270,7 @@ def reconcile_step(*, ledger: Ledger, param_bytes: list, optimizer: str, first_s
         (("gradients in flight during backward", cats["gradient"]["peak"] - grads),),
         round_size(seed_bytes) + (2 + branches) * a + m))
     state_rounding = k * rounding
-    beside = 0 if first_step or not k else m
+    beside = 0 if first_step or not k or fused_update else m
     rows.append(ReconRow(
         "optimizer", "optimizer", "peak", moments + state_rounding + beside,
         (("moments (ledger)", moments), ("block rounding", state_rounding),

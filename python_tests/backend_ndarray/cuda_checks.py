@@ -526,8 +526,8 @@ def check_packs_and_tails(B, dtype: str) -> None:
 def check_ewise_program_refusals(B) -> None:
     a, b, c = (put(B, np.ones(4, np.float32)) for _ in range(3))
     copy = [0, 0, 0, 0, 0, 1, 0, 0, 0, 0]  # LOAD r0 = in0; STORE out0 = r0
-    with pytest.raises(ValueError, match="output shares its buffer with an input"):
-        B.ewise_program([a], [a], copy, [], 4)
+    with pytest.raises(ValueError, match="output 0 shares its buffer with input 0"):
+        B.ewise_program([a], [a], copy, [], 4)  # a copy onto itself
     with pytest.raises(ValueError, match="two outputs share a buffer"):
         B.ewise_program([a], [b, b], copy + [1, 0, 1, 0, 0], [], 4)
     with pytest.raises(ValueError, match="register 3 read before set"):
@@ -539,6 +539,44 @@ def check_ewise_program_refusals(B) -> None:
     too_long = [0, 0, 0, 0, 0] + [3, 0, 1, 0, 0] * 96 + [1, 0, 0, 1, 0]
     with pytest.raises(ValueError, match="too many instructions"):
         B.ewise_program([a], [c], too_long, [1.0], 4)
+
+
+def check_ewise_program_in_place(B, dtype: str, n: int) -> None:
+    """The optimizers' update programs with outputs written into their inputs' buffers (SGD
+    with momentum and decay: u and θ; Adam's second pass: v and θ) give the bits of the same
+    programs run into fresh outputs; a program that reads an input after storing over it is
+    refused before anything is written."""
+    from needle.optim import _adam_v_theta_program, _sgd_program
+
+    rng = np.random.default_rng(n)
+    cases = (
+        (_sgd_program(True, True, True), 3, [0.1, 0.01, 0.9, 0.1], {0: 2, 1: 0}),
+        (_adam_v_theta_program(False, True), 4,
+         [0.01, 0.9, 0.1, 0.999, 0.001, 0.19, 0.1, 0.002, 1e-8], {0: 3, 1: 0}),
+    )
+    for prog, n_in, scalars, aliases in cases:  # aliases: output -> the input it overwrites
+        values = [rand(rng, n, dtype, 0.5, 2.0) for _ in range(n_in)]  # v > 0 for Adam's sqrt
+        fresh = [put(B, np.full(n, np.nan, dtype)) for _ in range(prog.n_outputs)]
+        B.ewise_program([put(B, v) for v in values], fresh, prog.code, scalars, n)
+        ins = [put(B, v) for v in values]
+        B.ewise_program(ins, [ins[aliases[j]] for j in range(prog.n_outputs)], prog.code,
+                        scalars, n)
+        for j in range(prog.n_outputs):
+            np.testing.assert_array_equal(get(B, ins[aliases[j]]), get(B, fresh[j]),
+                                          err_msg=f"output {j}, n={n}")
+        untouched = [i for i in range(n_in) if i not in aliases.values()]
+        for i in untouched:
+            np.testing.assert_array_equal(get(B, ins[i]), values[i])
+    # out0 = 2·in0 into in0's buffer, then out1 = in0 + 1 reads in0 after it was overwritten
+    late_read = [0, 0, 0, 0, 0, 3, 2, 1, 0, 0, 1, 0, 0, 1, 0, 3, 0, 2, 0, 1, 1, 0, 1, 2, 0]
+    x = put(B, np.arange(n, dtype=dtype))
+    other = put(B, np.zeros(n, dtype))
+    with pytest.raises(ValueError, match="output 0 shares its buffer with input 0 and the "
+                                         "program reads that input after storing"):
+        B.ewise_program([x], [x, other], late_read, [2.0, 1.0], n)
+    np.testing.assert_array_equal(get(B, x), np.arange(n, dtype=dtype))
+    B.ewise_program([x], [other, put(B, np.zeros(n, dtype))], late_read, [2.0, 1.0], n)
+    np.testing.assert_array_equal(get(B, other), 2 * np.arange(n, dtype=dtype))
 
 
 def check_batch_norm(B, dtype: str, n: int, c: int, s: int) -> None:
@@ -808,6 +846,12 @@ def test_deferred_checks(backend):
 
 def test_ewise_program_refusals(backend):
     check_ewise_program_refusals(backend)
+
+
+@pytest.mark.parametrize("n", (1, 255, 257, 1000))
+@pytest.mark.parametrize("dtype", ("float32", "float64"))
+def test_ewise_program_in_place(backend, dtype, n):
+    check_ewise_program_in_place(backend, dtype, n)
 
 
 # (n, c, s): one element; (N, C) rows; NCHW planes; planes longer than a block; channels of

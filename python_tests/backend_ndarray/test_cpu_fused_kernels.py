@@ -1,5 +1,5 @@
-"""The C++ backend's matmul, convolution, LSTM-cell, batch-norm and softmax cross-entropy
-kernels against the NumPy reference.
+"""The C++ backend's matmul, convolution, LSTM-cell, batch-norm, softmax cross-entropy and
+elementwise-program kernels against the NumPy reference.
 
 Every case runs on each kernel build the CPU can execute (``_available_isas()``: avx512,
 avx2, baseline), so an AVX-512 machine checks both vector families and an AVX2 one its own;
@@ -15,7 +15,7 @@ import sys
 
 import numpy as np
 import pytest
-from cuda_checks import check_batch_norm_refusals
+from cuda_checks import check_batch_norm_refusals, check_ewise_program_in_place
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -488,3 +488,15 @@ def test_large_elementwise_outputs_match_reference(dtype, threads):
         np.testing.assert_array_equal(flat(cpu, out), np.asarray(0.5, dtype) - a32)
         cpu.ewise_tanh(ca, out)
         assert_close(flat(cpu, out), np.tanh(a32.astype(np.float64)), dtype)
+
+
+# ---- elementwise programs in place ---------------------------------------------------------
+# n: one element, either side of a 256-element block, several blocks, and enough for threads
+@pytest.mark.parametrize("n", (1, 255, 257, 4099, 300_001))
+@pytest.mark.parametrize("dtype", ("float32", "float64"))
+@pytest.mark.parametrize("isa", ISAS)
+def test_ewise_program_runs_in_place_where_every_read_comes_first(isa, dtype, n):
+    cpu._set_isa(isa)
+    cpu.set_num_threads(2)
+    check_ewise_program_in_place(cpu, dtype, n)
+    check_ewise_program_in_place(ref, dtype, n)  # the reference takes the same programs

@@ -57,8 +57,9 @@ def test_report_reproduces_stats_and_the_live_set_sums_to_the_peak(device):
     assert made and all(e["shape"] is not None and e["dtype"] == "float32" for e in made)
     acts = [e for e in made if e["category"] == "activation"]
     assert all(e["op"] and e["line"] for e in acts)
-    assert set(rep["phases"]) >= {"forward", "backward", "optimizer"}
-    assert rep["phases"]["optimizer"]["op"] == "Adam.step"
+    # the steady Adam step updates θ and the moments in place: it allocates nothing, so no
+    # optimizer band (the first step's, which makes the moments, is checked below)
+    assert set(rep["phases"]) >= {"forward", "backward"} and "optimizer" not in rep["phases"]
     assert max(p["peak_bytes"] for p in rep["phases"].values()) == rep["peak_bytes"]
 
 
@@ -77,9 +78,10 @@ def test_a_weight_stays_a_weight_through_the_step_and_temporaries_are_their_own(
     with mem.profile(device) as prof:
         step()
     series = prof.report()["devices"]["cpu_numpy"]["timeline"]["series"]
-    # never below the weights (old replaced by new, never "moved" into the optimizer), at most
-    # one parameter's new array beside its old one
-    assert min(series["weight"]) == weights and max(series["weight"]) == weights + largest
+    # never below the weights (never "moved" into the optimizer); the fused update rewrites
+    # each θ in place, the composed one puts at most one parameter's new array beside its old
+    assert min(series["weight"]) == weights
+    assert max(series["weight"]) == weights + (0 if fused else largest)
     # Adam's three update temporaries; none when the update is one kernel per parameter
     assert max(series["optimizer_temp"]) == (0 if fused else 3 * largest)
     assert series["optimizer_temp"][-1] == 0

@@ -1,5 +1,6 @@
-"""The optimizers' fused updates (one ``ewise_program`` per parameter, no temporaries) against
-their composed arithmetic: bitwise equal, for every rule, on every device that has the kernel.
+"""The optimizers' fused updates (one ``ewise_program`` per parameter, in place, no
+temporaries) against their composed arithmetic: bitwise equal, for every rule, on every
+device that has the kernel.
 
 The composed path is what a device without ``ewise_program`` runs (cuda()); it is forced here
 by making ``ewise_program.available`` say no.
@@ -73,20 +74,52 @@ def test_fused_update_on_emulated_cuda_is_bitwise_the_composed_one(emulated_cuda
 
 
 def test_the_fused_update_allocates_no_temporaries():
-    """Only the new θ and moments are allocated: ``optimizer_temp`` memory stays at zero."""
+    """The first step allocates the moments, later ones nothing: θ, m and v are rewritten in
+    place, and ``optimizer_temp`` memory stays at zero."""
     from needle import memory as mem
 
     device = ndl.cpu()
     rng = np.random.default_rng(1)
     p = nn.Parameter(Tensor(rng.standard_normal((64, 64)), device=device))
     opt = optim.Adam([p], lr=0.01, weight_decay=0.01)
-    for _ in range(2):
+    for step in range(3):
         p.grad = Tensor(rng.standard_normal(p.shape), device=device, requires_grad=False)
+        theta = p.realize_cached_data()
+        moments = (opt.m.get(p), opt.v.get(p))
         mem.reset_peak(device)
+        before = mem.stats(device)["by_category"]
         opt.step()
         stats = mem.stats(device)["by_category"]
         assert stats["optimizer_temp"]["peak"] == 0
         assert stats["optimizer"]["current"] >= 2 * 64 * 64 * 4  # m and v
+        assert p.realize_cached_data() is theta  # the same array, written in place
+        for cat in ("weight", "optimizer"):  # nothing new beside the old ones
+            assert stats[cat]["peak"] == before[cat]["current"] + (
+                2 * 64 * 64 * 4 if step == 0 and cat == "optimizer" else 0), (step, cat)
+        if step:
+            assert (opt.m[p], opt.v[p]) == moments
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_the_fused_update_writes_in_place_where_every_alias_sees_it(device, rule):
+    """θ's buffer is rewritten, as PyTorch's optimizers do: a detached tensor sharing it sees
+    the new values, and a graph that saved that tensor refuses to backpropagate afterwards."""
+    from needle._core.errors import GraphError
+
+    if getattr(device.mod, "ewise_program", None) is None:
+        pytest.skip(f"{device.name}() has no ewise_program: it installs new arrays")
+    layer = nn.Linear(3, 2, device=device)
+    opt = RULES[rule](layer.parameters())
+    alias = layer.weight.detach()
+    x = Tensor(np.ones((4, 3), "float32"), device=device)
+    stale = (x @ alias).sum()  # the product saves alias for x's gradient
+    layer(x).sum().backward()
+    before = alias.numpy()
+    opt.step()
+    np.testing.assert_array_equal(alias.numpy(), layer.weight.numpy())
+    assert not np.array_equal(alias.numpy(), before)
+    with pytest.raises(GraphError, match="saved"):
+        stale.backward()
 
 
 def test_programs_fall_back_for_arrays_they_cannot_take():
