@@ -250,17 +250,21 @@ inline bool use_direct_b(std::size_t m, std::size_t n, std::size_t p, std::size_
          rows_spread_over_sets(row_bytes);
 }
 
-// A's rows read in place by the micro-kernel (A row-major, acs == 1) instead of packed. With
-// B read in place: at most two column panels, where packing would read A as often as the
-// kernel does, and write it. With B packed: at most `max_panels` panels, where each packed
-// row of A would serve few tiles (`dY @ W.T` of the LSTM LM's 10,000-wide head, 320 x 10000 x
-// 100 float32, went from 0.81-0.99x to 1.10-1.12x NumPy on Zen 3). Not when A's row stride is
-// near a multiple of 4 KiB: the rows of a tile would then share L1 sets and evict each other.
+// A's rows read in place by the micro-kernel (A row-major, acs == 1) instead of packed, where
+// each packed row of A would serve few tiles: at most `max_panels` column panels (with B
+// read in place too, two panels whatever A's stride, where packing would read A as often as
+// the kernel does, and write it). `dY @ W.T` of the LSTM LM's 10,000-wide head, 320 x 10000
+// x 100 float32, went from 0.81-0.99x to 1.10-1.12x NumPy on Zen 3; with B in place, up to
+// eight panels on Zen 4 (float32, two threads): the MLP's x @ W, 128 x 784 x 100, 111 ->
+// 100 us, 4096 x 256 x 128 1,330 -> 1,225 us, 320 x 400 x 100 139 -> 126 us, 8192 x 32 x 96
+// 269 -> 246 us. Not when A's row stride is near a multiple of 4 KiB: the rows of a tile
+// then share L1 sets and evict each other (256 x 1024 x 200 read in place: 570 -> 700 us).
 inline bool use_direct_a(bool direct_b, std::ptrdiff_t ars, std::size_t p, std::size_t nr,
                          std::size_t item, std::size_t max_panels) {
-  if (direct_b) return p <= 2 * nr;
-  const std::size_t stride_mod = (std::size_t(ars) * item) % 4096;
-  return ceil_div(p, nr) <= max_panels && stride_mod >= 256 && stride_mod <= 4096 - 256;
+  if (direct_b && p <= 2 * nr) return true;
+  const std::size_t row_bytes = std::size_t(ars) * item, stride_mod = row_bytes % 4096;
+  const bool spread = row_bytes < 4096 - 256 || (stride_mod >= 256 && stride_mod <= 4096 - 256);
+  return ceil_div(p, nr) <= max_panels && spread;
 }
 
 // One function for the whole loop nest (longer than our usual 40 lines) because the OpenMP

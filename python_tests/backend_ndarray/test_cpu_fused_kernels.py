@@ -124,14 +124,15 @@ def test_matmul_strided_matches_reference(case, isa, threads):
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("shape", [(64, 64, 64), (512, 64, 8), (1024, 128, 16), (300, 257, 33),
                                    (25, 1000, 7), (2048, 48, 260), (96, 512, 512),
-                                   (200, 1100, 100), (130, 700, 60), (64, 1024, 100)])
+                                   (200, 1100, 100), (130, 700, 60), (64, 1024, 100),
+                                   (140, 300, 200)])
 def test_matmul_kernel_paths(shape, dtype, isa):
     """Shapes that take each path: B and A read in place (narrow C), two-panel and 256-bit
     narrow kernels, half tiles, packed operands, several KC blocks; A read in place against a
-    packed B (B over 256 KiB, C at most 8 panels wide: (200, 1100, 100) float32, (130, 700,
-    60) float64, with edge rows and a narrow last panel), and A with a 4 KiB row stride (64,
-    1024, 100), which is packed instead (the values are checked; which path ran is not
-    observable here)."""
+    packed B (B over 256 KiB, C at most 8 panels wide: (130, 700, 60) float64) and against B
+    read in place up to 8 panels ((200, 1100, 100), (140, 300, 200) float32), with edge rows
+    and a narrow last panel, and A with a 4 KiB row stride (64, 1024, 100), which is packed
+    instead (the values are checked; which path ran is not observable here)."""
     cpu._set_isa(isa)
     m, n, p = shape
     rng = np.random.default_rng(1)
