@@ -164,6 +164,41 @@ def test_run_of_a_training_step_gives_the_eager_gradients():
         q.grad = None
 
 
+def test_run_of_a_step_with_an_in_place_optimizer_update_gives_the_eager_parameters():
+    """SGD with momentum rewrites θ and u in their own buffers (needle.optim): a planned run
+    of the whole step (forward, backward, update) lands on the eager step's parameters
+    bitwise, and measures the planned peak."""
+    from needle import optim
+
+    model = chain(3, bias=True)
+    params = model.parameters()
+    opt = optim.SGD(params, lr=0.1, momentum=0.5)
+    x = data()
+
+    def step(a):
+        opt.reset_grad()
+        model(a).sum().backward()
+        opt.step()
+
+    step(x)  # the momentum exists: the traced step is the steady one
+    g = mem.trace(step, x)
+    p = mem.plan(g)
+    weights, state = model.state_dict(), opt.state_dict()
+    thetas = [q.realize_cached_data() for q in params]
+    _, peak = measure_run(p, x)
+    planned = [q.numpy() for q in params]
+    # updated in place
+    assert all(q.realize_cached_data() is t for q, t in zip(params, thetas, strict=True))
+    # the step's reset_grad frees the last gradients before the run makes as many anew
+    assert peak == p.peak_bytes and g.output_bytes == sum(q.nbytes for q in thetas)
+    model.load_state_dict(weights)
+    opt.load_state_dict(state)
+    step(x)
+    assert not np.array_equal(planned[0], weights["modules.0.weight"])
+    for got, want in zip(planned, [q.numpy() for q in params], strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
 def plans_for(depths, train):
     out = []
     for depth in depths:
