@@ -234,7 +234,7 @@ class Optimizer:
     # optimizers do: θ and the moments are written into their own buffers (the programs read
     # every element before they store it), so a step allocates nothing after the first and
     # its peak holds no second copy of the weights (SGD on MLPResNet: 175 -> ~120 us per
-    # step with new buffers, ~55 in place). The write bumps the buffer's version, so a graph
+    # step with new buffers, ~100 in place). The write bumps the buffer's version, so a graph
     # that saved θ refuses to backpropagate through it afterwards, as after a replacement.
     # A parameter it cannot take goes to the general path, which installs new buffers.
     def _fused_step(self, p: Tensor, theta, g, scalars: list, plain: bool = False) -> bool:
