@@ -6,8 +6,10 @@ gradient is silently wrong. Two kinds of change are recorded, both stamped on th
 numbers graph nodes (``needle._core.versions``):
 
 * in-place writes into a backend buffer (``NDArray.__setitem__`` / ``fill``, hence
-  ``.flat[j] += eps`` and writes through any view sharing the buffer), per buffer;
-* replacements of a Tensor's data (``Tensor.data = ...``, optimizer steps), per Tensor, here
+  ``.flat[j] += eps`` and writes through any view sharing the buffer; the fused optimizer
+  updates, which rewrite θ in its buffer), per buffer;
+* replacements of a Tensor's data (``Tensor.data = ...``, optimizer steps, which an in-place
+  update also notes so that a parameter's version counts steps), per Tensor, here
   (:func:`note_replaced`).
 
 The engine calls :func:`check_saved` on a node only when some change at all happened after the
