@@ -245,6 +245,25 @@ class NDArray:
             return
         self._device.ewise_add(self._handle, other._copy("add")._handle, self._handle)
 
+    def _add_row_in_place(self, row: "NDArray") -> None:
+        # self += row added to every row of self's last axis, into self's buffer: a compact
+        # array only its creator can see yet (a linear layer's product). ``row`` holds
+        # ``shape[-1]`` values in any shape ((n,), (1, n)); read in place where the backend
+        # has ewise_add_rows, else through the broadcast.
+        if row._device is not self._device or row._handle.dtype != self._handle.dtype:
+            check_pair("add", self, row)
+        shape = self._shape
+        n = shape[-1] if shape else 1
+        if row.size != n or not shape or row._shape[-1:] != (n,) or len(row._shape) > len(shape):
+            raise ShapeError(f"add: expected a row of {n} values to add to every row of "
+                             f"{shape}, got shape {row._shape}")
+        add_rows = getattr(self._device.mod, "ewise_add_rows", None)
+        if (add_rows is None or not (self._compact or self.is_compact())
+                or not (row._compact or row.is_compact())):
+            self._add_in_place(row.reshape((1,) * (len(shape) - 1) + (n,)).broadcast_to(shape))
+            return
+        add_rows(self._handle, row._handle, self._handle, self.size // n if n else 0, n)
+
     def to(self, device) -> "NDArray":
         """This array on ``device`` (self when already there)."""
         if device == self._device:
@@ -699,6 +718,8 @@ class NDArray:
             kernel(self._handle, out._handle, reduce_size)
             return out
         summed = self._sum_rows(reduce_size, math.prod(kept))
+        if summed._shape == out_shape:  # (1, k): one leading axis kept as a 1
+            return summed
         return _view(out_shape, _compact_strides(out_shape), 0, self._device, summed._handle)
 
     def _sum_rows(self, m: int, k: int) -> "NDArray":

@@ -35,6 +35,12 @@ def normalize_axes(axis, ndim: int, op: str) -> tuple:
     """``None`` → all axes; int or sequence → sorted tuple of distinct non-negative axes."""
     if axis is None:
         return tuple(range(ndim))
+    # one axis already in range (a bias gradient's (0,)): nothing to sort or check
+    if type(axis) is tuple and len(axis) == 1:
+        if type(axis[0]) is int and 0 <= axis[0] < ndim:
+            return axis
+    elif type(axis) is int and 0 <= axis < ndim:
+        return (axis,)
     axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
     out = tuple(sorted(normalize_axis(a, ndim, op) for a in axes))
     if len(set(out)) != len(out):

@@ -37,17 +37,24 @@ def sum_to_shape_axes(shape: tuple, target: tuple) -> tuple:
     return axes, tuple(target)
 
 
+def _row_of(shape) -> tuple:
+    """``(1, ..., 1, n)``: a row of ``shape``'s last axis with its number of axes."""
+    return (1,) * (len(shape) - 1) + (shape[-1],)
+
+
 def size_of(shape) -> int:
     return math.prod(shape)
 
 
 def sum_to_shape(a, shape):
     """Array version of undoing a broadcast: sum ``a`` down to ``shape``."""
-    shape = tuple(shape)
-    if tuple(a.shape) == shape:
+    shape, have = tuple(shape), tuple(a.shape)
+    if have == shape:
         return a
-    axes, target = sum_to_shape_axes(tuple(a.shape), shape)
+    axes, target = sum_to_shape_axes(have, shape)
     if axes:
+        if len(have) == len(target):  # each summed axis is a 1 of the target: keepdims
+            return reduce_sum(a, axes, keepdims=True)
         a = reduce_sum(a, axes)
     return reshape(a, target)
 
@@ -115,6 +122,16 @@ if ND:
                 or not y.is_compact():
             return y + b  # (a product returned as a view: the plain sum)
         y._add_in_place(b)
+        return y
+
+    def add_row_to_fresh(y, row):
+        """``y + row`` with ``row`` (``y.shape[-1]`` values, shaped ``(n,)`` or ``(1, ..., n)``)
+        added to every row of ``y``, written into ``y``, an array the calling op just made:
+        a linear layer's bias, read from its row without a broadcast view."""
+        if type(y) is not _NDArrayClass or type(row) is not _NDArrayClass \
+                or not y.is_compact():
+            return add_to_fresh(y, broadcast_to(reshape(row, _row_of(y.shape)), y.shape))
+        y._add_row_in_place(row)
         return y
 
     def zeros(shape, like):
@@ -196,6 +213,9 @@ else:
     def add_to_fresh(y, b):
         # NumPy mode: a new array, as the composed ops give (np mode lets dtypes promote)
         return y + b
+
+    def add_row_to_fresh(y, row):
+        return y + numpy.reshape(row, _row_of(y.shape))
 
     def sign(a):
         return numpy.sign(a)

@@ -67,13 +67,9 @@ class FusedLinear(TensorOp):
         y = x @ w if len(x.shape) == 2 else A.matmul(x, w)
         if b is None:
             return y
-        shape = tuple(y.shape)
-        row = _row_shape(len(shape), shape[-1])
-        if tuple(b.shape) != row:
-            b = A.reshape(b, row)
         # the sum written into the product's buffer, the bias read from its row (the
         # composed layer held the product, the broadcast bias and the sum apart)
-        return A.add_to_fresh(y, A.broadcast_to(b, shape))
+        return A.add_row_to_fresh(y, b)
 
     def plain_gradient(self, out_grad, node):
         x, w = node.saved_tensors

@@ -179,6 +179,37 @@ def test_add_in_place_reads_a_broadcast_row_without_copying_it(device, monkeypat
     assert copies == ["add"]
 
 
+@pytest.mark.parametrize("row_shape", [(3,), (1, 3), (1, 1, 3)])
+def test_add_row_in_place_adds_a_bias_row_to_every_row(device, row_shape, monkeypatch):
+    """ops.linear's bias from its row: (n,) or (1, ..., n), into y's own buffer, bitwise
+    y + b; the same sums through the broadcast where the backend has no ewise_add_rows or
+    the row is a view; a row of another length or more axes, or another dtype, is refused."""
+    rng = np.random.default_rng(4)
+    y_np, b_np = _rand(rng, (2, 4, 3)), _rand(rng, row_shape)
+    want = y_np + b_np
+    y = nd.array(y_np, device=device)
+    ptr = y._handle.ptr()
+    y._add_row_in_place(nd.array(b_np, device=device))
+    np.testing.assert_array_equal(y.numpy(), want)
+    assert y._handle.ptr() == ptr
+    wide = nd.array(np.concatenate([b_np.reshape(3), b_np.reshape(3)]), device=device)
+    y = nd.array(y_np, device=device)
+    y._add_row_in_place(wide[0:3].reshape(row_shape) if row_shape != (3,) else wide[3:6])
+    np.testing.assert_array_equal(y.numpy(), want)  # a row at an offset: the broadcast path
+    monkeypatch.setattr(device.mod, "ewise_add_rows", None, raising=False)
+    y = nd.array(y_np, device=device)
+    y._add_row_in_place(nd.array(b_np, device=device))
+    np.testing.assert_array_equal(y.numpy(), want)
+    with pytest.raises(ShapeError, match="add: expected a row of 3 values"):
+        y._add_row_in_place(nd.array(np.ones(4), device=device))
+    with pytest.raises(ShapeError, match="add: expected a row of 3 values"):
+        y._add_row_in_place(nd.array(np.ones((1, 1, 1, 3)), device=device))
+    with pytest.raises(ShapeError, match="add: expected a row of 3 values"):
+        y._add_row_in_place(nd.array(np.ones((3, 1)), device=device))
+    with pytest.raises(DTypeError, match="add"):
+        y._add_row_in_place(nd.array(np.ones(3), dtype="float64", device=device))
+
+
 def test_sums_over_leading_axes_run_one_column_sum_kernel(device, monkeypatch):
     """A compact array summed over its leading axes (a bias gradient), and a dense NHWC
     buffer seen as NCHW summed over N, H, W, are (M, K) column sums: one
