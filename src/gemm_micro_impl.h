@@ -212,10 +212,11 @@ constexpr const char* kSgemmName = "avx2 6x16";
 constexpr const char* kDgemmName = "avx2 6x8";
 #endif
 // A read in place up to this many column panels, against a packed B or a B read in place
-// (see use_direct_a). With a packed B on Zen 4 with the AVX-512 kernels (float32, two threads, fastest of 7 runs, four processes
-// each): dY @ W.T of MLPResNet's 100 -> 50 layer, 128 x 100 x 50, 13.1 -> 11.1 us;
-// 2048 x 512 x 128 with B transposed 1,330 -> 1,220 us; 300 x 3000 x 100 1,070 -> 980 us;
-// no shape measured slower (square 256 and 512, float64 the MLP's products).
+// (see use_direct_a). With a packed B on Zen 4, AVX-512 kernels (float32, two threads,
+// fastest of 7 runs, four processes each): dY @ W.T of MLPResNet's 100 -> 50 layer,
+// 128 x 100 x 50, 13.1 -> 11.1 us; 2048 x 512 x 128 with B transposed 1,330 -> 1,220 us;
+// 300 x 3000 x 100 1,070 -> 980 us; no shape measured slower (square 256 and 512, float64
+// the MLP's products).
 constexpr std::size_t kDirectAPanelsPacked = 8;
 #ifndef NEEDLE_SGEMM_KC  // blocking of the float32 kernel; overridable for tuning experiments
 #define NEEDLE_SGEMM_KC 192

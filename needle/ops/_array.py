@@ -37,8 +37,9 @@ def sum_to_shape_axes(shape: tuple, target: tuple) -> tuple:
     return axes, tuple(target)
 
 
-def _row_of(shape) -> tuple:
-    """``(1, ..., 1, n)``: a row of ``shape``'s last axis with its number of axes."""
+def row_shape(shape) -> tuple:
+    """``(1, ..., 1, n)``: a row of ``shape``'s last axis with as many axes (a bias's shape
+    against an output, or its gradient's target)."""
     return (1,) * (len(shape) - 1) + (shape[-1],)
 
 
@@ -130,7 +131,7 @@ if ND:
         a linear layer's bias, read from its row without a broadcast view."""
         if type(y) is not _NDArrayClass or type(row) is not _NDArrayClass \
                 or not y.is_compact():
-            return add_to_fresh(y, broadcast_to(reshape(row, _row_of(y.shape)), y.shape))
+            return add_to_fresh(y, broadcast_to(reshape(row, row_shape(y.shape)), y.shape))
         y._add_row_in_place(row)
         return y
 
@@ -215,7 +216,7 @@ else:
         return y + b
 
     def add_row_to_fresh(y, row):
-        return y + numpy.reshape(row, _row_of(y.shape))
+        return y + numpy.reshape(row, row_shape(y.shape))
 
     def sign(a):
         return numpy.sign(a)

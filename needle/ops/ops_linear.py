@@ -52,11 +52,6 @@ def _check(x_shape: tuple, w_shape: tuple, b_shape) -> None:
                              f"{tuple(b_shape)}")
 
 
-def _row_shape(ndim: int, out: int) -> tuple:
-    """The bias as a row of ``(..., out)``: ``(1, ..., 1, out)`` with ``ndim`` axes."""
-    return (1,) * (ndim - 1) + (out,)
-
-
 class FusedLinear(TensorOp):
     """``x @ weight (+ bias)``; one node for the three (or four) of the composed layer."""
 
@@ -81,7 +76,7 @@ class FusedLinear(TensorOp):
         bias, db = inputs[2], None
         if bias.requires_grad:
             # as the composed layer: the broadcast's gradient, then the reshape's
-            row = _row_shape(len(g.shape), g.shape[-1])
+            row = A.row_shape(g.shape)
             db = _leaf(A.reshape(A.sum_to_shape(g, row), tuple(bias.shape)))
         return dx, dw, db
 
