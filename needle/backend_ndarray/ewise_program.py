@@ -26,7 +26,7 @@ from math import prod as _prod
 from . import ewise_codes as _codes
 from .ndarray import NDArray, _alloc
 
-__all__ = ["Program", "available", "run", "empty_like"]
+__all__ = ["Program", "available", "run", "empty_like", "Batch"]
 
 
 class Program:
@@ -110,6 +110,58 @@ def run(program: Program, ins, scalars, outs=None) -> list[NDArray]:
     first._device.mod.ewise_program([a._handle for a in ins], [o._handle for o in outs],
                                     program.code, scalars, _prod(first._shape))
     return outs
+
+
+class Batch:
+    """Program runs collected and handed to the backend together: consecutive runs of one
+    program on one device go in one ``ewise_program_many(launches, code, scalars)`` call
+    where the backend has it (``cpu()``: checked together, one C++ loop), else one
+    ``ewise_program`` call each. The order of the runs is kept, so the result is that of
+    :func:`run` called for each in turn. An optimizer's step adds one run per parameter and
+    runs them at the end: ~0.5 µs of call overhead per parameter less.
+
+    Example:
+        >>> import numpy as np
+        >>> from needle.backend_ndarray import NDArray, cpu_numpy
+        >>> p = Program(2)
+        >>> p.store(p.binary("sub", 0, p.scalar("mul", 1, 0)))   # in0 - in1 * s0
+        >>> x, g = (NDArray(np.full(3, v, "float32"), device=cpu_numpy()) for v in (1.0, 4.0))
+        >>> batch = Batch([0.5]); batch.add(p, (x, g), [x]); batch.add(p, (x, g), [x])
+        >>> batch.run(); x.numpy().tolist()     # two updates of x in place, in order
+        [-3.0, -3.0, -3.0]
+    """
+
+    __slots__ = ("scalars", "_program", "_mod", "_launches")
+
+    def __init__(self, scalars):
+        self.scalars = scalars
+        self._program = self._mod = None
+        self._launches: list = []
+
+    def add(self, program: Program, ins, outs) -> None:
+        """Queue ``run(program, ins, self.scalars, outs)`` (arrays as :func:`available`
+        takes them; ``outs`` made by the caller)."""
+        first = ins[0]
+        mod = first._device.mod
+        if program is not self._program or mod is not self._mod:
+            self.run()
+            self._program, self._mod = program, mod
+        self._launches.append(([a._handle for a in ins], [o._handle for o in outs],
+                               _prod(first._shape)))
+
+    def run(self) -> None:
+        """Run what was queued, in order (a batch can be added to and run again)."""
+        launches, mod = self._launches, self._mod
+        if not launches:
+            return
+        self._launches = []
+        code = self._program.code
+        many = getattr(mod, "ewise_program_many", None)
+        if many is not None:
+            many(launches, code, self.scalars)
+            return
+        for ins, outs, n in launches:
+            mod.ewise_program(ins, outs, code, self.scalars, n)
 
 
 def empty_like(a: NDArray) -> NDArray:

@@ -543,16 +543,18 @@ def check_ewise_program_refusals(B) -> None:
 
 def check_ewise_program_in_place(B, dtype: str, n: int) -> None:
     """The optimizers' update programs with outputs written into their inputs' buffers (SGD
-    with momentum and decay: u and θ; Adam's second pass: v and θ) give the bits of the same
-    programs run into fresh outputs; a program that reads an input after storing over it is
-    refused before anything is written."""
-    from needle.optim import _adam_v_theta_program, _sgd_program
+    with momentum and decay: u and θ; Adam's second pass: v and θ; Adam's one-pass update: m,
+    v and θ) give the bits of the same programs run into fresh outputs; a program that reads
+    an input after storing over it is refused before anything is written."""
+    from needle.optim import _adam_program, _adam_v_theta_program, _sgd_program
 
     rng = np.random.default_rng(n)
     cases = (
         (_sgd_program(True, True, True), 3, [0.1, 0.01, 0.9, 0.1], {0: 2, 1: 0}),
         (_adam_v_theta_program(False, True), 4,
          [0.01, 0.9, 0.1, 0.999, 0.001, 0.19, 0.1, 0.002, 1e-8], {0: 3, 1: 0}),
+        (_adam_program(False, True), 4,
+         [0.01, 0.9, 0.1, 0.999, 0.001, 0.19, 0.1, 0.002, 1e-8], {0: 2, 1: 3, 2: 0}),
     )
     for prog, n_in, scalars, aliases in cases:  # aliases: output -> the input it overwrites
         values = [rand(rng, n, dtype, 0.5, 2.0) for _ in range(n_in)]  # v > 0 for Adam's sqrt

@@ -501,3 +501,67 @@ def test_ewise_program_runs_in_place_where_every_read_comes_first(isa, dtype, n)
     cpu.set_num_threads(2)
     check_ewise_program_in_place(cpu, dtype, n)
     check_ewise_program_in_place(ref, dtype, n)  # the reference takes the same programs
+
+
+# ---- many launches of one program in one call ------------------------------------------------
+def test_ewise_program_many_equals_one_call_per_launch_in_order():
+    """``ewise_program_many`` runs its launches in order, each bitwise one ``ewise_program``
+    call (here the reference backend's): sizes either side of a block, two launches updating
+    one buffer in turn, an empty launch list."""
+    from needle.optim import _sgd_program
+
+    prog = _sgd_program(True, True, True)  # ins θ, g, u; outs u, θ (in place)
+    scalars = [0.1, 0.01, 0.9, 0.1]
+    rng = np.random.default_rng(3)
+    sizes = (1, 257, 4099, 257)
+    values = [[rng.standard_normal(n).astype("float32") for _ in range(3)] for n in sizes]
+    arrays = [[put(cpu, v, "float32") for v in vs] for vs in values]
+    # the fourth launch updates the second's θ and u again, with another gradient: the
+    # momentum makes the order of the two visible
+    arrays[3] = [arrays[1][0], arrays[3][1], arrays[1][2]]
+    launches = [([t, g, u], [u, t], n) for (t, g, u), n in zip(arrays, sizes, strict=True)]
+    cpu.ewise_program_many(launches, prog.code, scalars)
+    cpu.ewise_program_many([], prog.code, scalars)  # nothing to do
+    want = []
+    for vs in values:
+        want.append([ref.Array(v.size, "float32") for v in vs])
+        for a, v in zip(want[-1], vs, strict=True):
+            ref.from_numpy(v, a)
+    want[3] = [want[1][0], want[3][1], want[1][2]]
+    for (t, g, u), n in zip(want, sizes, strict=True):
+        ref.ewise_program([t, g, u], [u, t], prog.code, scalars, n)
+    for k in range(3):
+        for got, expect in zip(arrays[k], want[k], strict=True):
+            np.testing.assert_array_equal(flat(cpu, got), expect.array)
+
+
+def test_ewise_program_many_checks_every_launch_before_running_any():
+    """A bad launch anywhere is refused naming its index, before the first launch writes;
+    malformed launches are TypeErrors naming the function."""
+    from needle.optim import _sgd_program
+
+    prog = _sgd_program(False, False, False)  # ins θ, g; out θ - lr·g
+    theta, g = put(cpu, np.ones(8), "float32"), put(cpu, np.ones(8), "float32")
+    small = put(cpu, np.ones(4), "float32")
+    wide = put(cpu, np.ones(8), "float64")
+    for bad, what in (([small, g], "at least 8 elements"),
+                      ([theta, wide], "must be float32")):
+        with pytest.raises(ValueError, match=rf"{what}.*\(launch 1\)"):
+            cpu.ewise_program_many([([theta, g], [theta], 8), (bad, [theta], 8)], prog.code,
+                                   [0.5])
+        np.testing.assert_array_equal(flat(cpu, theta), np.ones(8))
+    # a late read of the overwritten input: refused for the launch that aliases it
+    late_read = [0, 0, 0, 0, 0, 3, 2, 1, 0, 0, 1, 0, 0, 1, 0, 3, 0, 2, 0, 1, 1, 0, 1, 2, 0]
+    other = put(cpu, np.zeros(8), "float32")
+    with pytest.raises(ValueError, match=r"reads that input after storing.*\(launch 1\)"):
+        cpu.ewise_program_many([([theta], [other, g], 8), ([theta], [theta, other], 8)],
+                               late_read, [2.0, 1.0])
+    np.testing.assert_array_equal(flat(cpu, other), np.zeros(8))
+    with pytest.raises(TypeError, match="ewise_program_many: expected launch 0 as a tuple"):
+        cpu.ewise_program_many([[[theta, g], [theta], 8]], prog.code, [0.5])
+    with pytest.raises(TypeError, match="ewise_program_many: expected launch 0 as a tuple"):
+        cpu.ewise_program_many([([theta, g], [theta])], prog.code, [0.5])
+    with pytest.raises(TypeError, match="ewise_program_many: expected Arrays"):
+        cpu.ewise_program_many([([theta, 1.0], [theta], 8)], prog.code, [0.5])
+    with pytest.raises(TypeError, match="ewise_program_many: expected arguments"):
+        cpu.ewise_program_many([], prog.code)

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from needle import nn, ops
+from needle import init, nn, ops
 from needle._core.errors import NeedleError, ShapeError
 from needle.autograd import Tensor, gradcheck
 
@@ -248,6 +248,30 @@ def test_dropout_seeded_and_eval(device):
     np.random.seed(8)
     np.random.rand(10, 7)  # p = 0 still makes its one draw (course rule)
     assert marker == np.random.rand()
+
+
+def test_dropout_is_one_node_bitwise_the_composed_product_and_quotient(device):
+    """Train-mode Dropout records one ``masked_divide`` node whose output and input gradient
+    are bitwise those of ``x * mask / (1 - p)`` composed from two ops; a mask of another
+    shape is refused naming both shapes."""
+    rng = np.random.default_rng(5)
+    x_np = rng.standard_normal((16, 9)).astype("float32")
+    g_np = rng.standard_normal((16, 9)).astype("float32")
+    drop = nn.Dropout(0.3)
+    x = Tensor(x_np, device=device, requires_grad=True)
+    np.random.seed(11)
+    y = drop(x)
+    assert type(y.op).__name__ == "MaskedDivide" and y.inputs[0] is x
+    y.backward(Tensor(g_np, device=device))
+    x2 = Tensor(x_np, device=device, requires_grad=True)
+    np.random.seed(11)
+    mask = init.randb(16, 9, p=0.7, device=device, dtype="float32")
+    y2 = x2 * mask / 0.7
+    y2.backward(Tensor(g_np, device=device))
+    np.testing.assert_array_equal(y.numpy(), y2.numpy())
+    np.testing.assert_array_equal(x.grad.numpy(), x2.grad.numpy())
+    with pytest.raises(ShapeError, match=r"masked_divide.*\(16, 9\).*\(9,\)"):
+        ops.masked_divide(x, Tensor(np.ones(9, "float32"), device=device), 0.7)
 
 
 def test_module_tree_state_dict_and_modes(device):

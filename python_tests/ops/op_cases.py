@@ -74,6 +74,8 @@ CASES = [
     Case("mul_scalar", lambda a: ops.mul_scalar(a, -2.5), lambda a: a * -2.5, ((5,),)),
     Case("divide", ops.divide, np.divide, ((3, 4), _pos(3, 4))),
     Case("divide_scalar", lambda a: ops.divide_scalar(a, 3.0), lambda a: a / 3.0, ((2, 3),)),
+    Case("masked_divide", lambda a, m: ops.masked_divide(a, m, 0.7), lambda a, m: a * m / 0.7,
+         ((3, 4), lambda rng: (rng.random((3, 4)) < 0.6).astype(np.float64))),
     Case("power", ops.power, np.power, (_pos(3, 4), (3, 4))),
     Case("power_scalar", lambda a: ops.power_scalar(a, -1.5), lambda a: a ** -1.5,
          (_pos(3, 4),)),
