@@ -186,15 +186,16 @@ class BatchNorm1d(Module):
         self.running_mean = init.zeros(dim, device=device, dtype=dtype)
         self.running_var = init.ones(dim, device=device, dtype=dtype)
 
-    def _update_running(self, mean: Tensor, var: Tensor) -> None:
+    def _update_running(self, mean, var) -> None:
+        """The running averages from the batch's ``mean`` and ``var`` (arrays)."""
         m = self.momentum
         # On the arrays, in the stats' own dtype (np mode lets float64 batches reach a float32
         # layer): no graph is kept alive across steps, the Tensors keep their identity, and no
         # op is dispatched through autograd (six per layer and step as Tensor arithmetic).
         # Where the backend runs elementwise programs, both updates are one kernel instead of
         # six, bitwise the same (a compiled step fuses the composed ones itself).
-        arrays = (self.running_mean.realize_cached_data(), mean.realize_cached_data(),
-                  self.running_var.realize_cached_data(), var.realize_cached_data())
+        arrays = (self.running_mean.realize_cached_data(), mean,
+                  self.running_var.realize_cached_data(), var)
         if not compiling() and _program.available(arrays):
             news = _program.run(_running_averages_program(), arrays, [1 - m, m])
         else:
@@ -213,7 +214,7 @@ class BatchNorm1d(Module):
             mean = ops.summation(x, axes=(0,)) / n
             xc = x - ops.broadcast_to(ops.reshape(mean, (1, d)), x.shape)
             var = ops.summation(xc * xc, axes=(0,)) / n
-            self._update_running(mean, var)
+            self._update_running(mean.realize_cached_data(), var.realize_cached_data())
         else:
             mean, var = self.running_mean, self.running_var
             xc = x - ops.broadcast_to(ops.reshape(mean, (1, d)), x.shape)
@@ -225,7 +226,7 @@ class BatchNorm1d(Module):
     def _fused(self, x: Tensor) -> Tensor:
         # one graph node and two kernels (ops.batch_norm) instead of ~12 nodes and ~30 kernels;
         # the same statistics and running-average update as the composed path above
-        y, mean, var = ops.batch_norm(x, self.weight, self.bias, self.eps)
+        y, mean, var = ops.batch_norm_arrays(x, self.weight, self.bias, self.eps)
         self._update_running(mean, var)
         return y
 

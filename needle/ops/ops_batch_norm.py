@@ -34,7 +34,7 @@ from ..backend_selection import BACKEND
 from . import _array as A
 from .ops_shape import broadcast_to, reshape, summation
 
-__all__ = ["FusedBatchNorm", "batch_norm", "batch_norm_has_kernel"]
+__all__ = ["FusedBatchNorm", "batch_norm", "batch_norm_arrays", "batch_norm_has_kernel"]
 
 _ND = BACKEND == "nd"
 
@@ -225,7 +225,15 @@ def batch_norm(x, weight, bias, eps: float = 1e-5):
         ShapeError: fewer than 2 dims, no values per channel, or weight/bias sizes that are
             not C.
     """
+    y, mean, var = batch_norm_arrays(x, weight, bias, eps)
+    return y, _leaf(mean), _leaf(var)
+
+
+def batch_norm_arrays(x, weight, bias, eps: float = 1e-5):
+    """:func:`batch_norm` with the statistics as arrays, not Tensors: ``(y, mean, var)``
+    (what ``BatchNorm1d``/``2d`` read for their running averages, two Tensors fewer per
+    call)."""
     op = FusedBatchNorm(eps)
     y = op(x, weight, bias)
     var, op.var = op.var, None  # backward needs mean and invstd only: the caller owns var
-    return y, _leaf(op.mean), _leaf(var)
+    return y, op.mean, var
