@@ -8,7 +8,8 @@ product's own buffer and straight from the bias row where the backend has
 bias), so its output is bitwise the composed one, and the plain backward
 forms ``dx = g @ Wᵀ``, ``dW = xᵀ @ g`` and ``db`` (``g`` summed over every axis but the
 last) with the kernels the composed backward uses. A small model's step is dispatch-bound:
-an MLPResNet step records 47 nodes composed, 31 with this op.
+an MLPResNet step records 47 nodes composed, 31 with this op (28 with Dropout's product
+and quotient as one `masked_divide` node too).
 
 ``x`` is ``(..., in)`` with at least 2 dims (leading dims batched as ``matmul`` batches),
 ``weight`` ``(in, out)``, ``bias`` holds ``out`` values along its last axis (``(out,)``,

@@ -363,8 +363,8 @@ def test_running_statistics_update_is_one_program_bitwise_the_composed_update(de
     bn = nn.BatchNorm1d(7, momentum=0.3, device=device)
     bn.running_mean = T(old[0], device, requires_grad=False)
     bn.running_var = T(old[1], device, requires_grad=False)
-    bn._update_running(T(now[0], device, requires_grad=False),
-                       T(now[1], device, requires_grad=False))
+    bn._update_running(T(now[0], device).realize_cached_data(),
+                       T(now[1], device).realize_cached_data())
     has_programs = getattr(device.mod, "ewise_program", None) is not None
     assert len(runs) == (1 if has_programs else 0)  # mean and var in one program
     m = 0.3
