@@ -72,6 +72,14 @@ class WriteLog:
             LAST[0] = stamp
         return stamp
 
+    def record_quiet(self) -> int:
+        """:meth:`record` without raising :data:`LAST`: a change no graph node can have
+        seen (``needle.autograd.versions.note_replaced`` decides)."""
+        stamp = next(CLOCK)
+        self.count += 1
+        self.stamps.append(stamp)
+        return stamp
+
     def changed_after(self, seq: int) -> bool:
         """True when a change was recorded after clock value ``seq``."""
         return bool(self.stamps) and self.stamps[-1] > seq

@@ -150,6 +150,7 @@ def make_from_op(cls, op, inputs, _observe=True):
         node.op, node.inputs, node.cached_data = op, inputs, None
         node.requires_grad = any(x.requires_grad for x in inputs)
         node._seq = next(_SEQ)
+        _watch(inputs)
         return node
     # eager mode: inputs are always realised; the class defaults (op None, inputs (),
     # requires_grad False) already describe an unrecorded result
@@ -177,11 +178,21 @@ def make_from_op(cls, op, inputs, _observe=True):
     if record:
         node.op, node.inputs, node.requires_grad = op, inputs, True
         node._seq = next(_SEQ)
+        for x in inputs:  # _watch(inputs), inlined on the hot path
+            if x.op is None:
+                x._watched = True
         if state.saved_hooks is not None:
             node._saved = pack_saved(op, node, state.saved_hooks)
         if _ND:
             _track(node, op, inputs)  # free what backward won't read (release.py)
     return node
+
+
+def _watch(inputs) -> None:
+    """Mark the leaves among ``inputs`` as read by a recorded node (``Value._watched``)."""
+    for x in inputs:
+        if x.op is None:
+            x._watched = True
 
 
 def _make_observed(cls, op, inputs):
@@ -233,6 +244,10 @@ class Value:
     _links = 0  # consumers recorded with this node as an input, counted while tracked
     _keep = False  # some op saves this node's data for backward
     _data_log = None  # replacements of this tensor's data (autograd/versions.py)
+    # A leaf that some recorded node took as an input (set then): a graph may have saved its
+    # data, so replacing it must wake backward's saved-data check. Recorded nodes count as
+    # watched through their op. See autograd/versions.py, note_replaced.
+    _watched = False
 
     def realize_cached_data(self):
         """The backend array of this value (computed once from the inputs)."""

@@ -199,6 +199,33 @@ def test_replacement_of_an_unsaved_leaf_is_accepted(device):
     np.testing.assert_allclose(b.grad.numpy(), [1.0, 1.0])
 
 
+def test_replacing_a_leaf_no_node_read_skips_the_check_and_a_read_one_wakes_it(device,
+                                                                                 monkeypatch):
+    """Replacing a leaf that no recorded node took as an input (BatchNorm's running
+    statistics in training) cannot concern any graph: backward checks no node for it. A leaf
+    that a node read wakes the check when replaced, also when that node came after an
+    earlier replacement."""
+    from needle.autograd import engine
+
+    checked = []
+    real = engine.check_saved
+    monkeypatch.setattr(engine, "check_saved", lambda node: checked.append(node) or real(node))
+    x = _t([[1.0, 1.0]], device)
+    w = _t([[2.0], [3.0]], device, requires_grad=True)
+    unread = _t([4.0], device)
+    y = (x @ w).sum()
+    unread.data = _t([5.0], device)
+    y.backward()
+    assert checked == []
+    np.testing.assert_allclose(w.grad.numpy(), [[1.0], [1.0]])
+    # read after its (quiet) replacement: the next replacement is seen
+    z = (x @ (w * unread)).sum()  # the product saves unread
+    unread.data = _t([6.0], device)
+    with pytest.raises(GraphError, match="replaced"):
+        z.backward()
+    assert checked
+
+
 # ----- checkpoint regions recompute from what they kept: the same refusal -------------------
 def _region(device):
     from needle.checkpoint import checkpoint
