@@ -264,6 +264,8 @@ class Value:
         self._seq = next(_SEQ)
         self.op = op
         self.inputs = inputs
+        if op is not None:
+            _watch(inputs)
         self.num_outputs = num_outputs
         self.cached_data = cached_data
         self.requires_grad = requires_grad
