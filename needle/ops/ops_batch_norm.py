@@ -29,7 +29,7 @@ import math
 from .._core.errors import ShapeError
 from ..autograd import TensorOp
 from ..autograd.tensor import const as _leaf
-from ..backend_ndarray.ndarray import _alloc, _view
+from ..backend_ndarray.ndarray import NDArray, _alloc, _view
 from ..backend_selection import BACKEND
 from . import _array as A
 from .ops_shape import broadcast_to, reshape, summation
@@ -59,10 +59,14 @@ def _kernel_module(x):
     """The backend module when it has the batch-norm kernels for ``x``'s dtype, else None."""
     if not _ND:
         return None
-    mod = getattr(x.device, "mod", None)
+    if type(x) is NDArray:  # read from the fields: this runs three times per layer and step
+        device, dtype = x._device, x._handle.dtype
+    else:
+        device, dtype = x.device, x.dtype
+    mod = getattr(device, "mod", None)
     if mod is None or not hasattr(mod, "batch_norm_forward"):
         return None
-    return mod if x.dtype in ("float32", "float64") else None
+    return mod if dtype in ("float32", "float64") else None
 
 
 def batch_norm_has_kernel(x) -> bool:
@@ -89,8 +93,8 @@ def _like(flat, x):
 
 def _empty(shape: tuple, like):
     """A fresh compact array of ``like``'s device and dtype for a kernel to write (kernel
-    paths only: the shape is a tuple of ints already validated)."""
-    return _alloc(shape, like.device, like.dtype, "batch_norm")
+    paths only: ``like`` is an NDArray, the shape a tuple of ints already validated)."""
+    return _alloc(shape, like._device, like._handle.dtype, "batch_norm")
 
 
 def _forward_arrays(x, w, b, n, c, s, eps):
@@ -101,13 +105,15 @@ def _forward_arrays(x, w, b, n, c, s, eps):
         # and y keeps that layout (the next convolution reads it without a transpose).
         last = _channels_last(x)
         rows = (n * s, c, 1) if last is not None else (n, c, s)
-        if last is None:
+        if last is None:  # row-major: y is a compact array of x's shape, no view needed
             x = x.compact()
-        y = _empty((n * c * s,), x)
+            y = _empty(x._shape, x)
+        else:
+            y = _empty((n * c * s,), x)
         mean, var, invstd = _empty((c,), x), _empty((c,), x), _empty((c,), x)
         mod.batch_norm_forward(x._handle, A.compact(w)._handle, A.compact(b)._handle, y._handle,
                                mean._handle, var._handle, invstd._handle, *rows, float(eps))
-        return _like(y, x), mean, var, invstd
+        return (y if last is None else _like(y, x)), mean, var, invstd
     count = n * s
     xs = A.reshape(A.compact(x), (n, c, s))
     mean = A.reduce_sum(xs, (0, 2)) / count
@@ -129,14 +135,15 @@ def _backward_arrays(dy, x, w, mean, invstd, n, c, s):
         if last is not None:
             rows = (n * s, c, 1)
             dy = dy.permute(last).compact()  # no copy when dy has x's layout
+            dx = _empty((n * c * s,), x)
         else:
             rows = (n, c, s)
             x, dy = x.compact(), dy.compact()
-        dx = _empty((n * c * s,), x)
+            dx = _empty(x._shape, x)  # compact in x's shape: no view needed
         dw, db = _empty((c,), x), _empty((c,), x)
         mod.batch_norm_backward(dy._handle, x._handle, A.compact(w)._handle, mean._handle,
                                 invstd._handle, dx._handle, dw._handle, db._handle, *rows)
-        return _like(dx, x), dw, db
+        return (dx if last is None else _like(dx, x)), dw, db
     full, per = (n, c, s), (1, c, 1)
     count = n * s
     g = A.reshape(A.compact(dy), full)
