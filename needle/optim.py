@@ -52,6 +52,7 @@ from ._core.versions import note_write as _note_write
 from .autograd import Tensor
 from .autograd.tensor import replace_data
 from .autograd.versions import note_replaced
+from .backend_ndarray import NDArray
 from .backend_ndarray import ewise_program as _program
 from .compiler.effects import compiling, replayed
 from .memory import attribute as _attribute
@@ -137,6 +138,7 @@ class Optimizer:
     grad_scale: float | None = None
     # ids of the arrays _install gave parameters during the current step (else None)
     _fresh: set | None = None
+    _plan = None  # the last plain step's launches (_PlainPlan), or None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -249,9 +251,13 @@ class Optimizer:
         the parameters left for the general path (all of them when it does not apply)."""
         if compiling() or self.grad_scale is not None or self.master:
             return self.params
+        plan = self._plan
+        if plan is not None and plan.run(self, scalars):
+            return []
+        self._plan = None
         rest: list = []
         done: list = []
-        batch = _program.Batch(scalars)
+        batch = _program.Batch(scalars, record=True)
         for p in self.params:
             grad = p.grad
             if grad is None:
@@ -262,14 +268,19 @@ class Optimizer:
             else:
                 rest.append(p)  # mixed dtypes, views, a backend without the kernel
         batch.run()
-        fresh = self._fresh
-        for p in done:  # written in place: a write into the buffer, seen by every alias
-            data = p.cached_data
-            _note_write(data._handle)
-            note_replaced(p)
-            if fresh is not None:
-                fresh.add(id(data))
+        if not rest:
+            self._plan = _PlainPlan.of(self, scalars, batch.added)
+        _noted_in_place(done, self._fresh)
         return rest
+
+    def _plain_key(self, scalars: list) -> tuple:
+        """What of ``scalars`` decides which program an update runs (subclasses)."""
+        return ()
+
+    def _plain_states(self, p: Tensor, scalars: list) -> tuple:
+        """``(slot, array)`` of each moment ``p``'s update reads, in the program's input
+        order after θ and the gradient (subclasses)."""
+        return ()
 
     def rebind(self, p: Tensor, data) -> None:
         """Point parameter ``p`` at ``data``, an array holding the same values as its current
@@ -357,6 +368,96 @@ class Optimizer:
         pass
 
 
+def _noted_in_place(params, fresh) -> None:
+    """Record the in-place update of each of ``params``: a write into its buffer (seen by
+    every alias of it) and a replacement (its data version counts steps)."""
+    for p in params:
+        data = p.cached_data
+        _note_write(data._handle)
+        note_replaced(p)
+        if fresh is not None:
+            fresh.add(id(data))
+
+
+class _PlainPlan:
+    """The launches of the last plain step, per parameter, to run again while everything
+    they were built from still holds (~1.5 us of Python per parameter less than rebuilding
+    them: SGD on MLPResNet ~80 -> ~40 us per step).
+
+    It holds when, for every parameter in order: it has a gradient exactly when it had one,
+    its data is the same array, its moments are the same arrays in the optimizer's slots, the
+    scalars pick the same program, and the gradient is a compact array of θ's shape, dtype
+    and device. Anything else rebuilds the step through :meth:`Optimizer._fused_step`. Only
+    a step whose every update ran in place becomes a plan (not a first step that made its
+    moments, nor one that left parameters to the general path).
+    """
+
+    __slots__ = ("key", "entries", "program", "mod")
+
+    @classmethod
+    def of(cls, opt, scalars, added):
+        """The plan of the step that just ran ``added`` (the Batch's record: one
+        ``(program, ins, outs)`` per parameter with a gradient, in order), or None."""
+        entries = []
+        launched = iter(added)
+        programs, devices = set(), set()
+        for p in opt.params:
+            if p.grad is None:
+                entries.append((p, None))
+                continue
+            program, ins, outs = next(launched)
+            theta, states = ins[0], opt._plain_states(p, scalars)
+            if theta is not p.cached_data or len(states) != len(ins) - 2 \
+                    or any(a is not b for (_, a), b in zip(states, ins[2:], strict=True)) \
+                    or not all(o is theta or any(o is x for x in ins[2:]) for o in outs):
+                return None  # e.g. a first step, which made its moments
+            programs.add(program)
+            devices.add(theta._device)
+            entries.append((p, theta, tuple(name for name, _ in states), ins[2:],
+                            theta._device, theta._shape, theta._handle.dtype,
+                            (theta._handle,), tuple(a._handle for a in ins[2:]),
+                            tuple(o._handle for o in outs), math.prod(theta._shape)))
+        if len(programs) != 1 or len(devices) != 1:
+            return None
+        plan = cls()
+        plan.key, plan.entries = opt._plain_key(scalars), entries
+        plan.program, plan.mod = programs.pop(), devices.pop().mod
+        return plan
+
+    def run(self, opt, scalars) -> bool:
+        """Run the step from the plan; False (nothing run) when it no longer holds."""
+        params = opt.params
+        if len(params) != len(self.entries) or opt._plain_key(scalars) != self.key:
+            return False
+        launches = []
+        done = []
+        for p, entry in zip(params, self.entries, strict=True):
+            grad = p.grad
+            if entry[0] is not p or (grad is None) != (entry[1] is None):
+                return False
+            if grad is None:
+                continue
+            _, theta, names, states, device, shape, dtype, head, tail, outs, n = entry
+            g = grad.cached_data
+            if (p.cached_data is not theta or type(g) is not NDArray or g._device is not device
+                    or g._shape != shape or g._handle.dtype != dtype
+                    or not (g._compact or g.is_compact())):
+                return False
+            for name, state in zip(names, states, strict=True):
+                if getattr(opt, name).get(p) is not state:
+                    return False
+            launches.append((head + (g._handle,) + tail, outs, n))
+            done.append(p)
+        many = getattr(self.mod, "ewise_program_many", None)
+        if many is not None:
+            many(launches, self.program.code, scalars)
+        else:
+            for ins, outs, n in launches:
+                self.mod.ewise_program(ins, outs, self.program.code, scalars, n)
+        _noted_in_place(done, opt._fresh)
+        return True
+
+
 class SGD(Optimizer):
     """SGD with momentum (an exponential average) and L2 weight decay.
 
@@ -388,6 +489,12 @@ class SGD(Optimizer):
             else:
                 u = g
             self._assign(p, theta, u * lr)
+
+    def _plain_key(self, scalars: list) -> tuple:
+        return bool(scalars[2]), bool(scalars[1])  # momentum, weight decay
+
+    def _plain_states(self, p: Tensor, scalars: list) -> tuple:
+        return (("u", self.u.get(p)),) if scalars[2] else ()
 
     def _fused_step(self, p: Tensor, theta, g, scalars: list, batch=None) -> bool:
         """The update of ``p`` as one pass over memory with no temporaries, bitwise the
@@ -556,6 +663,12 @@ class Adam(Optimizer):
             v = (g * g) * (1 - b2) if v is None else v * b2 + (g * g) * (1 - b2)
             self.v[p] = _state(v)
             self._assign(p, theta, (m / c1 * lr) / ((v / c2) ** 0.5 + eps))
+
+    def _plain_key(self, scalars: list) -> tuple:
+        return (bool(scalars[0]),)  # weight decay
+
+    def _plain_states(self, p: Tensor, scalars: list) -> tuple:
+        return ("m", self.m.get(p)), ("v", self.v.get(p))
 
     def _fused_step(self, p: Tensor, theta, g, scalars: list, batch=None) -> bool:
         """The update of ``p`` as two passes over memory with no temporaries (the new m,

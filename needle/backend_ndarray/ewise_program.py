@@ -131,10 +131,13 @@ class Batch:
         [-3.0, -3.0, -3.0]
     """
 
-    __slots__ = ("scalars", "_program", "_mod", "_launches")
+    __slots__ = ("scalars", "added", "_program", "_mod", "_launches")
 
-    def __init__(self, scalars):
+    def __init__(self, scalars, record: bool = False):
         self.scalars = scalars
+        # with ``record``: (program, ins, outs) of every add, in order (the optimizers keep
+        # it to run the same step again)
+        self.added: list | None = [] if record else None
         self._program = self._mod = None
         self._launches: list = []
 
@@ -143,6 +146,8 @@ class Batch:
         takes them; ``outs`` made by the caller)."""
         first = ins[0]
         mod = first._device.mod
+        if self.added is not None:
+            self.added.append((program, ins, outs))
         if program is not self._program or mod is not self._mod:
             self.run()
             self._program, self._mod = program, mod

@@ -31,11 +31,14 @@ def _train(rule, device, dtype, fused, monkeypatch, steps=3):
     ps = [nn.Parameter(Tensor(rng.standard_normal(shape), device=device, dtype=dtype))
           for shape in ((5, 3), (300,))]  # 300: more than one block of the fused kernel
     opt = RULES[rule](ps)
-    calls = []
-    real_run, real_add = program.run, program.Batch.add
-    monkeypatch.setattr(program, "run", lambda *a, **k: calls.append(1) or real_run(*a, **k))
-    monkeypatch.setattr(program.Batch, "add",
-                        lambda *a, **k: calls.append(1) or real_add(*a, **k))
+    calls = []  # launches of a program over one parameter's arrays, at the backend
+    mod = device.mod
+    one, many = mod.ewise_program, getattr(mod, "ewise_program_many", None)
+    monkeypatch.setattr(mod, "ewise_program", lambda *a: calls.append(1) or one(*a))
+    if many is not None:
+        monkeypatch.setattr(mod, "ewise_program_many",
+                            lambda launches, *a: calls.extend([1] * len(launches))
+                            or many(launches, *a))
     if not fused:
         monkeypatch.setattr(program, "available", lambda arrays: False)
     for _ in range(steps):
@@ -152,3 +155,69 @@ def test_a_program_frees_registers_instead_of_running_out():
         wide = program.Program(1)
         for _ in range(16):
             wide.unary("neg", 0)
+
+
+# ----- the plan: the last plain step's launches, run again while they hold -------------------
+def _scripted_steps(rule, device, planned: bool, monkeypatch):
+    """Sixteen steps with a change before every other one from the fourth, each of which a
+    stale plan would get wrong; returns the parameters and moments after every step, and
+    how many steps ran from a plan."""
+    from needle.optim import _PlainPlan
+
+    ran = []
+    real_run = _PlainPlan.run
+    monkeypatch.setattr(_PlainPlan, "run",
+                        lambda self, *a: ran.append(real_run(self, *a)) or ran[-1])
+    if not planned:
+        monkeypatch.setattr(_PlainPlan, "of", classmethod(lambda cls, *a: None))
+    rng = np.random.default_rng(11)
+    ps = [nn.Parameter(Tensor(rng.standard_normal(shape), device=device, dtype="float32"))
+          for shape in ((4, 3), (3,), (5,))]
+    opt = RULES[rule](ps[:2])
+    history = []
+    for step in range(16):
+        for p in ps:
+            p.grad = Tensor(rng.standard_normal(p.shape), device=device, dtype="float32",
+                            requires_grad=False)
+        if step == 3:
+            ps[0].data = Tensor(rng.standard_normal((4, 3)), device=device, dtype="float32")
+        if step == 5:
+            opt.load_state_dict(opt.state_dict())  # new moment arrays, same values
+        if step == 7:
+            ps[1].grad = None  # not updated this step
+        if step == 9:
+            for name in ("momentum", "weight_decay"):
+                if hasattr(opt, name):
+                    setattr(opt, name, 0.3)
+            opt.weight_decay = 0.02
+        if step == 11:
+            opt.params.append(ps[2])
+        if step == 13:
+            # a strided view (every other element of a buffer): not compact
+            big = Tensor(rng.standard_normal(6), device=device,
+                         dtype="float32").realize_cached_data()
+            ps[1].grad = Tensor.make_const(NDArray.make((3,), strides=(2,), device=big.device,
+                                                        handle=big._handle, offset=1))
+        opt.step()
+        history.append([p.numpy() for p in ps] + [getattr(opt, name)[p].numpy()
+                                                   for name in opt._slots for p in ps
+                                                   if p in getattr(opt, name)])
+    monkeypatch.undo()
+    return history, sum(1 for r in ran if r)
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_a_planned_step_equals_the_rebuilt_one_through_every_change(device, rule, monkeypatch):
+    """Steps run from the last step's plan give the bits of steps rebuilt parameter by
+    parameter, across a replaced θ, reloaded moments, a parameter without a gradient,
+    changed hyper-parameters, an added parameter and a gradient of another layout; and the
+    plan does run (else this would compare the rebuilt path with itself)."""
+    if getattr(device.mod, "ewise_program", None) is None:
+        pytest.skip(f"{device.name}() has no ewise_program: no in-place updates to plan")
+    planned, used = _scripted_steps(rule, device, True, monkeypatch)
+    rebuilt, unused = _scripted_steps(rule, device, False, monkeypatch)
+    assert used >= 5 and unused == 0
+    for step, (a, b) in enumerate(zip(planned, rebuilt, strict=True)):
+        assert len(a) == len(b), step
+        for x, y in zip(a, b, strict=True):
+            np.testing.assert_array_equal(x, y, err_msg=f"step {step}")
