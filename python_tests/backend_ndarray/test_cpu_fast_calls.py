@@ -44,7 +44,8 @@ def _flat(arr) -> np.ndarray:
 
 @pytest.mark.parametrize("name", BINARY + SCALAR + UNARY + REDUCE +
                          ["matmul", "matmul_strided", "new_array", "fill", "compact",
-                          "ewise_setitem", "scalar_setitem", "ewise_program"])
+                          "ewise_setitem", "scalar_setitem", "ewise_program",
+                          "ewise_program_many", "batch_norm_forward", "batch_norm_backward"])
 def test_wrong_arguments_name_the_function_and_what_it_expected(name):
     fn = getattr(cpu, name)
     with pytest.raises(TypeError, match=rf"^{name}: expected arguments \(.*\), got \(\)$"):
