@@ -48,6 +48,7 @@ import math
 import numpy as np
 
 from ._core.errors import NeedleError, ShapeError
+from ._core.versions import BUFFER_LOGS
 from ._core.versions import note_write as _note_write
 from .autograd import Tensor
 from .autograd.tensor import replace_data
@@ -371,9 +372,14 @@ class Optimizer:
 def _noted_in_place(params, fresh) -> None:
     """Record the in-place update of each of ``params``: a write into its buffer (seen by
     every alias of it) and a replacement (its data version counts steps)."""
+    logs = BUFFER_LOGS
     for p in params:
         data = p.cached_data
-        _note_write(data._handle)
+        log = logs.get(id(data._handle))  # note_write's common case inlined (every step)
+        if log is not None:
+            log.record()
+        else:
+            _note_write(data._handle)
         note_replaced(p)
         if fresh is not None:
             fresh.add(id(data))
