@@ -388,7 +388,7 @@ def _noted_in_place(params, fresh) -> None:
 class _PlainPlan:
     """The launches of the last plain step, per parameter, to run again while everything
     they were built from still holds (~1.5 us of Python per parameter less than rebuilding
-    them: SGD on MLPResNet ~80 -> ~40 us per step).
+    them: SGD on MLPResNet ~80 -> ~60 us per step).
 
     It holds when, for every parameter in order: it has a gradient exactly when it had one,
     its data is the same array, its moments are the same arrays in the optimizer's slots, the
@@ -454,12 +454,7 @@ class _PlainPlan:
                     return False
             launches.append((head + (g._handle,) + tail, outs, n))
             done.append(p)
-        many = getattr(self.mod, "ewise_program_many", None)
-        if many is not None:
-            many(launches, self.program.code, scalars)
-        else:
-            for ins, outs, n in launches:
-                self.mod.ewise_program(ins, outs, self.program.code, scalars, n)
+        _program.run_launches(self.mod, launches, self.program.code, scalars)
         _noted_in_place(done, opt._fresh)
         return True
 

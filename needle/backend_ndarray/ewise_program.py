@@ -26,7 +26,7 @@ from math import prod as _prod
 from . import ewise_codes as _codes
 from .ndarray import NDArray, _alloc
 
-__all__ = ["Program", "available", "run", "empty_like", "Batch"]
+__all__ = ["Program", "available", "run", "empty_like", "Batch", "run_launches"]
 
 
 class Program:
@@ -160,13 +160,19 @@ class Batch:
         if not launches:
             return
         self._launches = []
-        code = self._program.code
-        many = getattr(mod, "ewise_program_many", None)
-        if many is not None:
-            many(launches, code, self.scalars)
-            return
-        for ins, outs, n in launches:
-            mod.ewise_program(ins, outs, code, self.scalars, n)
+        run_launches(mod, launches, self._program.code, self.scalars)
+
+
+def run_launches(mod, launches, code, scalars) -> None:
+    """``launches`` (``(in handles, out handles, n)`` each) of the program ``code`` on the
+    backend module ``mod``, in order: one ``ewise_program_many`` call where ``mod`` has it,
+    else one ``ewise_program`` call per launch."""
+    many = getattr(mod, "ewise_program_many", None)
+    if many is not None:
+        many(launches, code, scalars)
+        return
+    for ins, outs, n in launches:
+        mod.ewise_program(ins, outs, code, scalars, n)
 
 
 def empty_like(a: NDArray) -> NDArray:
