@@ -53,8 +53,7 @@ class Conv(Module):
             raise ShapeError(f"Conv: expected an NCHW input with {self.in_channels} channels, "
                              f"got shape {x.shape}")
         nhwc = ops.transpose(ops.transpose(x, (1, 2)), (2, 3))
-        out = ops.conv(nhwc, self.weight, stride=self.stride, padding=self.padding)
-        if self.bias is not None:
-            out = out + ops.broadcast_to(ops.reshape(self.bias, (1, 1, 1, self.out_channels)),
-                                         out.shape)
+        # the bias added inside the convolution's node, into its output buffer
+        out = ops.conv(nhwc, self.weight, stride=self.stride, padding=self.padding,
+                       bias=self.bias)
         return ops.transpose(ops.transpose(out, (2, 3)), (1, 2))

@@ -19,7 +19,7 @@ from ..autograd import TensorOp
 from ..autograd.tensor import const as _leaf
 from . import _array as A
 from . import _conv_kernels as K
-from .ops_shape import Dilate, Flip, GetItem, Permute, Transpose
+from .ops_shape import Dilate, Flip, GetItem, Permute, Transpose, reshape, summation
 
 
 def _check(a, b, stride: int, padding: int) -> None:
@@ -150,17 +150,33 @@ def _crop(t, sizes):
 
 
 class Conv(TensorOp):
-    """Convolution of NHWC ``a`` with kernel ``b`` of shape (KH, KW, Cin, Cout).
+    """Convolution of NHWC ``a`` with kernel ``b`` of shape (KH, KW, Cin, Cout), plus an
+    optional ``bias`` of Cout values (a third input).
 
-    Output height ``(H + 2·padding − KH) // stride + 1`` (likewise width).
+    Output height ``(H + 2·padding − KH) // stride + 1`` (likewise width). The bias is added
+    into the convolution's own output buffer from its row (``nn.Conv``'s bias: one node and
+    no output-sized buffer more, where composed it took a reshape, a broadcast and a sum).
     """
+
+    save_inputs = (0, 1)  # the bias's value is not needed for any gradient
 
     def __init__(self, stride: int = 1, padding: int = 0):
         self.stride, self.padding = int(stride), int(padding)
 
-    def compute(self, a, b):
+    def compute(self, a, b, bias=None):
         _check(a, b, self.stride, self.padding)
-        return _conv_compute(a, b, self.stride, self.padding)
+        out = _conv_compute(a, b, self.stride, self.padding)
+        if bias is None:
+            return out
+        cout = b.shape[3]
+        if A.size_of(bias.shape) != cout or not bias.shape or bias.shape[-1] != cout:
+            raise ShapeError(f"conv: bias must hold one value per output channel along its "
+                             f"last axis, expected shape ({cout},), got {tuple(bias.shape)}")
+        return A.add_row_to_fresh(out, bias)
+
+    def _bias_gradient(self, out_grad, node):
+        bias = node.inputs[2]
+        return reshape(summation(out_grad, (0, 1, 2)), tuple(bias.shape))
 
     def gradient(self, out_grad, node):
         x, w = node.saved_tensors
@@ -182,16 +198,25 @@ class Conv(TensorOp):
         x_t = Permute((3, 1, 2, 0))(x)
         g_t = Permute((1, 2, 0, 3))(g_trim)
         grad_w = _crop(Conv(1, p)(x_t, g_t), (kh, kw))
+        if len(node.inputs) == 3:
+            return grad_x, Permute((1, 2, 0, 3))(grad_w), self._bias_gradient(out_grad, node)
         return grad_x, Permute((1, 2, 0, 3))(grad_w)
 
     def plain_gradient(self, out_grad, node):
         # plain backward: the fast array form, no graph
         x, w = node.saved_tensors
         s, p = self.stride, self.padding
-        need_x, need_w = (t.requires_grad for t in node.inputs)
-        gx, gw = _conv_gradient_arrays(out_grad.cached_data, x.cached_data, w.cached_data,
-                                       s, p, need_x, need_w)
-        return (_leaf(gx) if need_x else None, _leaf(gw) if need_w else None)
+        inputs = node.inputs
+        need_x, need_w = inputs[0].requires_grad, inputs[1].requires_grad
+        g = out_grad.cached_data
+        gx, gw = _conv_gradient_arrays(g, x.cached_data, w.cached_data, s, p, need_x, need_w)
+        grads = (_leaf(gx) if need_x else None, _leaf(gw) if need_w else None)
+        if len(inputs) == 2:
+            return grads
+        bias, gb = inputs[2], None
+        if bias.requires_grad:  # the sum over every axis but the channels, as composed
+            gb = _leaf(A.reshape(A.sum_to_shape(g, A.row_shape(g.shape)), tuple(bias.shape)))
+        return grads + (gb,)
 
 
 def _pad_hw(t, ph: int, pw: int):
@@ -215,6 +240,17 @@ def _window(t, top: int, left: int, h: int, w: int):
     return GetItem(slices, (shape[0], h, w, shape[3]))(t)
 
 
-def conv(a, b, stride=1, padding=1):
-    """Convolution (note the course's function default ``padding=1``)."""
-    return Conv(stride, padding)(a, b)
+def conv(a, b, stride=1, padding=1, bias=None):
+    """Convolution (note the course's function default ``padding=1``), plus ``bias`` (Cout
+    values) when given.
+
+    Example:
+        >>> import numpy as np
+        >>> import needle as ndl
+        >>> x, w = ndl.Tensor(np.ones((1, 3, 3, 2))), ndl.Tensor(np.ones((3, 3, 2, 1)))
+        >>> conv(x, w, padding=0, bias=ndl.Tensor([0.5])).numpy().reshape(-1).tolist()
+        [18.5]
+    """
+    if bias is None:
+        return Conv(stride, padding)(a, b)
+    return Conv(stride, padding)(a, b, bias)

@@ -144,6 +144,8 @@ CASES = [
          lambda a, b: _conv_ref(a, b, 1, 0), ((1, 7, 7, 2), (5, 5, 2, 3))),
     Case("conv_k1", lambda a, b: ops.conv(a, b, stride=2, padding=0),
          lambda a, b: _conv_ref(a, b, 2, 0), ((2, 4, 4, 3), (1, 1, 3, 2))),
+    Case("conv_bias", lambda a, b, c: ops.conv(a, b, stride=2, padding=1, bias=c),
+         lambda a, b, c: _conv_ref(a, b, 2, 1) + c, ((2, 5, 6, 3), (3, 3, 3, 4), (4,))),
 ]
 
 
