@@ -8,6 +8,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -203,10 +204,29 @@ void add_rows(const Array& a, const Array& row, Array& out, std::int64_t m, std:
   const std::size_t bytes = cols * itemsize(out.dtype());
   const auto* in = static_cast<const char*>(a.data());
   auto* dst = static_cast<char*>(out.data());
+  // Short rows go `group` at a time against the row repeated `group` times: one kernel call
+  // per ~1024 elements instead of one per row (a convolution's bias: 8192 rows of 16 took
+  // ~60 us in calls alone). Each element is still one ewise_add of the same two values.
+  const std::size_t group = std::max<std::size_t>(1, std::min<std::size_t>(
+      std::size_t(m), 1024 / cols));
+  std::vector<char> repeated;
+  const void* pattern = row.data();
+  if (group > 1) {
+    repeated.resize(group * bytes);
+    for (std::size_t g = 0; g < group; ++g) {
+      std::memcpy(repeated.data() + g * bytes, row.data(), bytes);
+    }
+    pattern = repeated.data();
+  }
   ReleaseGilIfLarge release(double(total));
   parallel_range(std::size_t(m), kParallelMinElements / cols + 1,
                  [&](std::size_t r0, std::size_t r1) {
-                   for (std::size_t r = r0; r < r1; ++r) {
+                   std::size_t r = r0;
+                   for (; r + group <= r1; r += group) {
+                     g_kernels->binary(BinOp::add, out.dtype(), in + r * bytes, pattern,
+                                       dst + r * bytes, group * cols);
+                   }
+                   for (; r < r1; ++r) {
                      g_kernels->binary(BinOp::add, out.dtype(), in + r * bytes, row.data(),
                                        dst + r * bytes, cols);
                    }

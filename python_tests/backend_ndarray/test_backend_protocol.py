@@ -135,6 +135,27 @@ def test_elementwise_entry_points(backend, dtype):
         close(get(backend, out, (2, 3)), expected, dtype)
 
 
+@pytest.mark.parametrize("m, n", [(1000, 16), (777, 3), (4099, 50), (40, 1500), (3, 1)])
+def test_add_rows_of_every_length(backend, m, n):
+    """Short rows go to the kernel many at a time (against the row repeated), with a tail
+    of single rows, on two threads where the backend has them: every shape bitwise the
+    broadcast ewise_add, into a new buffer and in place."""
+    if hasattr(backend, "set_num_threads"):
+        backend.set_num_threads(2)
+    rng = np.random.default_rng(m + n)
+    x = rng.uniform(-2, 2, (m, n)).astype("float32")
+    r = rng.uniform(-2, 2, n).astype("float32")
+    a, row, out = put(backend, x, "float32"), put(backend, r, "float32"), backend.Array(m * n)
+    backend.ewise_add_rows(a, row, out, m, n)
+    broadcast = backend.Array(m * n)
+    backend.ewise_add(a, put(backend, np.broadcast_to(r, (m, n)), "float32"), broadcast)
+    want = get(backend, broadcast, (m, n))
+    np.testing.assert_array_equal(get(backend, out, (m, n)), want)
+    np.testing.assert_array_equal(want, x + r)
+    backend.ewise_add_rows(a, row, a, m, n)
+    np.testing.assert_array_equal(get(backend, a, (m, n)), want)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
 def test_add_rows(backend, dtype):
     """ewise_add_rows: the row added to every row, bitwise ewise_add of the broadcast row,
