@@ -576,17 +576,23 @@ def _adam_v_theta_program(first: bool, decay: bool) -> _program.Program:
         v = prog.binary("add", vb, gv)
         prog.free(vb, gv)
     prog.store(v)
-    m_c1 = prog.scalar("div", 2, 5)
+    _store_adam_theta(prog, 2, v)
+    return prog
+
+
+def _store_adam_theta(prog, m: int, v: int, *dead: int) -> None:
+    """Store ``θ − (m / c1 · lr) / ((v / c2) ** 0.5 + eps)`` (θ in register 0) from the new
+    moments in registers ``m`` and ``v``; ``dead``: more registers free once m is read."""
+    m_c1 = prog.scalar("div", m, 5)
     step = prog.scalar("mul", m_c1, 6)  # m / c1 · lr
     v_c2 = prog.scalar("div", v, 7)
-    prog.free(m_c1, v)
+    prog.free(*dead, m_c1, v)
     root = prog.unary("sqrt", v_c2)  # (v / c2) ** 0.5, which NDArray computes as sqrt
     denom = prog.scalar("add", root, 8)
     prog.free(v_c2, root)
     ratio = prog.binary("div", step, denom)
     prog.free(step, denom)
     prog.store(prog.binary("sub", 0, ratio))
-    return prog
 
 
 @functools.lru_cache(maxsize=None)
@@ -611,16 +617,7 @@ def _adam_program(first: bool, decay: bool) -> _program.Program:
         v, gv = prog.binary("add", vb, v), v
         prog.free(vb, gv)
     prog.store(v)
-    m_c1 = prog.scalar("div", m, 5)
-    step = prog.scalar("mul", m_c1, 6)  # m / c1 · lr
-    v_c2 = prog.scalar("div", v, 7)
-    prog.free(m, m_c1, v)
-    root = prog.unary("sqrt", v_c2)
-    denom = prog.scalar("add", root, 8)
-    prog.free(v_c2, root)
-    ratio = prog.binary("div", step, denom)
-    prog.free(step, denom)
-    prog.store(prog.binary("sub", 0, ratio))
+    _store_adam_theta(prog, m, v, m)
     return prog
 
 
