@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from needle import nn
+from needle import nn, ops
 from needle._core.errors import NeedleError, ShapeError
 from needle.autograd import Tensor, gradcheck
 
@@ -47,6 +47,10 @@ def test_conv_init_and_forward(device, k, stride):
                                rtol=1e-4, atol=1e-4)
     with pytest.raises(ShapeError, match="Conv"):
         conv(T(np.ones((1, 2, 5, 5)), device))
+    # the op's own bias check: one value per output channel
+    nhwc = T(np.ones((1, 7, 7, 3)), device)
+    with pytest.raises(ShapeError, match=r"conv: bias .* expected shape \(4,\), got \(3,\)"):
+        ops.conv(nhwc, conv.weight, stride=stride, padding=k // 2, bias=T(np.ones(3), device))
 
 
 def test_conv_gradients(device):
