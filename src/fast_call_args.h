@@ -98,18 +98,22 @@ inline bool int_args(const char* name, const char* expected, PyObject* const* ar
   return true;
 }
 
+// The items of `seq` into *items and *n when it is a list or tuple; false (no error set)
+// otherwise.
+inline bool sequence_items(PyObject* seq, PyObject*** items, Py_ssize_t* n) {
+  if (!PyTuple_Check(seq) && !PyList_Check(seq)) return false;
+  *n = PySequence_Fast_GET_SIZE(seq);
+  *items = PySequence_Fast_ITEMS(seq);
+  return true;
+}
+
 // The items of a list or tuple argument args[at] into *items and *n; false with a TypeError
 // naming the function when it is neither.
 inline bool sequence_arg(const char* name, const char* expected, PyObject* const* args,
                          Py_ssize_t nargs, Py_ssize_t at, PyObject*** items, Py_ssize_t* n) {
-  PyObject* seq = args[at];
-  if (!PyTuple_Check(seq) && !PyList_Check(seq)) {
-    argument_error(name, expected, args, nargs);
-    return false;
-  }
-  *n = PySequence_Fast_GET_SIZE(seq);
-  *items = PySequence_Fast_ITEMS(seq);
-  return true;
+  if (sequence_items(args[at], items, n)) return true;
+  argument_error(name, expected, args, nargs);
+  return false;
 }
 
 // A shape or strides argument: a tuple or list of ints.

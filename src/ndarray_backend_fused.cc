@@ -10,6 +10,7 @@
 #include <initializer_list>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "array.h"
 #include "array_py.h"
@@ -39,6 +40,12 @@ void check_size(const char* op, const char* what, const Array& a, std::size_t ne
                                 std::to_string(need) + " elements, got " +
                                 std::to_string(a.size()));
   }
+}
+
+// check_size for each (name, array) against `need` elements.
+void check_sizes(const char* op, std::size_t need,
+                 std::initializer_list<std::pair<const char*, const Array*>> arrays) {
+  for (const auto& [what, a] : arrays) check_size(op, what, *a, need);
 }
 
 void check_distinct(const char* op, const Array& out, const Array& a, const Array& b) {
@@ -262,13 +269,9 @@ void batch_norm_forward(const Array& x, const Array& w, const Array& b, Array& y
     check_same(op, *a, x);
   }
   const std::size_t ch = std::size_t(c);
-  check_size(op, "x", x, total);
-  check_size(op, "y", y, total);
-  check_size(op, "w", w, ch);
-  check_size(op, "b", b, ch);
-  check_size(op, "mean", mean, ch);
-  check_size(op, "var", var, ch);
-  check_size(op, "invstd", invstd, ch);
+  check_sizes(op, total, {{"x", &x}, {"y", &y}});
+  check_sizes(op, ch, {{"w", &w}, {"b", &b}, {"mean", &mean}, {"var", &var},
+                       {"invstd", &invstd}});
   check_distinct(op, y, x, w);
   if (y.data() == b.data()) {
     throw std::invalid_argument(std::string(op) + ": out must not share memory with an input");
@@ -292,18 +295,11 @@ void batch_norm_backward(const Array& dy, const Array& x, const Array& w, const 
     check_same(op, *a, x);
   }
   const std::size_t ch = std::size_t(c);
-  check_size(op, "dy", dy, total);
-  check_size(op, "x", x, total);
-  check_size(op, "dx", dx, total);
-  check_size(op, "w", w, ch);
-  check_size(op, "mean", mean, ch);
-  check_size(op, "invstd", invstd, ch);
-  check_size(op, "dw", dw, ch);
-  check_size(op, "db", db, ch);
+  check_sizes(op, total, {{"dy", &dy}, {"x", &x}, {"dx", &dx}});
+  check_sizes(op, ch, {{"w", &w}, {"mean", &mean}, {"invstd", &invstd}, {"dw", &dw},
+                       {"db", &db}});
   check_distinct(op, dx, dy, x);
-  if (total == 0) {
-    return;
-  }
+  if (total == 0) return;
   py::gil_scoped_release release;
   (*kernels)->bn_backward(x.dtype(), dy.data(), x.data(), w.data(), mean.data(),
                           invstd.data(), dx.data(), dw.data(), db.data(), std::size_t(n), ch,

@@ -237,13 +237,13 @@ bool item_of(const char* name, PyObject* item, Py_ssize_t at, std::int32_t* out)
 template <class T>
 bool items_of(const char* name, const char* expected, PyObject* seq, Py_ssize_t at,
               std::vector<T>* out) {
-  if (!PyTuple_Check(seq) && !PyList_Check(seq)) {
+  PyObject** items = nullptr;
+  Py_ssize_t n = 0;
+  if (!fastcall::sequence_items(seq, &items, &n)) {
     PyErr_Format(PyExc_TypeError, "%s: expected (%s), got %s in argument %zd", name, expected,
                  Py_TYPE(seq)->tp_name, at);
     return false;
   }
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-  PyObject** items = PySequence_Fast_ITEMS(seq);
   out->resize(std::size_t(n));
   for (Py_ssize_t i = 0; i < n; ++i) {
     if (!item_of(name, items[i], at, &(*out)[std::size_t(i)])) return false;
@@ -290,12 +290,9 @@ PyObject* ewise_program_many_call(PyObject*, PyObject* const* args, Py_ssize_t n
       !items_of(name, expected, args[2], 2, &scalars)) {
     return nullptr;
   }
-  PyObject* seq = args[0];
-  if (!PyTuple_Check(seq) && !PyList_Check(seq)) {
-    return fastcall::argument_error(name, expected, args, nargs);
-  }
-  const Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
-  PyObject** items = PySequence_Fast_ITEMS(seq);
+  PyObject** items = nullptr;
+  Py_ssize_t count = 0;
+  if (!fastcall::sequence_arg(name, expected, args, nargs, 0, &items, &count)) return nullptr;
   constexpr const char* launch_expected = "ins: list[Array], outs: list[Array], n: int";
   std::vector<Launch> launches(static_cast<std::size_t>(count));
   std::vector<const Array*> ins;

@@ -16,6 +16,7 @@ import math
 
 import numpy
 
+from .._core.errors import ShapeError
 from ..backend_ndarray.ndarray import NDArray as _NDArrayClass
 from ..backend_ndarray.ndarray_checks import normalize_axes  # noqa: F401 - the ops' axis check
 from ..backend_ndarray.ndarray_functions import broadcast_shapes
@@ -45,6 +46,22 @@ def row_shape(shape) -> tuple:
 
 def size_of(shape) -> int:
     return math.prod(shape)
+
+
+def check_row(op: str, what: str, shape, n: int, out_ndim: int) -> None:
+    """Raise ``ShapeError`` unless ``shape`` holds ``n`` values along its last axis with at most
+    ``out_ndim`` axes: a bias added as a row to every row of an ``out_ndim``-axis output."""
+    shape = tuple(shape)
+    if size_of(shape) != n or not shape or shape[-1] != n or len(shape) > out_ndim:
+        raise ShapeError(f"{op}: bias must hold one value per {what} along its last axis, "
+                         f"expected shape ({n},) or (1, {n}), got {shape}")
+
+
+def row_gradient(g, shape):
+    """The gradient of a row of ``shape`` added to every row of an output with gradient
+    ``g``: ``g`` summed over every axis but the last, in the row's shape (the composed
+    broadcast's gradient, then the reshape's)."""
+    return reshape(sum_to_shape(g, row_shape(g.shape)), tuple(shape))
 
 
 def sum_to_shape(a, shape):

@@ -19,7 +19,8 @@ from ..autograd import TensorOp
 from ..autograd.tensor import const as _leaf
 from . import _array as A
 from . import _conv_kernels as K
-from .ops_shape import Dilate, Flip, GetItem, Permute, Transpose, reshape, summation
+from .ops_linear import bias_gradient
+from .ops_shape import Dilate, Flip, GetItem, Permute, Transpose
 
 
 def _check(a, b, stride: int, padding: int) -> None:
@@ -168,15 +169,8 @@ class Conv(TensorOp):
         out = _conv_compute(a, b, self.stride, self.padding)
         if bias is None:
             return out
-        cout = b.shape[3]
-        if A.size_of(bias.shape) != cout or not bias.shape or bias.shape[-1] != cout:
-            raise ShapeError(f"conv: bias must hold one value per output channel along its "
-                             f"last axis, expected shape ({cout},), got {tuple(bias.shape)}")
+        A.check_row("conv", "output channel", bias.shape, b.shape[3], 4)
         return A.add_row_to_fresh(out, bias)
-
-    def _bias_gradient(self, out_grad, node):
-        bias = node.inputs[2]
-        return reshape(summation(out_grad, (0, 1, 2)), tuple(bias.shape))
 
     def gradient(self, out_grad, node):
         x, w = node.saved_tensors
@@ -199,7 +193,8 @@ class Conv(TensorOp):
         g_t = Permute((1, 2, 0, 3))(g_trim)
         grad_w = _crop(Conv(1, p)(x_t, g_t), (kh, kw))
         if len(node.inputs) == 3:
-            return grad_x, Permute((1, 2, 0, 3))(grad_w), self._bias_gradient(out_grad, node)
+            return (grad_x, Permute((1, 2, 0, 3))(grad_w),
+                    bias_gradient(out_grad, node.inputs[2].shape))
         return grad_x, Permute((1, 2, 0, 3))(grad_w)
 
     def plain_gradient(self, out_grad, node):
@@ -213,10 +208,8 @@ class Conv(TensorOp):
         grads = (_leaf(gx) if need_x else None, _leaf(gw) if need_w else None)
         if len(inputs) == 2:
             return grads
-        bias, gb = inputs[2], None
-        if bias.requires_grad:  # the sum over every axis but the channels, as composed
-            gb = _leaf(A.reshape(A.sum_to_shape(g, A.row_shape(g.shape)), tuple(bias.shape)))
-        return grads + (gb,)
+        bias = inputs[2]
+        return grads + ((_leaf(A.row_gradient(g, bias.shape)) if bias.requires_grad else None),)
 
 
 def _pad_hw(t, ph: int, pw: int):

@@ -45,12 +45,13 @@ def _check(x_shape: tuple, w_shape: tuple, b_shape) -> None:
         raise ShapeError(f"linear: input features differ, expected x.shape[-1] == "
                          f"weight.shape[0] == {w_shape[0]}, got x {tuple(x_shape)}")
     if b_shape is not None:
-        out = w_shape[1]
-        if A.size_of(b_shape) != out or not b_shape or b_shape[-1] != out \
-                or len(b_shape) > len(x_shape):
-            raise ShapeError(f"linear: bias must hold one value per output feature along "
-                             f"its last axis, expected shape ({out},) or (1, {out}), got "
-                             f"{tuple(b_shape)}")
+        A.check_row("linear", "output feature", b_shape, w_shape[1], len(x_shape))
+
+
+def bias_gradient(out_grad, shape):
+    """The gradient (a recorded graph) of a bias of ``shape`` added as a row to every row of
+    an output with gradient ``out_grad``: summed over every axis but the last, reshaped."""
+    return reshape(summation(out_grad, tuple(range(len(out_grad.shape) - 1))), tuple(shape))
 
 
 class FusedLinear(TensorOp):
@@ -74,12 +75,8 @@ class FusedLinear(TensorOp):
                                         inputs[1].requires_grad)
         if len(inputs) == 2:
             return dx, dw
-        bias, db = inputs[2], None
-        if bias.requires_grad:
-            # as the composed layer: the broadcast's gradient, then the reshape's
-            row = A.row_shape(g.shape)
-            db = _leaf(A.reshape(A.sum_to_shape(g, row), tuple(bias.shape)))
-        return dx, dw, db
+        bias = inputs[2]
+        return dx, dw, (_leaf(A.row_gradient(g, bias.shape)) if bias.requires_grad else None)
 
     def gradient(self, out_grad, node):
         x, w = node.inputs[0], node.inputs[1]
@@ -89,9 +86,7 @@ class FusedLinear(TensorOp):
             dw = summation(dw, tuple(range(len(x.shape) - 2)))
         if len(node.inputs) == 2:
             return dx, dw
-        bias = node.inputs[2]
-        db = summation(out_grad, tuple(range(len(out_grad.shape) - 1)))
-        return dx, dw, reshape(db, tuple(bias.shape))
+        return dx, dw, bias_gradient(out_grad, node.inputs[2].shape)
 
 
 _LINEAR = FusedLinear()

@@ -49,7 +49,8 @@ def test_conv_init_and_forward(device, k, stride):
         conv(T(np.ones((1, 2, 5, 5)), device))
     # the op's own bias check: one value per output channel
     nhwc = T(np.ones((1, 7, 7, 3)), device)
-    with pytest.raises(ShapeError, match=r"conv: bias .* expected shape \(4,\), got \(3,\)"):
+    with pytest.raises(ShapeError,
+                       match=r"conv: bias .* expected shape \(4,\) or \(1, 4\), got \(3,\)"):
         ops.conv(nhwc, conv.weight, stride=stride, padding=k // 2, bias=T(np.ones(3), device))
 
 
