@@ -52,6 +52,9 @@ def test_conv_init_and_forward(device, k, stride):
     with pytest.raises(ShapeError,
                        match=r"conv: bias .* expected shape \(4,\) or \(1, 4\), got \(3,\)"):
         ops.conv(nhwc, conv.weight, stride=stride, padding=k // 2, bias=T(np.ones(3), device))
+    with pytest.raises(ShapeError, match=r"conv: bias .* got \(1, 1, 1, 1, 4\)"):
+        ops.conv(nhwc, conv.weight, stride=stride, padding=k // 2,
+                 bias=T(np.ones((1, 1, 1, 1, 4)), device))  # more axes than the output
 
 
 def test_conv_gradients(device):
