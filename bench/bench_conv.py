@@ -170,7 +170,8 @@ def compare(sides: dict, phases: int, calls: int, stat: str) -> dict:
     return {name: statistics.median(ts) for name, ts in every.items()}
 
 
-def run(threads: int, batch: int, variants, phases: int, calls: int, stat: str) -> list:
+def run(threads: int, batch: int, variants, phases: int, calls: int, stat: str,
+        only=()) -> list:
     import torch
     from threadpoolctl import threadpool_limits
 
@@ -181,6 +182,8 @@ def run(threads: int, batch: int, variants, phases: int, calls: int, stat: str) 
     rows = []
     with threadpool_limits(limits=threads, user_api="blas"):
         for name, cin, cout, k, s, hw in LAYERS:
+            if only and not name.startswith(tuple(only)):
+                continue
             needs_input_grad = not name.startswith("conv1")
             for variant in variants:
                 args = (variant, batch, cin, cout, k, s, hw, needs_input_grad)
@@ -218,6 +221,8 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--variants", default="op,layer")
+    parser.add_argument("--layers", default="",
+                        help="comma-separated name prefixes (conv1,res1): only those layers")
     parser.add_argument("--phases", type=int, default=5)
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--stat", choices=["best", "median"], default="best")
@@ -250,7 +255,8 @@ def main(argv=None) -> int:
           "needle bwd ms | torch bwd ms | bwd ratio |")
     print("|---|---|---|---|---|---|---|---|---|")
     for threads in args.threads:
-        run(threads, args.batch, args.variants.split(","), phases, calls, args.stat)
+        run(threads, args.batch, args.variants.split(","), phases, calls, args.stat,
+            [p for p in args.layers.split(",") if p])
     return 0
 
 

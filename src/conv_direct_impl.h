@@ -25,12 +25,14 @@ inline bool conv_direct_ok(const ConvGeom& g, std::size_t width) {
 template <class T>
 const T* pad_image(const T* x, const ConvGeom& g, std::size_t n, T* dst) {
   const std::size_t wp = g.w + 2 * g.pad, hp = g.h + 2 * g.pad, row = wp * g.c;
-  const T* src = x + n * g.h * g.w * g.c;
+  const T* src = x + n * g.xs[0];
+  const bool compact = g.x_compact();
   zero_run(dst, g.pad * row);
   for (std::size_t i = 0; i < g.h; ++i) {
     T* d = dst + (g.pad + i) * row;
     zero_run(d, g.pad * g.c);
-    copy_run(d + g.pad * g.c, src + i * g.w * g.c, g.w * g.c);
+    if (compact) copy_run(d + g.pad * g.c, src + i * g.xs[1], g.w * g.c);
+    else gather_row(src + i * g.xs[1], g.xs[2], g.xs[3], g.w, g.c, d + g.pad * g.c);
     zero_run(d + (g.pad + g.w) * g.c, g.pad * g.c);
   }
   zero_run(dst + (g.pad + g.h) * row, (hp - g.pad - g.h) * row);
@@ -213,12 +215,18 @@ void conv_weight_grad_direct(const T* x, const T* dy, T* dw, const ConvGeom& g, 
                       : nullptr;
   const auto body = [&](int t) {
     T* padded = tls_conv_rows.get<T>(padded_elems(g));
+    // a strided dy: each image's gradient gathered as compact (HO*WO x Cout) rows first
+    T* dy_rows = g.dy_compact() ? nullptr : tls_conv_dy.get<T>(g.ho * g.wo * p);
     T* acc = nt > 1 ? partial + std::size_t(t) * k * p : dw;
     std::memset(acc, 0, k * p * sizeof(T));
 #pragma omp for schedule(static)
     for (std::size_t n = 0; n < g.n; ++n) {
       pad_image(x, g, n, padded);
-      const T* dyn = dy + n * g.ho * g.wo * p;
+      const T* dyn = dy + n * g.dys[0];
+      if (dy_rows) {
+        gather_image(dyn, g.dys, g.ho, g.wo, p, dy_rows);
+        dyn = dy_rows;
+      }
       const bool one = p <= std::size_t(Vec<T>::W);
       const std::size_t tile = one ? kGradRows<Vec<T>, 1> : kGradRows<Vec<T>, 2>;
       for (std::size_t a = 0; a < g.kh; ++a) {

@@ -56,6 +56,103 @@ inline void add_run(T* dst, const T* src, std::size_t len) {
   for (std::size_t i = 0; i < len; ++i) dst[i] += src[i];
 }
 
+// dst[j * c + ch] = src[ch * sc + j] for j < len, ch < c: channel planes (sc apart) to
+// pixel rows of c values. float32 moves 4 x 4 blocks through a register transpose (four
+// loads and four stores per 16 values), the rest one by one.
+template <class T>
+void planes_to_rows(const T* src, std::size_t sc, std::size_t len, std::size_t c, T* dst) {
+  std::size_t c4 = 0;
+#if defined(__SSE2__)
+  if constexpr (sizeof(T) == 4) {
+    const std::size_t len4 = len / 4 * 4;
+    for (; c4 + 4 <= c; c4 += 4) {
+      const float* p = reinterpret_cast<const float*>(src + c4 * sc);
+      float* d = reinterpret_cast<float*>(dst + c4);
+      for (std::size_t j = 0; j < len4; j += 4) {
+        __m128 r0 = _mm_loadu_ps(p + j), r1 = _mm_loadu_ps(p + sc + j);
+        __m128 r2 = _mm_loadu_ps(p + 2 * sc + j), r3 = _mm_loadu_ps(p + 3 * sc + j);
+        _MM_TRANSPOSE4_PS(r0, r1, r2, r3);
+        _mm_storeu_ps(d + j * c, r0);
+        _mm_storeu_ps(d + (j + 1) * c, r1);
+        _mm_storeu_ps(d + (j + 2) * c, r2);
+        _mm_storeu_ps(d + (j + 3) * c, r3);
+      }
+      for (std::size_t j = len4; j < len; ++j)
+        for (std::size_t a = 0; a < 4; ++a) dst[j * c + c4 + a] = src[(c4 + a) * sc + j];
+    }
+  }
+#endif
+  for (std::size_t ch = c4; ch < c; ++ch) {
+    const T* plane = src + ch * sc;
+    for (std::size_t j = 0; j < len; ++j) dst[j * c + ch] = plane[j];
+  }
+}
+
+// dst[j * c + ch] = src[j * sw + ch * sc] for j < w, ch < c: one image row of a strided
+// operand (an NCHW tensor seen as NHWC: sw = 1, sc = H * W) laid out as NHWC. Exact (no
+// spill past dst's w * c values).
+template <class T>
+void gather_row(const T* src, std::size_t sw, std::size_t sc, std::size_t w, std::size_t c,
+                T* dst) {
+  if (sc == 1 && sw == c) {
+    std::memcpy(dst, src, w * c * sizeof(T));
+  } else if (c == 3 && sw == 1) {  // RGB planes: a 3-way interleave, which GCC vectorises
+    const T *r = src, *gr = src + sc, *b = src + 2 * sc;
+    for (std::size_t j = 0; j < w; ++j) {
+      dst[3 * j] = r[j];
+      dst[3 * j + 1] = gr[j];
+      dst[3 * j + 2] = b[j];
+    }
+  } else if (sw == 1) {
+    planes_to_rows(src, sc, w, c, dst);
+  } else {
+    for (std::size_t j = 0; j < w; ++j)
+      for (std::size_t ch = 0; ch < c; ++ch) dst[j * c + ch] = src[j * sw + ch * sc];
+  }
+}
+
+// dst (h x w x c, compact) = image `src` of a strided operand (strides s over N, H, W, C).
+// Channel planes of whole images (NCHW) move as one planes_to_rows of h * w pixels.
+template <class T>
+void gather_image(const T* src, const std::size_t (&s)[4], std::size_t h, std::size_t w,
+                  std::size_t c, T* dst) {
+  if (s[2] == 1 && s[1] == w && c != 3) return planes_to_rows(src, s[3], h * w, c, dst);
+  for (std::size_t i = 0; i < h; ++i) gather_row(src + i * s[1], s[2], s[3], w, c, dst + i * w * c);
+}
+
+// A compact NHWC copy of a strided operand (n images of h x w x c), for the kernel paths that
+// read their operand in place; images gathered in parallel. Owns its buffer.
+template <class T>
+struct CompactCopy {
+  T* data;
+  CompactCopy(const T* src, const std::size_t (&s)[4], std::size_t n, std::size_t h,
+              std::size_t w, std::size_t c)
+      : data(static_cast<T*>(needle_alloc(n * h * w * c * sizeof(T)))) {
+    const std::size_t per_image = h * w * c;
+    parallel_range(n, ceil_div(kParallelMinElements, per_image), [&](std::size_t b, std::size_t e) {
+      for (std::size_t i = b; i < e; ++i) gather_image(src + i * s[0], s, h, w, c, data + i * per_image);
+    }, 1);
+  }
+  ~CompactCopy() { needle_free(data); }
+  CompactCopy(const CompactCopy&) = delete;
+  CompactCopy& operator=(const CompactCopy&) = delete;
+};
+
+// g with x (or dy) made compact NHWC: the geometry of a CompactCopy of it.
+inline ConvGeom with_compact_x(ConvGeom g) {
+  const std::size_t dys[4] = {g.dys[0], g.dys[1], g.dys[2], g.dys[3]};
+  g.set_compact_strides();
+  std::copy(dys, dys + 4, g.dys);
+  return g;
+}
+
+inline ConvGeom with_compact_dy(ConvGeom g) {
+  const std::size_t xs[4] = {g.xs[0], g.xs[1], g.xs[2], g.xs[3]};
+  g.set_compact_strides();
+  std::copy(xs, xs + 4, g.xs);
+  return g;
+}
+
 // The window of output pixel `pixel`: its image, the input row/col of its top-left tap (may
 // be negative) and the range of kernel columns [kw_lo, kw_hi) that fall inside the input.
 struct Window {
@@ -123,6 +220,7 @@ void col2im_rows_add(const T* rows, std::size_t ldr, const ConvGeom& g, std::siz
 }
 
 inline thread_local Scratch tls_conv_rows;
+inline thread_local Scratch tls_conv_dy;
 
 inline int conv_threads(const ConvGeom& g) {
   const double flops = 2.0 * double(g.pixels()) * double(g.k()) * double(g.cout);
@@ -139,6 +237,10 @@ void conv_forward_t(const T* x, const T* w, T* out, const ConvGeom& g) {
     return conv_forward_direct(x, w, out, g, g.n > 1 ? conv_threads(g) : 1);
   }
 #endif
+  if (!g.x_compact()) {  // the im2col rows below read x in place
+    const CompactCopy<T> cx(x, g.xs, g.n, g.h, g.w, g.c);
+    return conv_forward_t(cx.data, w, out, with_compact_x(g));
+  }
   const std::size_t k = g.k(), p = g.cout, total = g.pixels(), chunk = conv_chunk(g, sizeof(T));
   const std::size_t chunks = ceil_div(total, chunk);
   const int nt = conv_threads(g);
@@ -169,6 +271,14 @@ void conv_weight_grad_t(const T* x, const T* dy, T* dw, const ConvGeom& g) {
     return conv_weight_grad_direct(x, dy, dw, g, g.n > 1 ? conv_threads(g) : 1);
   }
 #endif
+  if (!g.x_compact()) {
+    const CompactCopy<T> cx(x, g.xs, g.n, g.h, g.w, g.c);
+    return conv_weight_grad_t(cx.data, dy, dw, with_compact_x(g));
+  }
+  if (!g.dy_compact()) {
+    const CompactCopy<T> cdy(dy, g.dys, g.n, g.ho, g.wo, g.cout);
+    return conv_weight_grad_t(x, cdy.data, dw, with_compact_dy(g));
+  }
   const std::size_t k = g.k(), p = g.cout, total = g.pixels(), chunk = conv_chunk(g, sizeof(T));
   const std::size_t chunks = ceil_div(total, chunk);
   const int nt = chunks > 1 ? conv_threads(g) : 1;
@@ -207,6 +317,10 @@ void conv_weight_grad_t(const T* x, const T* dy, T* dw, const ConvGeom& g) {
 // touch the same element. w^T is made compact once (K x Cout is small) so B is read in rows.
 template <class T>
 void conv_input_grad_t(const T* dy, const T* w, T* dx, const ConvGeom& g) {
+  if (!g.dy_compact()) {
+    const CompactCopy<T> cdy(dy, g.dys, g.n, g.ho, g.wo, g.cout);
+    return conv_input_grad_t(cdy.data, w, dx, with_compact_dy(g));
+  }
   const std::size_t k = g.k(), p = g.cout, chunk = conv_chunk(g, sizeof(T));
   const std::size_t per_image = g.ho * g.wo;
   T* wt = static_cast<T*>(needle_alloc(k * p * sizeof(T)));

@@ -23,13 +23,25 @@ constexpr int kProgramRegisters = 16;
 
 // Geometry of a 2-D convolution over an NHWC input with a (KH, KW, Cin, Cout) kernel, the same
 // stride and zero padding on both spatial dims; the output is (N, HO, WO, Cout).
+// x and dy may be views: xs / dys are their element strides over (N, H, W, Cin) and
+// (N, HO, WO, Cout), compact NHWC unless set otherwise (nn.Conv hands its NCHW tensors over
+// as NHWC views; the kernels gather from them instead of a compact copy made first).
 struct ConvGeom {
   std::size_t n, h, w, c;    // input N, H, W, Cin
   std::size_t kh, kw, cout;  // kernel
   std::size_t stride, pad;
   std::size_t ho, wo;        // output height and width
+  std::size_t xs[4], dys[4];
   std::size_t k() const { return kh * kw * c; }
   std::size_t pixels() const { return n * ho * wo; }
+  void set_compact_strides() {
+    xs[0] = h * w * c, xs[1] = w * c, xs[2] = c, xs[3] = 1;
+    dys[0] = ho * wo * cout, dys[1] = wo * cout, dys[2] = cout, dys[3] = 1;
+  }
+  bool x_compact() const { return xs[0] == h * w * c && xs[1] == w * c && xs[2] == c && xs[3] == 1; }
+  bool dy_compact() const {
+    return dys[0] == ho * wo * cout && dys[1] == wo * cout && dys[2] == cout && dys[3] == 1;
+  }
 };
 
 // NumPy's MT19937 state (numpy/random/src/mt19937/mt19937.h): the key, then the position of

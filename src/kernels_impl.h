@@ -10,7 +10,7 @@
 #include <utility>
 #include <vector>
 
-#if defined(__AVX2__) || defined(__F16C__)
+#if defined(__SSE2__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 

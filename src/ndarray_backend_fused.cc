@@ -11,6 +11,7 @@
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "array.h"
 #include "array_py.h"
@@ -96,13 +97,51 @@ ConvGeom make_geom(const char* op, std::int64_t n, std::int64_t h, std::int64_t 
   g.stride = std::size_t(stride); g.pad = std::size_t(pad);
   g.ho = (g.h + 2 * g.pad - g.kh) / g.stride + 1;
   g.wo = (g.w + 2 * g.pad - g.kw) / g.stride + 1;
+  g.set_compact_strides();
   return g;
+}
+
+// The operand `what` of a convolution, dims (N, H, W, C) = `dims`: compact when `view` is None,
+// else the view (offset, stride_n, stride_h, stride_w, stride_c) of its buffer (element units,
+// strides >= 0), checked to lie inside it. Writes the strides (a unit dim's stride made the
+// compact one, as it is never used) and returns the data pointer at the offset.
+const void* conv_operand(const char* op, const char* what, const Array& a, py::handle view,
+                         const std::size_t (&dims)[4], std::size_t (&strides)[4]) {
+  const std::size_t compact[4] = {dims[1] * dims[2] * dims[3], dims[2] * dims[3], dims[3], 1};
+  if (view.is_none()) {
+    check_size(op, what, a, dims[0] * compact[0]);
+    std::copy(compact, compact + 4, strides);
+    return a.data();
+  }
+  std::vector<std::int64_t> values;
+  if (py::isinstance<py::sequence>(view) && !py::isinstance<py::str>(view)) {
+    for (py::handle item : py::reinterpret_borrow<py::sequence>(view)) {
+      values.push_back(item.cast<std::int64_t>());
+    }
+  }
+  if (values.size() != 5 || *std::min_element(values.begin(), values.end()) < 0) {
+    throw std::invalid_argument(std::string(op) + ": " + what + "_view must be (offset, and "
+                                "four strides), all >= 0, got " + std::string(py::str(view)));
+  }
+  // the last element the view reads, as a double first: no wrap-around on absurd strides
+  double last = double(values[0]);
+  for (int i = 0; i < 4; ++i) last += double(dims[i] - 1) * double(values[i + 1]);
+  if (last >= double(a.size())) {
+    throw std::invalid_argument(std::string(op) + ": " + what + "_view reads past its buffer, "
+                                "expected its last element below " + std::to_string(a.size()) +
+                                ", got " + std::to_string(std::int64_t(last)));
+  }
+  for (int i = 0; i < 4; ++i) strides[i] = dims[i] == 1 ? compact[i] : std::size_t(values[i + 1]);
+  return static_cast<const char*>(a.data()) + std::size_t(values[0]) * itemsize(a.dtype());
 }
 
 #define NEEDLE_GEOM_ARGS                                                                     \
   std::int64_t n, std::int64_t h, std::int64_t w, std::int64_t c, std::int64_t kh,           \
       std::int64_t kw, std::int64_t cout, std::int64_t stride, std::int64_t pad
 #define NEEDLE_GEOM_VALUES n, h, w, c, kh, kw, cout, stride, pad
+#define NEEDLE_GEOM_NAMES                                                                    \
+  py::arg("n"), py::arg("h"), py::arg("wd"), py::arg("c"), py::arg("kh"), py::arg("kw"),    \
+      py::arg("cout"), py::arg("stride"), py::arg("pad")
 
 }  // namespace
 
@@ -119,49 +158,54 @@ void bind_fused(py::module_& m, const KernelTable* const* kernels) {
   bind_batch_norm(m, kernels);
   bind_softmax_xent(m, kernels);
   m.def("conv2d_forward", [kernels](const Array& x, const Array& wt, Array& out,
-                                    NEEDLE_GEOM_ARGS) {
+                                    NEEDLE_GEOM_ARGS, py::handle x_view) {
     const char* op = "conv2d_forward";
-    const ConvGeom g = make_geom(op, NEEDLE_GEOM_VALUES);
+    ConvGeom g = make_geom(op, NEEDLE_GEOM_VALUES);
     check_float(op, out);
     check_same(op, x, out);
     check_same(op, wt, out);
-    check_size(op, "x", x, g.n * g.h * g.w * g.c);
+    const void* xp = conv_operand(op, "x", x, x_view, {g.n, g.h, g.w, g.c}, g.xs);
     check_size(op, "w", wt, g.k() * g.cout);
     check_size(op, "out", out, g.pixels() * g.cout);
     check_distinct(op, out, x, wt);
     py::gil_scoped_release release;
-    (*kernels)->conv_forward(out.dtype(), x.data(), wt.data(), out.data(), g);
-  });
+    (*kernels)->conv_forward(out.dtype(), xp, wt.data(), out.data(), g);
+  }, py::arg("x"), py::arg("w"), py::arg("out"), NEEDLE_GEOM_NAMES, py::kw_only(),
+     py::arg("x_view") = py::none());
   m.def("conv2d_weight_grad", [kernels](const Array& x, const Array& dy, Array& dw,
-                                        NEEDLE_GEOM_ARGS) {
+                                        NEEDLE_GEOM_ARGS, py::handle x_view,
+                                        py::handle dy_view) {
     const char* op = "conv2d_weight_grad";
-    const ConvGeom g = make_geom(op, NEEDLE_GEOM_VALUES);
+    ConvGeom g = make_geom(op, NEEDLE_GEOM_VALUES);
     check_float(op, dw);
     check_same(op, x, dw);
     check_same(op, dy, dw);
-    check_size(op, "x", x, g.n * g.h * g.w * g.c);
-    check_size(op, "dy", dy, g.pixels() * g.cout);
+    const void* xp = conv_operand(op, "x", x, x_view, {g.n, g.h, g.w, g.c}, g.xs);
+    const void* dyp = conv_operand(op, "dy", dy, dy_view, {g.n, g.ho, g.wo, g.cout}, g.dys);
     check_size(op, "dw", dw, g.k() * g.cout);
     check_distinct(op, dw, x, dy);
     py::gil_scoped_release release;
-    (*kernels)->conv_weight_grad(dw.dtype(), x.data(), dy.data(), dw.data(), g);
-  });
+    (*kernels)->conv_weight_grad(dw.dtype(), xp, dyp, dw.data(), g);
+  }, py::arg("x"), py::arg("dy"), py::arg("dw"), NEEDLE_GEOM_NAMES, py::kw_only(),
+     py::arg("x_view") = py::none(), py::arg("dy_view") = py::none());
   m.def("conv2d_input_grad", [kernels](const Array& dy, const Array& wt, Array& dx,
-                                       NEEDLE_GEOM_ARGS) {
+                                       NEEDLE_GEOM_ARGS, py::handle dy_view) {
     const char* op = "conv2d_input_grad";
-    const ConvGeom g = make_geom(op, NEEDLE_GEOM_VALUES);
+    ConvGeom g = make_geom(op, NEEDLE_GEOM_VALUES);
     check_float(op, dx);
     check_same(op, dy, dx);
     check_same(op, wt, dx);
-    check_size(op, "dy", dy, g.pixels() * g.cout);
+    const void* dyp = conv_operand(op, "dy", dy, dy_view, {g.n, g.ho, g.wo, g.cout}, g.dys);
     check_size(op, "w", wt, g.k() * g.cout);
     check_size(op, "dx", dx, g.n * g.h * g.w * g.c);
     check_distinct(op, dx, dy, wt);
     py::gil_scoped_release release;
-    (*kernels)->conv_input_grad(dx.dtype(), dy.data(), wt.data(), dx.data(), g);
-  });
+    (*kernels)->conv_input_grad(dx.dtype(), dyp, wt.data(), dx.data(), g);
+  }, py::arg("dy"), py::arg("w"), py::arg("dx"), NEEDLE_GEOM_NAMES, py::kw_only(),
+     py::arg("dy_view") = py::none());
+  // x_view / dy_view above: ops.conv hands strided operands over without a compact copy
+  m.attr("conv2d_takes_views") = true;
 }
-
 
 void bind_lstm(py::module_& m, const KernelTable* const* kernels) {
   m.def("lstm_cell_forward", [kernels](const Array& z, const Array* bias, const Array& c,

@@ -376,9 +376,12 @@ class NDArray:
 
     def permute(self, new_axes) -> "NDArray":
         """A view with axes reordered (``new_axes`` is a permutation of ``range(ndim)``)."""
-        axes = tuple(int(a) % builtins.max(self.ndim, 1) if isinstance(a, (int, np.integer)) else a
-                     for a in new_axes)
-        if sorted(axes) != list(range(self.ndim)):
+        ndim = len(self._shape)
+        axes = tuple(new_axes)
+        if sorted(axes) != list(range(ndim)):  # the common case (non-negative ints) checked first
+            axes = tuple(int(a) % builtins.max(ndim, 1) if isinstance(a, (int, np.integer))
+                         else a for a in axes)
+        if sorted(axes) != list(range(ndim)):
             raise AxisError(f"permute: expected a permutation of {tuple(range(self.ndim))}, "
                             f"got {tuple(new_axes)}")
         return _view(tuple(self._shape[a] for a in axes),

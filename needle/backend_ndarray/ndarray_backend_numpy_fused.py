@@ -17,6 +17,8 @@ Example:
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from .ewise_codes import (
@@ -31,7 +33,8 @@ from .ewise_codes import (
 )
 from .ndarray_checks import check_class_ids
 
-__all__ = ["conv2d_forward", "conv2d_weight_grad", "conv2d_input_grad", "lstm_cell_forward",
+__all__ = ["conv2d_forward", "conv2d_weight_grad", "conv2d_input_grad", "conv2d_takes_views",
+           "lstm_cell_forward",
            "lstm_cell_backward", "batch_norm_forward", "batch_norm_backward",
            "softmax_xent_forward", "softmax_xent_backward", "embedding_forward",
            "embedding_backward", "ewise_program", "mt19937_uniform"]
@@ -56,24 +59,48 @@ def _patches(x: np.ndarray, kh: int, kw: int, stride: int, pad: int) -> np.ndarr
         xp, (n, ho, wo, kh, kw, c), (sn, sh * stride, sw * stride, sh, sw, sc), writeable=False)
 
 
-def conv2d_forward(x, w, out, n, h, wd, c, kh, kw, cout, stride, pad) -> None:
-    xs = x.array[:n * h * wd * c].reshape(n, h, wd, c)
+def _nhwc(a, dims: tuple, view) -> np.ndarray:
+    """Operand ``a`` as an (N, H, W, C) array: its compact prefix, or ``view`` = (offset,
+    four element strides) of its buffer (the CPU backend's x_view / dy_view)."""
+    if view is None:
+        return a.array[:math.prod(dims)].reshape(dims)
+    if not isinstance(view, (tuple, list)) or len(view) != 5:
+        raise ValueError(f"conv2d: a view must be (offset, and four strides), got {view!r}")
+    offset, *strides = (int(v) for v in view)
+    last = offset + sum((d - 1) * s for d, s in zip(dims, strides, strict=True))
+    if min(offset, *strides) < 0 or last >= a.array.size:
+        raise ValueError(f"conv2d: view {tuple(view)} of dims {dims} does not lie inside a "
+                         f"buffer of {a.array.size} elements")
+    item = a.array.itemsize
+    return np.lib.stride_tricks.as_strided(a.array[offset:], dims,
+                                           tuple(s * item for s in strides), writeable=False)
+
+
+# x_view / dy_view: as in the CPU backend, which this module is the oracle of
+conv2d_takes_views = True
+
+
+def conv2d_forward(x, w, out, n, h, wd, c, kh, kw, cout, stride, pad, *, x_view=None) -> None:
+    xs = _nhwc(x, (n, h, wd, c), x_view)
     ws = w.array[:kh * kw * c * cout].reshape(kh * kw * c, cout)
     cols = _patches(xs, kh, kw, stride, pad)
     ho, wo = cols.shape[1], cols.shape[2]
     out.array[:n * ho * wo * cout] = (cols.reshape(-1, kh * kw * c) @ ws).reshape(-1)
 
 
-def conv2d_weight_grad(x, dy, dw, n, h, wd, c, kh, kw, cout, stride, pad) -> None:
-    xs = x.array[:n * h * wd * c].reshape(n, h, wd, c)
+def conv2d_weight_grad(x, dy, dw, n, h, wd, c, kh, kw, cout, stride, pad, *, x_view=None,
+                       dy_view=None) -> None:
+    xs = _nhwc(x, (n, h, wd, c), x_view)
     cols = _patches(xs, kh, kw, stride, pad).reshape(-1, kh * kw * c)
-    g = dy.array[:cols.shape[0] * cout].reshape(-1, cout)
+    ho, wo = _out_size(h, kh, stride, pad), _out_size(wd, kw, stride, pad)
+    g = _nhwc(dy, (n, ho, wo, cout), dy_view).reshape(-1, cout)
     dw.array[:kh * kw * c * cout] = (cols.T @ g).reshape(-1)
 
 
-def conv2d_input_grad(dy, w, dx, n, h, wd, c, kh, kw, cout, stride, pad) -> None:
+def conv2d_input_grad(dy, w, dx, n, h, wd, c, kh, kw, cout, stride, pad, *,
+                      dy_view=None) -> None:
     ho, wo = _out_size(h, kh, stride, pad), _out_size(wd, kw, stride, pad)
-    g = dy.array[:n * ho * wo * cout].reshape(n * ho * wo, cout)
+    g = _nhwc(dy, (n, ho, wo, cout), dy_view).reshape(n * ho * wo, cout)
     ws = w.array[:kh * kw * c * cout].reshape(kh * kw * c, cout)
     cols = (g @ ws.T).reshape(n, ho, wo, kh, kw, c)
     padded = np.zeros((n, h + 2 * pad, wd + 2 * pad, c), dtype=dx.array.dtype)

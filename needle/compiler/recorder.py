@@ -14,9 +14,11 @@ the recording thread is written down with its arguments, a buffer handle replace
 A host-to-device copy (``from_numpy``) of a value drawn from :mod:`needle.random` during the
 step becomes a :class:`RandomFill`: the replay draws again from the same stream, so dropout
 masks are fresh each step, exactly as eagerly. Any other copied host array is kept as a
-constant. Calls that return a value (a host read) or take arguments the recorder cannot
-describe make the recording unreplayable: ``Recording.problems`` says why, and the compiled
-step keeps running its Python instead.
+constant. Keyword arguments are constants of the step (``conv2d_forward``'s ``x_view``),
+bound into the recorded call; a keyword that is a buffer or a float (a scalar that may change
+between steps) is refused. Calls that return a value (a host read) or take arguments the
+recorder cannot describe make the recording unreplayable: ``Recording.problems`` says why,
+and the compiled step keeps running its Python instead.
 
 Example:
     >>> import numpy as np, needle as ndl
@@ -29,6 +31,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -250,8 +253,15 @@ class _RecordingModule:
         def recorded(*args, **kwargs):
             if threading.get_ident() != thread:
                 return fn(*args, **kwargs)
+            call = fn
             if kwargs:
-                rec.problem(f"{name} is called with keyword arguments")
+                # keyword arguments that are constants of the trace (conv2d's x_view) are
+                # bound into the recorded callable; a buffer or a scalar that may change
+                # between steps must come positionally, where it is described
+                for key, value in kwargs.items():
+                    if rec.describe(value, name) != value or isinstance(value, float):
+                        rec.problem(f"{name} takes {key}= that is not a constant of the step")
+                call = functools.partial(fn, **kwargs)
             if name == "from_numpy" and len(args) == 2 and not kwargs:
                 rec.from_numpy(fn, args[0], args[1])
                 return fn(*args)
@@ -259,7 +269,7 @@ class _RecordingModule:
             result = fn(*args, **kwargs)
             if result is not None:
                 rec.problem(f"{name} returns a value to Python (a host read)")
-            rec.ops.append(Call(name, fn, described))
+            rec.ops.append(Call(name, call, described))
             return result
 
         recorded.__name__ = name

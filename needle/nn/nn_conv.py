@@ -52,8 +52,9 @@ class Conv(Module):
         if x.ndim != 4 or x.shape[1] != self.in_channels:
             raise ShapeError(f"Conv: expected an NCHW input with {self.in_channels} channels, "
                              f"got shape {x.shape}")
-        nhwc = ops.transpose(ops.transpose(x, (1, 2)), (2, 3))
+        # NCHW -> NHWC as a view: the convolution kernels read it in place (no copy)
+        nhwc = ops.permute(x, (0, 2, 3, 1))
         # the bias added inside the convolution's node, into its output buffer
         out = ops.conv(nhwc, self.weight, stride=self.stride, padding=self.padding,
                        bias=self.bias)
-        return ops.transpose(ops.transpose(out, (2, 3)), (1, 2))
+        return ops.permute(out, (0, 3, 1, 2))

@@ -59,6 +59,17 @@ def _workspace(mod, like, geom: tuple) -> tuple:
     return (NDArray.make((size,), device=like.device, dtype=like.dtype)._handle,)
 
 
+def _operand(mod, a, name: str) -> tuple:
+    """``(array, kwargs)``: ``a`` itself with ``{name_view: (offset, *strides)}`` when the
+    backend reads strided operands (``conv2d_takes_views``: nn.Conv's NHWC view of an NCHW
+    tensor needs no compact copy then), else a compact ``a`` and no kwargs."""
+    if a.is_compact():
+        return a, {}
+    if getattr(mod, "conv2d_takes_views", False) and min(a.strides) >= 0:
+        return a, {name + "_view": (a._offset, *a.strides)}
+    return a.compact(), {}
+
+
 def forward(x, w, stride: int, padding: int):
     """``conv(x, w)`` (NHWC, kernel (KH, KW, Cin, Cout)) through the fused kernel, or None."""
     mod = _module(x, w)
@@ -66,9 +77,10 @@ def forward(x, w, stride: int, padding: int):
         return None
     n, h, wd, _, kh, kw, cout, _, _ = geom = _geometry(x, w, stride, padding)
     ho, wo = (h + 2 * padding - kh) // stride + 1, (wd + 2 * padding - kw) // stride + 1
-    x, w = x.compact(), w.compact()
+    (x, views), w = _operand(mod, x, "x"), w.compact()
     out = NDArray.make((n, ho, wo, cout), device=x.device, dtype=x.dtype)
-    mod.conv2d_forward(x._handle, w._handle, out._handle, *geom, *_workspace(mod, x, geom))
+    mod.conv2d_forward(x._handle, w._handle, out._handle, *geom, *_workspace(mod, x, geom),
+                       **views)
     return out
 
 
@@ -77,12 +89,13 @@ def weight_grad(x, dy, kernel_shape: tuple, stride: int, padding: int):
     mod = _module(x, dy)
     if mod is None:
         return None
-    x, dy = x.compact(), dy.compact()
+    (x, x_views), (dy, dy_views) = _operand(mod, x, "x"), _operand(mod, dy, "dy")
     n, h, wd, c = x.shape
     kh, kw, _, cout = kernel_shape
     dw = NDArray.make(tuple(kernel_shape), device=x.device, dtype=x.dtype)
     geom = (n, h, wd, c, kh, kw, cout, stride, padding)
-    mod.conv2d_weight_grad(x._handle, dy._handle, dw._handle, *geom, *_workspace(mod, x, geom))
+    mod.conv2d_weight_grad(x._handle, dy._handle, dw._handle, *geom, *_workspace(mod, x, geom),
+                           **x_views, **dy_views)
     return dw
 
 
@@ -91,10 +104,11 @@ def input_grad(dy, w, input_shape: tuple, stride: int, padding: int):
     mod = _module(dy, w)
     if mod is None:
         return None
-    dy, w = dy.compact(), w.compact()
+    (dy, views), w = _operand(mod, dy, "dy"), w.compact()
     n, h, wd, c = input_shape
     kh, kw, _, cout = w.shape
     dx = NDArray.make(tuple(input_shape), device=dy.device, dtype=dy.dtype)
     geom = (n, h, wd, c, kh, kw, cout, stride, padding)
-    mod.conv2d_input_grad(dy._handle, w._handle, dx._handle, *geom, *_workspace(mod, dy, geom))
+    mod.conv2d_input_grad(dy._handle, w._handle, dx._handle, *geom, *_workspace(mod, dy, geom),
+                          **views)
     return dx

@@ -203,6 +203,106 @@ def test_conv_kernels_on_resnet9_layers(geom, isa):
     _conv_both(geom, "float32", seed=7)
 
 
+@st.composite
+def layouts(draw):
+    """How an (N, H, W, C) operand lies in its buffer: the storage order of its axes
+    (outermost first; (0, 3, 1, 2) is NCHW), values of padding after each innermost row and
+    an offset."""
+    return (tuple(draw(st.permutations(range(4)))), draw(st.integers(0, 2)),
+            draw(st.integers(0, 5)))
+
+
+def _strided(values: np.ndarray, layout) -> tuple:
+    """``(buffer, view)``: ``values`` (N, H, W, C) stored per ``layout`` in a flat buffer,
+    and the (offset, four strides) view that reads them back."""
+    order, extra, offset = layout
+    storage = [values.shape[a] for a in order]
+    storage[-1] += extra
+    strides_of_storage = np.cumprod([1] + storage[:0:-1])[::-1]
+    strides = [0] * 4
+    for axis, stride in zip(order, strides_of_storage, strict=True):
+        strides[axis] = int(stride)
+    buffer = np.full(offset + int(np.prod(storage)), np.nan)
+    item = buffer.itemsize
+    np.lib.stride_tricks.as_strided(buffer[offset:], values.shape,
+                                    tuple(st_ * item for st_ in strides))[...] = values
+    return buffer, (offset, *strides)
+
+
+def _conv_views_both(geom, dtype, x_layout, dy_layout, seed):
+    """Each backend's kernels on x and dy stored per the layouts (x_view / dy_view) against
+    the reference on compact copies."""
+    n, h, w, c, kh, kw, cout, stride, pad = geom
+    ho, wo = (h + 2 * pad - kh) // stride + 1, (w + 2 * pad - kw) // stride + 1
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, h, w, c))
+    wt = rng.standard_normal(kh * kw * c * cout)
+    dy = rng.standard_normal((n, ho, wo, cout))
+    (xbuf, x_view), (dybuf, dy_view) = _strided(x, x_layout), _strided(dy, dy_layout)
+    want = []
+    bx, bw, bdy = put(ref, x, "float64"), put(ref, wt, "float64"), put(ref, dy, "float64")
+    outs = [ref.Array(size, "float64") for size in (dy.size, wt.size, x.size)]
+    ref.conv2d_forward(bx, bw, outs[0], *geom)
+    ref.conv2d_weight_grad(bx, bdy, outs[1], *geom)
+    ref.conv2d_input_grad(bdy, bw, outs[2], *geom)
+    want = [flat(ref, arr) for arr in outs]
+    for backend, dt in ((cpu, dtype), (ref, "float64")):
+        bx, bw, bdy = put(backend, xbuf, dt), put(backend, wt, dt), put(backend, dybuf, dt)
+        outs = [backend.Array(size, dt) for size in (dy.size, wt.size, x.size)]
+        for arr in outs:
+            backend.fill(arr, np.nan)
+        backend.conv2d_forward(bx, bw, outs[0], *geom, x_view=x_view)
+        backend.conv2d_weight_grad(bx, bdy, outs[1], *geom, x_view=x_view, dy_view=dy_view)
+        backend.conv2d_input_grad(bdy, bw, outs[2], *geom, dy_view=dy_view)
+        k = kh * kw * c
+        for arr, expected, scale in zip(outs, want, (k, n * ho * wo, k), strict=True):
+            assert_close(flat(backend, arr), expected, dt, scale=scale ** 0.5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(geom=conv_cases(), dtype=st.sampled_from(["float32", "float64"]),
+       isa=st.sampled_from(ISAS), threads=st.sampled_from([1, 2]), x_layout=layouts(),
+       dy_layout=layouts())
+def test_conv_kernels_read_strided_operands(geom, dtype, isa, threads, x_layout, dy_layout):
+    cpu._set_isa(isa)
+    cpu.set_num_threads(threads)
+    _conv_views_both(geom, dtype, x_layout, dy_layout, seed=sum(geom))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("geom", RESNET9_CONVS)
+def test_conv_kernels_read_nchw_operands_on_resnet9_layers(geom, isa):
+    """nn.Conv's case: the NCHW input and output gradient read as NHWC views."""
+    cpu._set_isa(isa)
+    cpu.set_num_threads(2)
+    nchw = ((0, 3, 1, 2), 0, 0)
+    _conv_views_both(geom, "float32", nchw, nchw, seed=5)
+
+
+def test_conv_kernels_refuse_bad_views():
+    assert cpu.conv2d_takes_views and ref.conv2d_takes_views
+    x, w, out = cpu.Array(32), cpu.Array(18), cpu.Array(16)
+    geom = (1, 4, 4, 2, 3, 3, 1, 1, 1)
+    with pytest.raises(ValueError, match=r"conv2d_forward: x_view must be \(offset, and four "
+                                         r"strides\), all >= 0, got \(0, 1, 2\)"):
+        cpu.conv2d_forward(x, w, out, *geom, x_view=(0, 1, 2))
+    with pytest.raises(ValueError, match="x_view must be .* got \\(0, 32, 8, 2, -1\\)"):
+        cpu.conv2d_forward(x, w, out, *geom, x_view=(0, 32, 8, 2, -1))
+    # offset 1 with compact strides reads element 32 of a 32-element buffer
+    with pytest.raises(ValueError, match="conv2d_forward: x_view reads past its buffer, "
+                                         "expected its last element below 32, got 32"):
+        cpu.conv2d_forward(x, w, out, *geom, x_view=(1, 32, 8, 2, 1))
+    with pytest.raises(ValueError, match="conv2d_input_grad: dy_view reads past"):
+        cpu.conv2d_input_grad(cpu.Array(16), w, x, *geom, dy_view=(0, 16, 4, 2, 1))
+    with pytest.raises(ValueError, match="conv2d_weight_grad: dy_view must be"):
+        cpu.conv2d_weight_grad(x, cpu.Array(16), w, *geom, dy_view="0,1,2,3,4")
+    cpu.conv2d_forward(x, w, out, *geom, x_view=(0, 0, 8, 2, 1))  # broadcast over N: fine
+    with pytest.raises(ValueError, match="does not lie inside"):
+        ref.conv2d_forward(ref.Array(32), ref.Array(18), ref.Array(16), *geom,
+                           x_view=(1, 32, 8, 2, 1))
+
+
 def test_conv_kernels_refuse_bad_input():
     a = cpu.Array(4 * 4 * 2)
     with pytest.raises(ValueError, match="conv2d_forward: expected sizes >= 1"):

@@ -456,3 +456,29 @@ def test_a_kernel_replay_begins_its_plan_prepared_and_unguarded(monkeypatch):
         step(x, y)
     assert step.stats()["kernel_replays"] == before + 3
     assert calls == {"list": 0, "prepared": 3, "guard": 0}
+
+
+def test_recorder_binds_constant_keywords_and_refuses_others():
+    """A kernel's keyword arguments that are constants of the step (conv2d's x_view of an
+    NCHW input) are bound into the recorded call, which then replays them; a buffer passed
+    by keyword cannot be rebound to its slot, so the step is refused kernel replay."""
+    from needle.backend_ndarray import NDArray
+    from needle.compiler.recorder import record_kernels
+    from needle.ops import _conv_kernels
+
+    device = ndl.cpu_numpy()
+    x = NDArray(np.arange(2 * 3 * 4 * 4, dtype="float32").reshape(2, 3, 4, 4), device=device)
+    w = NDArray(np.ones((3, 3, 3, 5), dtype="float32"), device=device)
+    nhwc = x.permute((0, 2, 3, 1))
+    with record_kernels(device) as rec:
+        out = _conv_kernels.forward(nhwc, w, 1, 1)
+    assert rec.problems == []
+    call = [op for op in rec.ops if getattr(op, "name", None) == "conv2d_forward"][0]
+    assert call.fn.keywords == {"x_view": (0, 48, 4, 1, 16)}
+    want = _conv_kernels.forward(nhwc.compact(), w, 1, 1).numpy()
+    np.testing.assert_array_equal(out.numpy(), want)
+    with record_kernels(device) as rec:
+        with pytest.raises(ValueError, match="conv2d"):
+            device.mod.conv2d_forward(x._handle, w._handle, out._handle, 2, 4, 4, 3, 3, 3, 5,
+                                      1, 1, x_view=x._handle)
+    assert rec.problems == ["conv2d_forward takes x_view= that is not a constant of the step"]
