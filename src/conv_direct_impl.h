@@ -168,11 +168,10 @@ void conv_forward_direct(const T* x, const T* w, T* out, const ConvGeom& g, int 
 
 // dw rows [r0, r0 + MR) of run a (of its KW * C rows x Cout) += sum over image n's pixels of
 // window values (x) dy[pixel].
-template <class Z, int NV, class T = typename Z::T>
+template <class Z, int NV, int MR, class T = typename Z::T>
 void conv_direct_wgrad_rows(const T* padded, const ConvGeom& g, std::size_t row_stride,
                             std::size_t a, std::size_t r0, const T* dy, T* dw) {
   using V = typename Z::V;
-  constexpr int MR = kGradRows<Z, NV>;
   const std::size_t run = g.kw * g.c - r0;
   typename Z::M lanes[NV];
   for (int v = 0; v < NV; ++v) lanes[v] = Z::mask(int(g.cout) - v * Z::W);
@@ -208,6 +207,41 @@ void conv_direct_wgrad_rows(const T* padded, const ConvGeom& g, std::size_t row_
   }
 }
 
+// One pass of conv_direct_wgrad_rows with `rows` kernel rows (MIN when fewer), rows up to
+// MAX: each height its own instantiation, so that a run of KW * C rows splits into passes of equal
+// height with no discarded rows (conv1's 7 x 3 = 21: one pass of 21 on AVX-512, where a
+// pass of 24 computed 3 rows for nothing; 6 + 5 + 5 + 5 on AVX2 instead of 6 x 4).
+template <class Z, int NV, int MIN, int MAX, class T = typename Z::T>
+void conv_direct_wgrad_pass(int rows, const T* padded, const ConvGeom& g,
+                            std::size_t row_stride, std::size_t a, std::size_t r0, const T* dy,
+                            T* dw) {
+  if constexpr (MIN < MAX) {
+    if (rows < MAX) {
+      return conv_direct_wgrad_pass<Z, NV, MIN, MAX - 1>(rows, padded, g, row_stride, a, r0,
+                                                         dy, dw);
+    }
+  }
+  conv_direct_wgrad_rows<Z, NV, MAX>(padded, g, row_stride, a, r0, dy, dw);
+}
+
+// The rows of image n's share of dw: each run of KW * C kernel rows in passes of at most
+// kGradRows rows, of equal height.
+template <class Z, int NV, class T = typename Z::T>
+void conv_direct_wgrad_image(const T* padded, const ConvGeom& g, std::size_t row_stride,
+                             const T* dy, T* dw) {
+  constexpr int tile = kGradRows<Z, NV>;
+  const std::size_t run = g.kw * g.c, passes = ceil_div(run, std::size_t(tile));
+  for (std::size_t a = 0; a < g.kh; ++a) {
+    for (std::size_t i = 0; i < passes; ++i) {
+      const std::size_t r0 = run * i / passes, r1 = run * (i + 1) / passes;
+      // r1 - r0 >= tile / 2 unless the whole run is shorter: a pass of tile / 2 rows then,
+      // the rows past the run discarded
+      conv_direct_wgrad_pass<Z, NV, tile / 2, tile>(int(r1 - r0), padded, g, row_stride, a,
+                                                    r0, dy, dw);
+    }
+  }
+}
+
 template <class T>
 void conv_weight_grad_direct(const T* x, const T* dy, T* dw, const ConvGeom& g, int nt) {
   const std::size_t k = g.k(), p = g.cout, row = (g.w + 2 * g.pad) * g.c;
@@ -227,14 +261,8 @@ void conv_weight_grad_direct(const T* x, const T* dy, T* dw, const ConvGeom& g, 
         gather_image(dyn, g.dys, g.ho, g.wo, p, dy_rows);
         dyn = dy_rows;
       }
-      const bool one = p <= std::size_t(Vec<T>::W);
-      const std::size_t tile = one ? kGradRows<Vec<T>, 1> : kGradRows<Vec<T>, 2>;
-      for (std::size_t a = 0; a < g.kh; ++a) {
-        for (std::size_t r0 = 0; r0 < g.kw * g.c; r0 += tile) {
-          if (one) conv_direct_wgrad_rows<Vec<T>, 1>(padded, g, row, a, r0, dyn, acc);
-          else conv_direct_wgrad_rows<Vec<T>, 2>(padded, g, row, a, r0, dyn, acc);
-        }
-      }
+      if (p <= std::size_t(Vec<T>::W)) conv_direct_wgrad_image<Vec<T>, 1>(padded, g, row, dyn, acc);
+      else conv_direct_wgrad_image<Vec<T>, 2>(padded, g, row, dyn, acc);
     }
   };
   if (nt > 1) {
