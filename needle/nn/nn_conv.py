@@ -52,9 +52,7 @@ class Conv(Module):
         if x.ndim != 4 or x.shape[1] != self.in_channels:
             raise ShapeError(f"Conv: expected an NCHW input with {self.in_channels} channels, "
                              f"got shape {x.shape}")
-        # NCHW -> NHWC as a view: the convolution kernels read it in place (no copy)
-        nhwc = ops.permute(x, (0, 2, 3, 1))
-        # the bias added inside the convolution's node, into its output buffer
-        out = ops.conv(nhwc, self.weight, stride=self.stride, padding=self.padding,
-                       bias=self.bias)
-        return ops.permute(out, (0, 3, 1, 2))
+        # one node: NCHW in and out as views of the NHWC kernels' operands (the kernels read
+        # the input in place, no copy), the bias added into the output buffer
+        return ops.conv(x, self.weight, stride=self.stride, padding=self.padding,
+                        bias=self.bias, layout="NCHW")

@@ -146,6 +146,15 @@ CASES = [
          lambda a, b: _conv_ref(a, b, 2, 0), ((2, 4, 4, 3), (1, 1, 3, 2))),
     Case("conv_bias", lambda a, b, c: ops.conv(a, b, stride=2, padding=1, bias=c),
          lambda a, b, c: _conv_ref(a, b, 2, 1) + c, ((2, 5, 6, 3), (3, 3, 3, 4), (4,))),
+    # nn.Conv's form: NCHW in and out, the transposes views inside the node
+    Case("conv_nchw_bias",
+         lambda a, b, c: ops.conv(a, b, stride=2, padding=1, bias=c, layout="NCHW"),
+         lambda a, b, c: (_conv_ref(a.transpose(0, 2, 3, 1), b, 2, 1) + c).transpose(0, 3, 1, 2),
+         ((2, 3, 5, 6), (3, 3, 3, 4), (4,))),
+    Case("conv_nchw_stride1",
+         lambda a, b: ops.conv(a, b, stride=1, padding=1, layout="NCHW"),
+         lambda a, b: _conv_ref(a.transpose(0, 2, 3, 1), b, 1, 1).transpose(0, 3, 1, 2),
+         ((2, 4, 5, 5), (3, 3, 4, 3))),
 ]
 
 

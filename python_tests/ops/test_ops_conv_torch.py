@@ -34,3 +34,38 @@ def test_conv_matches_torch(device, n, h, cin, cout, k, stride, padding):
                                rtol=1e-3, atol=1e-3)
     np.testing.assert_allclose(w.grad.numpy(), wt.grad.numpy().transpose(2, 3, 1, 0),
                                rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_nchw_layout_matches_torch_with_bias(device, stride):
+    """``layout="NCHW"`` (nn.Conv's one node): NCHW in and out, the same values and
+    gradients as PyTorch's conv2d, whose layout it is."""
+    rng = np.random.default_rng(1)
+    x_np = rng.standard_normal((2, 4, 7, 7)).astype(np.float32)
+    w_np = rng.standard_normal((3, 3, 4, 5)).astype(np.float32)
+    b_np = rng.standard_normal(5).astype(np.float32)
+    x, w, b = (Tensor(a, device=device) for a in (x_np, w_np, b_np))
+    y = ops.conv(x, w, stride=stride, padding=1, bias=b, layout="NCHW")
+    (y * y).sum().backward()
+    xt, bt = torch.tensor(x_np, requires_grad=True), torch.tensor(b_np, requires_grad=True)
+    wt = torch.tensor(w_np.transpose(3, 2, 0, 1), requires_grad=True)
+    yt = torch.nn.functional.conv2d(xt, wt, bt, stride=stride, padding=1)
+    (yt * yt).sum().backward()
+    assert y.shape == tuple(yt.shape)
+    np.testing.assert_allclose(y.numpy(), yt.detach().numpy(), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(x.grad.numpy(), xt.grad.numpy(), rtol=1e-3, atol=1e-3)
+    np.testing.assert_allclose(w.grad.numpy(), wt.grad.numpy().transpose(2, 3, 1, 0),
+                               rtol=1e-3, atol=1e-3)
+    np.testing.assert_allclose(b.grad.numpy(), bt.grad.numpy(), rtol=1e-3, atol=1e-3)
+
+
+def test_conv_layout_refusals(device):
+    from needle._core.errors import ShapeError
+
+    w = Tensor(np.ones((3, 3, 2, 1), np.float32), device=device)
+    with pytest.raises(ValueError, match="conv: expected layout 'NHWC' or 'NCHW', got 'CHW'"):
+        ops.conv(Tensor(np.ones((1, 2, 4, 4), np.float32), device=device), w, layout="CHW")
+    with pytest.raises(ShapeError, match=r"conv: expected a 4-D NCHW input, got \(2, 4, 4\)"):
+        ops.conv(Tensor(np.ones((2, 4, 4), np.float32), device=device), w, layout="NCHW")
+    with pytest.raises(ShapeError, match="channels differ"):  # NCHW channels are axis 1
+        ops.conv(Tensor(np.ones((1, 4, 4, 2), np.float32), device=device), w, layout="NCHW")
