@@ -20,10 +20,15 @@ T block_sum(const T* a, std::size_t n) {
 #pragma omp simd
     for (int j = 0; j < L; ++j) lanes[j] += a[i + j];
   }
-  T acc = T(0);
-  for (; i < n; ++i) acc += a[i];
-  for (int j = 0; j < L; ++j) acc += lanes[j];
-  return acc;
+  // the tail goes into the lanes as well and the lanes are added pairwise: no serial chain
+  // of up to 2L dependent adds, which cost a short row (a bias gradient's H*W values per
+  // image and channel) more than its loads
+  for (std::size_t j = 0; i + j < n; ++j) lanes[j] += a[i + j];
+  for (int w = L / 2; w > 0; w /= 2) {
+#pragma omp simd
+    for (int j = 0; j < w; ++j) lanes[j] += lanes[j + w];
+  }
+  return lanes[0];
 }
 
 template <RedOp OP, class T>

@@ -148,9 +148,10 @@ def test_nchw_view_of_nhwc_summed_over_channels_axes_without_copy(device):
 @pytest.mark.parametrize("op", ["sum", "max", "min"])
 @pytest.mark.parametrize("keepdims", [False, True])
 def test_nhwc_view_of_nchw_reduced_in_steps_without_copy(device, op, keepdims):
-    """nn.Conv's bias gradient: an NHWC view of an NCHW gradient summed over N, H, W. With
-    H·W >= 256 the planes are reduced as they lie, then the (N, C) result over N: no copy of
-    the gradient (shorter planes are copied: see NDArray._reduce_in_steps)."""
+    """nn.Conv's bias gradient: an NHWC view of an NCHW gradient summed over N, H, W, in two
+    passes over compact buffers (no copy of the gradient): a sum over N first (a column
+    sum), then H·W per channel; max and min with H·W >= 256 the planes first, then over N
+    (shorter planes are copied for them: see NDArray._reduce_in_steps)."""
     rng = np.random.default_rng(3)
     nchw = rng.standard_normal((3, 5, 16, 17))
     view = NDArray(nchw, device=device).permute((0, 2, 3, 1))
@@ -160,11 +161,12 @@ def test_nhwc_view_of_nchw_reduced_in_steps_without_copy(device, op, keepdims):
             out = getattr(view, op)(axis=axes, keepdims=keepdims)
         want = getattr(np, op)(x, axis=axes, keepdims=keepdims)
         assert out.shape == want.shape
-        np.testing.assert_allclose(out.numpy(), want, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(out.numpy(), want, rtol=1e-5, atol=1e-5)
         assert all(source is not view._handle for source, _, _ in copies.calls)
     small = NDArray(nchw[:, :, :4, :4].copy(), device=device).permute((0, 2, 3, 1))
     with CompactCounter(device) as copies:
         out = getattr(small, op)(axis=(0, 1, 2))
     np.testing.assert_allclose(out.numpy(), getattr(np, op)(
-        nchw[:, :, :4, :4].transpose(0, 2, 3, 1), axis=(0, 1, 2)), rtol=1e-6, atol=1e-6)
-    assert len(copies.calls) == 1  # below the threshold: one transposing copy
+        nchw[:, :, :4, :4].transpose(0, 2, 3, 1), axis=(0, 1, 2)), rtol=1e-5, atol=1e-5)
+    # sums never copy; max / min below the threshold make one transposing copy
+    assert len(copies.calls) == (0 if op == "sum" else 1)
