@@ -208,8 +208,8 @@ void conv_direct_wgrad_rows(const T* padded, const ConvGeom& g, std::size_t row_
 }
 
 // One pass of conv_direct_wgrad_rows with `rows` kernel rows (MIN when fewer), rows up to
-// MAX: each height its own instantiation, so that a run of KW * C rows splits into passes of equal
-// height with no discarded rows (conv1's 7 x 3 = 21: one pass of 21 on AVX-512, where a
+// MAX: each height its own instantiation, so that a run of KW * C rows splits into passes
+// of equal height with no discarded rows (conv1's 7 x 3 = 21: one pass of 21 on AVX-512, where a
 // pass of 24 computed 3 rows for nothing; 6 + 5 + 5 + 5 on AVX2 instead of 6 x 4).
 template <class Z, int NV, int MIN, int MAX, class T = typename Z::T>
 void conv_direct_wgrad_pass(int rows, const T* padded, const ConvGeom& g,
@@ -261,8 +261,11 @@ void conv_weight_grad_direct(const T* x, const T* dy, T* dw, const ConvGeom& g, 
         gather_image(dyn, g.dys, g.ho, g.wo, p, dy_rows);
         dyn = dy_rows;
       }
-      if (p <= std::size_t(Vec<T>::W)) conv_direct_wgrad_image<Vec<T>, 1>(padded, g, row, dyn, acc);
-      else conv_direct_wgrad_image<Vec<T>, 2>(padded, g, row, dyn, acc);
+      if (p <= std::size_t(Vec<T>::W)) {
+        conv_direct_wgrad_image<Vec<T>, 1>(padded, g, row, dyn, acc);
+      } else {
+        conv_direct_wgrad_image<Vec<T>, 2>(padded, g, row, dyn, acc);
+      }
     }
   };
   if (nt > 1) {

@@ -129,9 +129,12 @@ struct CompactCopy {
               std::size_t w, std::size_t c)
       : data(static_cast<T*>(needle_alloc(n * h * w * c * sizeof(T)))) {
     const std::size_t per_image = h * w * c;
-    parallel_range(n, ceil_div(kParallelMinElements, per_image), [&](std::size_t b, std::size_t e) {
-      for (std::size_t i = b; i < e; ++i) gather_image(src + i * s[0], s, h, w, c, data + i * per_image);
-    }, 1);
+    const auto images = [&](std::size_t b, std::size_t e) {
+      for (std::size_t i = b; i < e; ++i) {
+        gather_image(src + i * s[0], s, h, w, c, data + i * per_image);
+      }
+    };
+    parallel_range(n, ceil_div(kParallelMinElements, per_image), images, 1);
   }
   ~CompactCopy() { needle_free(data); }
   CompactCopy(const CompactCopy&) = delete;

@@ -38,7 +38,9 @@ struct ConvGeom {
     xs[0] = h * w * c, xs[1] = w * c, xs[2] = c, xs[3] = 1;
     dys[0] = ho * wo * cout, dys[1] = wo * cout, dys[2] = cout, dys[3] = 1;
   }
-  bool x_compact() const { return xs[0] == h * w * c && xs[1] == w * c && xs[2] == c && xs[3] == 1; }
+  bool x_compact() const {
+    return xs[0] == h * w * c && xs[1] == w * c && xs[2] == c && xs[3] == 1;
+  }
   bool dy_compact() const {
     return dys[0] == ho * wo * cout && dys[1] == wo * cout && dys[2] == cout && dys[3] == 1;
   }
