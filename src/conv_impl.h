@@ -112,29 +112,32 @@ void gather_row(const T* src, std::size_t sw, std::size_t sc, std::size_t w, std
 }
 
 // dst (h x w x c, compact) = image `src` of a strided operand (strides s over N, H, W, C).
-// Channel planes of whole images (NCHW) move as one planes_to_rows of h * w pixels.
+// Channel planes of whole images (NCHW) move as one planes_to_rows of h * w pixels. For one
+// image inside a kernel's parallel region (the direct kernel gradient's dy), where the
+// strided-copy kernel (CompactCopy) would start threads of its own.
 template <class T>
 void gather_image(const T* src, const std::size_t (&s)[4], std::size_t h, std::size_t w,
                   std::size_t c, T* dst) {
   if (s[2] == 1 && s[1] == w && c != 3) return planes_to_rows(src, s[3], h * w, c, dst);
-  for (std::size_t i = 0; i < h; ++i) gather_row(src + i * s[1], s[2], s[3], w, c, dst + i * w * c);
+  for (std::size_t i = 0; i < h; ++i) {
+    gather_row(src + i * s[1], s[2], s[3], w, c, dst + i * w * c);
+  }
 }
 
 // A compact NHWC copy of a strided operand (n images of h x w x c), for the kernel paths that
-// read their operand in place; images gathered in parallel. Owns its buffer.
+// read their operand in place: the strided-copy kernel of NDArray.compact (strided.h), which
+// already moves NCHW <-> NHWC in register-transposed tiles, in parallel. Owns its buffer.
 template <class T>
 struct CompactCopy {
   T* data;
   CompactCopy(const T* src, const std::size_t (&s)[4], std::size_t n, std::size_t h,
               std::size_t w, std::size_t c)
       : data(static_cast<T*>(needle_alloc(n * h * w * c * sizeof(T)))) {
-    const std::size_t per_image = h * w * c;
-    const auto images = [&](std::size_t b, std::size_t e) {
-      for (std::size_t i = b; i < e; ++i) {
-        gather_image(src + i * s[0], s, h, w, c, data + i * per_image);
-      }
-    };
-    parallel_range(n, ceil_div(kParallelMinElements, per_image), images, 1);
+    const View view{{std::int64_t(n), std::int64_t(h), std::int64_t(w), std::int64_t(c)},
+                    {std::int64_t(s[0]), std::int64_t(s[1]), std::int64_t(s[2]),
+                     std::int64_t(s[3])},
+                    0};
+    needle::gather(sizeof(T), src, view, data);
   }
   ~CompactCopy() { needle_free(data); }
   CompactCopy(const CompactCopy&) = delete;
@@ -143,16 +146,12 @@ struct CompactCopy {
 
 // g with x (or dy) made compact NHWC: the geometry of a CompactCopy of it.
 inline ConvGeom with_compact_x(ConvGeom g) {
-  const std::size_t dys[4] = {g.dys[0], g.dys[1], g.dys[2], g.dys[3]};
-  g.set_compact_strides();
-  std::copy(dys, dys + 4, g.dys);
+  g.set_compact_x();
   return g;
 }
 
 inline ConvGeom with_compact_dy(ConvGeom g) {
-  const std::size_t xs[4] = {g.xs[0], g.xs[1], g.xs[2], g.xs[3]};
-  g.set_compact_strides();
-  std::copy(xs, xs + 4, g.xs);
+  g.set_compact_dy();
   return g;
 }
 

@@ -34,10 +34,11 @@ struct ConvGeom {
   std::size_t xs[4], dys[4];
   std::size_t k() const { return kh * kw * c; }
   std::size_t pixels() const { return n * ho * wo; }
-  void set_compact_strides() {
-    xs[0] = h * w * c, xs[1] = w * c, xs[2] = c, xs[3] = 1;
+  void set_compact_x() { xs[0] = h * w * c, xs[1] = w * c, xs[2] = c, xs[3] = 1; }
+  void set_compact_dy() {
     dys[0] = ho * wo * cout, dys[1] = wo * cout, dys[2] = cout, dys[3] = 1;
   }
+  void set_compact_strides() { set_compact_x(), set_compact_dy(); }
   bool x_compact() const {
     return xs[0] == h * w * c && xs[1] == w * c && xs[2] == c && xs[3] == 1;
   }

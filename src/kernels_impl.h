@@ -16,6 +16,7 @@
 
 #include "allocator.h"
 #include "kernels.h"
+#include "strided.h"
 
 namespace needle {
 namespace NEEDLE_ISA {

@@ -23,15 +23,18 @@ from .ops_linear import bias_gradient
 from .ops_shape import Dilate, Flip, GetItem, Permute, Transpose
 
 
-def _check(a, b, stride: int, padding: int) -> None:
+def _check(a, b, stride: int, padding: int, given=None) -> None:
+    """``a`` is the NHWC input (a view of ``given``, the caller's NCHW input, when set: the
+    messages then show the shape the caller passed)."""
+    shown, layout = (tuple(a.shape), "NHWC") if given is None else (tuple(given), "NCHW")
     if len(a.shape) != 4 or len(b.shape) != 4:
         raise ShapeError(
-            f"conv: expected a 4-D NHWC input and a 4-D (K, K, Cin, Cout) kernel, got "
-            f"{tuple(a.shape)} and {tuple(b.shape)}")
+            f"conv: expected a 4-D {layout} input and a 4-D (K, K, Cin, Cout) kernel, got "
+            f"{shown} and {tuple(b.shape)}")
     if a.shape[3] != b.shape[2]:
         raise ShapeError(
             f"conv: channels differ, expected input channels == kernel Cin, got "
-            f"{a.shape[3]} (input {tuple(a.shape)}) and {b.shape[2]} (kernel {tuple(b.shape)})")
+            f"{a.shape[3]} (input {shown}) and {b.shape[2]} (kernel {tuple(b.shape)})")
     if stride < 1 or padding < 0:
         raise ShapeError(
             f"conv: expected stride >= 1 and padding >= 0, got stride={stride}, "
@@ -175,11 +178,12 @@ class Conv(TensorOp):
         self.stride, self.padding, self.layout = int(stride), int(padding), layout
 
     def compute(self, a, b, bias=None):
+        given = None
         if self.layout == "NCHW":
             if len(a.shape) != 4:
                 raise ShapeError(f"conv: expected a 4-D NCHW input, got {tuple(a.shape)}")
-            a = A.permute(a, _NHWC_OF_NCHW)
-        _check(a, b, self.stride, self.padding)
+            given, a = a.shape, A.permute(a, _NHWC_OF_NCHW)
+        _check(a, b, self.stride, self.padding, given)
         out = _conv_compute(a, b, self.stride, self.padding)
         if bias is not None:
             A.check_row("conv", "output channel", bias.shape, b.shape[3], 4)

@@ -67,5 +67,6 @@ def test_conv_layout_refusals(device):
         ops.conv(Tensor(np.ones((1, 2, 4, 4), np.float32), device=device), w, layout="CHW")
     with pytest.raises(ShapeError, match=r"conv: expected a 4-D NCHW input, got \(2, 4, 4\)"):
         ops.conv(Tensor(np.ones((2, 4, 4), np.float32), device=device), w, layout="NCHW")
-    with pytest.raises(ShapeError, match="channels differ"):  # NCHW channels are axis 1
+    # NCHW channels are axis 1; the message shows the shape as given
+    with pytest.raises(ShapeError, match=r"channels differ.*got 4 \(input \(1, 4, 4, 2\)\)"):
         ops.conv(Tensor(np.ones((1, 4, 4, 2), np.float32), device=device), w, layout="NCHW")
