@@ -21,22 +21,22 @@ inline bool conv_direct_ok(const ConvGeom& g, std::size_t width) {
   return g.kw * g.c <= 128 && g.cout <= 2 * width;
 }
 
-// The padded image n: (H + 2 pad) x (W + 2 pad) x C, plus slack rows for edge tiles.
+// The padded images: (H + 2 pad) x (W + 2 pad) x C, plus slack rows for edge tiles. A
+// thread's scratch is zeroed once per call (`zero_padded`) and each image then writes only its
+// interior (`fill_interior`): the border and the slack stay zero, since every image writes the
+// same interior positions (copy_run's spill past a row writes zeros, and only into the next
+// row's pad or interior, which comes later). Re-zeroing the border per image cost ~9% of
+// conv1's forward (short runs, each a memset call).
 template <class T>
-const T* pad_image(const T* x, const ConvGeom& g, std::size_t n, T* dst) {
-  const std::size_t wp = g.w + 2 * g.pad, hp = g.h + 2 * g.pad, row = wp * g.c;
+void fill_interior(const T* x, const ConvGeom& g, std::size_t n, T* dst) {
+  const std::size_t row = (g.w + 2 * g.pad) * g.c;
   const T* src = x + n * g.xs[0];
   const bool compact = g.x_compact();
-  zero_run(dst, g.pad * row);
   for (std::size_t i = 0; i < g.h; ++i) {
-    T* d = dst + (g.pad + i) * row;
-    zero_run(d, g.pad * g.c);
-    if (compact) copy_run(d + g.pad * g.c, src + i * g.xs[1], g.w * g.c);
-    else gather_row(src + i * g.xs[1], g.xs[2], g.xs[3], g.w, g.c, d + g.pad * g.c);
-    zero_run(d + (g.pad + g.w) * g.c, g.pad * g.c);
+    T* d = dst + (g.pad + i) * row + g.pad * g.c;
+    if (compact) copy_run(d, src + i * g.xs[1], g.w * g.c);
+    else gather_row(src + i * g.xs[1], g.xs[2], g.xs[3], g.w, g.c, d);
   }
-  zero_run(dst + (g.pad + g.h) * row, (hp - g.pad - g.h) * row);
-  return dst;
 }
 
 inline std::size_t padded_elems(const ConvGeom& g) {
@@ -48,6 +48,55 @@ inline std::size_t padded_elems(const ConvGeom& g) {
          g.stride * row + 64;
 }
 
+template <class T>
+void zero_padded(const ConvGeom& g, T* dst) {
+  std::memset(dst, 0, padded_elems(g) * sizeof(T));
+}
+
+// Asks for image n's input to be brought into L2 while the image before it is computed: the
+// copy into the padded scratch otherwise waits on memory (conv1's batch is 1.5 MiB, read once
+// per call). Only when the image is one dense span (NHWC, or NCHW seen as NHWC).
+template <class T>
+void prefetch_image(const T* x, const ConvGeom& g, std::size_t n) {
+  if (n >= g.n) return;
+  const std::size_t span = (g.h - 1) * g.xs[1] + (g.w - 1) * g.xs[2] + (g.c - 1) * g.xs[3] + 1;
+  if (span > g.h * g.w * g.c) return;
+  const char* p = reinterpret_cast<const char*>(x + n * g.xs[0]);
+  for (std::size_t b = 0; b < span * sizeof(T); b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
+}
+
+// The kernel rows [lo, hi) whose window rows lie in the image for output rows [oh, oh + lines):
+// the others multiply only padding, and skipping them is what lets a small map beat a kernel
+// that computes every tap (ResNet9's res1 on 4 x 4 maps: 10 of 12 kernel rows live).
+struct TapRows {
+  std::size_t lo, hi;
+};
+
+inline TapRows live_tap_rows(const ConvGeom& g, std::size_t oh, std::size_t lines) {
+  // padded row oh * stride + a is an image row when pad <= it < pad + h
+  const std::size_t top = oh * g.stride, bottom = (oh + lines - 1) * g.stride;
+  const std::size_t lo = g.pad > bottom ? min_size(g.pad - bottom, g.kh) : 0;
+  const std::size_t end = g.pad + g.h;
+  const std::size_t hi = end > top ? min_size(end - top, g.kh) : 0;
+  return {lo, hi > lo ? hi : lo};
+}
+
+// Kernel-row FMAs per image: tiles of one output row against tiles of two (which share each
+// loaded kernel row, but must compute the rows either line needs).
+inline bool pair_rows_pays(const ConvGeom& g) {
+  std::size_t single = 0, paired = 0;
+  for (std::size_t oh = 0; oh < g.ho; ++oh) {
+    const TapRows t = live_tap_rows(g, oh, 1);
+    single += t.hi - t.lo;
+  }
+  for (std::size_t oh = 0; oh < g.ho; oh += 2) {
+    const std::size_t lines = min_size(2, g.ho - oh);
+    const TapRows t = live_tap_rows(g, oh, lines);
+    paired += lines * (t.hi - t.lo);
+  }
+  return paired <= single;
+}
+
 // out[r] (r < mr, Cout values) = sum over the KH runs of window(r) . w, window(r) starting at
 // ap + r * lda; NV vectors of Cout.
 // Loads Cout values of B/dy: whole vectors when Cout fills them (masked loads cost more on
@@ -57,13 +106,13 @@ inline typename Z::V load_cout(const typename Z::T* p, typename Z::M lanes, bool
   return full ? Z::loadu(p) : Z::load_mask(p, lanes);
 }
 
-// out[l][r] (output rows l < lines, pixels r < mr of each, Cout values) = sum over the KH runs
-// of window(l, r) . w; window(l, r) starts at ap + l * line_stride + r * lda. LINES = 2 puts two
+// out[l][r] (output rows l < lines, pixels r < mr of each, Cout values) = sum over the kernel
+// rows `taps` of window(l, r) . w (the rows outside them read only padding); window(l, r) starts at ap + l * line_stride + r * lda. LINES = 2 puts two
 // short output rows (Wo <= 4) in one tile, so that each loaded kernel row feeds 2 MR rows.
 template <class Z, int NV, int MR, int LINES = 1, class T = typename Z::T>
 void conv_direct_rows(const T* ap, std::size_t lda, std::size_t line_stride, const ConvGeom& g,
                       std::size_t row_stride, const T* w, T* out, std::size_t mr,
-                      std::size_t lines) {
+                      std::size_t lines, TapRows taps) {
   using V = typename Z::V;
   constexpr int R = MR * LINES;
   typename Z::M lanes[NV];
@@ -75,8 +124,8 @@ void conv_direct_rows(const T* ap, std::size_t lda, std::size_t line_stride, con
 #pragma GCC unroll 2
     for (int v = 0; v < NV; ++v) sum[r][v] = Z::zero();
   const std::size_t run = g.kw * g.c;
-  const T* bp = w;
-  for (std::size_t a = 0; a < g.kh; ++a) {
+  const T* bp = w + taps.lo * run * g.cout;
+  for (std::size_t a = taps.lo; a < taps.hi; ++a) {
     const T* seg = ap + a * row_stride;
 #pragma GCC unroll 4
     for (std::size_t kk = 0; kk < run; ++kk, bp += g.cout) {
@@ -120,39 +169,44 @@ void conv_forward_direct(const T* x, const T* w, T* out, const ConvGeom& g, int 
   const std::size_t tile = direct_tile(g.wo, std::size_t(one ? kFwdRows<Vec<T>, 1>
                                                              : kFwdRows<Vec<T>, 2>));
   // Output rows of <= 4 pixels go two per tile when 8 rows of accumulators fit the registers.
-  const bool paired = g.wo <= 4 && g.ho > 1 && (one || kFwdRows<Vec<T>, 2> >= 8);
+  const bool paired = g.wo <= 4 && g.ho > 1 && (one || kFwdRows<Vec<T>, 2> >= 8) &&
+                      pair_rows_pays(g);
   const std::size_t line = g.stride * row;
   const auto body = [&] {
     T* padded = tls_conv_rows.get<T>(padded_elems(g));
+    zero_padded(g, padded);
 #pragma omp for schedule(static)
     for (std::size_t n = 0; n < g.n; ++n) {
-      pad_image(x, g, n, padded);
+      fill_interior(x, g, n, padded);
+      prefetch_image(x, g, n + 1);
       T* image_out = out + n * g.ho * g.wo * g.cout;
       if (paired) {  // two output rows of at most 4 pixels per tile
         for (std::size_t oh = 0; oh < g.ho; oh += 2) {
           const T* ap = padded + oh * g.stride * row;
           const std::size_t lines = min_size(2, g.ho - oh);
           T* o = image_out + oh * g.wo * g.cout;
-          if (one) conv_direct_rows<Vec<T>, 1, 4, 2>(ap, lda, line, g, row, w, o, g.wo, lines);
-          else conv_direct_rows<Vec<T>, 2, 4, 2>(ap, lda, line, g, row, w, o, g.wo, lines);
+          const TapRows t = live_tap_rows(g, oh, lines);
+          if (one) conv_direct_rows<Vec<T>, 1, 4, 2>(ap, lda, line, g, row, w, o, g.wo, lines, t);
+          else conv_direct_rows<Vec<T>, 2, 4, 2>(ap, lda, line, g, row, w, o, g.wo, lines, t);
         }
         continue;
       }
       for (std::size_t oh = 0; oh < g.ho; ++oh) {
         const T* ap = padded + oh * g.stride * row;
         T* o = image_out + oh * g.wo * g.cout;
+        const TapRows t = live_tap_rows(g, oh, 1);
         for (std::size_t w0 = 0; w0 < g.wo; w0 += tile) {
           const std::size_t mr = min_size(tile, g.wo - w0);
           const T* a0 = ap + w0 * lda;
           T* o0 = o + w0 * g.cout;
           if (one) {
-            if (tile == 8) conv_direct_rows<Vec<T>, 1, 8>(a0, lda, 0, g, row, w, o0, mr, 1);
-            else if (tile == 6) conv_direct_rows<Vec<T>, 1, 6>(a0, lda, 0, g, row, w, o0, mr, 1);
-            else conv_direct_rows<Vec<T>, 1, 4>(a0, lda, 0, g, row, w, o0, mr, 1);
+            if (tile == 8) conv_direct_rows<Vec<T>, 1, 8>(a0, lda, 0, g, row, w, o0, mr, 1, t);
+            else if (tile == 6) conv_direct_rows<Vec<T>, 1, 6>(a0, lda, 0, g, row, w, o0, mr, 1, t);
+            else conv_direct_rows<Vec<T>, 1, 4>(a0, lda, 0, g, row, w, o0, mr, 1, t);
           } else {
-            if (tile == 8) conv_direct_rows<Vec<T>, 2, 8>(a0, lda, 0, g, row, w, o0, mr, 1);
-            else if (tile == 6) conv_direct_rows<Vec<T>, 2, 6>(a0, lda, 0, g, row, w, o0, mr, 1);
-            else conv_direct_rows<Vec<T>, 2, 4>(a0, lda, 0, g, row, w, o0, mr, 1);
+            if (tile == 8) conv_direct_rows<Vec<T>, 2, 8>(a0, lda, 0, g, row, w, o0, mr, 1, t);
+            else if (tile == 6) conv_direct_rows<Vec<T>, 2, 6>(a0, lda, 0, g, row, w, o0, mr, 1, t);
+            else conv_direct_rows<Vec<T>, 2, 4>(a0, lda, 0, g, row, w, o0, mr, 1, t);
           }
         }
       }
@@ -253,9 +307,10 @@ void conv_weight_grad_direct(const T* x, const T* dy, T* dw, const ConvGeom& g, 
     T* dy_rows = g.dy_compact() ? nullptr : tls_conv_dy.get<T>(g.ho * g.wo * p);
     T* acc = nt > 1 ? partial + std::size_t(t) * k * p : dw;
     std::memset(acc, 0, k * p * sizeof(T));
+    zero_padded(g, padded);
 #pragma omp for schedule(static)
     for (std::size_t n = 0; n < g.n; ++n) {
-      pad_image(x, g, n, padded);
+      fill_interior(x, g, n, padded);
       const T* dyn = dy + n * g.dys[0];
       if (dy_rows) {
         gather_image(dyn, g.dys, g.ho, g.wo, p, dy_rows);
