@@ -14,8 +14,10 @@ constexpr std::size_t kDirectRunMax = 24;  // KW * Cin the direct kernels take
 
 // Tile heights that keep the accumulators (rows x NV vectors) plus the operands in the 16
 // (AVX2) or 32 (AVX-512) vector registers: forward rows, and weight-grad kernel rows.
-template <class Z, int NV> constexpr int kFwdRows = (Z::W * sizeof(typename Z::T) == 64 || NV == 1) ? 8 : 6;
-template <class Z, int NV> constexpr int kGradRows = (Z::W * sizeof(typename Z::T) == 64 ? 24 : 12) / NV;
+template <class Z, int NV>
+constexpr int kFwdRows = (Z::W * sizeof(typename Z::T) == 64 || NV == 1) ? 8 : 6;
+template <class Z, int NV>
+constexpr int kGradRows = (Z::W * sizeof(typename Z::T) == 64 ? 24 : 12) / NV;
 
 inline bool conv_direct_ok(const ConvGeom& g, std::size_t width) {
   return g.kw * g.c <= 128 && g.cout <= 2 * width;
@@ -107,8 +109,9 @@ inline typename Z::V load_cout(const typename Z::T* p, typename Z::M lanes, bool
 }
 
 // out[l][r] (output rows l < lines, pixels r < mr of each, Cout values) = sum over the kernel
-// rows `taps` of window(l, r) . w (the rows outside them read only padding); window(l, r) starts at ap + l * line_stride + r * lda. LINES = 2 puts two
-// short output rows (Wo <= 4) in one tile, so that each loaded kernel row feeds 2 MR rows.
+// rows `taps` of window(l, r) . w (the rows outside them read only padding); window(l, r)
+// starts at ap + l * line_stride + r * lda. LINES = 2 puts two short output rows (Wo <= 4) in
+// one tile, so that each loaded kernel row feeds 2 MR rows.
 template <class Z, int NV, int MR, int LINES = 1, class T = typename Z::T>
 void conv_direct_rows(const T* ap, std::size_t lda, std::size_t line_stride, const ConvGeom& g,
                       std::size_t row_stride, const T* w, T* out, std::size_t mr,
