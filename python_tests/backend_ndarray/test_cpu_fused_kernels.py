@@ -144,6 +144,39 @@ def test_matmul_kernel_paths(shape, dtype, isa):
     assert_close(flat(cpu, out), expected.reshape(-1), dtype, scale=n ** 0.5)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("layouts", ["nn", "tn", "nt", "sn"])
+def test_matmul_narrow_c_paths(layouts, dtype, isa):
+    """Few rows of C, many columns, B packed (the LSTM LM's X.T @ dY): each thread packs its
+    own blocks of columns. Two K blocks, a last block and a last panel cut short, rows not a
+    multiple of the tile; A and B transposed or sliced. The result must not depend on the
+    thread count (bitwise), and a block of its columns must be bitwise what the ordinary path
+    gives for that slice of B alone (the same K blocks and tiles)."""
+    cpu._set_isa(isa)
+    m, n, p = 50, 300, 2100 + 13
+    rng = np.random.default_rng(7)
+    a, a_buf, a_off, ars, acs = _operand(rng, m, n, layouts[0], dtype)
+    b, b_buf, b_off, brs, bcs = _operand(rng, n, p, layouts[1], dtype)
+    ca, cb = put(cpu, a_buf, dtype), put(cpu, b_buf, dtype)
+    results = []
+    for threads in (1, 2):
+        cpu.set_num_threads(threads)
+        out = cpu.Array(m * p, dtype)
+        cpu.fill(out, np.nan)
+        cpu.matmul_strided(ca, cb, out, m, n, p, a_off, ars, acs, b_off, brs, bcs)
+        results.append(flat(cpu, out))
+    cols = slice(1000, 1064)  # 64 columns: too few for the narrow path
+    part = cpu.Array(m * 64, dtype)
+    cpu.matmul_strided(ca, cb, part, m, n, 64, a_off, ars, acs, b_off + cols.start * bcs,
+                       brs, bcs)
+    np.testing.assert_array_equal(results[0], results[1])
+    np.testing.assert_array_equal(results[0].reshape(m, p)[:, cols],
+                                  flat(cpu, part).reshape(m, 64))
+    expected = a.astype(dtype).astype(np.float64) @ b.astype(dtype).astype(np.float64)
+    assert_close(results[0], expected.reshape(-1), dtype, scale=n ** 0.5)
+
+
 # ---- convolution ---------------------------------------------------------------------------
 
 @st.composite
