@@ -70,7 +70,7 @@ void prefetch_image(const T* x, const ConvGeom& g, std::size_t n) {
 // The kernel rows [lo, hi) whose window rows lie in the image for output rows [oh, oh + lines):
 // the others multiply only padding, and skipping them is what lets a small map beat a kernel
 // that computes every tap (ResNet9's res1 on 4 x 4 maps: 10 of 12 kernel rows live). Their
-// terms are exact zeros for finite weights, so the sums are bitwise unchanged; a NaN or inf
+// terms are exact zeros for finite weights, so the sums keep their values; a NaN or inf
 // weight seen only by padding no longer turns a border output into NaN (as oneDNN, and as
 // ops_conv's pruning of taps that every output sees only as padding).
 struct TapRows {
