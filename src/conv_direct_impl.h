@@ -265,8 +265,11 @@ void conv_forward_direct(const T* x, const T* w, T* out, const ConvGeom& g, int 
           T* o = image_out + oh * g.wo * g.cout;
           const TapRows t = live_tap_rows(g, oh, lines);
           const TapCols& c = pair_cols;
-          if (one) conv_direct_rows<Vec<T>, 1, 4, 2>(ap, lda, line, g, row, w, o, g.wo, lines, t, c);
-          else conv_direct_rows<Vec<T>, 2, 4, 2>(ap, lda, line, g, row, w, o, g.wo, lines, t, c);
+          if (one) {
+            conv_direct_rows<Vec<T>, 1, 4, 2>(ap, lda, line, g, row, w, o, g.wo, lines, t, c);
+          } else {
+            conv_direct_rows<Vec<T>, 2, 4, 2>(ap, lda, line, g, row, w, o, g.wo, lines, t, c);
+          }
         }
         continue;
       }
@@ -279,14 +282,18 @@ void conv_forward_direct(const T* x, const T* w, T* out, const ConvGeom& g, int 
           const T* a0 = ap + w0 * lda;
           T* o0 = o + w0 * g.cout;
           const TapCols& c = tile_cols[w0 / tile];
-          if (one) {
-            if (tile == 8) conv_direct_rows<Vec<T>, 1, 8>(a0, lda, 0, g, row, w, o0, mr, 1, t, c);
-            else if (tile == 6) conv_direct_rows<Vec<T>, 1, 6>(a0, lda, 0, g, row, w, o0, mr, 1, t, c);
-            else conv_direct_rows<Vec<T>, 1, 4>(a0, lda, 0, g, row, w, o0, mr, 1, t, c);
+          if (one && tile == 8) {
+            conv_direct_rows<Vec<T>, 1, 8>(a0, lda, 0, g, row, w, o0, mr, 1, t, c);
+          } else if (one && tile == 6) {
+            conv_direct_rows<Vec<T>, 1, 6>(a0, lda, 0, g, row, w, o0, mr, 1, t, c);
+          } else if (one) {
+            conv_direct_rows<Vec<T>, 1, 4>(a0, lda, 0, g, row, w, o0, mr, 1, t, c);
+          } else if (tile == 8) {
+            conv_direct_rows<Vec<T>, 2, 8>(a0, lda, 0, g, row, w, o0, mr, 1, t, c);
+          } else if (tile == 6) {
+            conv_direct_rows<Vec<T>, 2, 6>(a0, lda, 0, g, row, w, o0, mr, 1, t, c);
           } else {
-            if (tile == 8) conv_direct_rows<Vec<T>, 2, 8>(a0, lda, 0, g, row, w, o0, mr, 1, t, c);
-            else if (tile == 6) conv_direct_rows<Vec<T>, 2, 6>(a0, lda, 0, g, row, w, o0, mr, 1, t, c);
-            else conv_direct_rows<Vec<T>, 2, 4>(a0, lda, 0, g, row, w, o0, mr, 1, t, c);
+            conv_direct_rows<Vec<T>, 2, 4>(a0, lda, 0, g, row, w, o0, mr, 1, t, c);
           }
         }
       }
