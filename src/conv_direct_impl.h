@@ -308,7 +308,7 @@ void conv_forward_direct(const T* x, const T* w, T* out, const ConvGeom& g, int 
 }
 
 // dw rows [r0, r0 + MR) of run a (of its KW * C rows x Cout) += sum over image n's pixels of
-// window values (x) dy[pixel].
+// window values (x) dy[pixel] (`dy`: the image's gradient, HO x WO x Cout).
 template <class Z, int NV, int MR, class T = typename Z::T>
 void conv_direct_wgrad_rows(const T* padded, const ConvGeom& g, std::size_t row_stride,
                             std::size_t a, std::size_t r0, const T* dy, T* dw) {
@@ -322,7 +322,12 @@ void conv_direct_wgrad_rows(const T* padded, const ConvGeom& g, std::size_t row_
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 2
     for (int v = 0; v < NV; ++v) sum[r][v] = Z::zero();
-  for (std::size_t oh = 0; oh < g.ho; ++oh) {
+  // output rows whose window row a is padding add nothing: skipped
+  const std::size_t oh_lo = a >= g.pad ? 0 : ceil_div(g.pad - a, g.stride);
+  const std::size_t end = g.pad + g.h;
+  const std::size_t oh_hi = end > a ? min_size(g.ho, ceil_div(end - a, g.stride)) : 0;
+  dy += oh_lo * g.wo * g.cout;
+  for (std::size_t oh = oh_lo; oh < oh_hi; ++oh) {
     const T* base = padded + (oh * g.stride + a) * row_stride + r0;
     for (std::size_t ow = 0; ow < g.wo; ++ow, base += g.stride * g.c, dy += g.cout) {
       V b[NV];
