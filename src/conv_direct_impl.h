@@ -212,13 +212,21 @@ void conv_direct_rows(const T* ap, std::size_t lda, std::size_t line_stride, con
                                                cols.full_hi, run);
     }
   }
+  V bias[NV];  // added as the sums are stored: what a separate pass would add, no pass
+  const T* bias_values = static_cast<const T*>(g.bias);
+  for (int v = 0; v < NV; ++v) {
+    bias[v] = bias_values ? Z::load_mask(bias_values + v * Z::W, lanes[v]) : Z::zero();
+  }
   // constant trip counts (an early exit, not a runtime bound) keep `sum` in registers
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     if (std::size_t(r % MR) >= mr || std::size_t(r / MR) >= lines) continue;
     T* o = out + ((r / MR) * g.wo + (r % MR)) * g.cout;
 #pragma GCC unroll 2
-    for (int v = 0; v < NV; ++v) Z::store_mask(o + v * Z::W, sum[r][v], lanes[v]);
+    for (int v = 0; v < NV; ++v) {
+      const V value = bias_values ? Z::add(sum[r][v], bias[v]) : sum[r][v];
+      Z::store_mask(o + v * Z::W, value, lanes[v]);
+    }
   }
 }
 

@@ -32,6 +32,8 @@ struct ConvGeom {
   std::size_t stride, pad;
   std::size_t ho, wo;        // output height and width
   std::size_t xs[4], dys[4];
+  // forward only: Cout values added to every output pixel (nn.Conv's bias), or none
+  const void* bias = nullptr;
   std::size_t k() const { return kh * kw * c; }
   std::size_t pixels() const { return n * ho * wo; }
   void set_compact_x() { xs[0] = h * w * c, xs[1] = w * c, xs[2] = c, xs[3] = 1; }

@@ -157,10 +157,10 @@ void bind_fused(py::module_& m, const KernelTable* const* kernels) {
   bind_embedding(m);
   bind_batch_norm(m, kernels);
   bind_softmax_xent(m, kernels);
-  m.def("conv2d_forward", [kernels](const Array& x, const Array& wt, Array& out,
-                                    NEEDLE_GEOM_ARGS, py::handle x_view) {
-    const char* op = "conv2d_forward";
-    ConvGeom g = make_geom(op, NEEDLE_GEOM_VALUES);
+  // out = conv(x, w) (+ bias on every pixel: conv2d_forward_bias, nn.Conv's bias added as
+  // the kernel stores its output, where a separate pass would read and write it again)
+  const auto forward = [kernels](const char* op, const Array& x, const Array& wt,
+                                 const Array* bias, Array& out, ConvGeom g, py::handle x_view) {
     check_float(op, out);
     check_same(op, x, out);
     check_same(op, wt, out);
@@ -168,10 +168,27 @@ void bind_fused(py::module_& m, const KernelTable* const* kernels) {
     check_size(op, "w", wt, g.k() * g.cout);
     check_size(op, "out", out, g.pixels() * g.cout);
     check_distinct(op, out, x, wt);
+    if (bias) {
+      check_same(op, *bias, out);
+      check_size(op, "bias", *bias, g.cout);
+      check_distinct(op, out, *bias, *bias);
+      g.bias = bias->data();
+    }
     py::gil_scoped_release release;
     (*kernels)->conv_forward(out.dtype(), xp, wt.data(), out.data(), g);
+  };
+  m.def("conv2d_forward", [forward](const Array& x, const Array& wt, Array& out,
+                                    NEEDLE_GEOM_ARGS, py::handle x_view) {
+    const char* op = "conv2d_forward";
+    forward(op, x, wt, nullptr, out, make_geom(op, NEEDLE_GEOM_VALUES), x_view);
   }, py::arg("x"), py::arg("w"), py::arg("out"), NEEDLE_GEOM_NAMES, py::kw_only(),
      py::arg("x_view") = py::none());
+  m.def("conv2d_forward_bias", [forward](const Array& x, const Array& wt, const Array& bias,
+                                         Array& out, NEEDLE_GEOM_ARGS, py::handle x_view) {
+    const char* op = "conv2d_forward_bias";
+    forward(op, x, wt, &bias, out, make_geom(op, NEEDLE_GEOM_VALUES), x_view);
+  }, py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("out"), NEEDLE_GEOM_NAMES,
+     py::kw_only(), py::arg("x_view") = py::none());
   m.def("conv2d_weight_grad", [kernels](const Array& x, const Array& dy, Array& dw,
                                         NEEDLE_GEOM_ARGS, py::handle x_view,
                                         py::handle dy_view) {

@@ -33,9 +33,9 @@ from .ewise_codes import (
 )
 from .ndarray_checks import check_class_ids
 
-__all__ = ["conv2d_forward", "conv2d_weight_grad", "conv2d_input_grad", "conv2d_takes_views",
-           "lstm_cell_forward",
-           "lstm_cell_backward", "batch_norm_forward", "batch_norm_backward",
+__all__ = ["conv2d_forward", "conv2d_forward_bias", "conv2d_weight_grad", "conv2d_input_grad",
+           "conv2d_takes_views", "lstm_cell_forward", "lstm_cell_backward", "batch_norm_forward",
+           "batch_norm_backward",
            "softmax_xent_forward", "softmax_xent_backward", "embedding_forward",
            "embedding_backward", "ewise_program", "mt19937_uniform"]
 
@@ -86,6 +86,15 @@ def conv2d_forward(x, w, out, n, h, wd, c, kh, kw, cout, stride, pad, *, x_view=
     cols = _patches(xs, kh, kw, stride, pad)
     ho, wo = cols.shape[1], cols.shape[2]
     out.array[:n * ho * wo * cout] = (cols.reshape(-1, kh * kw * c) @ ws).reshape(-1)
+
+
+def conv2d_forward_bias(x, w, bias, out, n, h, wd, c, kh, kw, cout, stride, pad, *,
+                        x_view=None) -> None:
+    """``conv2d_forward`` plus ``bias`` (Cout values) on every output pixel."""
+    conv2d_forward(x, w, out, n, h, wd, c, kh, kw, cout, stride, pad, x_view=x_view)
+    size = n * _out_size(h, kh, stride, pad) * _out_size(wd, kw, stride, pad) * cout
+    rows = out.array[:size].reshape(-1, cout)
+    rows += bias.array[:cout]
 
 
 def conv2d_weight_grad(x, dy, dw, n, h, wd, c, kh, kw, cout, stride, pad, *, x_view=None,

@@ -119,8 +119,9 @@ class Backend(Protocol[A]):
     def get_num_threads(self) -> int: ...
 
 
-OPTIONAL = ("new_array", "matmul_tiled", "matmul_strided", "conv2d_forward", "conv2d_weight_grad",
-            "conv2d_input_grad", "conv2d_workspace", "lstm_cell_forward", "lstm_cell_backward",
+OPTIONAL = ("new_array", "matmul_tiled", "matmul_strided", "conv2d_forward", "conv2d_forward_bias",
+            "conv2d_weight_grad", "conv2d_input_grad", "conv2d_workspace", "lstm_cell_forward",
+            "lstm_cell_backward",
             "batch_norm_forward", "batch_norm_backward", "softmax_xent_forward",
             "softmax_xent_backward", "embedding_forward", "embedding_backward",
             "ewise_program", "ewise_program_many", "mt19937_uniform", "ewise_add_rows",

@@ -2,7 +2,8 @@
 
 ``ops_conv`` asks these first and falls back to im2col + matmul when they return ``None``:
 NumPy mode, devices without the kernels and float16. The C++ backend's kernels
-(``conv2d_forward``, ``conv2d_weight_grad``, ``conv2d_input_grad``) build im2col rows chunk
+(``conv2d_forward`` and ``conv2d_forward_bias``, ``conv2d_weight_grad``, ``conv2d_input_grad``)
+build im2col rows chunk
 by chunk in cache instead of materialising the whole patch matrix (``src/conv_impl.h``); the
 CUDA backend's build the patch matrix in one kernel and hand the products to cuBLAS
 (``cuda_kernels/conv.cu``). The NumPy reference device ``cpu_numpy()`` has the same kernels
@@ -70,8 +71,10 @@ def _operand(mod, a, name: str) -> tuple:
     return a.compact(), {}
 
 
-def forward(x, w, stride: int, padding: int):
-    """``conv(x, w)`` (NHWC, kernel (KH, KW, Cin, Cout)) through the fused kernel, or None."""
+def forward(x, w, stride: int, padding: int, bias=None):
+    """``conv(x, w)`` (NHWC, kernel (KH, KW, Cin, Cout)) through the fused kernel, plus
+    ``bias`` (an array of Cout values, checked by the caller) on every pixel when given; None
+    when there is no kernel for these arrays."""
     mod = _module(x, w)
     if mod is None:
         return None
@@ -79,8 +82,16 @@ def forward(x, w, stride: int, padding: int):
     ho, wo = (h + 2 * padding - kh) // stride + 1, (wd + 2 * padding - kw) // stride + 1
     (x, views), w = _operand(mod, x, "x"), w.compact()
     out = NDArray.make((n, ho, wo, cout), device=x.device, dtype=x.dtype)
+    with_bias = None
+    if bias is not None and bias.device == x.device and bias.dtype == x.dtype:
+        with_bias = getattr(mod, "conv2d_forward_bias", None)
+    if with_bias is not None:  # added as the kernel stores its output
+        with_bias(x._handle, w._handle, bias.compact()._handle, out._handle, *geom, **views)
+        return out
     mod.conv2d_forward(x._handle, w._handle, out._handle, *geom, *_workspace(mod, x, geom),
                        **views)
+    if bias is not None:
+        out._add_row_in_place(bias)
     return out
 
 

@@ -83,18 +83,20 @@ def _pruned(x_shape, w_shape, stride: int, padding: int):
     return slice(r0, r1), slice(c0, c1), pad_h
 
 
-def _conv_compute(a, b, stride: int, padding: int):
+def _conv_compute(a, b, stride: int, padding: int, bias=None):
+    """``conv(a, b)``, plus ``bias`` (Cout values, already checked) on every pixel."""
     cut = _pruned(a.shape, b.shape, stride, padding)
     if cut is not None:
         rows, cols, padding = cut
         b = A.compact(A.slice_view(b, (rows, cols, slice(None), slice(None))))
-    out = K.forward(a, b, stride, padding)
+    out = K.forward(a, b, stride, padding, bias)
     if out is not None:
         return out
     kh, kw, cin, cout = b.shape
     cols, (n, ho, wo) = _im2col(a, kh, kw, stride, padding)
-    out = A.matmul(cols, A.reshape(A.compact(b), (kh * kw * cin, cout)))
-    return A.reshape(out, (n, ho, wo, cout))
+    out = A.reshape(A.matmul(cols, A.reshape(A.compact(b), (kh * kw * cin, cout))),
+                    (n, ho, wo, cout))
+    return out if bias is None else A.add_row_to_fresh(out, bias)
 
 
 def _conv_gradient_arrays(g, x, w, stride: int, padding: int, need_x: bool, need_w: bool):
@@ -184,10 +186,9 @@ class Conv(TensorOp):
                 raise ShapeError(f"conv: expected a 4-D NCHW input, got {tuple(a.shape)}")
             given, a = a.shape, A.permute(a, _NHWC_OF_NCHW)
         _check(a, b, self.stride, self.padding, given)
-        out = _conv_compute(a, b, self.stride, self.padding)
         if bias is not None:
             A.check_row("conv", "output channel", bias.shape, b.shape[3], 4)
-            out = A.add_row_to_fresh(out, bias)
+        out = _conv_compute(a, b, self.stride, self.padding, bias)
         return A.permute(out, _NCHW_OF_NHWC) if self.layout == "NCHW" else out
 
     def gradient(self, out_grad, node):

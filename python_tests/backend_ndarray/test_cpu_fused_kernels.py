@@ -203,19 +203,26 @@ def _conv_both(geom, dtype, seed):
     x = rng.standard_normal(n * h * w * c)
     wt = rng.standard_normal(kh * kw * c * cout)
     dy = rng.standard_normal(n * ho * wo * cout)
+    bias = rng.standard_normal(cout) * 3
     results = {}
     for backend, dt in ((cpu, dtype), (ref, "float64")):
         bx, bw, bdy = put(backend, x, dt), put(backend, wt, dt), put(backend, dy, dt)
-        out, dw, dx = (backend.Array(size, dt) for size in (dy.size, wt.size, x.size))
-        for arr in (out, dw, dx):
+        out, dw, dx, out_b = (backend.Array(size, dt)
+                              for size in (dy.size, wt.size, x.size, dy.size))
+        for arr in (out, dw, dx, out_b):
             backend.fill(arr, np.nan)
         backend.conv2d_forward(bx, bw, out, *geom)
         backend.conv2d_weight_grad(bx, bdy, dw, *geom)
         backend.conv2d_input_grad(bdy, bw, dx, *geom)
-        results[backend] = [flat(backend, arr) for arr in (out, dw, dx)]
+        backend.conv2d_forward_bias(bx, bw, put(backend, bias, dt), out_b, *geom)
+        results[backend] = [flat(backend, arr) for arr in (out, dw, dx, out_b)]
     k = kh * kw * c
-    for got, want, scale in zip(results[cpu], results[ref], (k, n * ho * wo, k), strict=True):
+    for got, want, scale in zip(results[cpu], results[ref], (k, n * ho * wo, k, k),
+                                strict=True):
         assert_close(got, want, dtype, scale=scale ** 0.5)
+    # the bias is exactly what a separate addition would add to the same sums
+    with_bias = results[cpu][0].reshape(-1, cout) + bias.astype(dtype)
+    np.testing.assert_array_equal(results[cpu][3].reshape(-1, cout), with_bias)
 
 
 @settings(max_examples=50, deadline=None)
@@ -278,17 +285,21 @@ def _conv_views_both(geom, dtype, x_layout, dy_layout, seed):
     ref.conv2d_forward(bx, bw, outs[0], *geom)
     ref.conv2d_weight_grad(bx, bdy, outs[1], *geom)
     ref.conv2d_input_grad(bdy, bw, outs[2], *geom)
+    bias = rng.standard_normal(cout)
     want = [flat(ref, arr) for arr in outs]
+    want.append((want[0].reshape(-1, cout) + bias).reshape(-1))
     for backend, dt in ((cpu, dtype), (ref, "float64")):
         bx, bw, bdy = put(backend, xbuf, dt), put(backend, wt, dt), put(backend, dybuf, dt)
-        outs = [backend.Array(size, dt) for size in (dy.size, wt.size, x.size)]
+        outs = [backend.Array(size, dt) for size in (dy.size, wt.size, x.size, dy.size)]
         for arr in outs:
             backend.fill(arr, np.nan)
         backend.conv2d_forward(bx, bw, outs[0], *geom, x_view=x_view)
         backend.conv2d_weight_grad(bx, bdy, outs[1], *geom, x_view=x_view, dy_view=dy_view)
         backend.conv2d_input_grad(bdy, bw, outs[2], *geom, dy_view=dy_view)
+        backend.conv2d_forward_bias(bx, bw, put(backend, bias, dt), outs[3], *geom,
+                                    x_view=x_view)
         k = kh * kw * c
-        for arr, expected, scale in zip(outs, want, (k, n * ho * wo, k), strict=True):
+        for arr, expected, scale in zip(outs, want, (k, n * ho * wo, k, k), strict=True):
             assert_close(flat(backend, arr), expected, dt, scale=scale ** 0.5)
 
 
@@ -335,6 +346,19 @@ def test_conv_kernels_refuse_bad_views():
     with pytest.raises(ValueError, match="does not lie inside"):
         ref.conv2d_forward(ref.Array(32), ref.Array(18), ref.Array(16), *geom,
                            x_view=(1, 32, 8, 2, 1))
+
+
+def test_conv_forward_bias_refuses_bad_bias():
+    x, w, out = cpu.Array(32), cpu.Array(18 * 3), cpu.Array(16 * 3)
+    geom = (1, 4, 4, 2, 3, 3, 3, 1, 1)
+    with pytest.raises(ValueError, match="conv2d_forward_bias: bias too small, expected at "
+                                         "least 3 elements, got 2"):
+        cpu.conv2d_forward_bias(x, w, cpu.Array(2), out, *geom)
+    with pytest.raises(TypeError, match="conv2d_forward_bias: dtypes differ, expected "
+                                        "float32, got float64"):
+        cpu.conv2d_forward_bias(x, w, cpu.Array(3, "float64"), out, *geom)
+    with pytest.raises(ValueError, match="conv2d_forward_bias: out must not share memory"):
+        cpu.conv2d_forward_bias(x, w, out, out, *geom)
 
 
 def test_conv_kernels_refuse_bad_input():
