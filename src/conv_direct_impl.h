@@ -55,18 +55,6 @@ void zero_padded(const ConvGeom& g, T* dst) {
   std::memset(dst, 0, padded_elems(g) * sizeof(T));
 }
 
-// Asks for image n's input to be brought into L2 while the image before it is computed: the
-// copy into the padded scratch otherwise waits on memory (conv1's batch is 1.5 MiB, read once
-// per call). Only when the image is one dense span (NHWC, or NCHW seen as NHWC).
-template <class T>
-void prefetch_image(const T* x, const ConvGeom& g, std::size_t n) {
-  if (n >= g.n) return;
-  const std::size_t span = (g.h - 1) * g.xs[1] + (g.w - 1) * g.xs[2] + (g.c - 1) * g.xs[3] + 1;
-  if (span > g.h * g.w * g.c) return;
-  const char* p = reinterpret_cast<const char*>(x + n * g.xs[0]);
-  for (std::size_t b = 0; b < span * sizeof(T); b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
-}
-
 // The kernel rows [lo, hi) whose window rows lie in the image for output rows [oh, oh + lines):
 // the others multiply only padding, and skipping them is what lets a small map beat a kernel
 // that computes every tap (ResNet9's res1 on 4 x 4 maps: 10 of 12 kernel rows live). Their
@@ -264,7 +252,6 @@ void conv_forward_direct(const T* x, const T* w, T* out, const ConvGeom& g, int 
 #pragma omp for schedule(static)
     for (std::size_t n = 0; n < g.n; ++n) {
       fill_interior(x, g, n, padded);
-      prefetch_image(x, g, n + 1);
       T* image_out = out + n * g.ho * g.wo * g.cout;
       if (paired) {  // two output rows of at most 4 pixels per tile
         for (std::size_t oh = 0; oh < g.ho; oh += 2) {
