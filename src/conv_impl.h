@@ -231,16 +231,6 @@ inline int conv_threads(const ConvGeom& g) {
 
 #include "conv_direct_impl.h"
 
-// rows x p values of out += bias (p values) on every row
-template <class T>
-void add_bias_rows(T* out, std::size_t rows, std::size_t p, const T* bias) {
-  for (std::size_t i = 0; i < rows; ++i) {
-    T* row = out + i * p;
-#pragma omp simd
-    for (std::size_t j = 0; j < p; ++j) row[j] += bias[j];
-  }
-}
-
 // out (pixels x Cout) = im2col(x) @ w.
 template <class T>
 void conv_forward_t(const T* x, const T* w, T* out, const ConvGeom& g) {
@@ -266,7 +256,11 @@ void conv_forward_t(const T* x, const T* w, T* out, const ConvGeom& g) {
       gemm_nt(rows, std::ptrdiff_t(k), 1, w, std::ptrdiff_t(p), 1, out + first * p, p, count, k,
               p, 1, false);
       // the bias while the chunk's output is still in cache
-      if (g.bias) add_bias_rows(out + first * p, count, p, static_cast<const T*>(g.bias));
+      if (g.bias) {
+        for (std::size_t i = 0; i < count; ++i) {
+          add_run(out + (first + i) * p, static_cast<const T*>(g.bias), p);
+        }
+      }
     }
   };
   if (nt > 1) {

@@ -222,6 +222,22 @@ void pack_b_rows(const T* b, std::ptrdiff_t brs, std::size_t kc, std::size_t nc,
   }
 }
 
+// Panels [jp0, jp1) of the kc x nc block of B at `bblock` packed into `dst` (panel jp at
+// dst + jp * NR * kc): row by row when B's rows lie far apart (pack_b_rows), else panel by
+// panel.
+template <class T, int NR>
+void pack_b_block(const T* bblock, std::ptrdiff_t brs, std::ptrdiff_t bcs, std::size_t kc,
+                  std::size_t nc, std::size_t jp0, std::size_t jp1, T* dst) {
+  if (bcs == 1 && std::size_t(brs) * sizeof(T) >= kRowPackMinStride) {
+    return pack_b_rows<T, NR>(bblock, brs, kc, nc, jp0, jp1, dst);
+  }
+  for (std::size_t jp = jp0; jp < jp1; ++jp) {
+    const std::size_t j0 = jp * NR;
+    pack_b_panel<T, NR>(bblock + std::ptrdiff_t(j0) * bcs, brs, bcs, kc, min_size(NR, nc - j0),
+                        dst + jp * NR * kc);
+  }
+}
+
 #include "gemm_micro_impl.h"
 
 // A row-major B of at most this many bytes is read in place by the micro-kernel instead of
@@ -321,15 +337,9 @@ void gemm_narrow(const T* a, std::ptrdiff_t ars, std::ptrdiff_t acs, const T* b,
       for (std::size_t pc = 0; pc < n; pc += G::KC) {
         const std::size_t kc = min_size(G::KC, n - pc);
         const T* bblock = b + std::ptrdiff_t(pc) * brs + std::ptrdiff_t(jc) * bcs;
-        if (rows_apart) {
-          pack_b_rows<T, NR>(bblock, brs, kc, nc, 0, panels, bpack);
-          if (jc + nc < j_end) prefetch_rows(bblock + nc, brs, kc, min_size(NC, j_end - jc - nc));
-        } else {
-          for (std::size_t jp = 0; jp < panels; ++jp) {
-            const std::size_t j0 = jp * NR;
-            pack_b_panel<T, NR>(bblock + std::ptrdiff_t(j0) * bcs, brs, bcs, kc,
-                                min_size(NR, nc - j0), bpack + jp * NR * kc);
-          }
+        pack_b_block<T, NR>(bblock, brs, bcs, kc, nc, 0, panels, bpack);
+        if (rows_apart && jc + nc < j_end) {  // the next block's rows, while this one runs
+          prefetch_rows(bblock + nc, brs, kc, min_size(NC, j_end - jc - nc));
         }
         T* const aslot = direct_a ? nullptr : apack + (pc / G::KC) * a_slot;
         if (!direct_a && jc == j_begin) {
@@ -430,19 +440,10 @@ void gemm_nt(const T* a, std::ptrdiff_t ars, std::ptrdiff_t acs, const T* b, std
           n_ic >= std::size_t(nt) ? 1 : min_size(panels, ceil_div(nt, n_ic));
       // this thread's share of the panels of K block `pc`, packed into `dst`
       const auto pack_block = [&](std::size_t pc, T* dst) {
-        const std::size_t kc = min_size(G::KC, n - pc);
-        const T* bblock = b + std::ptrdiff_t(pc) * brs + std::ptrdiff_t(jc);
         const auto packs = private_b ? std::make_pair(std::size_t(0), panels)
                                      : share(direct_b ? 0 : panels);
-        if (bcs == 1 && std::size_t(brs) * sizeof(T) >= kRowPackMinStride) {
-          pack_b_rows<T, NR>(bblock, brs, kc, nc, packs.first, packs.second, dst);
-        } else {
-          for (std::size_t jp = packs.first; jp < packs.second; ++jp) {
-            const std::size_t j0 = jp * NR;
-            pack_b_panel<T, NR>(b + std::ptrdiff_t(pc) * brs + std::ptrdiff_t(jc + j0) * bcs,
-                                brs, bcs, kc, min_size(NR, nc - j0), dst + jp * NR * kc);
-          }
-        }
+        pack_b_block<T, NR>(b + std::ptrdiff_t(pc) * brs + std::ptrdiff_t(jc) * bcs, brs, bcs,
+                            min_size(G::KC, n - pc), nc, packs.first, packs.second, dst);
       };
       if (pack_all) {
         for (std::size_t pc = 0; pc < n; pc += G::KC) {
