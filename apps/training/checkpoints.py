@@ -5,10 +5,16 @@ strategy shards), every random stream, the RNG ledger's positions and the loop's
 (step, epoch, next batch, the loss history so far). The data order is a pure function of
 ``(seed, epoch)``, so the cursor is all the data loader needs. Resuming restores all of it at
 the same update boundary, so the continuation is the one the uninterrupted run computes.
+
+``--resume D`` takes the newest *complete* checkpoint under D. Newer ones that are not complete
+(no manifest, a shard missing, a checksum that differs) are skipped, each with one line on
+stderr, and :meth:`RunCheckpoints.report` (``summary.json``'s ``resume``) says which one was
+used and why each newer one was not.
 """
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import asdict, dataclass, field
 
 from .config import UsageError
@@ -50,6 +56,7 @@ class RunCheckpoints:
         self.cfg, self.strategy, self.rank, self.world_size = cfg, strategy, rank, world_size
         self.ledger = ledger
         self.directory = cfg.checkpoint_dir or cfg.resume or os.path.join(cfg.out, "checkpoints")
+        self._report: dict | None = None
 
     def _state(self, cursor: Cursor | None = None, without_strategy: bool = False):
         from needle.train_state import TrainState
@@ -90,15 +97,21 @@ class RunCheckpoints:
         """
         if not self.cfg.resume:
             return None
-        from needle.train_state import read_all_shards, read_checkpoint
+        from needle.train_state import read_all_shards, read_checkpoint, resolve_checkpoint
 
         try:
+            # resolved once, then read by path: the report names the checkpoint that was read
+            path, skipped = resolve_checkpoint(self.cfg.resume, "--resume")
+        except Exception as exc:  # SerializationError and friends: a usage problem here
+            raise UsageError(str(exc)) from None
+        self._log(*(f"skipped {p}: {why}" for p, why in skipped))
+        try:
             if self.strategy.can_reshard:
-                manifest, shards = read_all_shards(self.cfg.resume)
+                manifest, shards = read_all_shards(path)
                 shard = shards[self.rank % len(shards)]
             else:
-                manifest, shard = read_checkpoint(self.cfg.resume, self.rank)
-        except Exception as exc:  # SerializationError and friends: a usage problem here
+                manifest, shard = read_checkpoint(path, self.rank)
+        except Exception as exc:
             raise UsageError(f"--resume {self.cfg.resume}: {exc}") from None
         self._check_compatible(manifest)
         if self.strategy.can_reshard:
@@ -108,7 +121,22 @@ class RunCheckpoints:
         else:
             state = self._state()
         state.load_state_dict(shard)
+        self._report = {"step": int(manifest["step"]), "path": path,
+                        "skipped": [{"path": p, "reason": why} for p, why in skipped]}
+        self._log(f"from step {manifest['step']}: {path}")
         return Cursor(**state.extra["cursor"])
+
+    def report(self) -> dict | None:
+        """``summary.json``'s ``resume``: ``{"step", "path", "skipped": [{"path", "reason"}]}``
+        of the checkpoint :meth:`restore` loaded, the newer ones it skipped newest first;
+        None without ``--resume``."""
+        return self._report
+
+    def _log(self, *lines: str) -> None:
+        # every rank resolves the same directory to the same checkpoint: one rank says so
+        if self.rank == 0:
+            for line in lines:
+                print(f"resume: {line}", file=sys.stderr, flush=True)
 
     def _check_compatible(self, manifest: dict) -> None:
         reshard = self.strategy.can_reshard

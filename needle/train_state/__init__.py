@@ -4,7 +4,9 @@
   random stream and free-form extras (step counter, accumulation phase, ...) into one state
   dict with a format version.
 * :mod:`~needle.train_state.store` writes one file per rank and a manifest last, keeps the
-  newest K checkpoints, and finds the newest *complete* one after a crash.
+  newest K checkpoints, and finds the newest *complete* one after a crash
+  (:func:`~needle.train_state.store.latest_checkpoint_report` says why each newer one was
+  skipped).
 * :mod:`~needle.train_state.ledger` records every random draw (stream, offset, count, site,
   rank) so that two runs can be compared draw by draw.
 
@@ -24,12 +26,16 @@ from __future__ import annotations
 from .ledger import RNGLedger
 from .state import STATE_FORMAT_VERSION, TrainState
 from .store import (
+    incomplete_reason,
     latest_checkpoint,
+    latest_checkpoint_report,
     list_checkpoints,
     read_all_shards,
     read_checkpoint,
+    resolve_checkpoint,
     write_checkpoint,
 )
 
-__all__ = ["TrainState", "STATE_FORMAT_VERSION", "RNGLedger", "latest_checkpoint",
-           "list_checkpoints", "read_all_shards", "read_checkpoint", "write_checkpoint"]
+__all__ = ["TrainState", "STATE_FORMAT_VERSION", "RNGLedger", "incomplete_reason",
+           "latest_checkpoint", "latest_checkpoint_report", "list_checkpoints",
+           "read_all_shards", "read_checkpoint", "resolve_checkpoint", "write_checkpoint"]
