@@ -124,6 +124,17 @@ class Module:
                 out.append((name, obj))
         return out
 
+    def named_buffers(self) -> list[tuple[str, Tensor]]:
+        """``(dotted name, Tensor)`` of every Tensor attribute that is not a Parameter (such as
+        BatchNorm's running statistics), in the order of :meth:`named_tensors`.
+
+        Example:
+            >>> from needle import nn
+            >>> [name for name, _ in nn.BatchNorm1d(3).named_buffers()]
+            ['running_mean', 'running_var']
+        """
+        return [(name, t) for name, t in self.named_tensors() if not isinstance(t, Parameter)]
+
     def _children(self) -> list["Module"]:
         """Every sub-module, depth first, in attribute order."""
         return _child_modules(self.__dict__)

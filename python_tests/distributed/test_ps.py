@@ -422,3 +422,47 @@ def test_worker_with_another_layout_is_refused_by_the_server():
     results = dist.spawn_threads(job, 3, timeout=60)
     assert results[0] == "refused"
     assert "parameter server 0 (rank 0)" in results[2]
+
+
+# --------------------------------------------------------------------------------------------
+# buffers: the server's model is the model the workers trained
+
+
+def _bn_job(mode: str, steps: int):
+    def job(rank):
+        from needle import nn
+
+        np.random.seed(0)
+        model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+        ps = dist.ParameterServer(model, servers=1, mode=mode, heartbeat=0,
+                                  optimizer=lambda p: ndl.optim.SGD(p, lr=0.1))
+        if ps.is_server:
+            stats = ps.serve()
+            return "server", stats, model.state_dict()
+        for step in range(steps):
+            ps.pull()
+            model.train()
+            # each worker its own data: its running statistics differ from the other's
+            x = np.random.RandomState(10 * rank + step).randn(5, 3).astype("float32") + rank
+            for p in model.parameters():
+                p.grad = None
+            model(ndl.Tensor(x)).sum().backward()
+            ps.push(examples=5).wait()
+        ps.finish()
+        return "worker", ps.traffic, model.state_dict()
+
+    return job
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_server_model_holds_the_lowest_worker_buffers(mode):
+    server, w0, w1 = dist.spawn_threads(_bn_job(mode, 3), 3)
+    _, stats, served = server
+    assert stats["buffers_from_worker"] == 0
+    for name in ("modules.1.running_mean", "modules.1.running_var"):
+        assert not np.array_equal(w0[2][name], w1[2][name])  # the workers' differ
+        np.testing.assert_array_equal(served[name], w0[2][name])
+    # 8 float32 buffer values with each of the 3 pushes, counted apart from the gradients
+    assert stats["buffer_bytes_pushed"] == 2 * 3 * 8 * 4
+    assert w0[1]["bytes_pushed"] == 3 * sum(
+        v.nbytes for k, v in w0[2].items() if "running" not in k)

@@ -71,3 +71,14 @@ def plan_shards(shapes: list[tuple[int, ...]], dtypes: list[str], servers: int) 
         for dtype in sorted({dtypes[i] for i in shard.params}):
             shard.groups.append((dtype, [i for i in shard.params if dtypes[i] == dtype]))
     return plan
+
+
+def buffer_groups(dtypes: list[str]) -> list[tuple[str, list[int]]]:
+    """The model's buffers on the wire: ``(dtype, [buffer index, ...])`` per dtype, dtypes in
+    sorted order, buffers in model order inside each (as a shard's parameters travel).
+
+    Example:
+        >>> buffer_groups(["float32", "int64", "float32"])
+        [('float32', [0, 2]), ('int64', [1])]
+    """
+    return [(d, [i for i, x in enumerate(dtypes) if x == d]) for d in sorted(set(dtypes))]

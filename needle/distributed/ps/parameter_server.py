@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 from .._errors import CommError
 from .._group import resolve
-from .layout import ParameterServerConfigError, plan_shards
+from .layout import ParameterServerConfigError, buffer_groups, plan_shards
 
 MODES = ("sync", "async", "ssp", "backup")
 
@@ -20,7 +20,10 @@ class ParameterServer:
 
     Args:
         model: a Module (or a list of parameter Tensors), built identically on every rank;
-            servers take their shard's initial values from their own copy.
+            servers take their shard's initial values from their own copy. A Module's
+            buffers (BatchNorm running statistics) go with every push to server 0, whose
+            model holds the lowest-numbered live worker's latest (as DDP keeps rank 0's):
+            evaluate and save the model there.
         servers: how many servers (ranks 0..servers-1), or the list of server ranks; the other
             ranks are workers, numbered in rank order.
         mode: "sync", "async", "ssp" or "backup".
@@ -68,6 +71,11 @@ class ParameterServer:
         self.rank, self.size = world.rank, world.size
         params = list(model.parameters()) if hasattr(model, "parameters") else list(model)
         self.params_all = params
+        # buffers (BatchNorm running statistics) travel with every push to server 0, whose
+        # model then carries those of the lowest-numbered live worker (see ServerRole)
+        self.buffers_all = [t for _, t in model.named_buffers()] \
+            if hasattr(model, "named_buffers") else []
+        self.buffer_groups = buffer_groups([str(t.dtype) for t in self.buffers_all])
         self.shapes = [tuple(p.shape) for p in params]
         dtypes = [str(p.dtype) for p in params]
         self.server_ranks = (list(range(servers)) if isinstance(servers, int)

@@ -71,6 +71,10 @@ class ServerRole:
         self.window: tuple[float, int, int] | None = None
         self.max_lead = 0
         self.snapshots = 0
+        # server 0: every worker's latest buffers, and the worker whose the model holds
+        self.worker_buffers: dict[int, list[np.ndarray]] = {}
+        self.buffers_from: int | None = None
+        self.buffer_bytes_in = 0
 
     # ----- the loop ---------------------------------------------------------------------------
     def serve(self) -> dict:
@@ -87,6 +91,7 @@ class ServerRole:
             if not busy:
                 time.sleep(5e-4)
         self._flush_sends()
+        self.install_buffers()
         return self.stats()
 
     def _done(self) -> bool:
@@ -231,9 +236,50 @@ class ServerRole:
             self.bytes_in += buf.nbytes
         return bufs
 
+    def _receive_buffers(self, w: WorkerState) -> None:
+        """Server 0: the buffers that follow a push's gradient (sent after it, so waiting for
+        them cannot block on anything but this worker)."""
+        bufs = [np.empty(sum(int(np.prod(self.ps.buffers_all[i].shape, dtype=np.int64))
+                             for i in members), dtype)
+                for dtype, members in self.ps.buffer_groups]
+        deadline = time.monotonic() + self.ps.timeout
+        for buf in bufs:
+            req = self.ps.chan.irecv(buf, w.rank, wire.T_BUFFER_DATA)
+            if not poll_until(req.test, deadline):
+                req.cancel()
+                raise CommError(f"ParameterServer.serve: worker rank {w.rank} pushed a gradient "
+                                f"but not its buffers within {self.ps.timeout:g} s")
+            self.buffer_bytes_in += buf.nbytes
+        self.worker_buffers[w.index] = bufs
+
+    def install_buffers(self) -> int | None:
+        """Server 0: load into the model the latest buffers of the lowest-numbered live
+        worker (of the lowest-numbered worker that sent any, when none is alive); returns
+        that worker's index (None: no buffers). In sync mode that is worker 0's, which are
+        bitwise DDP rank 0's on the same data."""
+        if not self.worker_buffers:
+            return None
+        live = [i for i in self.worker_buffers if self.workers[i].alive]
+        index = min(live or self.worker_buffers)
+        from .._buffers import borrow
+
+        for (_, members), flat in zip(self.ps.buffer_groups, self.worker_buffers[index],
+                                      strict=True):
+            offset = 0
+            for i in members:
+                target = borrow(self.ps.buffers_all[i], "ParameterServer buffers")
+                n = target.arr.size
+                target.arr[...] = flat[offset:offset + n].reshape(target.arr.shape)
+                target.commit()
+                offset += n
+        self.buffers_from = index
+        return index
+
     def _on_push(self, w: WorkerState, version: int, examples: int, loss_sum: float,
                  correct: int, updates_seen: int) -> None:
         grads = self._receive_payload(w)
+        if self.shard.server == 0 and self.ps.buffer_groups:
+            self._receive_buffers(w)
         # the real age of the weights the gradient came from, in optimizer steps; for sync
         # and backup rounds it is counted when the round is applied
         pending_delay = self.updates - updates_seen
@@ -299,6 +345,7 @@ class ServerRole:
                 offset += n
         self.optimizer.step()
         self.optimizer.reset_grad()
+        self.install_buffers()  # what an evaluation or snapshot after this update sees
         self.updates += 1
         if self.on_update is not None:
             self.on_update(self.updates)
@@ -384,6 +431,8 @@ class ServerRole:
                 "update_delay_histogram": {int(k): int(v) for k, v in sorted(self.delay.items())},
                 "bytes_pushed": self.bytes_in,
                 "bytes_pulled": self.bytes_out, "version": self.served_version(),
+                "buffer_bytes_pushed": self.buffer_bytes_in,
+                "buffers_from_worker": self.buffers_from,
                 "worker_clocks": [w.clock for w in self.workers], "events": list(self.events),
                 "snapshots_written": self.snapshots, "restored_from": self.restored_from,
                 "all_active": self._window(), "max_lead": self.max_lead}

@@ -34,6 +34,9 @@ def save(role: Any, folder: str) -> str:
         "counters": [role.dropped, role.lost, role.rejoined],
         "staleness": [[int(k), int(v)] for k, v in role.staleness.items()],
         "delay": [[int(k), int(v)] for k, v in role.delay.items()],
+        # server 0's model buffers as installed (empty elsewhere, and for a model without any)
+        "buffers": [np.ascontiguousarray(t.numpy()) for t in role.ps.buffers_all]
+        if role.shard.server == 0 else [],
     }
     path = path_for(folder, role.shard.server)
     ndl.save(state, path)
@@ -64,6 +67,10 @@ def load(role: Any, folder: str) -> bool:
         target.arr[...] = np.asarray(value).reshape(target.arr.shape)
         target.commit()
     role.optimizer.load_state_dict(state["optimizer"])
+    for t, value in zip(role.ps.buffers_all, state.get("buffers") or [], strict=False):
+        target = borrow(t, "ParameterServer snapshot")
+        target.arr[...] = np.asarray(value).reshape(target.arr.shape)
+        target.commit()
     role.version, role.updates = int(state["version"]), int(state["updates"])
     for w, clock in zip(role.workers, state["clocks"], strict=True):
         # the workers introduce themselves again and keep the clock saved here

@@ -3,8 +3,9 @@
 Every request a worker sends starts with ``REQUEST`` fields (op, the worker's clock, the
 version its gradient was computed on, the examples behind it, and the loss and correct counts
 of those examples for reporting); every reply starts with ``REPLY`` fields. Payloads are one
-flat array per dtype group of the server's shard (see ``layout.Shard``). float64 holds integers
-exactly up to 2**53, far beyond any clock or byte count here.
+flat array per dtype group of the server's shard (see ``layout.Shard``); a push to server 0
+also carries the model's buffers, one flat array per dtype group (``layout.buffer_groups``).
+float64 holds integers exactly up to 2**53, far beyond any clock or byte count here.
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import numpy as np
 
 # tags on the parameter server's private channel
 T_REQUEST, T_PUSH_DATA, T_REPLY, T_PULL_DATA, T_HEARTBEAT, T_SERVERS = 1, 2, 3, 4, 5, 6
+# a push to server 0 is followed by the worker's buffers (BatchNorm running statistics ...)
+T_BUFFER_DATA = 7
 
 # request ops
 PUSH, PULL, FINISH, JOIN = 1, 2, 3, 4

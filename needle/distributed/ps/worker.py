@@ -22,6 +22,7 @@ class WorkerRole:
         self.versions = [0] * len(ps.server_ranks)
         self.updates_seen = [0] * len(ps.server_ranks)
         self.bytes_pushed = 0
+        self.buffer_bytes_pushed = 0
         self.bytes_pulled = 0
         self.pulls = 0
         self.pushes = 0
@@ -195,6 +196,10 @@ class WorkerRole:
             for buf in payload:
                 reqs.append((self._send(buf, k, wire.T_PUSH_DATA, "push"), k))
                 self.bytes_pushed += buf.nbytes
+            if k == 0:
+                for buf in self._buffers():
+                    reqs.append((self._send(buf, k, wire.T_BUFFER_DATA, "push"), k))
+                    self.buffer_bytes_pushed += buf.nbytes
         self.clock += 1
         self.pushes += 1
         deadline = time.monotonic() + self.ps.timeout
@@ -218,6 +223,13 @@ class WorkerRole:
                     self._recover(exc, "push")
 
         return PolledWork(test, complete)
+
+    def _buffers(self) -> list[np.ndarray]:
+        """The model's buffers as they are now, one flat array per dtype group."""
+        ps = self.ps
+        return [np.ascontiguousarray(np.concatenate(
+            [ps.buffers_all[i].numpy().astype(dtype, copy=False).reshape(-1) for i in members]))
+            for dtype, members in ps.buffer_groups]
 
     def finish(self) -> None:
         self.join()
