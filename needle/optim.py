@@ -711,10 +711,23 @@ class Adam(Optimizer):
         self.t = int(extra.get("t", 0))
 
 
-def clip_grad_norm(params, max_norm=0.25) -> float:
+def clip_grad_norm(params, max_norm=0.25, *, reduce=None, counted=None) -> float:
     """Scale every gradient by ``max_norm / (norm + 1e-6)`` when their global L2 norm exceeds
     ``max_norm``; gradients are replaced, not modified in place. Returns the norm before
     clipping.
+
+    The squares are summed in float64, parameter by parameter in ``params`` order. When the
+    gradients of one model are spread over several processes, two hooks make ``norm`` the
+    whole model's (``needle.distributed.clip_grad_norm`` provides both):
+
+    Args:
+        reduce: ``reduce(local) -> total``: this rank's float64 sum of squares summed over
+            the ranks that hold the rest of the model; it must return the same float on
+            every rank so every rank scales by the same factor. None: this process holds
+            the whole model.
+        counted: ``counted(p) -> bool``: whether this rank counts ``p``'s squares (a
+            gradient replicated on several ranks is counted by one of them); every
+            parameter is still scaled. None: all are counted.
 
     Example:
         >>> import numpy as np
@@ -727,8 +740,12 @@ def clip_grad_norm(params, max_norm=0.25) -> float:
     grads = [p for p in params if p.grad is not None]
     total = 0.0
     for p in grads:
+        if counted is not None and not counted(p):
+            continue
         g = _to_numpy(_array(p.grad)).astype(np.float64)
         total += float((g * g).sum())
+    if reduce is not None:
+        total = float(reduce(total))
     norm = math.sqrt(total)
     if norm > max_norm:
         scale = float(max_norm) / (norm + 1e-6)

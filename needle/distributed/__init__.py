@@ -17,6 +17,7 @@ from . import traffic
 from ._errors import CommError
 from ._group import ProcessGroup
 from ._work import Work
+from .clip import clip_grad_norm
 from .collectives import (
     all_gather,
     all_gather_v,
@@ -44,7 +45,7 @@ from .process_group import (
 
 __all__ = [
     "CommError", "ProcessGroup", "Work", "all_gather", "all_gather_v", "all_reduce", "barrier",
-    "broadcast", "destroy_process_group", "gather", "get_backend", "get_rank",
+    "broadcast", "clip_grad_norm", "destroy_process_group", "gather", "get_backend", "get_rank",
     "get_world_size", "init_process_group",
     "irecv", "is_initialized", "isend", "new_group", "recv", "reduce", "reduce_scatter",
     "reduce_scatter_v", "scatter", "send", "shard_bounds", "spawn_threads", "traffic",

@@ -4,7 +4,8 @@
 ``nn.Linear``), ``ParallelMLP``, ``ParallelMultiHeadAttention`` (heads split over ranks),
 ``ShardedBatchNorm1d``, the conjugate communication ops (``copy_to_parallel``,
 ``reduce_from_parallel``, ``gather_from_parallel``, ``scatter_to_parallel``), and
-``parallelize_sequential`` / ``gather_full_parameters`` for whole models. See
+``parallelize_sequential`` / ``gather_full_parameters`` / ``replicated_parameters`` for whole
+models. See
 ``docs/tensor_parallel.md``.
 
 Example (the worked example on two thread ranks: x = [1, 2], W1a = I, W1b = 2I,
@@ -30,7 +31,7 @@ from .comm_ops import (
     reduce_from_parallel,
     scatter_to_parallel,
 )
-from .convert import gather_full_parameters, parallelize_sequential
+from .convert import gather_full_parameters, parallelize_sequential, replicated_parameters
 from .layers import (
     ColumnParallelLinear,
     ParallelMLP,
@@ -42,4 +43,5 @@ from .layers import (
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelMLP",
            "ParallelMultiHeadAttention", "ShardedBatchNorm1d", "copy_to_parallel",
            "reduce_from_parallel", "gather_from_parallel", "scatter_to_parallel",
-           "parallelize_sequential", "gather_full_parameters", "gather_shards"]
+           "parallelize_sequential", "gather_full_parameters", "gather_shards",
+           "replicated_parameters"]

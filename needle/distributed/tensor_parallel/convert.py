@@ -126,3 +126,32 @@ def _gather(value: Any, out: list, seen: set) -> None:
     elif isinstance(value, (list, tuple)):
         for item in value:
             _gather(item, out, seen)
+
+
+def replicated_parameters(module: Any) -> list:
+    """The parameters of ``module`` that every rank of its tensor-parallel group holds whole
+    (a ``RowParallelLinear``'s bias, every layer left unsharded), in ``parameters()`` order.
+
+    Their gradients are the same on every rank of the group, so a norm over the group counts
+    them once (``needle.distributed.clip_grad_norm(..., replicated=...)``); the other
+    parameters are shards whose squared sums add up to the whole layer's.
+
+    Example (two thread ranks):
+        >>> import numpy as np, needle.distributed as dist
+        >>> from needle import nn
+        >>> def job(rank):
+        ...     np.random.seed(0)
+        ...     m = parallelize_sequential(nn.Sequential(nn.Linear(4, 8), nn.ReLU(),
+        ...                                              nn.Linear(8, 3), nn.LayerNorm1d(3)))
+        ...     return [tuple(p.shape) for p in replicated_parameters(m)]
+        >>> dist.spawn_threads(job, 2)[0]
+        [(1, 3), (3,), (3,)]
+    """
+    sharded: set[int] = set()
+    for m in [module, *module._children()] if isinstance(module, Module) else []:
+        if isinstance(m, (ColumnParallelLinear, ShardedBatchNorm1d)):
+            sharded.update(id(p) for p in (m.weight, m.bias) if p is not None)
+        elif isinstance(m, RowParallelLinear):
+            sharded.add(id(m.weight))  # its bias is added after the all-reduce: replicated
+    params = module.parameters() if isinstance(module, Module) else []
+    return [p for p in params if id(p) not in sharded]

@@ -299,6 +299,41 @@ class ZeroDataParallel:
         all_reduce(flag, "min", self.group)
         return bool(flag[0] == 1.0)
 
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Finish the gradient sync, then clip the reduced gradients by the whole model's L2
+        norm, the one a single process would compute (collective; ``dist.clip_grad_norm``
+        over this wrapper's group: each element lives in exactly one rank's piece, so the
+        pieces' squared sums add up to the whole). Returns the norm before clipping.
+
+        Example (two thread ranks, the same input: the gradient [3, 4] is split in two):
+            >>> import numpy as np, needle.distributed as dist
+            >>> from needle import nn, optim
+            >>> from needle.autograd import Tensor
+            >>> def job(rank):
+            ...     zero = dist.ZeroDataParallel(nn.Linear(2, 1, bias=False), stage=2,
+            ...                                  optimizer=lambda ps: optim.SGD(ps, lr=1.0))
+            ...     zero(Tensor(np.array([[3.0, 4.0]]))).sum().backward()
+            ...     norm = zero.clip_grad_norm(1.0)
+            ...     zero.close()
+            ...     return round(norm, 4)
+            >>> dist.spawn_threads(job, 2)
+            [5.0, 5.0]
+        """
+        from ..clip import clip_grad_norm
+
+        self.finish_gradient_sync()
+        shards = [e for e in self.entries if e.shard is not None]
+        before = [e.shard.grad for e in shards]
+        norm = clip_grad_norm([e.shard for e in shards], max_norm, group=self.group)
+        if self.stage == 1:  # write the clipped pieces back into the whole gradients' slices,
+            for e, old in zip(shards, before, strict=True):  # so no second buffer stays alive
+                if e.shard.grad is old or e.param.grad is None:
+                    continue
+                view = flat_view(e.param.grad.realize_cached_data(), e.lo, e.hi)
+                view[slice(None)] = e.shard.grad.realize_cached_data()
+                e.shard.grad = Tensor.make_const(view)
+        return norm
+
     # ----- the step --------------------------------------------------------------------------
     def step(self) -> None:
         """Finish the gradient sync, update this rank's shard, publish the weights."""

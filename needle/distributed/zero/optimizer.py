@@ -41,6 +41,11 @@ class ZeroOptimizer:
     def finish_gradient_sync(self) -> None:
         self.zero.finish_gradient_sync()
 
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Clip the shard gradients by the whole model's norm (collective; see
+        ``ZeroDataParallel.clip_grad_norm``)."""
+        return self.zero.clip_grad_norm(max_norm)
+
     def all_grads_finite(self) -> bool:
         return self.zero.all_grads_finite()
 
