@@ -24,7 +24,6 @@ CLIP = ("--clip-grad", "0.05")
 
 
 def _run(tmp_path, *args, timeout=240):
-    tmp_path.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, MPLBACKEND="Agg", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, SCRIPT, *BASE, *args, "--no-progress", "--out",
                            str(tmp_path)], capture_output=True, text=True, timeout=timeout,
@@ -60,7 +59,6 @@ def _same_steps(got: dict, want: dict) -> None:
                                        rtol=1e-5, atol=1e-6, err_msg=key)
 
 
-@pytest.mark.mpi
 @pytest.mark.timeout(300)
 def test_clipping_changes_the_steps(tmp_path, single_clipped):
     plain = _run(tmp_path)
@@ -81,19 +79,15 @@ def test_every_strategy_clips_like_one_process(tmp_path, single_clipped, args):
     _same_steps(_run(tmp_path, *CLIP, *args), single_clipped)
 
 
-@pytest.mark.mpi
 @pytest.mark.timeout(300)
 def test_mixed_precision_unscales_once_then_clips(tmp_path, single_clipped):
-    mixed = ("--precision", "fp16-mixed", *CLIP)
-    one = _run(tmp_path / "single", *mixed)
-    zero = _run(tmp_path / "zero", *mixed, "--strategy", "zero", "--zero-stage", "2",
-                "--nproc", "2")
-    for got in (one, zero):
-        assert got["scaler"]["skipped_steps"] == 0
-        # float16 rounding away from the fp32 clipped steps; unscaling twice (gradients
-        # 65536 times too small) would leave the weights almost where they started
-        np.testing.assert_allclose(got["losses"], single_clipped["losses"], rtol=1e-3)
-    np.testing.assert_allclose(zero["losses"], one["losses"], rtol=1e-5)
+    # the default step (single, ddp, zero) under fp16-mixed; ZeRO's own unscale-then-clip is
+    # checked on threads in python_tests/distributed/test_clip.py
+    got = _run(tmp_path, "--precision", "fp16-mixed", *CLIP)
+    assert got["scaler"]["skipped_steps"] == 0
+    # float16 rounding away from the fp32 clipped steps; unscaling twice (gradients 65536
+    # times too small) or not before clipping would leave the weights almost in place
+    np.testing.assert_allclose(got["losses"], single_clipped["losses"], rtol=1e-3)
 
 
 @pytest.mark.mpi

@@ -78,6 +78,39 @@ def test_zero_pieces_give_the_whole_norm_and_step(stage, world):
         _close(params, after, f"ZeRO-{stage} rank {r}")
 
 
+def test_zero_mixed_precision_unscales_once_then_clips():
+    # float16 weights and a loss scale: scaler.unscale_ gives the true pieces, the clip
+    # takes their whole norm, and the step does not unscale again
+    from needle import amp
+
+    norm, max_norm, after = _reference()
+    before = [p.numpy() for p in build_mlp().parameters()]
+    X, y = data(N)
+
+    def job(rank):
+        model = amp.cast_parameters(build_mlp())
+        zero = dist.ZeroDataParallel(model, stage=2, optimizer=lambda ps: optim.SGD(ps, lr=LR))
+        scaler = amp.GradScaler(init_scale=2.0 ** 10)
+        Xr, yr = X[rank::2], y[rank::2]
+        zero.set_num_examples(len(yr))
+        with amp.autocast():
+            loss = nn.SoftmaxLoss()(zero(Tensor(Xr)), Tensor(yr))
+        scaler.scale(loss).backward()
+        scaler.unscale_(zero.optimizer)
+        got = zero.clip_grad_norm(max_norm)
+        ran = scaler.step(zero.optimizer)
+        params = zero.full_parameters()
+        zero.close()
+        return got, ran, params
+
+    for got, ran, params in dist.spawn_threads(job, 2):
+        assert ran and got == pytest.approx(norm, rel=2e-2)
+        for i, (p, b, a) in enumerate(zip(params, before, after, strict=True)):
+            # the step moved each weight by the clipped update (float16 rounding aside)
+            np.testing.assert_allclose(np.asarray(p, np.float64).reshape(b.shape) - b, a - b,
+                                       rtol=0.1, atol=2e-3, err_msg=f"parameter {i}")
+
+
 def _mesh_job(rank, shape, max_norm, schedule="1f1b"):
     """One clipped SGD step of the 8-layer MLP on ``shape`` = (dp, tp, pp): (norm, the norm
     a rank would get without counting replicated parameters once, this rank's whole
