@@ -1,8 +1,11 @@
-"""Fault injection for the main job: these really sleep and really SIGKILL.
+"""Fault injection for the main job: these really sleep, really SIGKILL and really SIGSTOP.
 
 ``--slow-worker RANK:MS`` makes rank RANK sleep MS milliseconds before every step (a
 straggler); ``--kill-worker RANK@STEP`` makes rank RANK SIGKILL itself when step STEP is about
-to start; ``--die-at-step N`` makes every rank SIGKILL itself when step N is about to start
+to start; ``--freeze-worker RANK@STEP`` makes rank RANK SIGSTOP itself then instead: its
+process stays alive but silent (no heartbeat, no exit), as a rank does that hangs in the
+kernel or is suspended by an operator, and only SIGKILL or SIGCONT from outside moves it on;
+``--die-at-step N`` makes every rank SIGKILL itself when step N is about to start
 (after N − 1 completed steps, and after any checkpoint written at step N − 1); with
 ``--die-after-micro-batches M`` it dies instead after M micro-batches of step N, in the middle
 of its gradient accumulation.
@@ -24,6 +27,8 @@ class Faults:
     slow_ms: float = 0.0
     kill_rank: int | None = None
     kill_step: int | None = None
+    freeze_rank: int | None = None
+    freeze_step: int | None = None
     die_step: int | None = None
     die_micro: int | None = None  # die after this many micro-batches of die_step instead
 
@@ -35,9 +40,12 @@ class Faults:
         if self.kill_rank == rank and step == self.kill_step and not os.environ.get(
                 "NEEDLE_DIST_REJOIN"):
             _sigkill_self(f"--kill-worker {rank}@{step}")
+        # likewise a restarted worker does not freeze again
+        if self.freeze_rank == rank and step == self.freeze_step and not os.environ.get(
+                "NEEDLE_DIST_REJOIN"):
+            _sigstop_self(f"--freeze-worker {rank}@{step}")
         if self.slow_rank == rank and self.slow_ms > 0:
             time.sleep(self.slow_ms / 1000.0)
-
 
     def after_micro_batch(self, step: int, done: int) -> None:
         """``--die-after-micro-batches M``: die in step ``step`` once ``done`` == M."""
@@ -51,6 +59,25 @@ def _sigkill_self(reason: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _sigstop_self(reason: str) -> None:
+    print(f"train.py: {reason}: sending SIGSTOP to myself (pid {os.getpid()})",
+          file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)
+    # Only reached after a SIGCONT from outside: carry on where the step was.
+    print(f"train.py: {reason}: continued (pid {os.getpid()})", file=sys.stderr, flush=True)
+
+
+def _rank_at_step(spec: str, flag: str) -> tuple[int, int]:
+    """``RANK@STEP`` of ``flag`` as two integers, STEP >= 1."""
+    rank, sep, step = spec.partition("@")
+    if not sep:
+        raise UsageError(f"{flag} expects RANK@STEP, got {spec!r}")
+    rank_n, step_n = _int(rank, flag, "RANK"), _int(step, flag, "STEP")
+    if step_n < 1:
+        raise UsageError(f"{flag}: STEP must be >= 1, got {step_n}")
+    return rank_n, step_n
+
+
 def _int(text: str, flag: str, what: str) -> int:
     try:
         return int(text)
@@ -60,7 +87,7 @@ def _int(text: str, flag: str, what: str) -> int:
 
 def parse_faults(cfg, world_size: int) -> Faults:
     """The :class:`Faults` of ``cfg`` (raises :class:`UsageError` on a malformed spec)."""
-    slow_rank = kill_rank = kill_step = None
+    slow_rank = kill_rank = kill_step = freeze_rank = freeze_step = None
     slow_ms = 0.0
     if cfg.slow_worker is not None:
         rank, sep, ms = cfg.slow_worker.partition(":")
@@ -74,15 +101,12 @@ def parse_faults(cfg, world_size: int) -> Faults:
         if slow_ms < 0:
             raise UsageError(f"--slow-worker: MS must be >= 0, got {slow_ms}")
     if cfg.kill_worker is not None:
-        rank, sep, step = cfg.kill_worker.partition("@")
-        if not sep:
-            raise UsageError(f"--kill-worker expects RANK@STEP, got {cfg.kill_worker!r}")
-        kill_rank, kill_step = _int(rank, "--kill-worker", "RANK"), _int(
-            step, "--kill-worker", "STEP")
-        if kill_step < 1:
-            raise UsageError(f"--kill-worker: STEP must be >= 1, got {kill_step}")
-    for flag, rank in (("--slow-worker", slow_rank), ("--kill-worker", kill_rank)):
+        kill_rank, kill_step = _rank_at_step(cfg.kill_worker, "--kill-worker")
+    if getattr(cfg, "freeze_worker", None) is not None:
+        freeze_rank, freeze_step = _rank_at_step(cfg.freeze_worker, "--freeze-worker")
+    for flag, rank in (("--slow-worker", slow_rank), ("--kill-worker", kill_rank),
+                       ("--freeze-worker", freeze_rank)):
         if rank is not None and not 0 <= rank < world_size:
             raise UsageError(f"{flag}: RANK must be in [0, {world_size}), got {rank}")
-    return Faults(slow_rank, slow_ms, kill_rank, kill_step, cfg.die_at_step,
-                  getattr(cfg, "die_after_micro_batches", None))
+    return Faults(slow_rank, slow_ms, kill_rank, kill_step, freeze_rank, freeze_step,
+                  cfg.die_at_step, getattr(cfg, "die_after_micro_batches", None))

@@ -9,7 +9,10 @@ Expendable ranks (tcp): a rank that wrote ``rank<k>.expendable`` to the status d
 parameter-server worker does) may be killed without failing the job: it is restarted, up to
 ``restarts`` times, with ``NEEDLE_DIST_REJOIN`` set so that it rejoins the running job, and
 after that it is recorded as lost while the others go on. An expendable rank that raises or
-exits with an error still fails the job: only a killed or vanished process is tolerated.
+exits with an error still fails the job: only a killed or vanished process is tolerated. Once
+every rank that is not expendable has ended without failing, the job is :meth:`Job.finished`:
+expendable ranks still alive then (a frozen worker never ends on its own) are the launcher's
+to stop.
 """
 from __future__ import annotations
 
@@ -66,6 +69,15 @@ def descendants(roots: list[int]) -> list[int]:
             found.append(child)
             todo.append(child)
     return found
+
+
+def process_state(pid: int) -> str:
+    """The one-letter state of ``pid`` in /proc ("R", "S", "T" stopped, "Z"...; "" unknown)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 def alive(pid: int) -> bool:
@@ -206,6 +218,24 @@ class Job:
     def running(self) -> list[int]:
         return [r for r in self.ranks if r not in self.outcomes]
 
+    def finished(self) -> bool:
+        """True when the job's result is known although ranks still run: every rank here that
+        is not expendable has ended, and at least one such rank exists (a node of expendable
+        ranks only cannot tell that the job is over)."""
+        needed = [r for r in self.ranks if not self._expendable(r)]
+        return bool(needed) and all(r in self.outcomes for r in needed)
+
+    def describe_process(self, rank: int) -> str:
+        """``pid N`` of the rank's script process (else its supervisor's), with ", frozen"
+        when the kernel holds it stopped (SIGSTOP): the words the launcher names it with."""
+        supervisor = self.by_rank[rank].pid if rank in self.by_rank else self.pid_of(rank)
+        if supervisor is None:
+            return "pid unknown"
+        below = [p for p in descendants([supervisor]) if alive(p)]
+        pid = below[0] if below else supervisor
+        frozen = process_state(pid) in ("T", "t")
+        return f"pid {pid}" + (", frozen" if frozen else "")
+
     def lingering(self) -> list[int]:
         """Ranks that reported how they ended but whose process is still alive."""
         out = []
@@ -259,6 +289,10 @@ class Job:
         still = self.running()
         pids = self._tree()
         self._signal_all(pids, sig)
+        if sig != signal.SIGKILL:
+            # A SIGSTOPped process keeps ``sig`` pending until it continues: let it act now
+            # rather than wait the whole grace for the SIGKILL.
+            self._signal_all(pids, signal.SIGCONT)
         if not self._wait_gone(pids, grace):
             pids = sorted(set(pids) | set(self._tree()))
             self._signal_all(pids, signal.SIGKILL)

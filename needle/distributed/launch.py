@@ -16,6 +16,13 @@ does not exit within ``$NEEDLE_LAUNCH_EXIT_GRACE`` seconds (default 30) is stopp
 the verdict is then the ranks' own. An expendable rank (a parameter-server
 worker) that is killed does not fail the job: ``--restart-workers N`` restarts it up to N times
 (tcp), and it rejoins the running job; otherwise it is reported lost and the others go on.
+
+An expendable rank never holds a finished job: once every rank of this node that is not
+expendable has ended without failing, an expendable rank still alive ``--finish-grace``
+seconds later (``finish_grace=``, else ``$NEEDLE_LAUNCH_FINISH_GRACE``, default 10) — frozen
+(SIGSTOP), hung, or declared dead by the parameter servers and never told — is stopped
+(SIGTERM and SIGCONT, SIGKILL after a bounded wait) and named, and the job's exit status is
+the other ranks' verdict.
 """
 from __future__ import annotations
 
@@ -31,6 +38,8 @@ import threading
 import time
 from pathlib import Path
 
+from needle._core.errors import NeedleError
+
 from ._launch_job import Job
 from ._launch_report import verdict
 from ._run_rank import STATUS_DIR_ENV
@@ -39,6 +48,12 @@ from ._tcp_security import JOB_ENV, SECRET_ENV
 FAILURE_GRACE = 3.0  # seconds to let the other ranks report after the first failure
 STOP_GRACE = 5.0     # seconds between the first signal and SIGKILL when stopping
 EXIT_GRACE_ENV = "NEEDLE_LAUNCH_EXIT_GRACE"  # seconds a rank that reported may take to exit
+FINISH_GRACE_ENV = "NEEDLE_LAUNCH_FINISH_GRACE"  # seconds an expendable rank may outlive the job
+FINISH_GRACE = 10.0  # long enough for a worker to see the servers' end and exit on its own
+
+
+class LaunchSettingError(NeedleError, ValueError):
+    """A launcher setting (argument or environment variable) with a value it cannot use."""
 
 
 def find_mpiexec() -> str:
@@ -117,6 +132,21 @@ def _exit_grace() -> float:
     return float(os.environ.get(EXIT_GRACE_ENV, "30"))
 
 
+def _finish_grace(given: float | None) -> float:
+    """``given``, else ``$NEEDLE_LAUNCH_FINISH_GRACE``, else :data:`FINISH_GRACE` (seconds)."""
+    if given is None:
+        text = os.environ.get(FINISH_GRACE_ENV)
+        try:
+            given = FINISH_GRACE if text is None else float(text)
+        except ValueError:
+            raise LaunchSettingError(f"launch: bad ${FINISH_GRACE_ENV}, expected seconds (a "
+                                     f"number >= 0), got {text!r}") from None
+    if not given >= 0:  # NaN too
+        raise LaunchSettingError(f"launch: bad finish grace, expected seconds >= 0, got "
+                                 f"{given!r}")
+    return float(given)
+
+
 class _Signals:
     """SIGINT/SIGTERM received while the job runs (main thread only; elsewhere none)."""
 
@@ -135,16 +165,24 @@ class _Signals:
             signal.signal(sig, handler)
 
 
-def _watch(job: Job, signals: _Signals, deadline: float | None) -> str:
-    """Wait until the job is done, failed (plus a grace to hear from the others), timed out
-    or interrupted; return which."""
-    failed_at = reported_at = None
+def _watch(job: Job, signals: _Signals, deadline: float | None,
+           finish_grace: float = FINISH_GRACE) -> str:
+    """Wait until the job is done, failed (plus a grace to hear from the others), finished
+    but for expendable ranks that outlive it by ``finish_grace`` seconds, timed out or
+    interrupted; return which."""
+    failed_at = reported_at = finished_at = None
     while True:
         job.poll()
         if signals.received:
             return "interrupted"
         if job.done():
             return "done"
+        if job.running() and not job.failed() and job.finished():
+            # The job's result is known; what still runs is expendable (a parameter-server
+            # worker the servers declared dead may be frozen, and would never end on its own).
+            finished_at = finished_at or time.monotonic()
+            if time.monotonic() - finished_at > finish_grace:
+                return "finished"
         if not job.running() and not job.failed():
             # Every rank reported success but a process lives on (stuck in interpreter
             # shutdown): the work is done, so do not let it run into the job's timeout.
@@ -160,7 +198,8 @@ def _watch(job: Job, signals: _Signals, deadline: float | None) -> str:
         time.sleep(0.05)
 
 
-def _finish(job: Job, state: str, signals: _Signals, timeout: float | None) -> int:
+def _finish(job: Job, state: str, signals: _Signals, timeout: float | None,
+            finish_grace: float = FINISH_GRACE) -> int:
     """Stop what still runs, then print the verdict (after the ranks' last output)."""
     running = job.running()
     if state == "interrupted":
@@ -180,6 +219,18 @@ def _finish(job: Job, state: str, signals: _Signals, timeout: float | None) -> i
         lines.append(f"launch: ranks {stuck} reported success but had not exited "
                      f"{_exit_grace():g} s later (stuck in interpreter shutdown); they were "
                      "stopped")
+    elif state == "finished":
+        outlived = {rank: job.describe_process(rank) for rank in running}
+        stuck = job.lingering()
+        job.stop(signal.SIGTERM, STOP_GRACE,
+                 why=f"was still alive {finish_grace:g} s after the job finished; stopped by "
+                     "the launcher")
+        code, lines = verdict(job.outcomes)
+        lines += [f"launch: rank {rank} ({what}) still alive {finish_grace:g} s after the job "
+                  "finished; stopped it" for rank, what in sorted(outlived.items())]
+        if stuck:
+            lines.append(f"launch: ranks {stuck} reported how they ended but had not exited; "
+                         "they were stopped")
     else:
         if state == "failed":
             job.stop(signal.SIGTERM, STOP_GRACE)
@@ -197,8 +248,13 @@ def _finish(job: Job, state: str, signals: _Signals, timeout: float | None) -> i
 
 def run(nproc: int, script: str, args: list[str] | None = None, backend: str = "mpi",
         timeout: float | None = None, nodes: Nodes | None = None,
-        restart_workers: int = 0) -> int:
+        restart_workers: int = 0, finish_grace: float | None = None) -> int:
     """Run ``script`` on ``nproc`` ranks and return the job's exit code (0 when all succeed).
+
+    ``finish_grace``: seconds an expendable rank may stay alive once every rank that is not
+    expendable has ended without failing, before it is stopped and named (None:
+    ``$NEEDLE_LAUNCH_FINISH_GRACE``, else :data:`FINISH_GRACE`); its being stopped does not
+    fail the job.
 
     Example (not run here: it starts processes):
         code = run(2, "train.py", ["--epochs", "1"], backend="tcp", timeout=600)
@@ -206,6 +262,7 @@ def run(nproc: int, script: str, args: list[str] | None = None, backend: str = "
     if backend not in ("mpi", "tcp"):
         raise ValueError(f"launch: unknown backend, expected 'mpi' or 'tcp', got {backend!r}")
     nodes = nodes or Nodes(nproc)
+    grace = _finish_grace(finish_grace)
     status_dir = tempfile.mkdtemp(prefix="needle-launch-")
     job = Job(backend, nodes.ranks(), status_dir, restarts=restart_workers)
     try:
@@ -219,8 +276,8 @@ def run(nproc: int, script: str, args: list[str] | None = None, backend: str = "
                         for i, r in enumerate(nodes.ranks())}
             job.start([script, *(args or [])], env, mpiexec, rank_env)
             deadline = None if timeout is None else time.monotonic() + timeout
-            state = _watch(job, signals, deadline)
-            return _finish(job, state, signals, timeout)
+            state = _watch(job, signals, deadline, grace)
+            return _finish(job, state, signals, timeout, grace)
     finally:
         if not job.processes_done():  # an error in the launcher itself: leave nothing behind
             job.stop(signal.SIGKILL, 0.0)
@@ -229,10 +286,11 @@ def run(nproc: int, script: str, args: list[str] | None = None, backend: str = "
 
 
 def relaunch(nproc: int, backend: str | None = None, timeout: float | None = None,
-             restart_workers: int = 0) -> None:
+             restart_workers: int = 0, finish_grace: float | None = None) -> None:
     """For scripts with an ``--nproc N`` flag: when called in the user's own process with
     ``nproc > 1``, re-run this same command line on ``nproc`` ranks and exit with the job's code.
-    Inside a rank (or with nproc == 1) it returns and the script carries on.
+    Inside a rank (or with nproc == 1) it returns and the script carries on. ``timeout``,
+    ``restart_workers`` and ``finish_grace`` are :func:`run`'s.
 
     Example (top of a training script, before any work):
         >>> relaunch(1)  # nproc == 1: nothing to do
@@ -241,7 +299,7 @@ def relaunch(nproc: int, backend: str | None = None, timeout: float | None = Non
         return
     backend = backend or os.environ.get("NEEDLE_DIST_BACKEND", "mpi")
     sys.exit(run(nproc, sys.argv[0], sys.argv[1:], backend, timeout,
-                 restart_workers=restart_workers))
+                 restart_workers=restart_workers, finish_grace=finish_grace))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -266,6 +324,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--restart-workers", type=int, default=0, metavar="N",
                    help="tcp: restart an expendable rank (a parameter-server worker) that is "
                         "killed, up to N times; it rejoins the running job")
+    p.add_argument("--finish-grace", type=float, default=None, metavar="S",
+                   help=f"seconds an expendable rank may stay alive once every rank that is "
+                        f"not expendable has ended without failing; then it is stopped and "
+                        f"named (default: ${FINISH_GRACE_ENV}, else {FINISH_GRACE:g})")
     p.add_argument("script")
     p.add_argument("args", nargs=argparse.REMAINDER)
     return p
@@ -287,10 +349,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         nodes = Nodes(opts.nproc, opts.nnodes, opts.node_rank, opts.master_addr,
                       opts.master_port, opts.local_addr, opts.hostfile)
+        _finish_grace(opts.finish_grace)
     except ValueError as exc:
         parser.error(str(exc))
     return run(opts.nproc, opts.script, opts.args, opts.backend, opts.timeout, nodes,
-               restart_workers=opts.restart_workers)
+               restart_workers=opts.restart_workers, finish_grace=opts.finish_grace)
 
 
 if __name__ == "__main__":
