@@ -6,6 +6,10 @@ strategy shards), every random stream, the RNG ledger's positions and the loop's
 ``(seed, epoch)``, so the cursor is all the data loader needs. Resuming restores all of it at
 the same update boundary, so the continuation is the one the uninterrupted run computes.
 
+A checkpoint resumes under another strategy or number of ranks when only the layout differs
+(``universal.py``): the saved shards become the single-process training state, which the
+resuming strategy cuts its own way; what changes the math is still refused, by name.
+
 ``--resume D`` takes the newest *complete* checkpoint under D. Newer ones that are not complete
 (no manifest, a shard missing, a checksum that differs) are skipped, each with one line on
 stderr, and :meth:`RunCheckpoints.report` (``summary.json``'s ``resume``) says which one was
@@ -22,7 +26,7 @@ from .config import UsageError
 # Options that may differ between a run and its resumption (they do not change the math).
 _FREE = {"out", "progress", "resume", "checkpoint_dir", "save_every", "keep_checkpoints",
          "max_steps", "epochs", "die_at_step", "die_after_micro_batches", "kill_worker",
-         "slow_worker", "rng_ledger", "verify_resume"}
+         "slow_worker", "freeze_worker", "rng_ledger", "verify_resume"}
 
 
 @dataclass
@@ -40,13 +44,6 @@ class Cursor:
 def fingerprint(cfg) -> dict:
     """The options a resumed run must share with the run that saved the checkpoint."""
     return {k: v for k, v in asdict(cfg).items() if k not in _FREE}
-
-
-def _without_layout(config: dict) -> dict:
-    """A fingerprint without the options a resharding strategy may change on resume."""
-    out = {k: v for k, v in config.items() if k != "nproc"}
-    out["extra"] = {k: v for k, v in (config.get("extra") or {}).items() if k != "zero_stage"}
-    return out
 
 
 class RunCheckpoints:
@@ -90,14 +87,23 @@ class RunCheckpoints:
     def restore(self) -> Cursor | None:
         """Load the newest complete checkpoint of ``--resume`` (None without ``--resume``).
 
-        A strategy that can reshard (zero) reads every rank's shard of the saved run and
-        rebuilds its own pieces from them, so the run may have another number of ranks;
-        this rank's random streams, buffers and cursor come from the saved rank it continues
-        (``rank % saved ranks``). Others read their own shard only.
+        The same strategy on the same ranks reads this rank's own shard. A strategy that can
+        reshard (zero) reads every rank's shard of a zero run and rebuilds its own pieces
+        from them, so the run may have another number of ranks. Any other change of layout
+        (strategy, ranks, stage, schedule...) converts: every saved shard is read, turned
+        into the single-process training state (``universal.to_full``) and cut again by this
+        strategy (``universal.load_full``). In both cases this rank's random streams,
+        data-parallel buffers and cursor come from the saved rank it continues
+        (``rank % saved ranks``).
         """
         if not self.cfg.resume:
             return None
-        from needle.train_state import read_all_shards, read_checkpoint, resolve_checkpoint
+        from needle.train_state import (
+            read_all_shards,
+            read_checkpoint,
+            read_manifest,
+            resolve_checkpoint,
+        )
 
         try:
             # resolved once, then read by path: the report names the checkpoint that was read
@@ -106,15 +112,27 @@ class RunCheckpoints:
             raise UsageError(str(exc)) from None
         self._log(*(f"skipped {p}: {why}" for p, why in skipped))
         try:
-            if self.strategy.can_reshard:
-                manifest, shards = read_all_shards(path)
-                shard = shards[self.rank % len(shards)]
-            else:
+            mode = self._mode(read_manifest(path))
+            if mode == "own":
                 manifest, shard = read_checkpoint(path, self.rank)
+            else:
+                manifest, shards = read_all_shards(path)
+                continued = self.rank % len(shards)
+                shard = shards[continued]
+        except UsageError:
+            raise
         except Exception as exc:
             raise UsageError(f"--resume {self.cfg.resume}: {exc}") from None
-        self._check_compatible(manifest)
-        if self.strategy.can_reshard:
+        self._check_compatible(manifest, mode)
+        if mode == "convert":
+            from .universal import load_full, template_model, to_full
+
+            full = to_full(self._saved_strategy(manifest), manifest,
+                           [s["strategy"] for s in shards], template_model(self.strategy),
+                           continued)
+            load_full(self.strategy, full)
+            state = self._state(without_strategy=True)
+        elif mode == "reshard":
             self.strategy.load_sharded_state([s["strategy"] for s in shards],
                                              shard["strategy"])
             state = self._state(without_strategy=True)
@@ -123,12 +141,38 @@ class RunCheckpoints:
         state.load_state_dict(shard)
         self._report = {"step": int(manifest["step"]), "path": path,
                         "skipped": [{"path": p, "reason": why} for p, why in skipped]}
-        self._log(f"from step {manifest['step']}: {path}")
+        if mode == "convert":
+            self._report["converted_from"] = self._saved_strategy(manifest)
+        self._log(f"from step {manifest['step']}: {path}" + (
+            f" (converted from --strategy {self._saved_strategy(manifest)} on "
+            f"{manifest['world_size']} ranks)" if mode == "convert" else ""))
         return Cursor(**state.extra["cursor"])
+
+    @staticmethod
+    def _saved_strategy(manifest: dict) -> str | None:
+        meta = manifest.get("meta", {})
+        return meta.get("strategy") or meta.get("config", {}).get("strategy")
+
+    def _mode(self, manifest: dict) -> str:
+        """How this rank loads the checkpoint: ``own`` (this rank's shard, same layout),
+        ``reshard`` (zero from zero: its own pieces path) or ``convert`` (another layout
+        through the full state)."""
+        from .universal import LAYOUT_EXTRA
+
+        saved = manifest.get("meta", {}).get("config", {})
+        now = fingerprint(self.cfg)
+        if self._saved_strategy(manifest) == self.strategy.name and self.strategy.can_reshard:
+            return "reshard"
+        layout = [(saved.get("extra") or {}).get(k) != (now.get("extra") or {}).get(k)
+                  for k in LAYOUT_EXTRA]
+        same = (self._saved_strategy(manifest) == self.strategy.name
+                and manifest["world_size"] == self.world_size and not any(layout))
+        return "own" if same else "convert"
 
     def report(self) -> dict | None:
         """``summary.json``'s ``resume``: ``{"step", "path", "skipped": [{"path", "reason"}]}``
-        of the checkpoint :meth:`restore` loaded, the newer ones it skipped newest first;
+        of the checkpoint :meth:`restore` loaded, the newer ones it skipped newest first
+        (plus ``converted_from``, the saving strategy, when it was converted);
         None without ``--resume``."""
         return self._report
 
@@ -138,17 +182,52 @@ class RunCheckpoints:
             for line in lines:
                 print(f"resume: {line}", file=sys.stderr, flush=True)
 
-    def _check_compatible(self, manifest: dict) -> None:
-        reshard = self.strategy.can_reshard
-        if manifest["world_size"] != self.world_size and not reshard:
-            raise UsageError(
-                f"--resume: the checkpoint was saved by {manifest['world_size']} ranks, "
-                f"expected {self.world_size} (this strategy cannot reshard)")
+    def _check_compatible(self, manifest: dict, mode: str) -> None:
+        """Refuse a checkpoint whose run computed other steps: any option but the layout
+        differs, a strategy whose state does not convert yet, or a BatchNorm model whose
+        batches would be cut into another number of normalised pieces."""
+        from .universal import (
+            CONVERTIBLE,
+            batch_pieces,
+            has_batchnorm,
+            layout_words,
+            template_model,
+            without_layout,
+        )
+
         saved = manifest.get("meta", {}).get("config", {})
         now = fingerprint(self.cfg)
-        if reshard:  # pieces are saved the same way by every stage and number of ranks
-            saved, now = _without_layout(saved), _without_layout(now)
+        if mode == "own":
+            self._refuse_differences(saved, now)
+            return
+        was = self._saved_strategy(manifest)
+        for name, role in ((was, "saved by"), (self.strategy.name, "resumed under")):
+            if name not in CONVERTIBLE:
+                raise UsageError(
+                    f"--resume: the checkpoint was saved by --strategy {was} on "
+                    f"{manifest['world_size']} ranks, resumed under --strategy "
+                    f"{self.strategy.name} on {self.world_size}: a state {role} --strategy "
+                    f"{name} cannot be converted, expected the same strategy and ranks or "
+                    f"strategies among {', '.join(CONVERTIBLE)}")
+        self._refuse_differences(without_layout(saved), without_layout(now))
+        if batch_pieces(saved) != batch_pieces(now) and has_batchnorm(template_model(
+                self.strategy)):
+            raise UsageError(
+                f"--resume: --model {now.get('model')} has BatchNorm, which normalises each "
+                f"piece of a step's batch with that piece's statistics; the saved run "
+                f"({layout_words(saved)}) cut each batch into {batch_pieces(saved)} pieces, "
+                f"this one ({layout_words(now)}) into {batch_pieces(now)}: the steps would "
+                f"differ, expected the same number of data-parallel replicas x pipeline "
+                f"micro-batches")
+
+    @staticmethod
+    def _refuse_differences(saved: dict, now: dict) -> None:
         differ = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+        if "extra" in differ:  # name the strategy option, not the dict that holds it
+            differ.remove("extra")
+            a, b = saved.get("extra") or {}, now.get("extra") or {}
+            differ += sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+            saved, now = {**saved, **a}, {**now, **b}
         if differ:
             detail = ", ".join(f"--{k.replace('_', '-')} {saved.get(k)!r} -> {now.get(k)!r}"
                                for k in differ)

@@ -32,10 +32,12 @@ from .store import (
     list_checkpoints,
     read_all_shards,
     read_checkpoint,
+    read_manifest,
     resolve_checkpoint,
     write_checkpoint,
 )
 
 __all__ = ["TrainState", "STATE_FORMAT_VERSION", "RNGLedger", "incomplete_reason",
            "latest_checkpoint", "latest_checkpoint_report", "list_checkpoints",
-           "read_all_shards", "read_checkpoint", "resolve_checkpoint", "write_checkpoint"]
+           "read_all_shards", "read_checkpoint", "read_manifest", "resolve_checkpoint",
+           "write_checkpoint"]

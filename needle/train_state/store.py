@@ -243,6 +243,23 @@ def _resolve(path_or_directory: str, caller: str) -> str:
     return resolve_checkpoint(path_or_directory, caller)[0]
 
 
+def read_manifest(path_or_directory: str) -> dict:
+    """The manifest of a checkpoint directory (or of the newest complete one under a parent
+    directory), without reading any shard: what a loader needs to decide which shards to
+    read (the saved world size, ``meta``).
+
+    Raises:
+        SerializationError: no complete checkpoint (see :func:`resolve_checkpoint`).
+
+    Example:
+        >>> import tempfile
+        >>> d = tempfile.mkdtemp(); _ = write_checkpoint(d, 8, {"w": 1}, meta={"k": 1})
+        >>> m = read_manifest(d); m["step"], m["world_size"], m["meta"]
+        (8, 1, {'k': 1})
+    """
+    return _read_manifest(_resolve(path_or_directory, "read_manifest"))
+
+
 def read_all_shards(path_or_directory: str, device=None) -> tuple[dict, list]:
     """``(manifest, [shard of rank 0, shard of rank 1, ...])`` of a checkpoint directory (or
     of the newest complete one under a parent directory): what a run needs to load a state

@@ -52,7 +52,8 @@ def local_state(zero: Any) -> dict:
                           "extra": inner["extra"]}}
 
 
-def _check(states: list[dict], entries: list) -> int:
+def _check_ranks(states: list[dict]) -> int:
+    """The saved run's world size, once every rank's state is there in a format read here."""
     if not states:
         raise SerializationError("ZeroDataParallel.load_state_dict: no shard states, expected "
                                  "the states of every rank of the saved run")
@@ -68,6 +69,11 @@ def _check(states: list[dict], entries: list) -> int:
         raise SerializationError(
             f"ZeroDataParallel.load_state_dict: shards of ranks {ranks}, expected one per rank "
             f"0..{world - 1} of the saved run")
+    return world
+
+
+def _check(states: list[dict], entries: list) -> int:
+    world = _check_ranks(states)
     shapes = [tuple(states[0]["pieces"][str(e.index)]["shape"]) if str(e.index) in
               states[0]["pieces"] else None for e in entries]
     wrong = [(e.name, e.shape, s) for e, s in zip(entries, shapes, strict=True) if s != e.shape]
@@ -93,24 +99,59 @@ def _whole(states: list[dict], key: str, index: int, name: str | None = None):
     return np.concatenate(parts) if parts else None
 
 
+def assemble(states: list[dict]) -> tuple[list[np.ndarray], dict]:
+    """The whole training state in the states of every rank of a saved run (any world size):
+    ``(weights, optimizer)``, the weights in ``parameters()`` order with their saved shapes
+    and dtypes, and the ``state_dict()`` an optimizer over those whole parameters would give
+    (each slot, master weights included, reshaped to its parameter's shape).
+
+    A slot that some rank with a non-empty piece did not save (a step not taken yet) is left
+    out, as :func:`load_states` leaves it out; a weight no rank saved is zeros.
+
+    Example:
+        >>> piece = lambda r, lo, hi: {"lo": lo, "hi": hi, "shape": [3], "dtype": "float32",
+        ...     "weight": np.arange(lo, hi, dtype="float32"),
+        ...     "state": {"m": np.full(hi - lo, r, "float32")}}
+        >>> opt = {"type": "Adam", "hyper": {}, "extra": {"t": 1}}
+        >>> states = [{"format": FORMAT, "version": 1, "rank": r, "world_size": 2,
+        ...            "pieces": {"0": piece(r, lo, hi)}, "optimizer": opt}
+        ...           for r, (lo, hi) in enumerate([(0, 1), (1, 3)])]
+        >>> weights, optimizer = assemble(states)
+        >>> weights[0].tolist(), optimizer["state"]["m"][0].tolist()
+        ([0.0, 1.0, 2.0], [0.0, 1.0, 1.0])
+    """
+    _check_ranks(states)
+    count = len(states[0]["pieces"])
+    names = sorted({n for s in states for rec in s["pieces"].values() for n in rec["state"]})
+    weights, slots = [], {n: {} for n in names}
+    for i in range(count):
+        rec = states[0]["pieces"][str(i)]
+        shape, dtype = tuple(rec["shape"]), rec["dtype"]
+        full = _whole(states, "weight", i)
+        size = int(np.prod(shape, dtype=np.int64))
+        weights.append((np.zeros(size, dtype) if full is None else full.astype(dtype, copy=False))
+                       .reshape(shape))
+        for n in names:
+            value = _whole(states, "state", i, n)
+            if value is not None:
+                slots[n][i] = value.reshape(shape)
+    opt = states[0]["optimizer"]
+    return weights, {"type": opt["type"], "hyper": opt["hyper"], "state": slots,
+                     "extra": opt["extra"]}
+
+
 def load_states(zero: Any, states: list[dict]) -> None:
     """Restore ``zero`` (any world size) from the states of every rank of a saved run."""
     _check(states, zero.entries)
-    names = sorted({n for s in states for rec in s["pieces"].values() for n in rec["state"]})
+    weights, optimizer = assemble(states)
     index = _shard_index(zero.entries)
-    slots: dict[str, dict[int, np.ndarray]] = {n: {} for n in names}
-    fulls = []
+    slots: dict[str, dict[int, np.ndarray]] = {n: {} for n in optimizer["state"]}
     for e in zero.entries:
-        full = _whole(states, "weight", e.index)
-        full = np.zeros(e.size, e.dtype) if full is None else full
-        fulls.append(full.astype(e.dtype, copy=False))
         if e.shard is None:
             continue
-        for n in names:
-            value = _whole(states, "state", e.index, n)
-            if value is not None:
-                slots[n][index[e.index]] = value[e.lo:e.hi]
-    zero.set_full_weights(fulls)
-    opt = states[0]["optimizer"]
-    zero.inner.load_state_dict({"type": opt["type"], "hyper": opt["hyper"],
-                                "state": slots, "extra": opt["extra"]})
+        for n, values in optimizer["state"].items():
+            if e.index in values:
+                slots[n][index[e.index]] = values[e.index].reshape(-1)[e.lo:e.hi]
+    zero.set_full_weights([w.astype(e.dtype, copy=False)
+                           for e, w in zip(zero.entries, weights, strict=True)])
+    zero.inner.load_state_dict({**optimizer, "state": slots})
