@@ -7,12 +7,15 @@ on the communication thread (buckets start in index order on every rank, so the 
 match). ``finish_gradient_sync()`` waits for all buckets and writes the averaged gradients back
 into each parameter's ``.grad`` in place.
 
-Normalisation. Default: the average of the ranks' gradients, which is the gradient of the
-global mean loss when every rank holds the same number of examples. For unequal counts call
-``ddp.set_num_examples(n)`` each step: with ``reduction="mean"`` (local loss = mean over n
-local examples) the result is sum_r n_r g_r / sum_r n_r; with ``reduction="sum"`` (local loss
-= sum over the examples, the sum-then-divide contract, also right for no_sync accumulation)
-the result is sum_r g_r / sum_r n_r.
+Normalisation. Default: the average of the ranks' gradients (summed, then divided by the
+world size), which is the gradient of the global mean loss when every rank holds the same
+number of examples. For unequal counts call ``ddp.set_num_examples(n)`` each step (collective:
+it sums the counts over the ranks): with ``reduction="mean"`` (local loss = mean over n local
+examples) the result is sum_r n_r g_r / sum_r n_r, each gradient multiplied by its weight
+n_r / sum_r n_r in its own dtype before the sum (so a float16 gradient never overflows on the
+way; ZeroDataParallel and the synchronous parameter server use the same arithmetic); with
+``reduction="sum"`` (local loss = sum over the examples, the sum-then-divide contract, also
+right for no_sync accumulation) the result is sum_r g_r / sum_r n_r.
 """
 from __future__ import annotations
 
@@ -113,7 +116,8 @@ class DistributedDataParallel:
         self._handles = [p.register_post_accumulate_grad_hook(self._hook_for(i))
                          for i, p in enumerate(self.params)]
         self._sync = True
-        self._num_examples: float | None = None
+        self._total: float | None = None  # all ranks' examples (set_num_examples)
+        self._weight: float | None = None  # this rank's n_r / total (reduction "mean")
         self.timeline: list[dict] = []
         self.events: list[tuple[str, int, float]] = []
         self._reset()
@@ -155,8 +159,16 @@ class DistributedDataParallel:
         return self.module.parameters()
 
     def set_num_examples(self, n: float) -> None:
-        """Examples (or valid tokens) this rank's loss covers in this step; see the module doc."""
-        self._num_examples = float(n)
+        """Examples (or valid tokens) this rank's loss covers in this step; see the module doc
+        (collective: every rank calls it, before the step's backward)."""
+        total = np.array([float(n)], np.float64)
+        with traffic.label("ddp example count"):
+            all_reduce(total, "sum", self.group)
+        if total[0] <= 0:
+            raise CommError(f"DistributedDataParallel: total examples over ranks must be "
+                            f"positive, got {total[0]}")
+        self._total = float(total[0])
+        self._weight = float(n) / self._total if self.reduction == "mean" else None
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -204,8 +216,8 @@ class DistributedDataParallel:
         bucket, j = self._where[i]
         slot = bucket.flat[bucket.offsets[j]:bucket.offsets[j + 1]]
         grad = borrow(p.grad, "DistributedDataParallel", readonly=True).arr.reshape(-1)
-        if self._num_examples is not None and self.reduction == "mean":
-            np.multiply(grad, self._num_examples, out=slot)
+        if self._weight is not None:
+            np.multiply(grad, grad.dtype.type(self._weight), out=slot)
         else:
             slot[...] = grad
         self.events.append(("ready", i, now))
@@ -257,7 +269,8 @@ class DistributedDataParallel:
             bucket.work.wait()
         divisor = self._divisor()
         for bucket in self.buckets:
-            bucket.flat /= bucket.flat.dtype.type(divisor)
+            if divisor != 1.0:
+                bucket.flat /= bucket.flat.dtype.type(divisor)
             for j, i in enumerate(bucket.members):
                 part = bucket.flat[bucket.offsets[j]:bucket.offsets[j + 1]]
                 self._write_grad(self.params[i], part.reshape(self.params[i].shape))
@@ -275,15 +288,12 @@ class DistributedDataParallel:
                             requires_grad=False)
 
     def _divisor(self) -> float:
-        if self._num_examples is None:
+        """What the summed gradient is divided by (1: the weights were applied before)."""
+        if self._weight is not None:
+            return 1.0
+        if self._total is None:
             return float(self.group.size) if self.reduction == "mean" else 1.0
-        total = np.array([self._num_examples], np.float64)
-        with traffic.label("ddp example count"):
-            all_reduce(total, "sum", self.group)
-        if total[0] <= 0:
-            raise CommError(f"DistributedDataParallel: total examples over ranks must be "
-                            f"positive, got {total[0]}")
-        return float(total[0])
+        return self._total
 
     def _record(self) -> None:
         step = self._step

@@ -429,6 +429,8 @@ def test_worker_with_another_layout_is_refused_by_the_server():
 
 
 def _bn_job(mode: str, steps: int):
+    first_done = threading.Event()
+
     def job(rank):
         from needle import nn
 
@@ -439,6 +441,8 @@ def _bn_job(mode: str, steps: int):
         if ps.is_server:
             stats = ps.serve()
             return "server", stats, model.state_dict()
+        if mode == "async" and rank == 2:  # async: worker 1 pushes last, after worker 0
+            first_done.wait(60)
         for step in range(steps):
             ps.pull()
             model.train()
@@ -448,21 +452,25 @@ def _bn_job(mode: str, steps: int):
                 p.grad = None
             model(ndl.Tensor(x)).sum().backward()
             ps.push(examples=5).wait()
+        if rank == 1:
+            ps.pull()  # its last push is applied before worker 1 starts
+            first_done.set()
         ps.finish()
         return "worker", ps.traffic, model.state_dict()
 
     return job
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_server_model_holds_the_lowest_worker_buffers(mode):
-    server, w0, w1 = dist.spawn_threads(_bn_job(mode, 3), 3)
+@pytest.mark.parametrize("mode, newest", [("sync", 0), ("async", 1)])
+def test_server_model_holds_the_newest_pushed_buffers(mode, newest):
+    """Sync: a round's pushes tie, worker 0's win (DDP rank 0's); async: the last push's."""
+    server, *workers = dist.spawn_threads(_bn_job(mode, 3), 3)
     _, stats, served = server
-    assert stats["buffers_from_worker"] == 0
+    assert stats["buffers_from_worker"] == newest
     for name in ("modules.1.running_mean", "modules.1.running_var"):
-        assert not np.array_equal(w0[2][name], w1[2][name])  # the workers' differ
-        np.testing.assert_array_equal(served[name], w0[2][name])
+        assert not np.array_equal(workers[0][2][name], workers[1][2][name])
+        np.testing.assert_array_equal(served[name], workers[newest][2][name])
     # 8 float32 buffer values with each of the 3 pushes, counted apart from the gradients
     assert stats["buffer_bytes_pushed"] == 2 * 3 * 8 * 4
-    assert w0[1]["bytes_pushed"] == 3 * sum(
-        v.nbytes for k, v in w0[2].items() if "running" not in k)
+    assert workers[0][1]["bytes_pushed"] == 3 * sum(
+        v.nbytes for k, v in workers[0][2].items() if "running" not in k)

@@ -22,8 +22,8 @@ class ParameterServer:
         model: a Module (or a list of parameter Tensors), built identically on every rank;
             servers take their shard's initial values from their own copy. A Module's
             buffers (BatchNorm running statistics) go with every push to server 0, whose
-            model holds the lowest-numbered live worker's latest (as DDP keeps rank 0's):
-            evaluate and save the model there.
+            model holds those of the most recent push (in sync mode worker 0's, as DDP
+            keeps rank 0's): evaluate and save the model there.
         servers: how many servers (ranks 0..servers-1), or the list of server ranks; the other
             ranks are workers, numbered in rank order.
         mode: "sync", "async", "ssp" or "backup".
@@ -72,7 +72,7 @@ class ParameterServer:
         params = list(model.parameters()) if hasattr(model, "parameters") else list(model)
         self.params_all = params
         # buffers (BatchNorm running statistics) travel with every push to server 0, whose
-        # model then carries those of the lowest-numbered live worker (see ServerRole)
+        # model then carries those of the most recent push (ServerRole.install_buffers)
         self.buffers_all = [t for _, t in model.named_buffers()] \
             if hasattr(model, "named_buffers") else []
         self.buffer_groups = buffer_groups([str(t.dtype) for t in self.buffers_all])

@@ -71,8 +71,9 @@ class ServerRole:
         self.window: tuple[float, int, int] | None = None
         self.max_lead = 0
         self.snapshots = 0
-        # server 0: every worker's latest buffers, and the worker whose the model holds
-        self.worker_buffers: dict[int, list[np.ndarray]] = {}
+        # server 0: every worker's latest buffers with the update count they arrived at, and
+        # the worker whose buffers the model holds
+        self.worker_buffers: dict[int, tuple[int, list[np.ndarray]]] = {}
         self.buffers_from: int | None = None
         self.buffer_bytes_in = 0
 
@@ -250,20 +251,20 @@ class ServerRole:
                 raise CommError(f"ParameterServer.serve: worker rank {w.rank} pushed a gradient "
                                 f"but not its buffers within {self.ps.timeout:g} s")
             self.buffer_bytes_in += buf.nbytes
-        self.worker_buffers[w.index] = bufs
+        self.worker_buffers[w.index] = (self.updates, bufs)
 
     def install_buffers(self) -> int | None:
-        """Server 0: load into the model the latest buffers of the lowest-numbered live
-        worker (of the lowest-numbered worker that sent any, when none is alive); returns
-        that worker's index (None: no buffers). In sync mode that is worker 0's, which are
-        bitwise DDP rank 0's on the same data."""
+        """Server 0: load into the model the buffers of the most recent push (the one that
+        arrived after the most updates; of a sync round's pushes, the lowest-numbered
+        worker's), so the statistics were computed with the newest weights; returns that
+        worker's index (None: no buffers yet). In sync mode it is worker 0's, bitwise DDP
+        rank 0's on the same data."""
         if not self.worker_buffers:
             return None
-        live = [i for i in self.worker_buffers if self.workers[i].alive]
-        index = min(live or self.worker_buffers)
+        index = max(self.worker_buffers, key=lambda i: (self.worker_buffers[i][0], -i))
         from .._buffers import borrow
 
-        for (_, members), flat in zip(self.ps.buffer_groups, self.worker_buffers[index],
+        for (_, members), flat in zip(self.ps.buffer_groups, self.worker_buffers[index][1],
                                       strict=True):
             offset = 0
             for i in members:
@@ -327,15 +328,18 @@ class ServerRole:
         self._after_update()
 
     def _apply(self, contributions: list[tuple[int, list[np.ndarray]]]) -> None:
-        """One optimizer step with sum_w n_w g_w / sum_w n_w over ``contributions``."""
+        """One optimizer step with sum_w n_w g_w / sum_w n_w over ``contributions`` (worker
+        order), in DDP's arithmetic: each gradient times its weight n_w / sum n in its own
+        dtype, then summed, so a sync round of two workers is bitwise DDP's step."""
         from needle.autograd import Tensor
 
         total = sum(n for n, _ in contributions)
         weights = [n / total if total else 1.0 / len(contributions) for n, _ in contributions]
         for g, (dtype, members) in enumerate(self.shard.groups):
-            flat = np.zeros(contributions[0][1][g].shape, np.float64)
+            kind = np.dtype(dtype).type
+            flat = np.zeros(contributions[0][1][g].shape, dtype)
             for wt, (_, grads) in zip(weights, contributions, strict=True):
-                flat += wt * grads[g].astype(np.float64)
+                flat += grads[g] * kind(wt)
             offset = 0
             for i in members:
                 p = self.ps.params_all[i]

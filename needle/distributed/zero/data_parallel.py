@@ -112,7 +112,7 @@ class ZeroDataParallel:
         self._handles = [e.param.register_post_accumulate_grad_hook(self._hook_for(e))
                          for e in self.entries]
         self._sync = True
-        self._weight: float | None = None
+        self._counts: tuple[float, float] | None = None  # (this rank's, all ranks') examples
         self.denominators: dict = {}
         self.steps = 0
         self.timeline: list[dict] = []
@@ -156,13 +156,15 @@ class ZeroDataParallel:
     def set_num_examples(self, n: float) -> None:
         """Examples (or valid tokens) this rank's loss averages over in this step; each rank's
         gradient then counts with weight ``n / sum over ranks`` (collective: every rank calls
-        it). Without it every rank weighs ``1 / world_size``."""
+        it). Without it every rank weighs ``1 / world_size``. The arithmetic is DDP's, so the
+        two give bitwise-equal gradients: each gradient is multiplied by its weight in its own
+        dtype before the sum (without counts, the sum is divided by the world size)."""
         total = np.array([float(n)], np.float64)
         all_reduce(total, "sum", self.group)
         if total[0] <= 0:
             raise CommError(f"ZeroDataParallel: total examples over ranks must be positive, "
                             f"got {total[0]}")
-        self._weight = float(n) / float(total[0])
+        self._counts = (float(n), float(total[0]))
         self.denominators = {"local": float(n), "global": float(total[0])}
 
     @contextmanager
@@ -192,8 +194,9 @@ class ZeroDataParallel:
 
         return hook
 
-    def _weight_now(self) -> float:
-        return self._weight if self._weight is not None else 1.0 / self.world_size
+    def _divisor(self) -> float:
+        """What the summed gradient is divided by (1: the weights were applied before)."""
+        return 1.0 if self._counts is not None else float(self.world_size)
 
     def _on_grad(self, e: Entry, p: Any) -> None:
         if e.index in self._fired:
@@ -226,7 +229,8 @@ class ZeroDataParallel:
         if bucket.flat is None:
             bucket.flat = np.empty(bucket.layout.numel, dtype=bucket.dtype)
         j = bucket.members.index(e)
-        weight = grad.dtype.type(self._weight_now())
+        weight = grad.dtype.type(self._counts[0] / self._counts[1]
+                                 if self._counts is not None else 1.0)
         b, flat = bucket.layout.pieces[j], bucket.flat
         for r in range(self.world_size):
             at = bucket.layout.offsets[r][j]
@@ -265,9 +269,10 @@ class ZeroDataParallel:
         self._launch_ready()
         for bucket in self.buckets:
             bucket.work.wait()
+            divisor = bucket.flat.dtype.type(self._divisor())
             pieces = bucket.layout.unpack_mine(bucket.flat, self.rank)
             for e, piece in zip(bucket.members, pieces, strict=True):
-                self._take_piece(e, piece)
+                self._take_piece(e, piece / divisor if divisor != 1 else piece)
             bucket.flat = None
         if self.units is not None:
             self.units.release_all()
