@@ -45,8 +45,10 @@ class Config:
     strategy: str | None = None  # None: "single" for one process, "ddp" for more
     precision: str = "fp32"
     accumulate: int = 1
+    clip_grad: float | None = None  # max global L2 norm of the gradients per step
     slow_worker: str | None = None  # "RANK:MS"
     kill_worker: str | None = None  # "RANK@STEP"
+    freeze_worker: str | None = None  # "RANK@STEP"
     die_at_step: int | None = None
     die_after_micro_batches: int | None = None
     save_every: int | None = None
@@ -101,11 +103,18 @@ def build_parser(strategies: dict) -> argparse.ArgumentParser:
     p.add_argument("--accumulate", type=int, default=d.accumulate, metavar="G",
                    help="micro-batches per optimizer step, gradients accumulated with "
                         "weights n_i / n (single, ddp, zero)")
-    faults = p.add_argument_group("fault injection (really sleeps, really SIGKILLs)")
+    p.add_argument("--clip-grad", type=float, default=None, metavar="X",
+                   help="before each optimizer step, scale the gradients down to global L2 "
+                        "norm X when it is larger: the whole model's norm under every "
+                        "strategy (not ps)")
+    faults = p.add_argument_group("fault injection (really sleeps, SIGKILLs, SIGSTOPs)")
     faults.add_argument("--slow-worker", default=None, metavar="RANK:MS",
                         help="rank RANK sleeps MS milliseconds before every step")
     faults.add_argument("--kill-worker", default=None, metavar="RANK@STEP",
                         help="rank RANK SIGKILLs itself when it reaches step STEP")
+    faults.add_argument("--freeze-worker", default=None, metavar="RANK@STEP",
+                        help="rank RANK SIGSTOPs itself when it reaches step STEP (alive but "
+                             "silent; the launcher stops it once the job has finished)")
     faults.add_argument("--die-at-step", type=int, default=None, metavar="N",
                         help="every rank of the job SIGKILLs itself at step N")
     faults.add_argument("--die-after-micro-batches", type=int, default=None, metavar="M",
@@ -158,6 +167,8 @@ def validate(cfg: Config, strategies: dict) -> None:
     if cfg.device is not None:
         _choice("--device", cfg.device, DEVICES)
     _choice("--precision", cfg.precision, PRECISIONS)
+    if cfg.clip_grad is not None and not 0 < cfg.clip_grad < float("inf"):
+        raise UsageError(f"--clip-grad must be a positive number, got {cfg.clip_grad}")
     if cfg.accumulate < 1:
         raise UsageError(f"--accumulate must be positive, got {cfg.accumulate}")
     if (cfg.precision != "fp32" or cfg.accumulate > 1) and not strategies[

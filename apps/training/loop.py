@@ -14,6 +14,7 @@ import numpy as np
 from .checkpoints import Cursor, RunCheckpoints
 from .data import global_batches, load_data, replica_share, steps_per_epoch
 from .faults import parse_faults
+from .model_state import split_state
 from .models import build_model, build_optimizer, device_by_name
 from .summary import build_summary
 
@@ -125,7 +126,7 @@ def run(cfg, strategy, rank: int = 0, world_size: int = 1) -> dict | None:
         if cursor.batch_index >= len(batches):
             cursor.epoch, cursor.batch_index, cursor.epoch_stats = cursor.epoch + 1, 0, None
     wall = time.perf_counter() - started
-    params = strategy.full_parameters()
+    state = strategy.model_state()  # collective where the model is sharded
     state_digest = strategy.state_sha256()
     strategy.collect_reports()
     if ledger is not None:
@@ -133,10 +134,13 @@ def run(cfg, strategy, rank: int = 0, world_size: int = 1) -> dict | None:
         ledger.flush(ledger_path(cfg.rng_ledger, rank, world_size))
     if not strategy.is_reporter:
         return None
+    params, buffers = split_state(strategy.template, state)
     summary = build_summary(cfg, strategy, device, history, cursor.losses, cursor.steps, wall,
                             params, X.shape[0], Xt.shape[0],
-                            steps_per_epoch(X.shape[0], cfg.batch_size))
+                            steps_per_epoch(X.shape[0], cfg.batch_size), buffers)
     summary["state_sha256"] = state_digest
+    summary["model_state"] = state
+    summary["resume"] = checkpoints.report()
     return summary
 
 

@@ -19,9 +19,21 @@ def params_sha256(params: list[np.ndarray]) -> str:
     return digest.hexdigest()
 
 
+def buffers_sha256(buffers: dict) -> str:
+    """SHA-256 over the model's buffers (BatchNorm running statistics, ...) in name order:
+    each name, dtype, shape and bytes. A model without buffers hashes the empty input."""
+    digest = hashlib.sha256()
+    for name in sorted(buffers):
+        array = np.ascontiguousarray(buffers[name])
+        digest.update(f"{name}:{array.dtype}:{array.shape}:".encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()
+
+
 def build_summary(cfg, strategy, device, history, losses, steps, wall, params,
-                  n_train, n_test, steps_per_epoch) -> dict:
-    """The summary dict of a finished run (the reporting rank's view)."""
+                  n_train, n_test, steps_per_epoch, buffers=None) -> dict:
+    """The summary dict of a finished run (the reporting rank's view): ``params`` are the
+    model's parameters in ``parameters()`` order, ``buffers`` its buffers by name."""
     accuracy = history.test_acc[-1] if history.test_acc else float("nan")
     test_loss = history.test_loss[-1] if history.test_loss else float("nan")
     rate = float(np.median(history.examples_per_s)) if history.examples_per_s else 0.0
@@ -30,6 +42,8 @@ def build_summary(cfg, strategy, device, history, losses, steps, wall, params,
         "accuracy": accuracy, "final_loss": losses[-1] if losses else float("nan"),
         "losses": losses, "wall_s": wall, "examples_per_s": rate,
         "params_sha256": params_sha256(params),
+        "buffers_sha256": buffers_sha256(buffers or {}),
+        "buffers": sorted(buffers or {}),
         "config": asdict(cfg), "device": str(device),
         "parameters": int(sum(p.size for p in params)),
         "train_examples": int(n_train), "test_examples": int(n_test),
@@ -44,13 +58,22 @@ def build_summary(cfg, strategy, device, history, losses, steps, wall, params,
 
 
 def write_outputs(summary: dict, out_dir: str) -> tuple[str, str]:
-    """Write ``summary.json`` and ``training.png`` (loss and accuracy per epoch)."""
+    """Write ``summary.json``, ``training.png`` (loss and accuracy per epoch) and, when the
+    summary carries the trained model's state (``model_state``), ``model.ndl``; the JSON then
+    names that file under ``model_file``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from .model_state import MODEL_FILE, save_model
+
     os.makedirs(out_dir, exist_ok=True)
+    summary = dict(summary)
+    state = summary.pop("model_state", None)
+    if state is not None:
+        save_model(state, os.path.join(out_dir, MODEL_FILE))
+        summary["model_file"] = MODEL_FILE
     json_path = os.path.join(out_dir, "summary.json")
     tmp_path = json_path + ".tmp"
     with open(tmp_path, "w") as f:

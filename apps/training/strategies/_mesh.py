@@ -77,20 +77,18 @@ class MeshStrategy(Strategy):
         self.mesh = dist.init_device_mesh((self.dp, self.tp, self.pp))
         self.loss_fn = nn.SoftmaxLoss()
         full = ctx.new_model()
-        self.full_shapes = [tuple(p.shape) for p in full.parameters()]
         extra = self.cfg.extra
         self.schedule_name = extra.get("schedule", "1f1b") if self.pp > 1 else None
         v = extra.get("virtual_stages", 2) if self.schedule_name == "interleaved" else 1
         chunks = self.pp * v
         pieces = pipeline.split_sequential(full, chunks, self._layer_costs(full)) \
             if chunks > 1 else [full]
-        offsets = np.cumsum([0] + [len(piece.parameters()) for piece in pieces])
         s = self.mesh.local_rank("pp")
         self.my_chunks = list(range(s, chunks, self.pp))
         tp_group = self.mesh.get_group("tp")
+        self.full, self.pieces = full, pieces  # the unsharded model names the saved state
         self.modules = {k: tensor_parallel.parallelize_sequential(pieces[k], tp_group)
                         if self.tp > 1 else pieces[k] for k in self.my_chunks}
-        self.param_offset = {k: int(offsets[k]) for k in self.my_chunks}
         self.layers_per_stage = [len(piece.modules) for piece in pieces]
         self.has_batchnorm = any(isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d))
                                  for m in full._children())
@@ -144,6 +142,8 @@ class MeshStrategy(Strategy):
         loss, logits = self._forward_backward(X, y)
         if self.dp > 1:
             self._average_gradients(len(y))
+        if getattr(self.cfg, "clip_grad", None) is not None:
+            self.clip_gradients(self.cfg.clip_grad)
         self.optimizer.step()
         local = (0.0, 0, 0)
         if self._counts_loss:
@@ -165,6 +165,20 @@ class MeshStrategy(Strategy):
         loss = self.loss_fn(out, Tensor(y, device=device, requires_grad=False))
         loss.backward()
         return float(loss.numpy()), out.numpy()
+
+    def clip_gradients(self, max_norm: float) -> float:
+        """Clip by the whole model's norm: squared sums added over the tp group (shards; the
+        replicated parameters counted by tp rank 0) and the pp group (other stages' layers);
+        the dp replicas hold the same averaged gradients, so dp is left out."""
+        import needle.distributed as dist
+        from needle.distributed import tensor_parallel
+
+        tp = self.mesh.get_group("tp")
+        replicated = [p for k in self.my_chunks
+                      for p in tensor_parallel.replicated_parameters(self.modules[k])]
+        return dist.clip_grad_norm(self.optimizer.params, max_norm,
+                                   group=[tp, self.mesh.get_group("pp")],
+                                   replicated=replicated, replicated_group=tp)
 
     def _average_gradients(self, n_local: int) -> None:
         """Data parallelism: g = sum_r n_r g_r / sum_r n_r over the dp group."""
@@ -202,34 +216,64 @@ class MeshStrategy(Strategy):
         dist.all_reduce(sums)
         return (float(sums[0]), float(sums[1])) if self.rank == 0 else None
 
-    def full_parameters(self) -> list[np.ndarray] | None:
-        """Every parameter of the whole model on rank 0 (collective: tp gathers, then one
-        all-reduce of a flat vector that one rank per stage fills)."""
-        import needle.distributed as dist
-        from needle.distributed import tensor_parallel
+    @property
+    def template(self):
+        return self.full
 
-        sizes = [int(np.prod(s)) for s in self.full_shapes]
+    def model_state(self) -> dict | None:
+        """The whole model on rank 0 (collective): every chunk with its tensor-parallel shards
+        gathered (parameters and sharded BatchNorm statistics), then one all-reduce of a flat
+        vector of every tensor that one rank per chunk fills (data-parallel replica 0,
+        tensor-parallel rank 0: a replica's buffers are its own, and replica 0's are the
+        model, as under ddp)."""
+        import needle.distributed as dist
+
+        named = self.full.named_tensors()
+        sizes = [int(np.prod(t.shape)) for _, t in named]
         starts = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+        where = {id(t): i for i, (_, t) in enumerate(named)}
         flat = np.zeros(int(starts[-1]), np.float64)
+        fills = self.mesh.local_rank("dp") == 0 and self.mesh.local_rank("tp") == 0
         for k in self.my_chunks:
-            arrays = tensor_parallel.gather_full_parameters(self.modules[k]) if self.tp > 1 \
-                else [p.numpy() for p in self.modules[k].parameters()]
-            if self.mesh.local_rank("dp") or self.mesh.local_rank("tp"):
-                continue  # gathered (collective), but one copy per stage is enough
-            for i, arr in enumerate(arrays, start=self.param_offset[k]):
-                flat[starts[i]:starts[i + 1]] = np.asarray(arr, np.float64).ravel()
+            values = self._chunk_state(k)  # collective over the tensor-parallel group
+            if fills:
+                for key, array in values.items():
+                    i = where[key]
+                    flat[starts[i]:starts[i + 1]] = np.asarray(array, np.float64).ravel()
         dist.all_reduce(flat)
         if self.schedule is not None and self.mesh.local_rank("dp") == 0 \
                 and self.mesh.local_rank("tp") == 0:
             self._report = self.schedule.report(root=0)
         if self.rank != 0:
             return None
-        return [flat[starts[i]:starts[i + 1]].reshape(s).astype(np.float32)
-                for i, s in enumerate(self.full_shapes)]
+        return {name: flat[starts[i]:starts[i + 1]].reshape(t.shape).astype(str(t.dtype))
+                for i, (name, t) in enumerate(named)}
+
+    def _chunk_state(self, k: int) -> dict[int, np.ndarray]:
+        """Chunk ``k``'s full values keyed by the id of the unsharded model's tensor."""
+        from needle.distributed import tensor_parallel
+
+        piece, module = self.pieces[k], self.modules[k]
+        values = {id(t): t.numpy() for _, t in piece.named_tensors()}
+        if self.tp == 1:  # the chunk is the piece itself: its tensors hold the values
+            return values
+        full = tensor_parallel.gather_full_parameters(module)
+        values.update({id(p): a for p, a in zip(piece.parameters(), full, strict=True)})
+        for original, sharded in _sharded_batchnorms(piece, module):
+            for name in ("running_mean", "running_var"):
+                values[id(getattr(original, name))] = tensor_parallel.gather_shards(
+                    getattr(sharded, name), 0, sharded.group)
+        return values
 
     def summary_blocks(self) -> dict:
+        """``mesh``, ``traffic`` (this rank's communication ledger, predicted vs measured
+        bytes) and, with pipeline stages, ``pipeline``."""
+        import needle.distributed as dist
+
+        traffic = dist.traffic.ledger().summary()
+        traffic["rank"] = self.rank
         blocks = {"mesh": {"dp": self.dp, "tp": self.tp, "pp": self.pp,
-                           "layers_per_stage": self.layers_per_stage}}
+                           "layers_per_stage": self.layers_per_stage}, "traffic": traffic}
         if self._report is not None:
             block = self._report.as_dict()
             block["batchnorm_per_microbatch"] = self.has_batchnorm
@@ -249,3 +293,18 @@ class MeshStrategy(Strategy):
 
     def state_sha256(self) -> str | None:
         return gathered_state_digest(self.state_dict(), self.rank)
+
+
+def _sharded_batchnorms(original, converted):
+    """``(unsharded BatchNorm1d, its ShardedBatchNorm1d)`` pairs of a model and its
+    tensor-parallel copy (``parallelize_sequential`` keeps the tree's shape)."""
+    from needle import nn
+    from needle.distributed import tensor_parallel
+
+    if isinstance(converted, tensor_parallel.ShardedBatchNorm1d):
+        yield original, converted
+    elif isinstance(original, nn.Sequential):
+        for a, b in zip(original.modules, converted.modules, strict=True):
+            yield from _sharded_batchnorms(a, b)
+    elif isinstance(original, nn.Residual):
+        yield from _sharded_batchnorms(original.fn, converted.fn)

@@ -2,7 +2,7 @@
 
 The loop (``apps/training/loop.py``) calls, on every rank: ``setup`` once, ``data_shard``,
 ``train_step`` once per optimizer step with this replica's share of the global batch,
-``evaluate`` after each epoch, ``full_parameters``, ``collect_reports`` and (on the
+``evaluate`` after each epoch, ``model_state``, ``collect_reports`` and (on the
 reporting rank) ``summary_blocks`` at the end. Methods that are collective in a strategy
 (evaluation of a sharded model, say) are called on every rank in the same order, so a
 strategy may communicate inside any of them.
@@ -82,6 +82,28 @@ def micro_batches(n: int, parts: int) -> list[tuple[int, int]]:
     one; empty ones are dropped)."""
     cuts = [n * i // parts for i in range(parts + 1)]
     return [(lo, hi) for lo, hi in zip(cuts, cuts[1:], strict=False) if hi > lo]
+
+
+def evaluate_model(model, X: np.ndarray, y: np.ndarray, device, mixed: bool = False
+                   ) -> tuple[float, float]:
+    """(mean loss, accuracy) of ``model`` in eval mode on ``X, y``, 256 examples at a time
+    (under ``amp.autocast`` for a mixed-precision model): how every strategy that holds the
+    whole model evaluates, and how a saved ``model.ndl`` is re-checked."""
+    from needle import amp, nn
+    from needle.autograd import Tensor, no_grad
+
+    model.eval()
+    loss_fn = nn.SoftmaxLoss()
+    total_loss, correct = 0.0, 0
+    with no_grad(), amp.autocast(enabled=mixed):
+        for start in range(0, X.shape[0], 256):
+            Xb = Tensor(X[start:start + 256], device=device, requires_grad=False)
+            yb = Tensor(y[start:start + 256], device=device, requires_grad=False)
+            logits = model(Xb)
+            n = int(Xb.shape[0])
+            total_loss += float(loss_fn(logits, yb).numpy()) * n
+            correct += int((logits.numpy().argmax(axis=1) == y[start:start + n]).sum())
+    return total_loss / X.shape[0], correct / X.shape[0]
 
 
 class Strategy:
@@ -202,6 +224,11 @@ class Strategy:
                 self.on_micro_batch(i + 1)
         if after_backward is not None:
             after_backward()
+        if getattr(self.cfg, "clip_grad", None) is not None:
+            # PyTorch's order: unscale once, clip the true gradients, then a step that does
+            # not unscale again (GradScaler.step knows unscale_ ran; no-op in fp32)
+            self.scaler.unscale_(self.optimizer)
+            self.clip_gradients(self.cfg.clip_grad)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.denominators = {"micro": [hi - lo for lo, hi in parts], "local": n}
@@ -218,29 +245,42 @@ class Strategy:
         self.memory_row = {"rank": self.rank, "measured": got["requested"],
                            "allocated": got["allocated"], "predicted": want}
 
+    def clip_gradients(self, max_norm: float) -> float:
+        """Clip this step's gradients by the whole model's L2 norm (``--clip-grad``); the
+        norm before clipping. Here every rank holds whole gradients (single; ddp after its
+        sync), so the local norm is the global one; sharding strategies override this."""
+        from needle import optim
+
+        return optim.clip_grad_norm(self.optimizer.params, max_norm)
+
     def train_step(self, X: np.ndarray, y: np.ndarray) -> StepResult | None:
         return StepResult(*self._local_step(X, y))
 
     def _local_evaluate(self, X: np.ndarray, y: np.ndarray) -> tuple[float, float]:
-        from needle import amp
-        from needle.autograd import no_grad
-
-        self.model.eval()
-        total_loss, correct = 0.0, 0
-        with no_grad(), amp.autocast(enabled=self.mixed):
-            for start in range(0, X.shape[0], 256):
-                Xb, yb = self._tensors(X[start:start + 256], y[start:start + 256])
-                logits = self.model(Xb)
-                n = int(Xb.shape[0])
-                total_loss += float(self.loss_fn(logits, yb).numpy()) * n
-                correct += int((logits.numpy().argmax(axis=1) == y[start:start + n]).sum())
-        return total_loss / X.shape[0], correct / X.shape[0]
+        return evaluate_model(self.model, X, y, self.ctx.device, self.mixed)
 
     def evaluate(self, X: np.ndarray, y: np.ndarray) -> tuple[float, float] | None:
         return self._local_evaluate(X, y)
 
-    def full_parameters(self) -> list[np.ndarray] | None:
-        return [p.numpy() for p in self.model.parameters()]
+    @property
+    def template(self):
+        """The model whose names and ``parameters()`` order :meth:`model_state` uses (the
+        single-process model of ``--model``)."""
+        return self.model
+
+    def model_state(self) -> dict | None:
+        """The whole trained model's state (parameters and buffers, single-process names) on
+        the reporting rank, None on the others; collective where the model is sharded.
+
+        Data-parallel replicas each update their own BatchNorm running statistics (training
+        mode normalises with the batch's own statistics, so they never feed back); the
+        model is the reporting rank's, as PyTorch's DDP, which broadcasts rank 0's buffers
+        before every forward, also keeps."""
+        from ..model_state import named_state
+
+        if not self.is_reporter:
+            return None
+        return named_state(self.model, [p.numpy() for p in self.model.parameters()])
 
     def collect_reports(self) -> None:
         """Gather every rank's memory row on the reporting rank (collective when

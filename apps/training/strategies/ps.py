@@ -52,6 +52,11 @@ class ParameterServerStrategy(Strategy):
         from ..config import UsageError
 
         x = cfg.extra
+        if getattr(cfg, "clip_grad", None) is not None:
+            raise UsageError("--clip-grad does not apply to --strategy ps, expected no "
+                             "--clip-grad: each server updates its own shard when its "
+                             "gradients arrive (async, ssp, backup), so no rank holds the "
+                             "whole combined gradient to take its norm")
         if x.get("servers", 1) < 1:
             raise UsageError(f"--servers must be >= 1, got {x.get('servers')}")
         if x.get("ps_mode", "sync") not in MODES:
@@ -129,9 +134,6 @@ class ParameterServerStrategy(Strategy):
     def evaluate(self, X, y):
         return None
 
-    def full_parameters(self):
-        return None
-
     def state_sha256(self) -> str | None:
         return None
 
@@ -186,12 +188,17 @@ class ParameterServerStrategy(Strategy):
                           train_acc=[correct / max(examples, 1)], test_loss=[test_loss],
                           test_acc=[test_acc], examples_per_s=[examples / max(wall, 1e-9)])
         steps = max(stats["worker_clocks"] or [0])
-        params = [p.numpy() for p in self.model.parameters()]
         from ..data import steps_per_epoch
+        from ..model_state import named_state, split_state
 
+        # the model server 0 evaluated: every shard, and the buffers of worker
+        # stats["buffers_from_worker"] (installed by serve)
+        state = named_state(self.model, [p.numpy() for p in self.model.parameters()])
+        params, buffers = split_state(self.model, state)
         summary = build_summary(self.cfg, self, device, history, losses, steps, wall, params,
                                 X.shape[0], Xt.shape[0],
-                                steps_per_epoch(X.shape[0], self.cfg.batch_size))
+                                steps_per_epoch(X.shape[0], self.cfg.batch_size), buffers)
+        summary["model_state"] = state
         summary["ps"] = self._block(every, steps)
         summary["ps"]["accuracy_timeline"] = timeline + [[wall, stats["updates_applied"],
                                                          test_acc]]
@@ -213,6 +220,8 @@ class ParameterServerStrategy(Strategy):
             "update_delay_histogram": first["update_delay_histogram"],
             "bytes_pushed": sum(s["bytes_pushed"] for s in every),
             "bytes_pulled": sum(s["bytes_pulled"] for s in every),
+            "buffer_bytes_pushed": first["buffer_bytes_pushed"],
+            "buffers_from_worker": first["buffers_from_worker"],
             "bytes_predicted": {
                 "pushed": workers * steps * model_bytes,
                 "pulled": workers * steps * model_bytes,

@@ -30,6 +30,10 @@ class SingleProcess(Strategy):
         if (cfg.extra or {}).get("compile") and (cfg.precision != "fp32" or cfg.accumulate != 1):
             raise UsageError(f"--compile runs fp32 steps of one micro-batch, got --precision "
                              f"{cfg.precision} --accumulate {cfg.accumulate}")
+        if (cfg.extra or {}).get("compile") and getattr(cfg, "clip_grad", None) is not None:
+            # whether to clip depends on the norm's value: a branch the traced step cannot hold
+            raise UsageError(f"--compile runs steps without gradient clipping, got "
+                             f"--clip-grad {cfg.clip_grad}")
 
     def setup(self, ctx) -> None:
         super().setup(ctx)

@@ -73,14 +73,23 @@ class Zero(Strategy):
             self.denominators["global"] = result.examples
         return result
 
+    def clip_gradients(self, max_norm: float) -> float:
+        # each rank holds only its pieces of the reduced gradients: their squared sums are
+        # added over the ranks (collective), so every rank clips by the whole model's norm
+        return self.zero.clip_grad_norm(max_norm)
+
     def evaluate(self, X, y):
         # collective in stage 3 (each module's weights are gathered): every rank evaluates
         out = self._local_evaluate(X, y)
         return out if self.rank == 0 else None
 
-    def full_parameters(self) -> list[np.ndarray] | None:
+    def model_state(self) -> dict | None:
+        """Rank 0's model: parameters gathered from every rank's shard (collective in stage
+        3), buffers (BatchNorm statistics) its own, as under ddp."""
+        from ..model_state import named_state
+
         params = self.zero.full_parameters()  # collective in stage 3
-        return params if self.rank == 0 else None
+        return named_state(self.model, params) if self.rank == 0 else None
 
     def summary_blocks(self) -> dict:
         blocks = super().summary_blocks()
