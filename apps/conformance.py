@@ -5,14 +5,15 @@ step), started as its own job, beside a single-process reference run of the same
 cell passes when every check that applies to it passes:
 
 - ``runs``: the job exits 0 and writes ``summary.json`` and ``model.ndl``;
-- ``matches single``: synchronous strategies on a model without BatchNorm or Dropout
-  (``mlp``) give the reference's loss at every step (float32: relative 1e-4; fp16-mixed:
-  2e-2: summation order differs between layouts). Where the layout changes the math by
-  design, the held-out accuracy is within 2 points of the reference's instead: BatchNorm
-  normalises each replica's (or micro-batch's) examples with their own statistics, each rank
-  draws its own Dropout masks, and asynchronous parameter-server modes apply stale gradients.
-  Pipelines (and 3d with stages) split each step into ``--microbatches`` micro-batches, so
-  their reference is the single-process run with ``--accumulate`` that many;
+- ``matches single``: the reference is the single-process run with the same data-parallel
+  shares (``--data-shares 2`` for ddp, zero, ps and 3d) and micro-batches (``--accumulate``
+  the pipeline's ``--microbatches``). On a model without BatchNorm or Dropout (``mlp``) ddp,
+  zero, the synchronous parameter server and the pipelines give its losses and parameters
+  bit for bit; tp and 3d give its loss at every step within a relative 1e-4 (fp16-mixed:
+  2e-2), their sums running in another order. Where the layout changes the math by design,
+  the held-out accuracy is within 2 points of the reference's instead: each rank draws its
+  own Dropout masks (and a replica keeps its own BatchNorm statistics), and asynchronous
+  parameter-server modes apply stale gradients;
 - ``same as ddp``: zero (every stage) and the synchronous parameter server end with
   bitwise ddp's parameters (``params_sha256``) and buffers (``buffers_sha256``) on ``mlp``;
   on models with BatchNorm or Dropout the check is the accuracy's, as above;
@@ -21,7 +22,17 @@ cell passes when every check that applies to it passes:
   on the whole model; within one held-out example for tp, pipeline and 3d, whose sharded
   sums round differently);
 - ``blocks``: every ``summary.json`` block the strategy promises is present;
-- ``resume``: ``--verify-resume`` certifies IDENTICAL (synchronous strategies).
+- ``resume``: ``--verify-resume`` certifies IDENTICAL (synchronous strategies);
+- ``clip-grad``: with ``--clip-grad 0.05`` (SGD, so the clipping shows) the losses are the
+  single-process reference's under the same clipping (the parameter server refuses the flag:
+  the check is that it says so);
+- ``resumed by single``: a checkpoint saved at step 3 by the strategy resumes in a single
+  process, whose losses to step 6 are the straight single run's (the parameter server's state
+  does not convert: the check is that the refusal names it).
+
+``resume``, ``clip-grad`` and ``resumed by single`` run a short budget (6 steps) and, but for
+``resume``, only on ``mlp``: with BatchNorm or Dropout the layout changes the math, so there
+is no exact single-process run to compare a few steps with (the accuracy columns cover them).
 
 A cell whose strategy refuses its precision or micro-batching says so (``n/a``) and is not
 counted as passing. The CI suite runs a subset (``python_tests/apps/test_conformance.py``).
@@ -65,6 +76,13 @@ MODELS = ("mlp", "mlp_resnet", "cnn")
 PRECISIONS = ("fp32", "fp16-mixed")
 ACCUMULATE = (1, 3)
 ASYNC = {"ps-async", "ps-ssp", "ps-backup"}  # backup drops the slowest worker's gradient
+DATA_PARALLEL = {"ddp", "zero1", "zero2", "zero3", "ps-sync", *ASYNC}
+# layouts that sum every gradient in the single-process reference's order (two replicas:
+# a sum of two terms has one order; pipeline micro-batches accumulate in micro-batch order);
+# tensor parallelism splits each product's sum over ranks, the 3d mesh's data axis averages
+# in float64, so those match within TOLERANCE
+BITWISE = {"ddp", "zero1", "zero2", "zero3", "ps-sync",
+           *(f"pipeline-{s}" for s in ("gpipe", "1f1b", "interleaved", "zero-bubble"))}
 SAME_AS_DDP = {"zero1", "zero2", "zero3", "ps-sync"}
 SHARDED_EVAL = ("tp", "pipeline", "3d")
 EXACT_MODELS = {"mlp"}  # no BatchNorm, no Dropout: data and model layouts keep the math
@@ -80,6 +98,10 @@ PROMISED: dict[str, set[str]] = {
     "tp": {"mesh", "traffic"}, "3d": {"mesh", "pipeline", "traffic"},
 }
 TOLERANCE = {"fp32": 1e-4, "fp16-mixed": 2e-2}
+# An odd batch: data-parallel shares (32 + 31) and micro-batches are unequal, as equal ones
+# (weights of exactly 1/2) would hide a wrong weighting.
+BATCH = ["--batch-size", "63"]
+SHORT = ["--epochs", "1", "--max-steps", "6", "--seed", "0", *BATCH]  # resume, clip, conversion
 ACCURACY_POINTS = 0.02
 
 
@@ -89,10 +111,12 @@ class Cell:
     model: str
     precision: str = "fp32"
     accumulate: int = 1
+    shares: int = 1  # single only: --data-shares
 
     @property
     def name(self) -> str:
-        return f"{self.strategy}/{self.model}/{self.precision}/acc{self.accumulate}"
+        shares = f"/shares{self.shares}" if self.shares > 1 else ""
+        return f"{self.strategy}/{self.model}/{self.precision}/acc{self.accumulate}{shares}"
 
     @property
     def microbatches(self) -> int:
@@ -101,9 +125,18 @@ class Cell:
         return int(args[args.index("--microbatches") + 1]) if "--microbatches" in args \
             else self.accumulate
 
+    @property
+    def replicas(self) -> int:
+        """Data-parallel replicas (2 for ddp, zero, ps and the 3d mesh; else 1)."""
+        args = STRATEGIES[self.strategy]
+        if "--dp" in args:
+            return int(args[args.index("--dp") + 1])
+        return 2 if self.strategy in DATA_PARALLEL else self.shares
+
     def reference(self) -> Cell:
-        """The single-process cell this one is compared with (same micro-batching)."""
-        return Cell("single", self.model, self.precision, self.microbatches)
+        """The single-process cell this one is compared with: the same data-parallel shares
+        (``--data-shares``) and micro-batches (``--accumulate``)."""
+        return Cell("single", self.model, self.precision, self.microbatches, self.replicas)
 
     def args(self) -> list[str]:
         out = [*STRATEGIES[self.strategy], "--model", self.model]
@@ -111,6 +144,8 @@ class Cell:
             out += ["--precision", self.precision]
         if self.accumulate != 1:
             out += ["--accumulate", str(self.accumulate)]
+        if self.shares != 1:
+            out += ["--data-shares", str(self.shares)]
         return out
 
 
@@ -130,17 +165,28 @@ class Runner:
     """Runs cells in ``workdir`` with a common budget (``--epochs``, ``--max-steps``, seed)."""
 
     def __init__(self, workdir: str, budget: list[str], timeout: float = 900.0,
-                 resume: bool = True):
+                 short_checks: bool = True):
         self.workdir, self.budget, self.timeout = workdir, budget, timeout
-        self.resume = resume
+        self.short_checks = short_checks
         self._done: dict[Cell, Result] = {}
+        self._short: dict[tuple, dict | None] = {}
 
-    def _train(self, cell: Cell, extra: list[str], out: str) -> subprocess.CompletedProcess:
+    def _train(self, cell: Cell, extra: list[str], out: str,
+               budget: list[str] | None = None) -> subprocess.CompletedProcess:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        cmd = [sys.executable, TRAIN, *cell.args(), *self.budget, "--no-progress",
-               "--out", out, *extra]
+        cmd = [sys.executable, TRAIN, *cell.args(), *(self.budget if budget is None else budget),
+               "--no-progress", "--out", out, *extra]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout,
                               env=env)
+
+    def _short_summary(self, cell: Cell, extra: list[str], tag: str) -> dict | None:
+        """``cell`` run for the short budget with ``extra`` (once); its summary or None."""
+        key = (cell, tuple(extra))
+        if key not in self._short:
+            out = os.path.join(self.workdir, f"{cell.name.replace('/', '_')}_{tag}")
+            proc = self._train(cell, extra, out, SHORT)
+            self._short[key] = _summary(out) if proc.returncode == 0 else None
+        return self._short[key]
 
     def run(self, cell: Cell) -> Result:
         """Train ``cell`` (once; later calls return the same result) and check it."""
@@ -164,9 +210,51 @@ class Runner:
         result.checks["re-evaluated"] = self._reevaluate(cell, result.summary, out)
         result.checks["blocks"] = _blocks(cell, result.summary)
         self._compare(cell, result)
-        if self.resume and cell.strategy not in ASYNC:
-            result.checks["resume"] = self._verify_resume(cell, out + "_resume")
+        if self.short_checks:
+            if cell.strategy not in ASYNC:
+                result.checks["resume"] = self._verify_resume(cell, out + "_resume")
+            if cell.model in EXACT_MODELS:
+                result.checks["clip-grad"] = self._clip(cell)
+                if cell.strategy != "single":
+                    result.checks["resumed by single"] = self._resumed_by_single(cell)
         return result
+
+    def _refusal(self, cell: Cell, extra: list[str], out: str, names: str) -> tuple[bool, str]:
+        """A run that must be refused (exit 2) with a message naming ``names``."""
+        proc = self._train(cell, extra, out, SHORT)
+        last = (proc.stderr.strip().splitlines() or [""])[-1]
+        return proc.returncode == 2 and names in last, f"refused: {last}"
+
+    def _clip(self, cell: Cell) -> tuple[bool, str]:
+        flags = ["--clip-grad", "0.05", "--optimizer", "sgd"]
+        if cell.strategy.startswith("ps-"):
+            return self._refusal(cell, flags, os.path.join(self.workdir, "clip_refused"),
+                                 "--clip-grad")
+        got = self._short_summary(cell, flags, "clip")
+        ref = self._short_summary(cell.reference(), flags, "clip")
+        if got is None or ref is None:
+            return False, "a clipped run failed"
+        return _matches(cell, got, ref)
+
+    def _resumed_by_single(self, cell: Cell) -> tuple[bool, str]:
+        """Save at step 3 under the cell's strategy, resume to step 6 in one process."""
+        folder = os.path.join(self.workdir, f"{cell.name.replace('/', '_')}_ckpt")
+        target = Cell("single", cell.model, cell.precision, cell.accumulate)
+        if cell.strategy.startswith("ps-"):
+            self._train(cell, ["--save-every", "3", "--checkpoint-dir", folder],
+                        folder + "_run", SHORT)
+            if not os.path.isdir(folder) or not os.listdir(folder):
+                return True, "ps writes no checkpoint of the loop (servers snapshot)"
+            return self._refusal(target, ["--resume", folder], folder + "_resumed", "ps")
+        saved = self._train(cell, ["--save-every", "3", "--checkpoint-dir", folder],
+                            folder + "_run", SHORT)
+        if saved.returncode != 0:
+            return False, f"saving run exit {saved.returncode}: {saved.stderr[-300:]}"
+        got = self._short_summary(target, ["--resume", folder], f"from_{cell.strategy}")
+        ref = self._short_summary(target, [], "straight")
+        if got is None or ref is None:
+            return False, "the resumed or the straight single run failed"
+        return _matches(Cell("ddp", cell.model, cell.precision), got, ref)
 
     def _compare(self, cell: Cell, result: Result) -> None:
         if cell.strategy == "single" and cell.microbatches == cell.accumulate:
@@ -189,23 +277,21 @@ class Runner:
         return ok, f"summary {want:.4f}, model.ndl {got:.4f}"
 
     def _verify_resume(self, cell: Cell, out: str) -> tuple[bool, str]:
-        steps = _budget_steps(self.budget)
-        cmd_budget = list(self.budget)
-        if "--max-steps" not in cmd_budget:  # the certificate needs a step count
-            cmd_budget += ["--max-steps", str(steps)]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        cmd = [sys.executable, TRAIN, *cell.args(), *cmd_budget, "--no-progress", "--out", out,
-               "--verify-resume", str(max(1, steps // 2))]
+        cmd = [sys.executable, TRAIN, *cell.args(), *SHORT, "--no-progress", "--out", out,
+               "--verify-resume", "3"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3 * self.timeout,
                               env=env)
         line = next((x for x in proc.stdout.splitlines() if "resume certificate" in x), "")
         return proc.returncode == 0 and "IDENTICAL" in line, line or proc.stderr[-300:]
 
 
-def _budget_steps(budget: list[str]) -> int:
-    if "--max-steps" in budget:
-        return int(budget[budget.index("--max-steps") + 1])
-    return 8
+def _summary(out: str) -> dict | None:
+    path = os.path.join(out, "summary.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
 
 
 def reevaluate(summary: dict, out: str) -> tuple[float, int]:
@@ -236,13 +322,19 @@ def _exact(cell: Cell) -> bool:
 
 
 def _matches(cell: Cell, got: dict, ref: dict) -> tuple[bool, str]:
-    if _exact(cell):
+    if _exact(cell) and cell.strategy in BITWISE and got["params_sha256"] != \
+            ref["params_sha256"]:
+        return False, (f"parameters not bitwise: params_sha256 {got['params_sha256'][:12]} vs "
+                       f"{ref['params_sha256'][:12]}")
+    if _exact(cell):  # the reported losses: each layout sums the step's loss its own way
         a, b = np.array(got["losses"]), np.array(ref["losses"])
         if a.shape != b.shape:
             return False, f"{a.size} losses, reference {b.size}"
         tol = TOLERANCE[cell.precision]
         worst = float(np.max(np.abs(a - b) / np.maximum(np.abs(b), 1e-12))) if a.size else 0.0
-        return worst <= tol, f"losses, worst relative difference {worst:.1e} (<= {tol:g})"
+        bitwise = "parameters bitwise, " if cell.strategy in BITWISE else ""
+        return worst <= tol, (f"{bitwise}losses, worst relative difference {worst:.1e} "
+                              f"(<= {tol:g})")
     gap = abs(got["accuracy"] - ref["accuracy"])
     return gap <= ACCURACY_POINTS, (f"accuracy {got['accuracy']:.4f} vs {ref['accuracy']:.4f} "
                                     f"(within {ACCURACY_POINTS:g})")
@@ -263,7 +355,8 @@ def cells(strategies, models, precisions, accumulate) -> list[Cell]:
 
 def table(results: list[Result]) -> str:
     """One line per cell: the verdict and each check as ok / FAIL / n/a with its detail."""
-    names = ["runs", "matches single", "same as ddp", "re-evaluated", "blocks", "resume"]
+    names = ["runs", "matches single", "same as ddp", "re-evaluated", "blocks", "resume",
+             "clip-grad", "resumed by single"]
     width = max(len(r.cell.name) for r in results)
     lines = [f"{'cell':<{width}}  verdict  " + "  ".join(names)]
     for r in results:
@@ -291,8 +384,8 @@ def main(argv=None) -> int:
                    help="every strategy x model x precision x accumulate")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--max-steps", type=int, default=None)
-    p.add_argument("--no-resume", dest="resume", action="store_false",
-                   help="skip the --verify-resume column")
+    p.add_argument("--no-short-checks", dest="short_checks", action="store_false",
+                   help="skip the resume, clip-grad and resumed-by-single columns")
     p.add_argument("--workdir", default=None, help="keep every run's outputs here")
     p.add_argument("--json", default=None, help="write every cell's checks to this file")
     a = p.parse_args(argv)
@@ -304,11 +397,11 @@ def main(argv=None) -> int:
     unknown = sorted({c.strategy for c in chosen} - set(STRATEGIES))
     if unknown:
         p.error(f"unknown strategies {unknown}, expected some of {list(STRATEGIES)}")
-    budget = ["--epochs", str(a.epochs), "--seed", "0"]
+    budget = ["--epochs", str(a.epochs), "--seed", "0", *BATCH]
     if a.max_steps:
         budget += ["--max-steps", str(a.max_steps)]
     workdir = a.workdir or tempfile.mkdtemp(prefix="needle-conformance-")
-    runner = Runner(workdir, budget, resume=a.resume)
+    runner = Runner(workdir, budget, short_checks=a.short_checks)
     results = []
     for cell in chosen:
         results.append(runner.run(cell))

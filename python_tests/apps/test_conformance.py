@@ -15,13 +15,13 @@ from conformance import Cell, Runner
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAIN = os.path.join(REPO, "apps", "train.py")
-EPOCHS = ["--epochs", "3", "--seed", "0"]
+EPOCHS = ["--epochs", "3", "--seed", "0", *conformance.BATCH]
 
 
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory):
     return Runner(str(tmp_path_factory.mktemp("conformance")), EPOCHS, timeout=600,
-                  resume=False)
+                  short_checks=False)
 
 
 def _assert_passed(result):
@@ -50,8 +50,7 @@ def test_conformance_cell(runner, cell):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_resume_column_certifies_identical(tmp_path):
-    runner = Runner(str(tmp_path), ["--epochs", "1", "--max-steps", "6", "--seed", "0"],
-                    timeout=300)
+    runner = Runner(str(tmp_path), conformance.SHORT, timeout=300)
     ok, detail = runner._verify_resume(Cell("ddp", "mlp_resnet"), str(tmp_path / "ddp"))
     assert ok, detail
     assert "IDENTICAL" in detail
@@ -132,6 +131,12 @@ def test_comparisons_fail_on_wrong_results():
     assert conformance._matches(exact, dict(ref), ref)[0]
     assert not conformance._matches(exact, {**ref, "losses": [2.0, 1.5, 1.001]}, ref)[0]
     assert not conformance._matches(exact, {**ref, "losses": [2.0, 1.5]}, ref)[0]
+    assert not conformance._matches(exact, {**ref, "params_sha256": "z"}, ref)[0]  # bitwise
+    summed_otherwise = Cell("tp", "mlp")  # tensor-parallel sums: within the tolerance
+    assert conformance._matches(summed_otherwise, {**ref, "losses": [2.0, 1.5, 1.00001],
+                                                   "params_sha256": "z"}, ref)[0]
+    assert not conformance._matches(summed_otherwise, {**ref, "losses": [2.0, 1.5, 1.001]},
+                                    ref)[0]
     statistical = Cell("ddp", "mlp_resnet")  # BatchNorm per replica: accuracy within 2 points
     assert conformance._matches(statistical, {**ref, "accuracy": 0.885}, ref)[0]
     assert not conformance._matches(statistical, {**ref, "accuracy": 0.87}, ref)[0]
@@ -145,7 +150,8 @@ def test_pipeline_reference_has_the_same_micro_batches():
     assert Cell("pipeline-1f1b", "mlp_resnet").reference() == Cell("single", "mlp_resnet",
                                                                    "fp32", 4)
     assert Cell("ddp", "cnn", "fp16-mixed", 3).reference() == Cell("single", "cnn",
-                                                                   "fp16-mixed", 3)
+                                                                   "fp16-mixed", 3, 2)
+    assert Cell("3d", "mlp").reference() == Cell("single", "mlp", "fp32", 4, 2)
 
 
 def test_a_refused_cell_is_reported_not_passed(tmp_path):

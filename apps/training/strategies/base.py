@@ -200,13 +200,24 @@ class Strategy:
                     no_sync=None, zero_stage: int = 0):
         """Forward and backward of every micro-batch (``no_sync`` around all but the last),
         (after_backward), the scaled optimizer step; local sums (see the module doc)."""
+        self.optimizer.reset_grad()
+        loss_sum, correct, parts = self._backward(X, y, forward, no_sync)
+        self._update(after_backward, zero_stage)
+        n = int(y.shape[0])
+        self.denominators = {"micro": [hi - lo for lo, hi in parts], "local": n}
+        return loss_sum, correct, n
+
+    def _backward(self, X: np.ndarray, y: np.ndarray, forward=None, no_sync=None,
+                  counted: int = 0) -> tuple[float, int, list]:
+        """Forward and backward of ``X, y``'s micro-batches, gradients accumulated into
+        ``p.grad`` with weights n_i / n; (loss sum, correct, micro-batch bounds).
+        ``counted``: micro-batches already run in this step (for fault injection)."""
         from needle import amp
 
         self.model.train()
         forward = forward or self.model
         n = int(y.shape[0])
         parts = micro_batches(n, max(1, int(getattr(self.cfg, "accumulate", 1))))
-        self.optimizer.reset_grad()
         loss_sum, correct = 0.0, 0
         for i, (lo, hi) in enumerate(parts):
             Xb, yb = self._tensors(X[lo:hi], y[lo:hi])
@@ -221,7 +232,11 @@ class Strategy:
             correct += int((logits.numpy().argmax(axis=1) == y[lo:hi].astype(np.int64)).sum())
             del logits, loss, weighted
             if self.on_micro_batch is not None:
-                self.on_micro_batch(i + 1)
+                self.on_micro_batch(counted + i + 1)
+        return loss_sum, correct, parts
+
+    def _update(self, after_backward=None, zero_stage: int = 0) -> None:
+        """(after_backward), gradient clipping, the scaled optimizer step, the memory row."""
         if after_backward is not None:
             after_backward()
         if getattr(self.cfg, "clip_grad", None) is not None:
@@ -231,9 +246,7 @@ class Strategy:
             self.clip_gradients(self.cfg.clip_grad)
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        self.denominators = {"micro": [hi - lo for lo, hi in parts], "local": n}
         self._measure_memory(zero_stage)
-        return loss_sum, correct, n
 
     def _measure_memory(self, zero_stage: int) -> None:
         """This rank's model state now (right after a step) beside the ledger's prediction."""

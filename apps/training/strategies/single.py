@@ -3,6 +3,13 @@
 ``--compile`` runs the training step under ``ndl.compile``: traced once per batch shape,
 then replayed as a fused kernel program (docs/compile.md). The parameters are bitwise those
 of the eager run; ``summary.json`` gets a ``compile`` block saying how the step replayed.
+
+``--data-shares R`` computes each step as R data-parallel replicas would: the batch cut into
+the replicas' shares (``data.replica_share``), each share's gradient computed alone, then
+combined in the data-parallel arithmetic (each times its weight n_r / N in its own dtype,
+summed in share order). On a model without BatchNorm or Dropout the parameters are then
+bitwise those of ddp, zero and the synchronous parameter server on R = 2 ranks (docs/training.md
+says why R = 2).
 """
 from __future__ import annotations
 
@@ -18,6 +25,10 @@ class SingleProcess(Strategy):
 
     @staticmethod
     def add_arguments(group) -> None:
+        group.add_argument("--data-shares", type=int, default=1, metavar="R",
+                           help="compute each step's gradient as R data-parallel replicas "
+                                "do (bitwise ddp's on 2 ranks for models without BatchNorm "
+                                "or Dropout)")
         group.add_argument("--compile", action="store_true",
                            help="replay the step with ndl.compile (a kernel program after a "
                                 "few calls; same parameters bit for bit; fp32, --accumulate 1)")
@@ -27,6 +38,12 @@ class SingleProcess(Strategy):
         from ..config import UsageError
 
         super().validate(cfg)
+        shares = (cfg.extra or {}).get("data_shares", 1)
+        if shares < 1 or shares > cfg.batch_size:
+            raise UsageError(f"--data-shares must be in [1, --batch-size {cfg.batch_size}], "
+                             f"got {shares}")
+        if shares > 1 and (cfg.extra or {}).get("compile"):
+            raise UsageError(f"--compile runs the step as one share, got --data-shares {shares}")
         if (cfg.extra or {}).get("compile") and (cfg.precision != "fp32" or cfg.accumulate != 1):
             raise UsageError(f"--compile runs fp32 steps of one micro-batch, got --precision "
                              f"{cfg.precision} --accumulate {cfg.accumulate}")
@@ -54,6 +71,9 @@ class SingleProcess(Strategy):
             self.compiled = ndl.compile(step)
 
     def train_step(self, X: np.ndarray, y: np.ndarray) -> StepResult | None:
+        shares = int((self.cfg.extra or {}).get("data_shares", 1))
+        if self.compiled is None and shares > 1:
+            return self._shared_step(X, y, shares)
         if self.compiled is None:
             return super().train_step(X, y)
         self.model.train()
@@ -65,6 +85,38 @@ class SingleProcess(Strategy):
         self.denominators = {"micro": [n], "local": n}
         self._measure_memory(0)
         return StepResult(float(loss.numpy()) * n, correct, n)
+
+    def _shared_step(self, X: np.ndarray, y: np.ndarray, shares: int) -> StepResult:
+        """One step as ``shares`` data-parallel replicas compute it (see the module doc)."""
+        from needle import memory
+        from needle.autograd import Tensor
+
+        from ..data import replica_share
+
+        every = np.arange(y.shape[0])
+        params = self.optimizer.params
+        total: list | None = None
+        loss_sum, correct, micro, counted = 0.0, 0, [], 0
+        for r in range(shares):
+            rows = replica_share(every, shares, r)
+            self.optimizer.reset_grad()
+            ls, c, parts = self._backward(X[rows], y[rows], counted=counted)
+            counted += len(parts)
+            loss_sum, correct = loss_sum + ls, correct + c
+            micro.append([hi - lo for lo, hi in parts])
+            weight = rows.size / y.shape[0]
+            grads = [p.grad.numpy() if p.grad is not None else np.zeros(p.shape, str(p.dtype))
+                     for p in params]
+            weighted = [g * g.dtype.type(weight) for g in grads]
+            total = weighted if total is None else [a + b for a, b in
+                                                    zip(total, weighted, strict=True)]
+        for p, g in zip(params, total or [], strict=True):
+            p.grad = Tensor(g, device=p.device, dtype=str(p.dtype), requires_grad=False)
+            memory.attribute(p.grad, "gradient")
+        self._update()
+        n = int(y.shape[0])
+        self.denominators = {"micro": micro, "local": n, "shares": shares}
+        return StepResult(loss_sum, correct, n)
 
     def close(self) -> None:
         self.compiled = None  # its programs name the model's buffers: free them with the run

@@ -148,7 +148,11 @@ class PipelineSchedule:
             raise ShapeError(f"{type(self).__name__}.step: {what} must hold at least one "
                              f"example per micro-batch, expected >= {m} rows, got shape "
                              f"{arr.shape}")
-        return np.array_split(arr, m)
+        # micro-batch i holds rows [n*i//m, n*(i+1)//m): sizes differ by at most one, the
+        # larger ones last, the cut gradient accumulation (--accumulate) uses, so a pipeline
+        # computes a single process's accumulated step micro-batch for micro-batch
+        cuts = [arr.shape[0] * i // m for i in range(m + 1)]
+        return [arr[lo:hi] for lo, hi in zip(cuts[:-1], cuts[1:], strict=True)]
 
     # ---- the step ----------------------------------------------------------------------
     def step(self, inputs: Any = None, targets: Any = None) -> float | None:
