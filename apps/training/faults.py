@@ -6,7 +6,8 @@ to start; ``--freeze-worker RANK@STEP`` makes rank RANK SIGSTOP itself then inst
 process stays alive but silent (no heartbeat, no exit), as a rank does that hangs in the
 kernel or is suspended by an operator, and only SIGKILL or SIGCONT from outside moves it on;
 ``--die-at-step N`` makes every rank SIGKILL itself when step N is about to start
-(after N − 1 completed steps, and after any checkpoint written at step N − 1); with
+(after N − 1 completed steps, and after any checkpoint written at step N − 1; a synchronous
+parameter server dies once round N − 1 is applied, see :meth:`Faults.before_round`); with
 ``--die-after-micro-batches M`` it dies instead after M micro-batches of step N, in the middle
 of its gradient accumulation.
 """
@@ -46,6 +47,13 @@ class Faults:
             _sigstop_self(f"--freeze-worker {rank}@{step}")
         if self.slow_rank == rank and self.slow_ms > 0:
             time.sleep(self.slow_ms / 1000.0)
+
+    def before_round(self, step: int) -> None:
+        """A synchronous parameter server that has applied round ``step`` − 1 (and written
+        any checkpoint of it): ``--die-at-step step`` kills it too, as its workers die
+        before pushing step ``step``. The workers' other faults do not concern servers."""
+        if self.die_step is not None and step == self.die_step and self.die_micro is None:
+            _sigkill_self(f"--die-at-step {step} (server)")
 
     def after_micro_batch(self, step: int, done: int) -> None:
         """``--die-after-micro-batches M``: die in step ``step`` once ``done`` == M."""

@@ -100,8 +100,10 @@ def verify_resume(cfg, argv: list[str], script: str) -> int:
     """Run the three runs for ``cfg`` (parsed from ``argv``) and write the certificate."""
     out = os.path.abspath(cfg.out)
     os.makedirs(out, exist_ok=True)
+    from .strategies import STRATEGIES
+
     base, k = _base_argv(argv), cfg.verify_resume
-    world = cfg.nproc
+    world = STRATEGIES[cfg.strategy].ranks(cfg)  # every rank's ledger (ps: servers too)
     straight, killed = os.path.join(out, "continuous"), os.path.join(out, "resumed")
     ckpt = os.path.join(killed, "checkpoints")
     for d in (straight, killed):

@@ -80,7 +80,52 @@ def test_ps_killed_worker_is_lost_and_training_finishes(tmp_path):
     (["--ps-mode", "backup", "--wait-for", "3"], "--wait-for must be in [1, --nproc 2]"),
     (["--ps-mode", "ssp", "--staleness", "-1"], "--staleness must be >= 0"),
     (["--servers", "0"], "--servers must be >= 1"),
+    # checkpoints need a sync boundary that every rank reaches
+    (["--ps-mode", "async", "--save-every", "3"],
+     "--save-every applies to --strategy ps with --ps-mode sync only, got --ps-mode async"),
+    (["--ps-mode", "ssp", "--max-steps", "6", "--verify-resume", "3"],
+     "--verify-resume applies to --strategy ps with --ps-mode sync only"),
+    (["--ps-mode", "backup", "--resume", REPO],  # an existing folder
+     "--resume applies to --strategy ps with --ps-mode sync only"),
+    (["--ps-mode", "async", "--die-at-step", "2"], "--die-at-step applies to"),
+    (["--save-every", "2", "--kill-worker", "1@3"],
+     "needs every worker at each checkpoint .* got --kill-worker 1@3"),
 ])
 def test_ps_bad_options(args, needle):
     with pytest.raises(train.UsageError, match=needle.replace("[", r"\[")):
         train.parse_args(["--strategy", "ps", "--nproc", "2", *args])
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("model", ["mlp", "mlp_resnet"])
+def test_ps_sync_verify_resume_is_identical(tmp_path, model):
+    """Saved at step 3 (round 3 applied), every rank SIGKILLed as step 4 starts, resumed:
+    losses, parameters, BatchNorm buffers, the servers' state and every random draw are the
+    straight run's."""
+    proc = _run("--strategy", "ps", "--servers", "1", "--nproc", "2", "--ps-mode", "sync",
+                "--model", model, "--epochs", "1", "--max-steps", "6", "--no-progress",
+                "--out", str(tmp_path), "--verify-resume", "3", timeout=360)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "resume certificate: IDENTICAL" in proc.stdout, proc.stdout[-2000:]
+    cert = json.loads((tmp_path / "resume_certificate.json").read_text())
+    assert cert["identical"] and cert["exit_codes"]["killed"] != 0
+    # every rank's ledger is compared: the two workers are ranks 1 and 2
+    assert sorted(cert["draws_compared"]) == ["0", "1", "2"]
+    if model == "mlp_resnet":  # dropout draws on both workers
+        assert cert["draws_compared"]["1"] > 0 and cert["draws_compared"]["2"] > 0
+    # the server died too (as round 3 was applied), after writing its shard
+    killed = (tmp_path / "resumed" / "log_killed.txt").read_text()
+    assert "--die-at-step 4 (server): sending SIGKILL" in killed, killed[-2000:]
+    step = tmp_path / "resumed" / "checkpoints" / "step-00000003"
+    manifest = json.loads((step / "manifest.json").read_text())
+    assert sorted(manifest["shards"]) == ["0", "1", "2"] and manifest["world_size"] == 3
+    a = json.loads((tmp_path / "continuous" / "summary.json").read_text())
+    b = json.loads((tmp_path / "resumed" / "summary.json").read_text())
+    assert b["resume"]["step"] == 3 and a["resume"] is None
+    assert a["state_sha256"] is not None and a["state_sha256"] == b["state_sha256"]
+    assert a["buffers_sha256"] == b["buffers_sha256"] and a["losses"] == b["losses"]
+    for key in ("updates_applied", "worker_clocks", "bytes_pushed", "bytes_pulled",
+                "buffer_bytes_pushed", "buffers_from_worker", "staleness_histogram",
+                "update_delay_histogram"):
+        assert a["ps"][key] == b["ps"][key], key

@@ -474,3 +474,75 @@ def test_server_model_holds_the_newest_pushed_buffers(mode, newest):
     assert stats["buffer_bytes_pushed"] == 2 * 3 * 8 * 4
     assert workers[0][1]["bytes_pushed"] == 3 * sum(
         v.nbytes for k, v in workers[0][2].items() if "running" not in k)
+
+
+# --------------------------------------------------------------------------------------------
+# checkpoints: state_dict at a sync boundary, load_state_dict, and the run goes on exactly
+
+
+def _resumable_job(total: int, folder, save_at: int | None = None, resume: bool = False):
+    """Sync, BatchNorm model, Adam on the server (its moments matter): every rank writes its
+    ``state_dict`` at update ``save_at`` (servers in ``on_update``, workers after that push)
+    to ``folder``; with ``resume`` every rank first loads it and the workers go on from the
+    servers' restored clock."""
+
+    def job(rank):
+        from needle import nn
+
+        np.random.seed(0)
+        model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+        ps = dist.ParameterServer(model, servers=1, mode="sync", heartbeat=0,
+                                  optimizer=lambda p: ndl.optim.Adam(p, lr=0.1))
+        path = str(folder / f"rank{rank}.ndl")
+        if resume:
+            saved = ndl.load(path)
+            if not ps.is_server:
+                model.load_state_dict(saved["model"])
+            ps.load_state_dict(saved["ps"], path)
+        if ps.is_server:
+            def on_update(updates):
+                if updates == save_at:
+                    ndl.save({"ps": ps.state_dict()}, path)
+
+            return ps.serve(on_update=on_update), model.state_dict()
+        for step in range(ps.clock, total):
+            ps.pull()
+            model.train()
+            x = np.random.RandomState(10 * rank + step).randn(5, 3).astype("float32") + rank
+            for p in model.parameters():
+                p.grad = None
+            model(ndl.Tensor(x)).sum().backward()
+            ps.push(examples=5).wait()
+            if step + 1 == save_at:
+                ndl.save({"model": model.state_dict(), "ps": ps.state_dict()}, path)
+        ps.finish()
+        return None
+
+    return job
+
+
+def test_sync_state_dict_resumes_exactly(tmp_path):
+    (straight_stats, straight), *_ = dist.spawn_threads(_resumable_job(5, tmp_path), 3)
+    dist.spawn_threads(_resumable_job(2, tmp_path, save_at=2), 3)
+    (stats, resumed), *_ = dist.spawn_threads(_resumable_job(5, tmp_path, resume=True), 3)
+    for name, value in straight.items():  # parameters, Adam's effect and BatchNorm buffers
+        np.testing.assert_array_equal(resumed[name], value, err_msg=name)
+    for key in ("updates_applied", "worker_clocks", "bytes_pushed", "bytes_pulled",
+                "buffer_bytes_pushed", "buffers_from_worker", "staleness_histogram"):
+        assert stats[key] == straight_stats[key], key
+    assert stats["restored_from"] == str(tmp_path / "rank0.ndl")
+
+
+def test_load_state_dict_of_the_other_role_is_refused(tmp_path):
+    def job(rank):
+        w = ndl.Tensor(np.zeros(2, "float32"), requires_grad=True)
+        ps = dist.ParameterServer([w], servers=1, mode="sync", heartbeat=0)
+        try:
+            ps.load_state_dict({"worker": {}} if ps.is_server else {"server": {}}, "ckpt")
+        except ParameterServerConfigError as exc:
+            return str(exc)
+        return "loaded"
+
+    results = dist.spawn_threads(job, 2, timeout=60)
+    assert "rank 0 is a server, expected a server's state from ckpt" in results[0]
+    assert "rank 1 is a worker, expected a worker's state" in results[1]

@@ -11,6 +11,15 @@ counters, evaluates the final weights and writes ``summary.json`` with a ``ps`` 
 A worker killed by ``--kill-worker`` is declared dead by the servers and training finishes
 without it; with ``--restart-workers N`` the launcher restarts it, and it continues its data
 shard from the servers' clock.
+
+Checkpoints (``--ps-mode sync`` only): ``--save-every K`` writes step K's checkpoint when
+round K is applied. Each server writes its part from ``serve``'s update hook (its shard,
+optimizer state and bookkeeping: ``ParameterServer.state_dict``, the state its snapshots
+hold), each worker writes its random streams, cursor, model buffers and clock once it has
+pushed step K; the manifest lists every rank's shard. ``--resume D`` restores all of it, so the
+continuation is the uninterrupted run's, bit for bit. The other modes apply gradients in the
+order they arrive, so they refuse ``--save-every``, ``--resume``, ``--verify-resume`` and
+``--die-at-step``.
 """
 from __future__ import annotations
 
@@ -69,6 +78,39 @@ class ParameterServerStrategy(Strategy):
             raise UsageError(f"--wait-for must be in [1, --nproc {cfg.nproc}], got {k}")
         if x.get("dead_after", 10.0) <= 0 or x.get("restart_workers", 0) < 0:
             raise UsageError("--dead-after must be > 0 and --restart-workers >= 0")
+        cls._validate_checkpoints(cfg)
+
+    @staticmethod
+    def _validate_checkpoints(cfg) -> None:
+        """Checkpoints need a synchronous job in which every rank reaches each boundary."""
+        from ..config import UsageError
+
+        x = cfg.extra
+        mode = x.get("ps_mode", "sync")
+        used = [flag for flag, value in (("--save-every", cfg.save_every),
+                                         ("--resume", cfg.resume),
+                                         ("--verify-resume", cfg.verify_resume),
+                                         ("--die-at-step", cfg.die_at_step))
+                if value is not None]
+        if used and mode != "sync":
+            raise UsageError(
+                f"{used[0]} applies to --strategy ps with --ps-mode sync only, got --ps-mode "
+                f"{mode}: its servers apply gradients in the order they arrive, so no step "
+                f"exists at which every rank stands at the same update, and a resumed run "
+                f"would not continue the uninterrupted one")
+        faults = [(flag, value) for flag, value in (
+            ("--kill-worker", cfg.kill_worker),
+            ("--freeze-worker", getattr(cfg, "freeze_worker", None)),
+            ("--restart-workers", x.get("restart_workers", 0) or None)) if value is not None]
+        saving = [flag for flag, value in (("--save-every", cfg.save_every),
+                                           ("--verify-resume", cfg.verify_resume))
+                  if value is not None]
+        if saving and faults:
+            raise UsageError(
+                f"{saving[0]} with --strategy ps needs every worker at each checkpoint (every "
+                f"rank writes its shard, then they meet at a barrier), so it excludes "
+                f"--kill-worker, --freeze-worker and --restart-workers, got "
+                f"{faults[0][0]} {faults[0][1]}")
 
     @classmethod
     def ranks(cls, cfg) -> int:
@@ -134,7 +176,25 @@ class ParameterServerStrategy(Strategy):
     def evaluate(self, X, y):
         return None
 
+    # ---- checkpoints -----------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """This rank's part of a checkpoint. A server: ``ParameterServer.state_dict`` (shard,
+        optimizer state, bookkeeping), taken in the serve loop right after the round is
+        applied. A worker: its model (the parameters are pulled again, the buffers are its
+        own running statistics) and its clock."""
+        if self.serving:
+            return {"ps": self.ps.state_dict()}
+        return {"model": self.model.state_dict(), "ps": self.ps.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s part of this rank (``--resume``, before serving or
+        the first pull)."""
+        if not self.serving:
+            self.model.load_state_dict(state["model"])
+        self.ps.load_state_dict(state["ps"], f"--resume {self.cfg.resume}")
+
     def state_sha256(self) -> str | None:
+        """Workers: None (server 0 reports the digest, see :meth:`_servers_digest`)."""
         return None
 
     def collect_reports(self) -> None:
@@ -151,21 +211,36 @@ class ParameterServerStrategy(Strategy):
         servers only: server k > 0 sends its shard and counters to server 0)."""
         import needle.distributed as dist
 
+        from ..checkpoints import Cursor, RunCheckpoints
+        from ..faults import parse_faults
         from ..loop import History
         from ..summary import build_summary
 
         timeline: list[list[float]] = []
         eval_every = int(self.cfg.extra.get("ps_eval_every", 0) or 0)
+        evaluating = eval_every > 0 and self.servers == 1
+        checkpoints = RunCheckpoints(self.cfg, self, self.rank, self.world_size)
+        checkpoints.restore()  # before serving: the workers join at the restored clocks
+        faults = parse_faults(self.cfg, self.world_size)
+        faults.before_round(self.ps.server.updates + 1)
 
         def on_update(updates: int) -> None:
-            if updates % eval_every == 0:
+            # on the serving thread, round `updates` applied and closed: a sync boundary
+            if evaluating and updates % eval_every == 0:
                 _, acc = self._local_evaluate(Xt, yt)
                 timeline.append([time.perf_counter() - self.started, updates, acc])
+            try:
+                checkpoints.maybe_save(Cursor(steps=updates))
+            except dist.CommError as exc:
+                # raised out of the serve loop, a CommError would be blamed on a worker
+                raise RuntimeError(f"--strategy ps: server rank {self.rank} could not write "
+                                   f"the checkpoint of step {updates}: {exc}") from exc
+            faults.before_round(updates + 1)
 
-        hook = on_update if eval_every > 0 and self.servers == 1 else None
-        stats = self.ps.serve(on_update=hook)
+        stats = self.ps.serve(on_update=on_update)
         wall = time.perf_counter() - self.started
         role = self.ps.server
+        digest = self._servers_digest()
         if self.rank != 0:
             blob = np.frombuffer(json.dumps(stats).encode(), np.uint8).copy()
             dist.send(np.array([blob.size], np.int64), 0, tag=71)
@@ -202,8 +277,33 @@ class ParameterServerStrategy(Strategy):
         summary["ps"] = self._block(every, steps)
         summary["ps"]["accuracy_timeline"] = timeline + [[wall, stats["updates_applied"],
                                                          test_acc]]
-        summary["state_sha256"] = None
+        summary["state_sha256"] = digest
+        summary["resume"] = checkpoints.report()
         return summary
+
+    def _servers_digest(self) -> str | None:
+        """The training state's SHA-256 on server 0: every server's shard, optimizer state
+        and update count, and server 0's model buffers, each server's ``state_digest``
+        hashed in server order (collective among the servers; None on the others)."""
+        import hashlib
+
+        import needle.distributed as dist
+
+        from .base import state_digest
+
+        role = self.ps.server
+        mine = {"params": [p.numpy() for p in role.params],
+                "optimizer": role.optimizer.state_dict(), "updates": role.updates,
+                "buffers": [t.numpy() for t in self.ps.buffers_all] if self.rank == 0 else []}
+        digest = np.frombuffer(bytes.fromhex(state_digest(mine)), np.uint8).copy()
+        if self.rank != 0:
+            dist.send(digest, 0, tag=74)
+            return None
+        every = [digest]
+        for k in range(1, self.servers):
+            every.append(np.zeros_like(digest))
+            dist.recv(every[-1], k, tag=74)
+        return hashlib.sha256(b"".join(d.tobytes() for d in every)).hexdigest()
 
     def _block(self, every: list[dict], steps: int) -> dict:
         first = every[0]

@@ -197,13 +197,49 @@ class ParameterServer:
     def serve(self, on_update: Callable[[int], None] | None = None) -> dict:
         """Server: run until every worker has finished or left; returns this server's
         counters (updates, drops, lost and rejoined workers, staleness histogram, bytes).
-        ``on_update(updates)`` runs after every update (evaluation, logging; keep it short:
-        it runs on the serving thread)."""
+        ``on_update(updates)`` runs after every update, once the round is applied and
+        counted (evaluation, logging, :meth:`state_dict` for a checkpoint; keep it short: it
+        runs on the serving thread)."""
         if not self.is_server:
             raise CommError(f"ParameterServer.serve: rank {self.rank} is a worker, expected a "
                             f"server rank (one of {self.server_ranks})")
         self._role.on_update = on_update
         return self._role.serve()
+
+    def state_dict(self) -> dict:
+        """This rank's part of the parameter server's state, for a checkpoint.
+
+        A server: its shard, its optimizer state and its bookkeeping (``snapshot.state``:
+        version, updates, every worker's clock, counters, loss log; on server 0 the model's
+        buffers and each worker's latest pushed buffers). Take it in ``serve``'s
+        ``on_update``, where no round is open. A worker: its clock, the versions it pulled
+        and its traffic counters (the model and its buffers are the caller's to save).
+        """
+        if self.is_server:
+            from . import snapshot
+
+            return {"server": snapshot.state(self._role)}
+        return {"worker": self._role.state_dict()}
+
+    def load_state_dict(self, state: dict, origin: str = "a checkpoint") -> None:
+        """Restore :meth:`state_dict`'s part of this rank (before ``serve`` on a server,
+        before the first ``pull`` on a worker); ``origin`` names it in errors.
+
+        Raises:
+            ParameterServerConfigError: the part belongs to the other role, or does not fit
+                this server's shard, mode or workers.
+        """
+        role = "server" if self.is_server else "worker"
+        if role not in state:
+            raise ParameterServerConfigError(
+                f"ParameterServer.load_state_dict: rank {self.rank} is a {role}, expected a "
+                f"{role}'s state from {origin}, got one with {sorted(state)}")
+        if self.is_server:
+            from . import snapshot
+
+            snapshot.restore(self._role, state["server"], origin)
+        else:
+            self._role.load_state_dict(state["worker"])
 
     @property
     def server(self):

@@ -351,17 +351,19 @@ class ServerRole:
         self.optimizer.reset_grad()
         self.install_buffers()  # what an evaluation or snapshot after this update sees
         self.updates += 1
-        if self.on_update is not None:
-            self.on_update(self.updates)
 
     def _after_update(self) -> None:
-        """Every ``snapshot_every`` updates, with the state consistent: write a snapshot."""
+        """After every update, with the state consistent (a round applied, counted and
+        closed): every ``snapshot_every`` updates write a snapshot, then call ``on_update``,
+        which may read or save the whole state (``ParameterServer.state_dict``)."""
         every, folder = self.ps.snapshot_every, self.ps.snapshot_dir
         if folder and every and self.updates % every == 0:
             from . import snapshot
 
             snapshot.save(self, folder)
             self.snapshots += 1
+        if self.on_update is not None:
+            self.on_update(self.updates)
 
     # ----- pulls ------------------------------------------------------------------------------
     def global_clock(self) -> int:

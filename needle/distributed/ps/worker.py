@@ -35,6 +35,7 @@ class WorkerRole:
                                           name=f"needle-ps-heartbeat-{ps.rank}")
             self._beat.start()
         self.joined = False
+        self._restored_clock: int | None = None
 
     def join(self) -> None:
         """Introduce this worker to every server (on first use, not in the constructor, so
@@ -45,6 +46,30 @@ class WorkerRole:
         replies = self._request(wire.request(wire.JOIN), with_weights=False, op="join")
         self.clock = min(int(r[2]) for r in replies)
         self.versions = [int(r[1]) for r in replies]
+        if self._restored_clock is not None and self._restored_clock != self.clock:
+            from .layout import ParameterServerConfigError
+
+            raise ParameterServerConfigError(
+                f"ParameterServer: worker rank {self.ps.rank} restored clock "
+                f"{self._restored_clock} but the servers hold clocks "
+                f"{[int(r[2]) for r in replies]} for it: its state and theirs come from "
+                f"different checkpoints, expected one checkpoint for every rank")
+
+    def state_dict(self) -> dict:
+        """The clock, the versions and update counts last pulled, the traffic counters."""
+        return {"clock": self.clock, "versions": list(self.versions),
+                "updates_seen": list(self.updates_seen),
+                "traffic": [self.bytes_pushed, self.buffer_bytes_pushed, self.bytes_pulled,
+                            self.pulls, self.pushes]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` before joining; joining then checks that the servers
+        restored the same clock for this worker."""
+        self.clock = self._restored_clock = int(state["clock"])
+        self.versions = [int(v) for v in state["versions"]]
+        self.updates_seen = [int(v) for v in state["updates_seen"]]
+        (self.bytes_pushed, self.buffer_bytes_pushed, self.bytes_pulled, self.pulls,
+         self.pushes) = (int(v) for v in state["traffic"])
 
     def _recover(self, exc: PeerError, op: str) -> None:
         """A server died. Without snapshots that is the end (re-raise). With them, wait
