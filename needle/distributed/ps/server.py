@@ -223,34 +223,31 @@ class ServerRole:
         w.last_seen = time.monotonic()
         self._send(w, wire.reply(self.served_version(), w.clock, self.updates), [])
 
+    def _receive(self, w: WorkerState, bufs: list[np.ndarray], tag: int, what: str) -> int:
+        """Fill ``bufs`` with the arrays of a push that follow its header (on ``tag``); their
+        bytes. The worker sent them right after the header, so a wait can only be on it."""
+        deadline = time.monotonic() + self.ps.timeout
+        for buf in bufs:
+            req = self.ps.chan.irecv(buf, w.rank, tag)
+            if not poll_until(req.test, deadline):
+                req.cancel()
+                raise CommError(f"ParameterServer.serve: worker rank {w.rank} sent a push "
+                                f"header but no {what} within {self.ps.timeout:g} s")
+        return sum(buf.nbytes for buf in bufs)
+
     def _receive_payload(self, w: WorkerState) -> list[np.ndarray]:
         sizes = self.shard.sizes(self.ps.shapes)
         bufs = [np.empty(n, dtype) for (dtype, _), n in zip(self.shard.groups, sizes,
                                                               strict=True)]
-        deadline = time.monotonic() + self.ps.timeout
-        for buf in bufs:
-            req = self.ps.chan.irecv(buf, w.rank, wire.T_PUSH_DATA)
-            if not poll_until(req.test, deadline):
-                req.cancel()
-                raise CommError(f"ParameterServer.serve: worker rank {w.rank} sent a push "
-                                f"header but no gradient within {self.ps.timeout:g} s")
-            self.bytes_in += buf.nbytes
+        self.bytes_in += self._receive(w, bufs, wire.T_PUSH_DATA, "gradient")
         return bufs
 
     def _receive_buffers(self, w: WorkerState) -> None:
-        """Server 0: the buffers that follow a push's gradient (sent after it, so waiting for
-        them cannot block on anything but this worker)."""
+        """Server 0: the model's buffers that follow a push's gradient."""
         bufs = [np.empty(sum(int(np.prod(self.ps.buffers_all[i].shape, dtype=np.int64))
                              for i in members), dtype)
                 for dtype, members in self.ps.buffer_groups]
-        deadline = time.monotonic() + self.ps.timeout
-        for buf in bufs:
-            req = self.ps.chan.irecv(buf, w.rank, wire.T_BUFFER_DATA)
-            if not poll_until(req.test, deadline):
-                req.cancel()
-                raise CommError(f"ParameterServer.serve: worker rank {w.rank} pushed a gradient "
-                                f"but not its buffers within {self.ps.timeout:g} s")
-            self.buffer_bytes_in += buf.nbytes
+        self.buffer_bytes_in += self._receive(w, bufs, wire.T_BUFFER_DATA, "buffers")
         self.worker_buffers[w.index] = (self.updates, bufs)
 
     def install_buffers(self) -> int | None:
