@@ -428,6 +428,18 @@ def test_worker_with_another_layout_is_refused_by_the_server():
 # buffers: the server's model is the model the workers trained
 
 
+def _bn_worker_step(ps, model, rank: int, step: int) -> None:
+    """Pull, one backward on this worker's own data (so its running statistics differ from
+    the other workers'), push."""
+    ps.pull()
+    model.train()
+    x = np.random.RandomState(10 * rank + step).randn(5, 3).astype("float32") + rank
+    for p in model.parameters():
+        p.grad = None
+    model(ndl.Tensor(x)).sum().backward()
+    ps.push(examples=5).wait()
+
+
 def _bn_job(mode: str, steps: int):
     first_done = threading.Event()
 
@@ -444,14 +456,7 @@ def _bn_job(mode: str, steps: int):
         if mode == "async" and rank == 2:  # async: worker 1 pushes last, after worker 0
             first_done.wait(60)
         for step in range(steps):
-            ps.pull()
-            model.train()
-            # each worker its own data: its running statistics differ from the other's
-            x = np.random.RandomState(10 * rank + step).randn(5, 3).astype("float32") + rank
-            for p in model.parameters():
-                p.grad = None
-            model(ndl.Tensor(x)).sum().backward()
-            ps.push(examples=5).wait()
+            _bn_worker_step(ps, model, rank, step)
         if rank == 1:
             ps.pull()  # its last push is applied before worker 1 starts
             first_done.set()
@@ -506,13 +511,7 @@ def _resumable_job(total: int, folder, save_at: int | None = None, resume: bool 
 
             return ps.serve(on_update=on_update), model.state_dict()
         for step in range(ps.clock, total):
-            ps.pull()
-            model.train()
-            x = np.random.RandomState(10 * rank + step).randn(5, 3).astype("float32") + rank
-            for p in model.parameters():
-                p.grad = None
-            model(ndl.Tensor(x)).sum().backward()
-            ps.push(examples=5).wait()
+            _bn_worker_step(ps, model, rank, step)
             if step + 1 == save_at:
                 ndl.save({"model": model.state_dict(), "ps": ps.state_dict()}, path)
         ps.finish()
