@@ -7,16 +7,17 @@ cell passes when every check that applies to it passes:
 - ``runs``: the job exits 0 and writes ``summary.json`` and ``model.ndl``;
 - ``matches single``: the reference is the single-process run with the same data-parallel
   shares (``--data-shares 2`` for ddp, zero, ps and 3d) and micro-batches (``--accumulate``
-  the pipeline's ``--microbatches``). On a model without BatchNorm or Dropout (``mlp``) ddp,
-  zero, the synchronous parameter server and the pipelines give its losses and parameters
-  bit for bit; tp and 3d give its loss at every step within a relative 1e-4 (fp16-mixed:
-  2e-2), their sums running in another order. Where the layout changes the math by design,
-  the held-out accuracy is within 2 points of the reference's instead: each rank draws its
-  own Dropout masks (and a replica keeps its own BatchNorm statistics), and asynchronous
-  parameter-server modes apply stale gradients;
+  the pipeline's ``--microbatches``). ddp, zero and the synchronous parameter server give its
+  parameters and buffers bit for bit on every model (``--data-shares`` draws each share's
+  Dropout masks from its own stream and keeps share 0's BatchNorm statistics, as the
+  replicas do); on a model without BatchNorm or Dropout (``mlp``) the pipelines do too, and
+  tp and 3d give its loss at every step within a relative 1e-4 (fp16-mixed: 2e-2), their
+  sums running in another order. Where the layout changes the math by design, the held-out
+  accuracy is within 2 points of the reference's instead: tp, pipeline and 3d ranks draw
+  their own Dropout masks and pipelines normalise per micro-batch in another stream order,
+  and asynchronous parameter-server modes apply stale gradients;
 - ``same as ddp``: zero (every stage) and the synchronous parameter server end with
-  bitwise ddp's parameters (``params_sha256``) and buffers (``buffers_sha256``) on ``mlp``;
-  on models with BatchNorm or Dropout the check is the accuracy's, as above;
+  bitwise ddp's parameters (``params_sha256``) and buffers (``buffers_sha256``);
 - ``re-evaluated``: the accuracy in ``summary.json`` equals a fresh single process's
   evaluation of the saved ``model.ndl`` (exactly where the evaluation runs the same kernels
   on the whole model; within one held-out example for tp, pipeline and 3d, whose sharded
@@ -76,7 +77,8 @@ MODELS = ("mlp", "mlp_resnet", "cnn")
 PRECISIONS = ("fp32", "fp16-mixed")
 ACCUMULATE = (1, 3)
 ASYNC = {"ps-async", "ps-ssp", "ps-backup"}  # backup drops the slowest worker's gradient
-DATA_PARALLEL = {"ddp", "zero1", "zero2", "zero3", "ps-sync", *ASYNC}
+SYNC_DATA_PARALLEL = {"ddp", "zero1", "zero2", "zero3", "ps-sync"}
+DATA_PARALLEL = {*SYNC_DATA_PARALLEL, *ASYNC}
 # layouts that sum every gradient in the single-process reference's order (two replicas:
 # a sum of two terms has one order; pipeline micro-batches accumulate in micro-batch order);
 # tensor parallelism splits each product's sum over ranks, the 3d mesh's data axis averages
@@ -320,7 +322,12 @@ def _blocks(cell: Cell, summary: dict) -> tuple[bool, str]:
 
 
 def _exact(cell: Cell) -> bool:
-    return cell.model in EXACT_MODELS and cell.strategy not in ASYNC
+    """Whether the cell computes its reference's math: synchronous data parallelism on any
+    model (the reference keeps each share's random stream and share 0's statistics), the
+    other layouts on a model without BatchNorm or Dropout."""
+    if cell.strategy in ASYNC:
+        return False
+    return cell.strategy in SYNC_DATA_PARALLEL or cell.model in EXACT_MODELS
 
 
 def _matches(cell: Cell, got: dict, ref: dict, bitwise: bool | None = None
@@ -328,9 +335,10 @@ def _matches(cell: Cell, got: dict, ref: dict, bitwise: bool | None = None
     """Whether ``got`` trained what ``ref`` did (see the module doc); ``bitwise`` overrides
     whether the cell's parameters must equal the reference's bit for bit."""
     bitwise = cell.strategy in BITWISE if bitwise is None else bitwise
-    if _exact(cell) and bitwise and got["params_sha256"] != ref["params_sha256"]:
-        return False, (f"parameters not bitwise: params_sha256 {got['params_sha256'][:12]} vs "
-                       f"{ref['params_sha256'][:12]}")
+    if _exact(cell) and bitwise:
+        for key in ("params_sha256", "buffers_sha256"):
+            if got[key] != ref[key]:
+                return False, f"not bitwise: {key} {got[key][:12]} vs {ref[key][:12]}"
     if _exact(cell):  # the reported losses: each layout sums the step's loss its own way
         a, b = np.array(got["losses"]), np.array(ref["losses"])
         if a.shape != b.shape:

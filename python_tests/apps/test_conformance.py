@@ -137,11 +137,14 @@ def test_comparisons_fail_on_wrong_results():
                                                    "params_sha256": "z"}, ref)[0]
     assert not conformance._matches(summed_otherwise, {**ref, "losses": [2.0, 1.5, 1.001]},
                                     ref)[0]
-    statistical = Cell("ddp", "mlp_resnet")  # BatchNorm per replica: accuracy within 2 points
+    statistical = Cell("tp", "mlp_resnet")  # Dropout per rank: accuracy within 2 points
     assert conformance._matches(statistical, {**ref, "accuracy": 0.885}, ref)[0]
     assert not conformance._matches(statistical, {**ref, "accuracy": 0.87}, ref)[0]
     assert not conformance._same_as(Cell("zero2", "mlp"), {**ref, "buffers_sha256": "c"},
                                     ref)[0]
+    default_model = Cell("ddp", "mlp_resnet")  # data parallelism: bitwise, buffers included
+    assert not conformance._matches(default_model, {**ref, "buffers_sha256": "c"}, ref)[0]
+    assert conformance._matches(default_model, dict(ref), ref)[0]
     missing = conformance._blocks(Cell("tp", "mlp"), {"mesh": {}, "params_sha256": "x"})
     assert not missing[0] and "traffic" in missing[1]
 

@@ -7,9 +7,11 @@ of the eager run; ``summary.json`` gets a ``compile`` block saying how the step 
 ``--data-shares R`` computes each step as R data-parallel replicas would: the batch cut into
 the replicas' shares (``data.replica_share``), each share's gradient computed alone, then
 combined in the data-parallel arithmetic (each times its weight n_r / N in its own dtype,
-summed in share order). On a model without BatchNorm or Dropout the parameters are then
-bitwise those of ddp, zero and the synchronous parameter server on R = 2 ranks (docs/training.md
-says why R = 2).
+summed in share order). Share r draws from its own random stream, as replica r does (every
+replica starts from the same seeded state), and the model keeps share 0's BatchNorm running
+statistics, as the data-parallel strategies keep rank 0's. The parameters and buffers are
+then bitwise those of ddp, zero and the synchronous parameter server on R = 2 ranks, Dropout
+and BatchNorm included (docs/training.md says why R = 2).
 """
 from __future__ import annotations
 
@@ -55,6 +57,7 @@ class SingleProcess(Strategy):
     def setup(self, ctx) -> None:
         super().setup(ctx)
         self.compiled = None
+        self.share_streams: list | None = None  # shares 1..R-1's random states
         if (self.cfg.extra or {}).get("compile"):
             import needle as ndl
 
@@ -88,19 +91,28 @@ class SingleProcess(Strategy):
 
     def _shared_step(self, X: np.ndarray, y: np.ndarray, shares: int) -> StepResult:
         """One step as ``shares`` data-parallel replicas compute it (see the module doc)."""
-        from needle import memory
+        from needle import memory, random
         from needle.autograd import Tensor
 
         from ..data import replica_share
 
         every = np.arange(y.shape[0])
         params = self.optimizer.params
+        if self.share_streams is None:  # every replica starts from the same seeded state
+            self.share_streams = [random.get_state() for _ in range(shares - 1)]
         total: list | None = None
         loss_sum, correct, micro, counted = 0.0, 0, [], 0
         for r in range(shares):
             rows = replica_share(every, shares, r)
             self.optimizer.reset_grad()
+            if r == 1:  # share 0's stream and statistics are the model's (rank 0's)
+                stream0 = random.get_state()
+                buffers0 = {name: t.numpy().copy() for name, t in self.model.named_buffers()}
+            if r > 0:
+                random.set_state(self.share_streams[r - 1])
             ls, c, parts = self._backward(X[rows], y[rows], counted=counted)
+            if r > 0:
+                self.share_streams[r - 1] = random.get_state()
             counted += len(parts)
             loss_sum, correct = loss_sum + ls, correct + c
             micro.append([hi - lo for lo, hi in parts])
@@ -110,6 +122,8 @@ class SingleProcess(Strategy):
             weighted = [g * g.dtype.type(weight) for g in grads]
             total = weighted if total is None else [a + b for a, b in
                                                     zip(total, weighted, strict=True)]
+        random.set_state(stream0)
+        self.model.load_state_dict(buffers0, strict=False)
         for p, g in zip(params, total or [], strict=True):
             p.grad = Tensor(g, device=p.device, dtype=str(p.dtype), requires_grad=False)
             memory.attribute(p.grad, "gradient")
@@ -117,6 +131,21 @@ class SingleProcess(Strategy):
         n = int(y.shape[0])
         self.denominators = {"micro": micro, "local": n, "shares": shares}
         return StepResult(loss_sum, correct, n)
+
+    def state_dict(self) -> dict:
+        """The default state, plus the random states of shares 1..R-1 (share 0's is the
+        process's own, which the checkpoint saves with every stream)."""
+        state = super().state_dict()
+        if self.share_streams is not None:
+            state["share_streams"] = list(self.share_streams)
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        if "share_streams" in state:
+            from needle.random import RNGState
+
+            self.share_streams = [RNGState(s) for s in state["share_streams"]]
 
     def close(self) -> None:
         self.compiled = None  # its programs name the model's buffers: free them with the run
