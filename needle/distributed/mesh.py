@@ -118,6 +118,7 @@ def average_gradients(params: Sequence[Any], group: Any = None,
         [1.6667, 1.6667]
     """
     from needle.autograd import Tensor
+    from needle.memory import attribute
 
     from .collectives import all_reduce
 
@@ -134,11 +135,17 @@ def average_gradients(params: Sequence[Any], group: Any = None,
     if missing:
         raise CommError(f"average_gradients: parameters {missing} have no gradient, expected "
                         "a backward before averaging")
-    flat = np.concatenate([p.grad.numpy().astype(np.float64).ravel() for p in params]) * weight
-    all_reduce(flat, group=pg)
-    start = 0
-    for p in params:
-        size = int(np.prod(p.shape))
-        p.grad = Tensor(flat[start:start + size].reshape(p.shape).astype(str(p.dtype)),
-                        device=p.device, requires_grad=False)
-        start += size
+    # DDP's arithmetic: each gradient times its weight in its own dtype, then summed (one
+    # flat buffer per dtype), so the mesh's data axis gives DDP's gradients bit for bit
+    for dtype in sorted({str(p.dtype) for p in params}):
+        members = [p for p in params if str(p.dtype) == dtype]
+        flat = np.concatenate([p.grad.numpy().ravel() for p in members])
+        flat *= flat.dtype.type(weight)
+        all_reduce(flat, group=pg)
+        start = 0
+        for p in members:
+            size = int(np.prod(p.shape))
+            p.grad = Tensor(flat[start:start + size].reshape(p.shape).copy(), device=p.device,
+                            dtype=dtype, requires_grad=False)
+            attribute(p.grad, "gradient")
+            start += size

@@ -69,13 +69,14 @@ class MeshStrategy(Strategy):
     # ---- setup ---------------------------------------------------------------------------
     def setup(self, ctx) -> None:
         import needle.distributed as dist
-        from needle import nn
+        from needle import memory, nn
         from needle.distributed import pipeline, tensor_parallel
 
         self.ctx = ctx
         self.dp, self.tp, self.pp = self.mesh_shape()
         self.mesh = dist.init_device_mesh((self.dp, self.tp, self.pp))
         self.loss_fn = nn.SoftmaxLoss()
+        memory.stats(ctx.device)  # attribute memory by category from the first buffer on
         full = ctx.new_model()
         extra = self.cfg.extra
         self.schedule_name = extra.get("schedule", "1f1b") if self.pp > 1 else None
@@ -86,15 +87,20 @@ class MeshStrategy(Strategy):
         s = self.mesh.local_rank("pp")
         self.my_chunks = list(range(s, chunks, self.pp))
         tp_group = self.mesh.get_group("tp")
-        self.full, self.pieces = full, pieces  # the unsharded model names the saved state
         self.modules = {k: tensor_parallel.parallelize_sequential(pieces[k], tp_group)
                         if self.tp > 1 else pieces[k] for k in self.my_chunks}
+        # what names the whole model's state, kept without the unsharded model itself (other
+        # stages' layers and the unsharded copies would stay allocated on this rank)
+        self.skeleton = [(name, tuple(t.shape), str(t.dtype)) for name, t in full.named_tensors()]
+        self.chunk_names = {k: _chunk_names(full, pieces[k], self.modules[k])
+                            for k in self.my_chunks}
         self.layers_per_stage = [len(piece.modules) for piece in pieces]
         self.has_batchnorm = any(isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d))
                                  for m in full._children())
         params = [p for k in self.my_chunks for p in self.modules[k].parameters()]
         self.optimizer = ctx.new_optimizer(params)
         self.schedule = None
+        del full, pieces  # the rank now holds its own chunks only
         if self.pp > 1:
             stages = [pipeline.PipelineStage(self.modules[k], k, chunks,
                                              group=self.mesh.get_group("pp"), device=ctx.device)
@@ -218,7 +224,12 @@ class MeshStrategy(Strategy):
 
     @property
     def template(self):
-        return self.full
+        """A fresh unsharded model (on the reporting rank, to name the gathered state): built
+        under ``fork_rng`` so that no random stream moves."""
+        import needle as ndl
+
+        with ndl.random.fork_rng():
+            return self.ctx.new_model()
 
     def model_state(self) -> dict | None:
         """The whole model on rank 0 (collective): every chunk with its tensor-parallel shards
@@ -228,10 +239,10 @@ class MeshStrategy(Strategy):
         model, as under ddp)."""
         import needle.distributed as dist
 
-        named = self.full.named_tensors()
-        sizes = [int(np.prod(t.shape)) for _, t in named]
+        named = self.skeleton
+        sizes = [int(np.prod(shape)) for _, shape, _ in named]
         starts = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
-        where = {id(t): i for i, (_, t) in enumerate(named)}
+        where = {name: i for i, (name, _, _) in enumerate(named)}
         flat = np.zeros(int(starts[-1]), np.float64)
         fills = self.mesh.local_rank("dp") == 0 and self.mesh.local_rank("tp") == 0
         for k in self.my_chunks:
@@ -246,34 +257,49 @@ class MeshStrategy(Strategy):
             self._report = self.schedule.report(root=0)
         if self.rank != 0:
             return None
-        return {name: flat[starts[i]:starts[i + 1]].reshape(t.shape).astype(str(t.dtype))
-                for i, (name, t) in enumerate(named)}
+        return {name: flat[starts[i]:starts[i + 1]].reshape(shape).astype(dtype)
+                for i, (name, shape, dtype) in enumerate(named)}
 
-    def _chunk_state(self, k: int) -> dict[int, np.ndarray]:
-        """Chunk ``k``'s full values keyed by the id of the unsharded model's tensor."""
+    def _chunk_state(self, k: int) -> dict[str, np.ndarray]:
+        """Chunk ``k``'s full values by the unsharded model's names (collective over the
+        tensor-parallel group when it is sharded)."""
         from needle.distributed import tensor_parallel
 
-        piece, module = self.pieces[k], self.modules[k]
-        values = {id(t): t.numpy() for _, t in piece.named_tensors()}
-        if self.tp == 1:  # the chunk is the piece itself: its tensors hold the values
+        names = self.chunk_names[k]
+        values = {name: t.numpy() for t, name in names["kept"]}
+        if self.tp == 1:
             return values
-        full = tensor_parallel.gather_full_parameters(module)
-        values.update({id(p): a for p, a in zip(piece.parameters(), full, strict=True)})
-        for original, sharded in _sharded_batchnorms(piece, module):
-            for name in ("running_mean", "running_var"):
-                values[id(getattr(original, name))] = tensor_parallel.gather_shards(
-                    getattr(sharded, name), 0, sharded.group)
+        full = tensor_parallel.gather_full_parameters(self.modules[k])
+        values.update(zip(names["parameters"], full, strict=True))
+        for sharded, prefix in names["batchnorms"]:
+            for buffer in ("running_mean", "running_var"):
+                values[f"{prefix}{buffer}"] = tensor_parallel.gather_shards(
+                    getattr(sharded, buffer), 0, sharded.group)
         return values
+
+    def collect_reports(self) -> None:
+        """This rank's model state (its chunks' weights, gradients and optimizer state) beside
+        the ledger's prediction for those chunks, gathered on the reporting rank."""
+        import gc
+
+        from needle import nn
+
+        gc.collect()  # the unsharded model built at set-up is garbage by now
+        self.model = nn.Sequential(*[self.modules[k] for k in self.my_chunks])
+        self._measure_memory(0)
+        self.model = None
+        super().collect_reports()
 
     def summary_blocks(self) -> dict:
         """``mesh``, ``traffic`` (this rank's communication ledger, predicted vs measured
-        bytes) and, with pipeline stages, ``pipeline``."""
+        bytes), ``memory`` and, with pipeline stages, ``pipeline``."""
         import needle.distributed as dist
 
         traffic = dist.traffic.ledger().summary()
         traffic["rank"] = self.rank
         blocks = {"mesh": {"dp": self.dp, "tp": self.tp, "pp": self.pp,
-                           "layers_per_stage": self.layers_per_stage}, "traffic": traffic}
+                           "layers_per_stage": self.layers_per_stage}, "traffic": traffic,
+                  "memory": self._memory_block("after the last step and evaluation")}
         if self._report is not None:
             block = self._report.as_dict()
             block["batchnorm_per_microbatch"] = self.has_batchnorm
@@ -293,6 +319,20 @@ class MeshStrategy(Strategy):
 
     def state_sha256(self) -> str | None:
         return gathered_state_digest(self.state_dict(), self.rank)
+
+
+def _chunk_names(full, piece, module) -> dict:
+    """How chunk ``module`` (``piece`` of ``full``, tensor-parallel or not) maps onto the
+    unsharded model's names: ``kept`` (its tensors that are the unsharded ones, with their
+    names), ``parameters`` (the names of ``piece.parameters()``, the order the gathered
+    full parameters come in) and ``batchnorms`` (each sharded BatchNorm with the name prefix
+    of its unsharded statistics)."""
+    name_of = {id(t): name for name, t in full.named_tensors()}
+    kept = [(t, name_of[id(t)]) for _, t in module.named_tensors() if id(t) in name_of]
+    params = [name_of[id(p)] for p in piece.parameters()]
+    batchnorms = [(sharded, name_of[id(original.running_mean)][:-len("running_mean")])
+                  for original, sharded in _sharded_batchnorms(piece, module)]
+    return {"kept": kept, "parameters": params, "batchnorms": batchnorms}
 
 
 def _sharded_batchnorms(original, converted):

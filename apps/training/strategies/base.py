@@ -318,17 +318,20 @@ class Strategy:
                                                               "predicted"))}})
         self._memory_rows = rows
 
+    def _memory_block(self, when: str) -> dict:
+        """``summary.json``'s ``memory``: every rank's row (see :meth:`collect_reports`)."""
+        return {"per_rank": self._memory_rows or [], "when": when,
+                "measured": "requested bytes held per category (needle.memory)",
+                "allocated": "the same in 512-byte-rounded allocator blocks",
+                "predicted": "needle.memory.estimate for this rank"}
+
     def summary_blocks(self) -> dict:
         """``memory``, ``scaler`` and ``accumulation`` (the default step's blocks)."""
         if not self.mixed_precision_and_accumulation or self.scaler is None:
             return {}
         scaler = self.scaler.state_dict()
         return {
-            "memory": {"per_rank": self._memory_rows or [],
-                       "when": "right after the last optimizer step",
-                       "measured": "requested bytes held per category (needle.memory)",
-                       "allocated": "the same in 512-byte-rounded allocator blocks",
-                       "predicted": "needle.memory.estimate for this rank"},
+            "memory": self._memory_block("right after the last optimizer step"),
             "scaler": {"enabled": self.mixed, "skipped_steps": scaler["skipped_steps"],
                        "final_scale": self.scaler.get_scale(), "steps": scaler["steps"]},
             "accumulation": {"micro_batches": int(getattr(self.cfg, "accumulate", 1)),
