@@ -61,9 +61,16 @@ class Faults:
             _sigkill_self(f"--die-at-step {step} --die-after-micro-batches {done}")
 
 
+# Messages a rank has already sent may still sit in the tcp transport's user-space queue
+# (ZeroMQ's I/O thread writes them to the socket a moment later); the fault kills the rank
+# between steps, after what it sent has left, as a crash after a kernel write would.
+FLUSH_BEFORE_KILL_S = 0.5
+
+
 def _sigkill_self(reason: str) -> None:
     print(f"train.py: {reason}: sending SIGKILL to myself (pid {os.getpid()})",
           file=sys.stderr, flush=True)
+    time.sleep(FLUSH_BEFORE_KILL_S)
     os.kill(os.getpid(), signal.SIGKILL)
 
 

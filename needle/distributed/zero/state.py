@@ -123,7 +123,8 @@ def assemble(states: list[dict]) -> tuple[list[np.ndarray], dict]:
     _check_ranks(states)
     count = len(states[0]["pieces"])
     names = sorted({n for s in states for rec in s["pieces"].values() for n in rec["state"]})
-    weights, slots = [], {n: {} for n in names}
+    weights: list = []
+    slots: dict[str, dict] = {n: {} for n in names}
     for i in range(count):
         rec = states[0]["pieces"][str(i)]
         shape, dtype = tuple(rec["shape"]), rec["dtype"]
