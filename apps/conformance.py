@@ -1,8 +1,10 @@
 """The conformance matrix: every strategy trains, evaluates, saves and resumes the same model.
 
 Each cell is one ``apps/train.py`` run (a strategy × a model × a precision × micro-batches per
-step), started as its own job, beside a single-process reference run of the same cell. A
-cell passes when every check that applies to it passes:
+step), started as its own job, beside a single-process reference run of the same cell, on a
+batch of 63 examples (so data-parallel shares and micro-batches are unequal: equal ones, with
+weights of exactly 1/2, would hide a wrong weighting). A cell passes when every check that
+applies to it passes:
 
 - ``runs``: the job exits 0 and writes ``summary.json`` and ``model.ndl``;
 - ``matches single``: the reference is the single-process run with the same data-parallel
