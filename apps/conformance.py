@@ -200,8 +200,9 @@ class Runner:
         out = os.path.join(self.workdir, cell.name.replace("/", "_"))
         proc = self._train(cell, [], out)
         path = os.path.join(out, "summary.json")
-        if proc.returncode == 2 and "error:" in proc.stderr and not os.path.exists(path):
-            result.refused = proc.stderr.strip().splitlines()[-1]
+        refusal = _usage_error(proc)
+        if refusal is not None and not os.path.exists(path):
+            result.refused = refusal
             return result
         ran = proc.returncode == 0 and os.path.exists(path)
         result.checks["runs"] = (ran, "" if ran else f"exit {proc.returncode}: "
@@ -224,9 +225,8 @@ class Runner:
 
     def _refusal(self, cell: Cell, extra: list[str], out: str, names: str) -> tuple[bool, str]:
         """A run that must be refused (exit 2) with a message naming ``names``."""
-        proc = self._train(cell, extra, out, SHORT)
-        last = (proc.stderr.strip().splitlines() or [""])[-1]
-        return proc.returncode == 2 and names in last, f"refused: {last}"
+        message = _usage_error(self._train(cell, extra, out, SHORT)) or ""
+        return names in message, f"refused: {message}"
 
     def _clip(self, cell: Cell) -> tuple[bool, str]:
         flags = ["--clip-grad", "0.05", "--optimizer", "sgd"]
@@ -246,9 +246,9 @@ class Runner:
         if cell.strategy.startswith("ps-"):  # async modes refuse to save; sync's won't convert
             saved = self._train(cell, ["--save-every", "3", "--checkpoint-dir", folder],
                                 folder + "_run", SHORT)
-            if saved.returncode == 2:
-                last = (saved.stderr.strip().splitlines() or [""])[-1]
-                return "--ps-mode" in last, f"saving refused: {last}"
+            refusal = _usage_error(saved)
+            if refusal is not None:
+                return "--ps-mode" in refusal, f"saving refused: {refusal}"
             return self._refusal(target, ["--resume", folder], folder + "_resumed", "ps")
         saved = self._train(cell, ["--save-every", "3", "--checkpoint-dir", folder],
                             folder + "_run", SHORT)
@@ -289,6 +289,15 @@ class Runner:
                               env=env)
         line = next((x for x in proc.stdout.splitlines() if "resume certificate" in x), "")
         return proc.returncode == 0 and "IDENTICAL" in line, line or proc.stderr[-300:]
+
+
+def _usage_error(proc: subprocess.CompletedProcess) -> str | None:
+    """The one-line refusal of a run that exited 2 on bad input (printed by train.py itself,
+    or by its ranks through the launcher), else None."""
+    if proc.returncode != 2:
+        return None
+    lines = (proc.stderr + "\n" + proc.stdout).splitlines()
+    return next((line.strip() for line in lines if "train.py: error:" in line), None)
 
 
 def _summary(out: str) -> dict | None:
