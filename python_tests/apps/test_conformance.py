@@ -35,7 +35,7 @@ def _assert_passed(result):
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize("cell", [
     Cell("ddp", "mlp_resnet"), Cell("zero3", "mlp"), Cell("ps-sync", "mlp"),
-    Cell("ps-sync", "mlp_resnet"), Cell("ps-async", "mlp_resnet"), Cell("tp", "mlp_resnet"),
+    Cell("ps-sync", "mlp_resnet"), Cell("zero1", "cnn"), Cell("tp", "mlp_resnet"),
     Cell("pipeline-gpipe", "cnn"), Cell("zero2", "mlp", "fp16-mixed", 3),
 ], ids=lambda c: c.name)
 def test_conformance_cell(runner, cell):
@@ -61,11 +61,17 @@ def test_resume_column_certifies_identical(tmp_path):
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize("workers", [2, 3])
 def test_parameter_server_reports_ddps_accuracy(tmp_path, workers):
-    """The default model under every mode: the accuracy summary.json states is within 2
-    points of ddp's on as many ranks, and is the accuracy of the model saved beside it."""
+    """The default model under every mode: the accuracy summary.json states is the accuracy
+    of the model saved beside it (the servers' model with the workers' BatchNorm statistics:
+    without them it read 0.24-0.55 where ddp reads 0.96), sync's is ddp's, and the
+    asynchronous modes' is near ddp's. Six epochs: at three, stale gradients leave the
+    asynchronous runs' accuracy varying with timing by up to 4.5 points on a loaded machine;
+    at six the gaps measured 0.3-1.7 points. The bound, 3 points, is 11 of the 359 held-out
+    examples."""
     def run(name, *args):
         out = tmp_path / name
-        proc = subprocess.run([sys.executable, TRAIN, *args, *EPOCHS, "--nproc", str(workers),
+        budget = ["--epochs", "6", "--seed", "0", *conformance.BATCH]
+        proc = subprocess.run([sys.executable, TRAIN, *args, *budget, "--nproc", str(workers),
                                "--no-progress", "--out", str(out)], capture_output=True,
                               text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
         assert proc.returncode == 0, proc.stderr[-2000:]
@@ -74,8 +80,9 @@ def test_parameter_server_reports_ddps_accuracy(tmp_path, workers):
     ddp, _ = run("ddp", "--strategy", "ddp")
     for mode in ("sync", "async", "ssp", "backup"):
         ps, out = run(mode, "--strategy", "ps", "--servers", "1", "--ps-mode", mode)
-        assert abs(ps["accuracy"] - ddp["accuracy"]) <= 0.02, (mode, ps["accuracy"],
-                                                                 ddp["accuracy"])
+        bound = 0.02 if mode == "sync" else 0.03
+        assert abs(ps["accuracy"] - ddp["accuracy"]) <= bound, (mode, ps["accuracy"],
+                                                                  ddp["accuracy"])
         assert conformance.reevaluate(ps, out)[0] == ps["accuracy"]
         assert ps["ps"]["buffer_bytes_pushed"] > 0
         if mode == "sync":  # worker 0's statistics
