@@ -1,6 +1,6 @@
 """needle's CUDA backend side by side with PyTorch CUDA, in one run on one GPU.
 
-Rows (issue 8 targets in brackets):
+Rows (targets in brackets):
   * float32 matmul n = 1024 … 8192, TFLOP/s: needle through cuBLAS (CuPy) [>= 0.9x PyTorch]
     and needle's own tiled kernel [>= 0.3x PyTorch]. TF32 is off on both sides (PyTorch's
     default for matmul; CuPy uses TF32 only with CUPY_TF32=1, which this script refuses).
