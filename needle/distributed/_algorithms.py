@@ -156,9 +156,12 @@ def ring(op: Op, flat: np.ndarray, reduce: str | None, reduce_steps: int, steps:
             op.wait(req, right, "the last ring sends")
 
 
-def ring_all_reduce(op: Op, flat: np.ndarray, reduce: str, chunk_bytes: int) -> None:
+def ring_all_reduce(op: Op, flat: np.ndarray, reduce: str, chunk_bytes: int,
+                    bounds: list[int] | None = None) -> None:
+    """Exactly :func:`ring_reduce_scatter` then :func:`ring_all_gather` (the same start and
+    segments, pipelined as one ring), so both sum every element in the same order."""
     n = op.size
-    ring(op, flat, reduce, n - 1, 2 * (n - 1), op.rank, chunk_bytes)
+    ring(op, flat, reduce, n - 1, 2 * (n - 1), op.rank - 1, chunk_bytes, bounds)
     if reduce == "mean" and n > 1:
         flat /= n
 

@@ -64,13 +64,18 @@ def _launch(pg: ProcessGroup, where: str, body: Callable[[alg.Op], None], signat
 
 
 def all_reduce(tensor: Any, op: str = "sum", group: Any = None, async_op: bool = False,
-               algorithm: str = "ring", timeout: float | None = None) -> Work | None:
+               algorithm: str = "ring", timeout: float | None = None,
+               bounds: list[int] | None = None) -> Work | None:
     """Reduce ``tensor`` over all ranks of the group; every rank ends with the result.
 
     Args:
         op: "sum", "mean", "max" or "min".
         algorithm: "ring" (needle's pipelined reduce-scatter + all-gather) or "native".
         async_op: run on the communication thread and return a Work.
+        bounds: ring only: the segment offsets of the flattened tensor (default
+            :func:`shard_bounds`). The ring all-reduce is :func:`reduce_scatter_v` followed
+            by :func:`all_gather_v` over the same segments, so each element is summed in the
+            same order as a reduce-scatter sums it.
 
     Example:
         >>> import numpy as np, needle.distributed as dist
@@ -86,9 +91,13 @@ def all_reduce(tensor: Any, op: str = "sum", group: Any = None, async_op: bool =
     native = _native(pg, "all_reduce", algorithm, ("ring",))
     buf = borrow(tensor, "all_reduce")
     a = buf.arr
+    seg = None if bounds is None else _check_bounds("all_reduce", bounds, a.size, pg.size)
+    if seg is not None and native is not None:
+        raise CommError("all_reduce: bounds apply to algorithm='ring', got "
+                        "algorithm='native' with bounds")
     record = traffic.open_record(
         pg, "all_reduce", algorithm, a.nbytes,
-        traffic.ring_all_reduce_bytes(a.size, a.itemsize, pg.size, pg.rank),
+        traffic.ring_all_reduce_bytes(a.size, a.itemsize, pg.size, pg.rank, seg),
         "ring all-reduce: 2(n-1)/n x M", native=native is not None)
 
     def body(o: alg.Op) -> None:
@@ -96,11 +105,12 @@ def all_reduce(tensor: Any, op: str = "sum", group: Any = None, async_op: bool =
         if native is not None:
             native.all_reduce(flat, op, o.deadline)
         else:
-            alg.ring_all_reduce(o, flat, op, pg.chunk_bytes)
+            alg.ring_all_reduce(o, flat, op, pg.chunk_bytes, seg)
         buf.commit()
 
+    extra = {} if seg is None else {"bounds": zlib.crc32(repr(seg).encode())}
     return _launch(pg, "all_reduce", body, _sig("all_reduce", buf.arr, op=op,
-                   algorithm=algorithm), timeout, async_op, record)
+                   algorithm=algorithm, **extra), timeout, async_op, record)
 
 
 def broadcast(tensor: Any, src: int = 0, group: Any = None, async_op: bool = False,

@@ -99,10 +99,11 @@ def init_device_mesh(shape: Sequence[int], names: Sequence[str] | None = None,
 
 
 def average_gradients(params: Sequence[Any], group: Any = None,
-                      num_examples: float | None = None) -> None:
-    """Replace each parameter's ``.grad`` by its average over the ranks of ``group`` (one
-    all-reduce of one flat buffer), for data parallelism that DDP's hooks cannot serve (a
-    pipeline step runs many backwards).
+                      num_examples: float | None = None, bucket_cap_mb: float = 25) -> None:
+    """Replace each parameter's ``.grad`` by its average over the ranks of ``group``, for data
+    parallelism that DDP's hooks cannot serve (a pipeline step runs many backwards). The
+    gradients go through :class:`~needle.distributed.grad_sync.GradSync` (buckets of
+    ``bucket_cap_mb``, ring all-reduce), so the result is DDP's bit for bit.
 
     ``num_examples``: this rank's examples when ranks hold different numbers; the result is
     then ``sum_r n_r g_r / sum_r n_r`` (each rank's loss being a mean over its examples).
@@ -117,35 +118,10 @@ def average_gradients(params: Sequence[Any], group: Any = None,
         >>> dist.spawn_threads(job, 2)
         [1.6667, 1.6667]
     """
-    from needle.autograd import Tensor
-    from needle.memory import attribute
+    from .grad_sync import AllReduceHook, GradSync
 
-    from .collectives import all_reduce
-
-    pg = resolve(group, "average_gradients")
-    weight = 1.0 / pg.size
+    sync = GradSync(params, group, AllReduceHook(label="mesh gradients", steps=False),
+                    bucket_cap_mb=bucket_cap_mb, owner="average_gradients")
     if num_examples is not None:
-        total = np.array([float(num_examples)])
-        all_reduce(total, group=pg)
-        if total[0] <= 0:
-            raise CommError(f"average_gradients: total examples must be positive, got "
-                            f"{total[0]}")
-        weight = float(num_examples) / total[0]
-    missing = [i for i, p in enumerate(params) if p.grad is None]
-    if missing:
-        raise CommError(f"average_gradients: parameters {missing} have no gradient, expected "
-                        "a backward before averaging")
-    # DDP's arithmetic: each gradient times its weight in its own dtype, then summed (one
-    # flat buffer per dtype), so the mesh's data axis gives DDP's gradients bit for bit
-    for dtype in sorted({str(p.dtype) for p in params}):
-        members = [p for p in params if str(p.dtype) == dtype]
-        flat = np.concatenate([p.grad.numpy().ravel() for p in members])
-        flat *= flat.dtype.type(weight)
-        all_reduce(flat, group=pg)
-        start = 0
-        for p in members:
-            size = int(np.prod(p.shape))
-            p.grad = Tensor(flat[start:start + size].reshape(p.shape).copy(), device=p.device,
-                            dtype=dtype, requires_grad=False)
-            attribute(p.grad, "gradient")
-            start += size
+        sync.set_num_examples(num_examples)
+    sync.sync_now()

@@ -67,21 +67,26 @@ def _segments(numel: int, n: int) -> list[int]:
     return [numel * (i + 1) // n - numel * i // n for i in range(n)]
 
 
-def ring_all_reduce_bytes(numel: int, itemsize: int, n: int, rank: int) -> tuple[int, int]:
+def ring_all_reduce_bytes(numel: int, itemsize: int, n: int, rank: int,
+                          bounds: list[int] | None = None) -> tuple[int, int]:
     """(sent, received) payload bytes of ``rank`` in a ring all-reduce of ``numel`` items.
 
-    Step ``j`` of ``2(n-1)`` sends segment ``rank - j`` and receives segment ``rank - j - 1``
-    (mod n); segments are the ``n`` near-equal parts of the buffer.
+    The reduce-scatter then the all-gather: step ``j`` of ``2(n-1)`` sends segment
+    ``rank - 1 - j`` and receives segment ``rank - 2 - j`` (mod n); segments are the ``n``
+    near-equal parts of the buffer, or those cut at ``bounds``.
 
     Example:
         >>> ring_all_reduce_bytes(1000, 4, 4, 0)  # 2 * 3/4 * 4000
         (6000, 6000)
+        >>> ring_all_reduce_bytes(10, 1, 2, 0, bounds=[0, 1, 10])  # each sends all 10 once
+        (10, 10)
     """
     if n <= 1:
         return 0, 0
-    seg = _segments(numel, n)
-    sent = sum(seg[(rank - j) % n] for j in range(2 * (n - 1)))
-    recv = sum(seg[(rank - j - 1) % n] for j in range(2 * (n - 1)))
+    seg = _segments(numel, n) if bounds is None else [
+        bounds[i + 1] - bounds[i] for i in range(n)]
+    sent = sum(seg[(rank - 1 - j) % n] for j in range(2 * (n - 1)))
+    recv = sum(seg[(rank - 2 - j) % n] for j in range(2 * (n - 1)))
     return sent * itemsize, recv * itemsize
 
 

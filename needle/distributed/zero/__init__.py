@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from ..collectives import shard_bounds
 from .data_parallel import ZeroDataParallel
-from .layout import FlatLayout, piece_bounds, plan_buckets
+from ..flat_layout import FlatLayout, piece_bounds
 from .optimizer import ZeroOptimizer
 
-__all__ = ["ZeroDataParallel", "ZeroOptimizer", "FlatLayout", "piece_bounds", "plan_buckets",
+__all__ = ["ZeroDataParallel", "ZeroOptimizer", "FlatLayout", "piece_bounds",
            "shard_bounds"]

@@ -28,23 +28,40 @@ from needle.memory import framework_category
 
 from .._errors import CommError
 from .._group import resolve
-from ..collectives import all_gather_v, all_reduce, broadcast, reduce_scatter_v
-from .layout import FlatLayout, plan_buckets
+from ..collectives import all_gather_v, broadcast, reduce_scatter_v
+from ..grad_sync import Bucket, BucketHook, GradSync
 from .optimizer import ZeroOptimizer
 from .shards import Entry, flat_view, host, to_device
 from .stage3 import GatherUnits
 
 
-class _Bucket:
-    """One gradient bucket: its members (entries), rank-major layout and in-flight work."""
+class _ScatterHook(BucketHook):
+    """ZeRO's bucket collective: a reduce-scatter; each rank keeps its reduced pieces."""
 
-    def __init__(self, index: int, members: list[Entry], world_size: int):
-        self.index, self.members = index, members
-        self.layout = FlatLayout([e.size for e in members], world_size)
-        self.dtype = members[0].dtype
-        self.flat: np.ndarray | None = None
-        self.work: Any = None
-        self.pending = len(members)
+    sharded = True
+
+    def __init__(self, zero: "ZeroDataParallel"):
+        self.zero = zero
+
+    def launch(self, bucket: Bucket) -> Any:
+        return reduce_scatter_v(bucket.flat, bucket.layout.bounds, "sum", bucket.group,
+                                async_op=True)
+
+    def packed(self, i: int, param: Any) -> None:
+        if self.zero.stage == 1:
+            self.zero._own_grad(param)
+        else:
+            param.grad = None  # this rank keeps only its reduced piece (stage 2)
+
+    def finish(self, bucket: Bucket, params: list) -> None:
+        pieces = bucket.layout.unpack_mine(bucket.flat, self.zero.rank)
+        for m, piece in zip(bucket.members, pieces, strict=True):
+            self.zero._take_piece(self.zero.entries[m], piece)
+        bucket.flat = None  # the full-size buffer lives only while the bucket is in flight
+
+    def finite(self, params: list) -> bool:
+        return all(np.isfinite(e.shard.grad.numpy()).all() for e in self.zero.entries
+                   if e.shard is not None and e.shard.grad is not None)
 
 
 class ZeroDataParallel:
@@ -96,42 +113,27 @@ class ZeroDataParallel:
         params = [p for p in module.parameters() if getattr(p, "requires_grad", True)]
         self.entries = [Entry(i, named.get(id(p), f"parameter {i}"), p, self.rank,
                               self.world_size) for i, p in enumerate(params)]
-        self._check_same_model()
+        units = GatherUnits(self, prefetch) if stage == 3 else None
+        self.sync = GradSync(
+            [e.param for e in self.entries], self.comm, _ScatterHook(self),
+            names=[e.name for e in self.entries], bucket_cap_mb=bucket_cap_mb,
+            find_unused_parameters=find_unused_parameters, count_group=self.group,
+            on_hook=None if units is None else (lambda i: units.grad_ready(self.entries[i])),
+            owner="ZeroDataParallel", advice="call zero.step() or zero.finish_gradient_sync()")
+        self.sync.check_same_model()
         for e in self.entries:
             broadcast(e.param, src=0, group=self.comm)
-        cap = int(bucket_cap_mb * 2 ** 20)
-        plan = plan_buckets([e.size for e in self.entries], [e.itemsize for e in self.entries],
-                            [e.dtype for e in self.entries], cap)
-        self.buckets = [_Bucket(i, [self.entries[m] for m in members], self.world_size)
-                        for i, members in enumerate(plan)]
-        self._bucket_of = {id(e): b for b in self.buckets for e in b.members}
-        self.units = GatherUnits(self, prefetch) if stage == 3 else None
+        self.buckets = self.sync.buckets
+        self.units = units
         self._make_shards()
         self.inner = optimizer([e.shard for e in self.entries if e.shard is not None])
         self.optimizer = ZeroOptimizer(self, self.inner)
-        self._handles = [e.param.register_post_accumulate_grad_hook(self._hook_for(e))
-                         for e in self.entries]
-        self._sync = True
-        self._counts: tuple[float, float] | None = None  # (this rank's, all ranks') examples
-        self.denominators: dict = {}
+        self.sync.register()
+        self._seen_grads: set[int] = set()  # stage 1: gradient buffers already made own
         self.steps = 0
         self.timeline: list[dict] = []
-        self._reset()
 
     # ----- setup ----------------------------------------------------------------------------
-    def _check_same_model(self) -> None:
-        import zlib
-
-        text = repr([(e.shape, e.dtype) for e in self.entries])
-        mine = np.array([zlib.crc32(text.encode()), len(self.entries)], dtype=np.int64)
-        low, high = mine.copy(), mine.copy()
-        all_reduce(low, "min", self.group)
-        all_reduce(high, "max", self.group)
-        if not (np.array_equal(low, mine) and np.array_equal(high, mine)):
-            raise CommError(f"ZeroDataParallel: ranks hold different models (parameter shapes "
-                            f"or dtypes), expected the same on every rank, got this rank's "
-                            f"{text[:300]}")
-
     def _make_shards(self) -> None:
         for e in self.entries:
             data = e.param.realize_cached_data()
@@ -156,60 +158,19 @@ class ZeroDataParallel:
     def set_num_examples(self, n: float) -> None:
         """Examples (or valid tokens) this rank's loss averages over in this step; each rank's
         gradient then counts with weight ``n / sum over ranks`` (collective: every rank calls
-        it). Without it every rank weighs ``1 / world_size``. The arithmetic is DDP's, so the
-        two give bitwise-equal gradients: each gradient is multiplied by its weight in its own
-        dtype before the sum (without counts, the sum is divided by the world size)."""
-        total = np.array([float(n)], np.float64)
-        all_reduce(total, "sum", self.group)
-        if total[0] <= 0:
-            raise CommError(f"ZeroDataParallel: total examples over ranks must be positive, "
-                            f"got {total[0]}")
-        self._counts = (float(n), float(total[0]))
-        self.denominators = {"local": float(n), "global": float(total[0])}
+        it). Without it every rank weighs ``1 / world_size``. GradSync's one rule, so DDP and
+        ZeRO give bitwise-equal gradients."""
+        self.sync.set_num_examples(n)
+        self.denominators = {"local": self.sync.counts[0], "global": self.sync.counts[1]}
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate whole gradients locally (also in stages 2 and 3);
         the next backward outside reduces the sum once."""
-        self._sync = False
-        try:
+        with self.sync.no_sync():
             yield
-        finally:
-            self._sync = True
 
     # ----- gradients -------------------------------------------------------------------------
-    def _reset(self) -> None:
-        self._fired: set[int] = set()
-        self._next_launch = 0
-        self._seen_grads: set[int] = set()
-        for b in self.buckets:
-            b.pending, b.work, b.flat = len(b.members), None, None
-
-    def _hook_for(self, e: Entry):
-        def hook(p: Any) -> None:
-            if self.units is not None:
-                self.units.grad_ready(e)
-            if self._sync:
-                self._on_grad(e, p)
-
-        return hook
-
-    def _divisor(self) -> float:
-        """What the summed gradient is divided by (1: the weights were applied before)."""
-        return 1.0 if self._counts is not None else float(self.world_size)
-
-    def _on_grad(self, e: Entry, p: Any) -> None:
-        if e.index in self._fired:
-            raise GraphError(f"ZeroDataParallel: the gradient hook of {e.name!r} fired twice "
-                             f"in one synchronized step, expected once (use no_sync() for "
-                             f"accumulation)")
-        self._fired.add(e.index)
-        if self.stage == 1:
-            self._own_grad(p)
-        self._pack(e, host(p.grad.realize_cached_data()))
-        if self.stage >= 2:
-            p.grad = None  # this rank keeps only its reduced piece (stage 2)
-
     def _own_grad(self, p: Any) -> None:
         """Stage 1 writes the reduced piece back into ``p.grad``: make sure that buffer is
         compact and belongs to ``p`` alone (the engine may hand one gradient to two leaves)."""
@@ -224,64 +185,18 @@ class ZeroDataParallel:
             handle = getattr(data, "_handle", data)
         self._seen_grads.add(id(handle))
 
-    def _pack(self, e: Entry, grad: np.ndarray) -> None:
-        bucket = self._bucket_of[id(e)]
-        if bucket.flat is None:
-            bucket.flat = np.empty(bucket.layout.numel, dtype=bucket.dtype)
-        j = bucket.members.index(e)
-        weight = grad.dtype.type(self._counts[0] / self._counts[1]
-                                 if self._counts is not None else 1.0)
-        b, flat = bucket.layout.pieces[j], bucket.flat
-        for r in range(self.world_size):
-            at = bucket.layout.offsets[r][j]
-            np.multiply(grad[b[r]:b[r + 1]], weight, out=flat[at:at + b[r + 1] - b[r]])
-        bucket.pending -= 1
-        self._launch_ready()
-
-    def _launch_ready(self) -> None:
-        """Start buckets strictly in index order, so every rank issues the same sequence."""
-        while self._next_launch < len(self.buckets):
-            bucket = self.buckets[self._next_launch]
-            if bucket.pending:
-                return
-            bucket.work = reduce_scatter_v(bucket.flat, bucket.layout.bounds, "sum",
-                                           self.comm, async_op=True)
-            self._next_launch += 1
-
-    def _fill_unused(self) -> None:
-        missing = [e for e in self.entries if e.index not in self._fired]
-        if missing and not self.find_unused_parameters:
-            names = ", ".join(repr(e.name) for e in missing[:8])
-            raise GraphError(f"ZeroDataParallel: rank {self.rank}: {len(missing)} parameter(s) "
-                             f"got no gradient in this backward, expected all "
-                             f"{len(self.entries)}: {names} (unused in forward? pass "
-                             f"find_unused_parameters=True)")
-        for e in missing:
-            self._fired.add(e.index)
-            self._pack(e, np.zeros(e.size, dtype=e.dtype))
-
     def finish_gradient_sync(self) -> None:
         """Wait for every bucket and hand each shard parameter its reduced gradient piece.
         Called by :meth:`step`; idempotent within a step."""
-        if not self._sync or not self._fired:
-            return
-        self._fill_unused()
-        self._launch_ready()
-        for bucket in self.buckets:
-            bucket.work.wait()
-            divisor = bucket.flat.dtype.type(self._divisor())
-            pieces = bucket.layout.unpack_mine(bucket.flat, self.rank)
-            for e, piece in zip(bucket.members, pieces, strict=True):
-                self._take_piece(e, piece / divisor if divisor != 1 else piece)
-            bucket.flat = None
-        if self.units is not None:
-            self.units.release_all()
-        self._reset()
+        if self.sync.finish():
+            self._seen_grads.clear()
+            if self.units is not None:
+                self.units.release_all()
 
     def _take_piece(self, e: Entry, piece: np.ndarray) -> None:
         if not e.numel:
             return
-        if self.stage == 1:  # written into the whole gradient's own slice: no new memory
+        if self.stage == 1 and e.param.grad is not None:  # into the whole gradient's slice
             grad = e.param.grad.realize_cached_data()
             view = flat_view(grad, e.lo, e.hi)
             view[slice(None)] = to_device(piece, e, "gradient")
@@ -294,15 +209,12 @@ class ZeroDataParallel:
         e.grad = value
         e.shard.grad = Tensor.make_const(value)
 
-    def all_grads_finite(self) -> bool:
+    def grads_finite(self) -> bool:
         """Whether every rank's reduced gradient pieces are finite (collective; what
         ``amp.GradScaler`` asks before a step)."""
-        self.finish_gradient_sync()
-        ok = all(np.isfinite(e.shard.grad.numpy()).all() for e in self.entries
-                 if e.shard is not None and e.shard.grad is not None)
-        flag = np.array([1.0 if ok else 0.0])
-        all_reduce(flag, "min", self.group)
-        return bool(flag[0] == 1.0)
+        return self.sync.grads_finite()
+
+    all_grads_finite = grads_finite
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Finish the gradient sync, then clip the reduced gradients by the whole model's L2
@@ -351,19 +263,23 @@ class ZeroDataParallel:
         self.timeline.append({"step": self.steps, "seconds": time.perf_counter() - started})
         del self.timeline[:-100]
 
+    def _members(self, bucket: Bucket) -> list[Entry]:
+        return [self.entries[m] for m in bucket.members]
+
     def _all_gather_weights(self) -> None:
         """Stages 1-2: every rank's updated pieces into every rank's whole weights."""
         works = []
         for bucket in self.buckets:
             flat = np.empty(bucket.layout.numel, dtype=bucket.dtype)
             mine = [host(e.shard.realize_cached_data()) if e.shard is not None
-                    else np.empty(0, bucket.dtype) for e in bucket.members]
+                    else np.empty(0, bucket.dtype) for e in self._members(bucket)]
             bucket.layout.pack_mine(mine, self.rank, flat)
             works.append((bucket, flat, all_gather_v(flat, bucket.layout.bounds, self.comm,
                                                      async_op=True)))
         for bucket, flat, work in works:
             work.wait()
-            for e, full in zip(bucket.members, bucket.layout.unpack_all(flat), strict=True):
+            for e, full in zip(self._members(bucket), bucket.layout.unpack_all(flat),
+                               strict=True):
                 data = to_device(full, e, "weight", e.shape)
                 e.param.cached_data = data
                 if e.shard is not None:
@@ -457,30 +373,30 @@ class ZeroDataParallel:
         in stages 1-2; before each module's forward and backward in stage 3, so once per
         micro-batch when accumulating), their total, and a ring all-reduce of the same
         gradients (what DDP sends) for comparison."""
-        rs = sum(b.layout.sent_elements(self.rank, "reduce_scatter") * b.members[0].itemsize
+        rs = sum(b.layout.sent_elements(self.rank, "reduce_scatter") * np.dtype(b.dtype).itemsize
                  for b in self.buckets)
         if self.units is None:
-            ag = sum(b.layout.sent_elements(self.rank, "all_gather") * b.members[0].itemsize
+            ag = sum(b.layout.sent_elements(self.rank, "all_gather") * np.dtype(b.dtype).itemsize
                      for b in self.buckets)
         else:
             per_gather = sum(lay.sent_elements(self.rank, "all_gather") * g[0].itemsize
                              for u in self.units.units
                              for g, lay in zip(u.groups, u.layouts, strict=True))
             ag = 2 * int(micro_batches) * per_gather
-        ddp = sum(b.layout.sent_elements(self.rank, k) * b.members[0].itemsize
+        ddp = sum(b.layout.sent_elements(self.rank, k) * np.dtype(b.dtype).itemsize
                   for b in self.buckets for k in ("reduce_scatter", "all_gather"))
         return {"reduce_scatter": rs, "all_gather": ag, "total": rs + ag, "ddp_all_reduce": ddp}
 
     def remove_hooks(self) -> None:
         """Detach from the module: gradient hooks, stage-3 forward wrappers."""
-        for handle in self._handles:
-            handle.remove()
+        self.sync.remove_hooks()
         if self.units is not None:
             self.units.detach()
 
     def close(self) -> None:
         """:meth:`remove_hooks` and close ZeRO's private process group (the module keeps
         whatever data its parameters hold now; gather first in stage 3 if it must be whole)."""
+        self.sync.close()
         self.remove_hooks()
         self.comm.destroy()
 

@@ -14,7 +14,7 @@ from needle.autograd import Tensor
 from needle.autograd.release import Released
 from needle.memory import attribute, framework_category
 
-from .layout import piece_bounds
+from ..flat_layout import piece_bounds
 
 
 class Sharded(Released):

@@ -19,7 +19,7 @@ import numpy as np
 from needle.autograd import Tensor
 
 from ..collectives import all_gather_v
-from .layout import FlatLayout
+from ..flat_layout import FlatLayout
 from .shards import Entry, host, to_device
 
 

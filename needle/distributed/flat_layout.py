@@ -1,4 +1,4 @@
-"""Where every element lives under ZeRO: per-parameter pieces and rank-major flat buffers.
+"""Where every element of a gradient bucket lives: per-parameter pieces, rank-major buffers.
 
 Rule: each parameter, flattened, is cut into ``world_size`` contiguous pieces whose sizes
 differ by at most one (:func:`~needle.distributed.collectives.shard_bounds`); rank r owns
@@ -6,7 +6,7 @@ piece r of *every* parameter. Shards therefore never need to divide evenly, and 
 rank holds are ``sum_p (b_p[r+1] - b_p[r])`` times the element size, which is what
 ``needle.memory.estimate(model=..., zero_stage=s, dp=n, rank=r)`` predicts.
 
-A :class:`FlatLayout` packs a group of parameters (a gradient bucket, a stage-3 module) into
+A :class:`FlatLayout` packs a group of parameters (a GradSync bucket, a ZeRO stage-3 module) into
 one 1-D buffer, *rank-major*: all of rank 0's pieces, then rank 1's, ... Segment r of the
 buffer is then exactly rank r's data, which is what a ring reduce-scatter leaves reduced on
 rank r and what a ring all-gather takes from rank r (``reduce_scatter_v``/``all_gather_v``
@@ -110,25 +110,3 @@ class FlatLayout:
         lo, hi = self.segment(skip)
         return self.numel - (hi - lo)
 
-
-def plan_buckets(sizes: list[int], itemsizes: list[int], dtypes: list[str],
-                 cap_bytes: int) -> list[list[int]]:
-    """Gradient buckets: parameter indices in reverse order (the order backward usually
-    finishes them), one dtype per bucket, at most ``cap_bytes`` of full gradients each (a
-    larger parameter gets a bucket of its own).
-
-    Example:
-        >>> plan_buckets([4, 4, 4], [4, 4, 4], ["float32"] * 3, cap_bytes=32)
-        [[2, 1], [0]]
-    """
-    plan: list[list[int]] = []
-    open_bucket: dict[str, tuple[list[int], int]] = {}
-    for i in reversed(range(len(sizes))):
-        nbytes = sizes[i] * itemsizes[i]
-        members, used = open_bucket.get(dtypes[i], ([], 0))
-        if members and used + nbytes > cap_bytes:
-            plan.append(members)
-            members, used = [], 0
-        open_bucket[dtypes[i]] = (members + [i], used + nbytes)
-    plan += [members for members, _ in open_bucket.values() if members]
-    return plan
