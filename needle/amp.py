@@ -41,8 +41,6 @@ import functools
 import math
 from typing import Any
 
-import numpy as np
-
 from ._core.errors import NeedleError
 from .autograd import Tensor
 from .autograd.grad_mode import STATE
@@ -204,28 +202,6 @@ def cast_parameters(module: Any, dtype: str = "float16") -> Any:
     return module
 
 
-def _grads_finite(optimizer: Any) -> bool:
-    """Whether every gradient the optimizer will read is finite (collective for sharded
-    optimizers, which answer through ``all_grads_finite``)."""
-    check = getattr(optimizer, "all_grads_finite", None)
-    if check is not None:
-        return bool(check())
-    ddp = getattr(optimizer, "ddp", None)  # DistributedDataParallel.wrap_optimizer's wrapper
-    if ddp is not None:
-        ddp.finish_gradient_sync()  # decide on the synchronized gradients, as every rank does
-    for p in optimizer.params:
-        if p.grad is not None and not np.isfinite(p.grad.numpy()).all():
-            return False
-    return True
-
-
-def _target(optimizer: Any) -> Any:
-    """The object whose ``grad_scale`` the update reads (unwrapping DDP's wrapper)."""
-    while not hasattr(type(optimizer), "grad_scale") and hasattr(optimizer, "optimizer"):
-        optimizer = optimizer.optimizer
-    return optimizer
-
-
 class GradScaler:
     """Dynamic loss scaling for float16 gradients.
 
@@ -234,6 +210,11 @@ class GradScaler:
     runs it with the gradients divided by the scale (in the optimizer's float32 arithmetic);
     ``update()`` then halves the scale after a skipped step (``backoff_factor``) or multiplies
     it by ``growth_factor`` after ``growth_interval`` consecutive good steps.
+
+    The optimizer is asked through ``grads_finite()`` and ``set_grad_scale(scale)`` (and its
+    ``params`` and ``step()``): ``needle.optim.Optimizer`` documents them, and a wrapper that
+    stands in for an optimizer (DDP's, ZeRO's) provides them, answering ``grads_finite`` for
+    the synchronized gradients, the same on every rank.
 
     Args:
         init_scale: the first scale (a power of two keeps scaling exact).
@@ -299,7 +280,7 @@ class GradScaler:
         if rec["unscaled"]:
             raise NeedleError("GradScaler.unscale_: already called for this optimizer since "
                               "the last update(), expected one call per step")
-        rec["found_inf"] = not _grads_finite(optimizer)
+        rec["found_inf"] = not optimizer.grads_finite()
         rec["unscaled"] = True
         inv = 1.0 / self._scale
         for p in optimizer.params:
@@ -313,18 +294,17 @@ class GradScaler:
             return True
         rec = self._record(optimizer)
         if rec["found_inf"] is None:
-            rec["found_inf"] = not _grads_finite(optimizer)
+            rec["found_inf"] = not optimizer.grads_finite()
         if rec["found_inf"]:
             return False
         if rec["unscaled"]:
             optimizer.step()
             return True
-        target = _target(optimizer)
-        target.grad_scale = self._scale
+        optimizer.set_grad_scale(self._scale)
         try:
             optimizer.step()
         finally:
-            target.grad_scale = None
+            optimizer.set_grad_scale(None)
         return True
 
     def update(self) -> None:

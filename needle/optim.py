@@ -51,11 +51,11 @@ from ._core.errors import NeedleError, ShapeError
 from ._core.versions import BUFFER_LOGS
 from ._core.versions import note_write as _note_write
 from .autograd import Tensor
+from .autograd.grad_mode import compiling, replayed
 from .autograd.tensor import replace_data
 from .autograd.versions import note_replaced
 from .backend_ndarray import NDArray
 from .backend_ndarray import ewise_program as _program
-from .compiler.effects import compiling, replayed
 from .memory import attribute as _attribute
 from .memory import framework_category as _framework_category
 from .memory.observers import phase as _phase
@@ -131,6 +131,12 @@ class Optimizer:
     Per-parameter state lives in dicts keyed by parameter (identity); ``state_dict()``
     returns it as NumPy arrays keyed by parameter position, plus the hyper-parameters.
     Every subclass's ``step`` is wrapped for memory attribution (see :func:`_attributed_step`).
+
+    ``amp.GradScaler`` uses four members: ``params``, ``step()``, :meth:`grads_finite` and
+    :meth:`set_grad_scale`. An object handed to a GradScaler in an optimizer's place (a
+    wrapper that synchronises or shards gradients) provides all four: ``grads_finite`` for the
+    gradients its ``step`` will use, after its own synchronisation and with the same answer
+    on every rank; ``set_grad_scale`` reaching the optimizer that reads the gradients.
     """
 
     _slots: tuple[str, ...] = ()
@@ -307,6 +313,45 @@ class Optimizer:
             p.grad = None
 
     zero_grad = reset_grad
+
+    def grads_finite(self) -> bool:
+        """Whether every gradient the next :meth:`step` reads is finite (no Inf, no NaN);
+        parameters without a gradient do not count. ``amp.GradScaler`` asks before a step
+        and skips the step when the answer is False.
+
+        Each gradient is checked as stored, in its own dtype and before any unscaling (a
+        float16 gradient that overflowed holds an Inf), whichever way the update then runs:
+        fused or composed, on the parameter or on its float32 master.
+
+        Example:
+            >>> import numpy as np, needle as ndl
+            >>> from needle import optim
+            >>> p, q = ndl.Tensor(np.ones(2)), ndl.Tensor(np.ones(2))
+            >>> opt = optim.SGD([p, q], lr=0.1); opt.grads_finite()  # no gradient yet
+            True
+            >>> p.grad = ndl.Tensor(np.array([1.0, np.nan])); opt.grads_finite()
+            False
+        """
+        for p in self.params:
+            grad = p.grad
+            if grad is not None and not np.isfinite(grad.numpy()).all():
+                return False
+        return True
+
+    def set_grad_scale(self, scale: float | None) -> None:
+        """Divide each gradient by ``scale`` as the following steps read it, in the update's
+        precision (float32 for float16 parameters); None: read gradients as they are.
+        ``amp.GradScaler.step`` sets its scale for the length of ``step()``.
+
+        Example:
+            >>> import numpy as np, needle as ndl
+            >>> from needle import optim
+            >>> p = ndl.Tensor(np.ones(2)); opt = optim.SGD([p], lr=1.0)
+            >>> p.grad = ndl.Tensor(np.full(2, 8.0)); opt.set_grad_scale(8.0)
+            >>> opt.step(); opt.set_grad_scale(None); p.numpy().tolist()
+            [0.0, 0.0]
+        """
+        self.grad_scale = None if scale is None else float(scale)
 
     def clip_grad_norm(self, max_norm=0.25) -> float:
         """Scale all gradients together so that their global L2 norm is at most ``max_norm``."""

@@ -15,6 +15,8 @@ What this module adds on top of NumPy:
 * per-device streams (``register_stream``) for a device that draws on its own generator;
 * draw observers (``observe_draws``), so ``checkpoint(..., verify=True)`` can hash every draw
   made inside a region and compare the replay draw by draw;
+* state observers (``add_state_observer``), told of every ``set_state`` (``needle.compiler``
+  refuses to replay a step that rewinds a stream);
 * ``host_mt19937``: NumPy's global Mersenne Twister, handed to a backend kernel that makes
   ``rand``'s draws itself (the C++ backend writes a Dropout mask straight from it), advancing
   the very same state, so the numbers and everything drawn afterwards stay NumPy's.
@@ -42,8 +44,8 @@ from ._core.handles import Callbacks, RemovableHandle
 
 __all__ = ["seed", "get_state", "set_state", "fork_rng", "rand", "randn", "randint",
            "permutation", "register_stream", "unregister_stream", "stream_for",
-           "observe_draws", "add_draw_observer", "RNGState", "NumpyGlobalStream", "HOST",
-           "host_mt19937", "draw_through_numpy"]
+           "observe_draws", "add_draw_observer", "add_state_observer", "RNGState",
+           "NumpyGlobalStream", "HOST", "host_mt19937", "draw_through_numpy"]
 
 HOST = "host"  # key of the host stream (NumPy's global generator)
 
@@ -82,6 +84,7 @@ class NumpyGlobalStream:
 _HOST_STREAM = NumpyGlobalStream()
 _STREAMS: dict[str, Any] = {}  # device name -> stream; devices absent here use the host stream
 _OBSERVERS = Callbacks()
+_STATE_OBSERVERS = Callbacks()
 
 
 def _device_name(device) -> str:
@@ -179,22 +182,26 @@ def get_state(device=None):
 
 
 def set_state(state, device=None) -> None:
-    """Restore a state from :func:`get_state` (all streams for an :class:`RNGState`).
+    """Restore a state from :func:`get_state` (all streams for an :class:`RNGState`), then
+    tell the state observers (:func:`add_state_observer`).
 
     Raises:
         RNGStateError: an RNGState naming a stream that is not registered any more.
     """
     if device is not None or not isinstance(state, RNGState):
         stream_for(device).set_state(state)
-        return
-    streams = _all_streams()
-    for key, value in state.items():
-        stream = streams.get(key)
-        if stream is None:
-            raise RNGStateError(
-                f"set_state: no stream {key!r}, expected one of {sorted(streams)}, got a state "
-                f"saved while {key!r} was registered")
-        stream.set_state(value)
+    else:
+        streams = _all_streams()
+        for key, value in state.items():
+            stream = streams.get(key)
+            if stream is None:
+                raise RNGStateError(
+                    f"set_state: no stream {key!r}, expected one of {sorted(streams)}, got a "
+                    f"state saved while {key!r} was registered")
+            stream.set_state(value)
+    if _STATE_OBSERVERS:
+        for fn in _STATE_OBSERVERS:
+            fn(state, device)
 
 
 @contextlib.contextmanager
@@ -334,6 +341,24 @@ def add_draw_observer(fn: Callable[[str, str, Any], None]) -> RemovableHandle:
         ['randn']
     """
     return _OBSERVERS.add(fn)
+
+
+def add_state_observer(fn: Callable[[Any, Any], None]) -> RemovableHandle:
+    """Call ``fn(state, device)`` after every :func:`set_state` (``fork_rng`` restoring its
+    saved state included), with the arguments it was given; from whichever thread called it.
+
+    Returns a handle with ``remove()``, also a context manager that removes it on exit.
+    Observers must not set a state themselves.
+
+    Example:
+        >>> seen = []
+        >>> with add_state_observer(lambda state, device: seen.append(device)):
+        ...     set_state(get_state())
+        ...     set_state(get_state("cpu"), "cpu")
+        >>> set_state(get_state()); seen
+        [None, 'cpu']
+    """
+    return _STATE_OBSERVERS.add(fn)
 
 
 @contextlib.contextmanager

@@ -5,6 +5,10 @@ docs/backend_protocol.md. Backend modules are imported lazily and at most once; 
 backend gives a *disabled* device (``enabled()`` is False) instead of an import error, so
 ``import needle`` works without the compiled module or without a GPU.
 
+:func:`intercept` is the one way to put something between a device and its backend module:
+for the length of a ``with`` block, on the calling thread only, the kernels the device hands
+out come from a handler instead (``needle.compiler`` records a step's kernel calls so).
+
 Example:
     >>> from needle.backend_ndarray import cpu_numpy
     >>> d = cpu_numpy(); str(d), d.enabled()
@@ -12,9 +16,12 @@ Example:
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib
 import os
+import threading
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -112,6 +119,147 @@ class BackendDevice:
         if fill_value is not None:
             arr._fill(fill_value)  # a fresh array: no version bump (needle._core.versions)
         return arr
+
+
+# ----- interception ---------------------------------------------------------------------------
+# A device caches each kernel it hands out as an attribute of its own, so that the next lookup
+# is a plain attribute hit (the NDArray hot path). intercept() leaves those attributes alone.
+# While some thread intercepts a device, the device is an instance of a subclass of its own
+# class whose __getattribute__ asks the calling thread's handlers first; when the last
+# intercept() block on it ends (on any thread), it is an instance of its own class again, so
+# a device nobody intercepts looks its kernels up exactly as fast as before.
+
+
+class _Intercepts(threading.local):
+    # a class default: a thread that never intercepted reads None without an AttributeError
+    handlers: dict | None = None  # id(device) -> [handler, ...], innermost last
+
+
+_INTERCEPTS = _Intercepts()
+_INTERCEPT_LOCK = threading.Lock()
+_ACTIVE: dict[int, int] = {}  # id(device) -> intercept() blocks running on it, all threads
+_INTERCEPTED_CLASS: dict[type, type] = {}  # a device class -> its intercepted subclass
+_OWN_CLASS: dict[type, type] = {}  # the other way round
+
+
+def _handler(device) -> Any:
+    """The innermost handler of ``device`` on this thread, or None."""
+    handlers = _INTERCEPTS.handlers
+    if handlers:
+        stack = handlers.get(id(device))
+        if stack:
+            return stack[-1]
+    return None
+
+
+class _Intercepted:
+    """Mixed in front of a device's class while the device is intercepted (see above)."""
+
+    _own_names: frozenset = frozenset()  # the class's own attributes, and ``name``
+
+    def __getattribute__(self, name):
+        handlers = _INTERCEPTS.handlers
+        if handlers:
+            stack = handlers.get(id(self))
+            if stack and name not in type(self)._own_names:
+                handler = stack[-1]
+                if name == "mod":
+                    return handler
+                if name == "new_array":
+                    return getattr(handler, "new_array", None) or handler.Array
+                return getattr(handler, name)
+        return object.__getattribute__(self, name)
+
+    def __getattr__(self, name):
+        if _handler(self) is not None:  # the handler does not have it: neither does the device
+            raise AttributeError(f"{self!r} is intercepted on this thread and its handler "
+                                 f"has no attribute {name!r}")
+        return _OWN_CLASS[type(self)].__getattr__(self, name)
+
+
+def _intercepted_class(cls: type) -> type:
+    made = _INTERCEPTED_CLASS.get(cls)
+    if made is None:
+        made = type(cls.__name__, (_Intercepted, cls),
+                    {"_own_names": frozenset(dir(cls)) | {"name"},
+                     "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        _INTERCEPTED_CLASS[cls], _OWN_CLASS[made] = made, cls
+    return made
+
+
+@contextlib.contextmanager
+def intercept(device: BackendDevice, handler: Any) -> Iterator[Any]:
+    """Route ``device``'s backend lookups made by this thread to ``handler`` for the block.
+
+    ``handler`` stands in for the device's backend module: inside the block, on the calling
+    thread, ``device.mod`` is ``handler`` and every name the device would take from its
+    module (``device.ewise_add``, ``device.Array``, ``device.new_array``) is looked up on
+    ``handler`` instead (its methods ``randn``, ``empty``, ... stay the device's own and reach
+    the kernels the same way). A handler usually wraps the real module, taken as
+    ``device.mod`` before the block. Yields ``handler``.
+
+    * Thread-local: other threads keep using the real module while the block runs.
+    * Nestable: the innermost block's handler wins; on exit, normal or by an exception, the
+      enclosing one is in force again, and after the outermost the device is as it was.
+    * The device's attributes are not touched (its cached kernels stay cached); kernels
+      fetched *before* the block and kept elsewhere are not intercepted. While any thread
+      intercepts it, ``type(device)`` is a subclass of its class of the same name (whose
+      attribute lookups ask this thread's handler first); ``isinstance`` and equality hold.
+
+    Raises:
+        DeviceError: ``device`` is not a :class:`BackendDevice`, or ``handler`` is None.
+
+    Example:
+        >>> import numpy as np
+        >>> from needle.backend_ndarray import NDArray, cpu_numpy, intercept
+        >>> class Counting:
+        ...     def __init__(self, mod):
+        ...         self.mod, self.calls = mod, []
+        ...     def __getattr__(self, name):
+        ...         kernel = getattr(self.mod, name)
+        ...         if not name.startswith("ewise_"):
+        ...             return kernel
+        ...         def counted(*args):
+        ...             self.calls.append(name)
+        ...             return kernel(*args)
+        ...         return counted
+        >>> dev = cpu_numpy(); a = NDArray(np.ones(3), device=dev)
+        >>> with intercept(dev, Counting(dev.mod)) as counting:
+        ...     b = a + a
+        >>> counting.calls, b.numpy().tolist(), dev.mod is counting.mod
+        (['ewise_add'], [2.0, 2.0, 2.0], True)
+    """
+    if not isinstance(device, BackendDevice):
+        raise DeviceError(f"intercept: expected a BackendDevice, got {device!r}")
+    if handler is None:
+        raise DeviceError("intercept: expected a handler standing in for the backend module, "
+                          "got None")
+    key = id(device)
+    with _INTERCEPT_LOCK:
+        if not _ACTIVE.get(key):
+            device.__class__ = _intercepted_class(type(device))
+        _ACTIVE[key] = _ACTIVE.get(key, 0) + 1
+    handlers = _INTERCEPTS.handlers
+    if handlers is None:
+        handlers = _INTERCEPTS.handlers = {}
+    stack = handlers.setdefault(key, [])
+    stack.append(handler)
+    try:
+        yield handler
+    finally:
+        for i in range(len(stack) - 1, -1, -1):  # the innermost entry of this handler
+            if stack[i] is handler:
+                del stack[i]
+                break
+        if not stack and handlers.get(key) is stack:
+            del handlers[key]
+        with _INTERCEPT_LOCK:
+            left = _ACTIVE[key] - 1
+            if left:
+                _ACTIVE[key] = left
+            else:
+                del _ACTIVE[key]
+                device.__class__ = _OWN_CLASS[type(device)]
 
 
 def _draw_shape(op: str, shape) -> tuple:

@@ -9,6 +9,10 @@ results wherever the recorded results went into a kernel (matched by identity: p
 returned floats on as they are). Changes it makes to plain numbers of ``owner`` are its own:
 the compiler neither refuses nor guards them.
 
+The per-thread state lives in :mod:`needle.autograd.grad_mode`, beside the other per-thread
+modes, so that ``nn`` and ``optim`` read it without importing the compiler; this module is
+the compiler's name for it.
+
 Example:
     >>> class Counter:
     ...     def __init__(self): self.t = 0
@@ -20,57 +24,7 @@ Example:
 """
 from __future__ import annotations
 
-import threading
-from typing import Any, Callable
-
-from needle import random as _random
+from needle.autograd.grad_mode import compiling, replayed, set_compiling
+from needle.autograd.grad_mode import set_replay_listener as set_listener
 
 __all__ = ["replayed", "set_listener", "compiling", "set_compiling"]
-
-
-class _Local(threading.local):
-    # class defaults: a thread that never set a field reads them without the AttributeError
-    # that getattr(local, name, default) would raise and catch (the optimizers ask per
-    # parameter whether a compiled step runs)
-    listener = None
-    compiling = False
-
-
-_LOCAL = _Local()
-
-
-def replayed(fn: Callable[[], Any], owner: object) -> Any:
-    """``fn()``, also run by every kernel replay of a step recorded around this call (see the
-    module docstring). ``fn`` returns a float or a tuple of floats."""
-    value = fn()
-    listener = _LOCAL.listener
-    if listener is not None:
-        listener(fn, owner, value)
-    return value
-
-
-def set_listener(fn) -> Any:
-    """Install ``fn(fn, owner, value)`` for this thread's :func:`replayed` calls (None: off);
-    returns the previous one. needle.compiler's recorder listens while it records a step."""
-    prev = _LOCAL.listener
-    _LOCAL.listener = fn
-    return prev
-
-
-
-def compiling() -> bool:
-    """True while a compiled step (``needle.compile``) runs on this thread: its warm-up,
-    trace, planned and recorded calls all run the step's Python under it.
-
-    Code with a fused shortcut of its own takes its composed path then, so that the trace,
-    the plan and the recordings see one and the same sequence of kernels, which the compiler
-    fuses itself (the optimizers' updates do this)."""
-    return _LOCAL.compiling
-
-
-def set_compiling(flag: bool) -> None:
-    """Mark this thread as running a compiled step's Python (or no longer). Random draws then
-    go through NumPy, not a device kernel (``needle.random.draw_through_numpy``): the trace,
-    the plan and the recordings see the same allocations and kernels."""
-    _LOCAL.compiling = flag
-    _random.draw_through_numpy(flag)

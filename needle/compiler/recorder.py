@@ -1,10 +1,10 @@
 """Record every kernel call a step makes on a device: the raw material of a kernel program.
 
-While :func:`record_kernels` is active, the device's backend module is replaced by a proxy
-(:class:`_RecordingModule`) through which the NDArray layer reaches every kernel
-(``device.ewise_add``, ``device.mod.matmul_strided``, ``device.Array``). Each call made by
-the recording thread is written down with its arguments, a buffer handle replaced by a
-:class:`Ref` to a *slot*:
+While :func:`record_kernels` is active, a proxy of the device's backend module
+(:class:`_RecordingModule`) intercepts the recording thread's kernel lookups
+(``needle.backend_ndarray.intercept``): the NDArray layer reaches every kernel through it
+(``device.ewise_add``, ``device.mod.matmul_strided``, ``device.Array``). Each call is written
+down with its arguments, a buffer handle replaced by a :class:`Ref` to a *slot*:
 
 * a handle made during the recording (``Array(size, dtype)``) is an internal slot, numbered
   in allocation order (the order the memory plan of the same call uses);
@@ -40,6 +40,7 @@ import numpy as np
 
 from needle import random as _random
 from needle.autograd.engine import HOOK_CALLS
+from needle.backend_ndarray.devices import intercept
 from needle.memory import categories as _categories
 
 from . import effects as _effects
@@ -281,11 +282,7 @@ def record_kernels(device) -> Iterator[Recording]:
     """Record the kernel calls made on ``device`` by this thread while the block runs."""
     real = device.mod
     rec = Recording(real.Array)
-    saved = dict(device.__dict__)
-    for name in list(device.__dict__):
-        if name not in ("name", "mod"):
-            del device.__dict__[name]  # cached kernels: looked up again, through the proxy
-    device.__dict__["mod"] = _RecordingModule(real, rec)
+    thread = threading.get_ident()
 
     def on_draw(kind, stream, value):
         if threading.get_ident() != thread:
@@ -295,27 +292,19 @@ def record_kernels(device) -> Iterator[Recording]:
         else:
             rec.problem(f"the step draws {kind} from needle.random for use on the host")
 
-    real_set_state = _random.set_state
-
-    def set_state(*args, **kwargs):
+    def on_set_state(state, stream):
         if threading.get_ident() == thread:
             # a checkpoint region replaying its draws: a replay drawing afresh would differ
             rec.problem("the step sets a needle.random state (a checkpoint region)")
-        return real_set_state(*args, **kwargs)
 
-    thread = threading.get_ident()
     hooks_before = HOOK_CALLS[0]
-    handle = _random.add_draw_observer(on_draw)
-    _random.set_state = set_state
     previous_listener = _effects.set_listener(rec.python)
     try:
-        yield rec
+        with _random.add_draw_observer(on_draw), _random.add_state_observer(on_set_state), \
+                intercept(device, _RecordingModule(real, rec)):
+            yield rec
     finally:
         _effects.set_listener(previous_listener)
-        _random.set_state = real_set_state
-        handle.remove()
-        device.__dict__.clear()
-        device.__dict__.update(saved)
     if HOOK_CALLS[0] != hooks_before:
         rec.problem("autograd hooks ran during the step (Python a replay would not run)")
     for kind, _, _ in rec.draws:

@@ -20,10 +20,9 @@ import math
 from .. import init, ops
 from .._core.errors import ShapeError
 from ..autograd import Tensor, is_grad_enabled
-from ..autograd.grad_mode import STATE
+from ..autograd.grad_mode import STATE, compiling
 from ..autograd.tensor import replace_data
 from ..backend_ndarray import ewise_program as _program
-from ..compiler.effects import compiling
 from ..memory import framework_category
 from .nn_module import Module, Parameter
 

@@ -49,5 +49,10 @@ class ZeroOptimizer:
     def all_grads_finite(self) -> bool:
         return self.zero.all_grads_finite()
 
+    def grads_finite(self) -> bool:
+        """Whether every rank's reduced gradient pieces are finite (collective: the same
+        answer on every rank); what ``amp.GradScaler`` asks before a step."""
+        return self.zero.all_grads_finite()
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.optimizer, name)
