@@ -6,31 +6,25 @@ starts an asynchronous all-reduce on the communication thread (in index order on
 rank); ``finish_gradient_sync()`` waits for all of them and writes the averaged gradients
 into each parameter's ``.grad``.
 
-Normalisation (GradSync's one rule). Default: the average of the ranks' gradients, the
-gradient of the global mean loss when every rank holds the same number of examples. For
-unequal counts call ``ddp.set_num_examples(n)`` each step (collective: it sums the counts):
-with ``reduction="mean"`` (local loss = mean over n local examples) the result is
-``sum_r n_r g_r / sum_r n_r``; with ``reduction="sum"`` (local loss = sum over the
-examples, also right for no_sync accumulation) it is ``sum_r g_r / sum_r n_r``. Each rank's
-weight is applied to its gradient in the gradient's dtype before the sum (a float16
-gradient never overflows on the way); ZeroDataParallel, the mesh's data axis and the
-synchronous parameter server use the same arithmetic, bit for bit.
+Normalisation (GradSync's one rule): the average of the ranks' gradients; after
+``ddp.set_num_examples(n)`` (collective) with ``reduction="mean"``, ``sum_r n_r g_r / sum_r
+n_r``; with ``reduction="sum"``, ``sum_r g_r / sum_r n_r``. ZeroDataParallel, the mesh's
+data axis and the synchronous parameter server use the same arithmetic, bit for bit.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 from . import traffic
 from ._group import resolve
 from .collectives import broadcast
-from .grad_sync import AllReduceHook, GradSync
+from .grad_sync import AllReduceHook, GradSync, SyncedModule
 
 _ADVICE = ("call ddp.finish_gradient_sync() before optimizer.step(), or step the optimizer "
            "returned by ddp.wrap_optimizer(optimizer), which does it (or use ddp.no_sync())")
 
 
-class DistributedDataParallel:
+class DistributedDataParallel(SyncedModule):
     """Data-parallel wrapper of a module; see the module docstring for the contract.
 
     Args:
@@ -75,56 +69,9 @@ class DistributedDataParallel:
                 broadcast(p, src=0, group=self.group)
         self.sync.register()
 
-    @property
-    def buckets(self) -> list:
-        return self.sync.buckets
-
-    @property
-    def timeline(self) -> list[dict]:
-        """Per synchronized step: hook times and each bucket's ready/launch/start/done."""
-        return self.sync.timeline
-
-    @property
-    def events(self) -> list[tuple[str, int, float]]:
-        """``("ready", parameter, time)`` and ``("launch", bucket, time)``, in order."""
-        return self.sync.events
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
-
-    forward = __call__
-
-    def parameters(self) -> list[Any]:
-        return self.module.parameters()
-
-    def set_num_examples(self, n: float) -> None:
-        """Examples (or valid tokens) this rank's loss covers in this step; see the module doc
-        (collective: every rank calls it, before the step's backward)."""
-        self.sync.set_num_examples(n)
-
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward passes inside accumulate gradients locally; the next one outside syncs."""
-        with self.sync.no_sync():
-            yield
-
-    def finish_gradient_sync(self) -> None:
-        """Wait for every bucket and write the synchronized gradients into ``p.grad``.
-
-        Call after backward and before the optimizer step (``wrap_optimizer`` does it).
-        """
-        self.sync.finish()
-
-    def grads_finite(self) -> bool:
-        """Whether every synchronized gradient is finite (finishes the sync first)."""
-        return self.sync.grads_finite()
-
     def wrap_optimizer(self, optimizer: Any) -> "SyncedOptimizer":
         """An optimizer whose ``step()`` first calls ``finish_gradient_sync()``."""
         return SyncedOptimizer(self, optimizer)
-
-    def remove_hooks(self) -> None:
-        self.sync.remove_hooks()
 
     def close(self) -> None:
         """Remove the hooks and close the priority group, if any."""

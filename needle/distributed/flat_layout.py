@@ -60,10 +60,6 @@ class FlatLayout:
     def segment(self, rank: int) -> tuple[int, int]:
         return self.bounds[rank], self.bounds[rank + 1]
 
-    def piece(self, j: int, rank: int) -> tuple[int, int]:
-        """``(lo, hi)``: rank's piece of parameter j, as offsets into the flattened parameter."""
-        return self.pieces[j][rank], self.pieces[j][rank + 1]
-
     def pack_all(self, arrays: list[np.ndarray], out: np.ndarray | None = None) -> np.ndarray:
         """Every rank's pieces of full (flattened) arrays into one rank-major buffer."""
         out = np.empty(self.numel, dtype=arrays[0].dtype) if out is None else out

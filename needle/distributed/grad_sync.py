@@ -11,22 +11,14 @@ the collective: an all-reduce for DDP and the mesh, a reduce-scatter for ZeRO.
 :meth:`GradSync.finish` waits for every bucket and lets the hook write the results back.
 
 One example-weighting rule. Each rank multiplies its gradient by its weight, in the
-gradient's own dtype, while packing (so a float16 gradient never overflows on the way); the
-collective sums; only ``"sum"`` with counts divides the sum by the total afterwards (its
-counts may arrive after the backward, when gradients were accumulated under ``no_sync``):
-
-=====================  ==========================  ============================
-reduction              ``set_num_examples(n)``      without counts
-=====================  ==========================  ============================
-``"mean"`` (default)   ``n_r / sum_r n_r``          ``1 / world_size``
-``"sum"``              sum, then ``/ sum_r n_r``    ``1`` (a plain sum)
-=====================  ==========================  ============================
-
-With ``"mean"`` each rank's loss is the mean over its n_r examples and the result is the
-gradient of the global mean, ``sum_r n_r g_r / sum_r n_r``. The ring all-reduce is the
-reduce-scatter followed by an all-gather over the same segments, so both sum every element
-in the same order: DDP, ZeRO and the mesh give bitwise-equal gradients for the same model,
-bucket size and counts.
+gradient's dtype, while packing (a float16 gradient never overflows on the way), and the
+collective sums. ``reduction="mean"`` (each rank's loss is a mean over its n_r examples):
+weight ``n_r / sum_r n_r`` after ``set_num_examples(n_r)``, else ``1 / world_size``; the
+result is the gradient of the global mean. ``reduction="sum"``: weight 1, and the sum is
+divided by ``sum_r n_r`` when counts are given (they may come after a ``no_sync``
+accumulation). The ring all-reduce is the reduce-scatter then an all-gather over the same
+segments, so both sum every element in the same order: DDP, ZeRO and the mesh give
+bitwise-equal gradients for the same model, bucket size and counts.
 
 Priority. ``priority=k`` sends the k buckets that hold the earliest layers (the last ones
 backward fills, the first ones the next forward needs) over a second process group of the
@@ -70,7 +62,7 @@ class Bucket:
                  world_size: int, group: Any):
         self.index, self.dtype, self.members, self.group = index, dtype, members, group
         self.layout = FlatLayout(sizes, world_size)
-        self.flat: np.ndarray | None = np.zeros(self.layout.numel, dtype=dtype)
+        self.flat: Any = np.zeros(self.layout.numel, dtype=dtype)  # None: released
         self.work: Any = None
         self.pending = len(members)
         self.ready_at: float | None = None
@@ -88,10 +80,9 @@ class Bucket:
 
 
 class BucketHook:
-    """What a sync does with a full bucket. ``launch`` starts its collective and returns the
-    Work; ``finish`` (after the wait) writes the results back; ``packed`` runs after a
-    parameter's gradient was copied into its bucket; ``finite`` says whether this rank's
-    results are finite (``sharded``: results differ by rank, so the answer is agreed)."""
+    """What a sync does with a full bucket: ``launch`` starts its collective (returns the
+    Work), ``finish`` writes the results back after the wait (``sharded``: they differ by
+    rank, so :meth:`GradSync.grads_finite` agrees on ``finite``)."""
 
     sharded = False
 
@@ -246,8 +237,9 @@ class GradSync:
         if differ:
             raise CommError(
                 f"{self.owner}: ranks hold different models: ranks {differ} have a different "
-                f"bucket plan than rank 0 (different model or bucket_cap_mb), expected {int(everyone[0][1])} buckets "
-                f"with rank 0's shapes, got this rank's plan {text[:300]}")
+                f"bucket plan than rank 0 (different model or bucket_cap_mb), expected "
+                f"{int(everyone[0][1])} buckets with rank 0's shapes, got this rank's plan "
+                f"{text[:300]}")
 
     # ----- weighting --------------------------------------------------------------------
     def set_num_examples(self, n: float) -> None:
@@ -410,3 +402,58 @@ class GradSync:
         if self.fast is not None:
             self.fast.destroy()
             self.fast = None
+
+
+class SyncedModule:
+    """What a data-parallel wrapper (DDP, ZeRO) shows the training loop: the wrapped module's
+    call and the engine's per-step API. Subclasses set ``module`` and ``sync``."""
+
+    module: Any
+    sync: GradSync
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    forward = __call__
+
+    def parameters(self) -> list[Any]:
+        return self.module.parameters()
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        return self.sync.buckets
+
+    @property
+    def timeline(self) -> list[dict]:
+        """Per synchronized step: hook times and each bucket's ready/launch/start/done."""
+        return self.sync.timeline
+
+    @property
+    def events(self) -> list[tuple[str, int, float]]:
+        """``("ready", parameter, time)`` and ``("launch", bucket, time)``, in order."""
+        return self.sync.events
+
+    def set_num_examples(self, n: float) -> None:
+        """Examples (or valid tokens) this rank's loss covers in this step; each rank then
+        weighs ``n / sum over ranks`` (collective: every rank calls it, before the backward;
+        without it every rank weighs ``1 / world_size``)."""
+        self.sync.set_num_examples(n)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally; the next one outside syncs."""
+        with self.sync.no_sync():
+            yield
+
+    def finish_gradient_sync(self) -> None:
+        """Wait for every bucket and write the synchronized gradients back (idempotent within
+        a step; the wrapped optimizer's ``step()`` calls it)."""
+        self.sync.finish()
+
+    def grads_finite(self) -> bool:
+        """Whether every synchronized gradient is finite on every rank (what
+        ``amp.GradScaler`` asks before a step; finishes the sync first)."""
+        return self.sync.grads_finite()
+
+    def remove_hooks(self) -> None:
+        self.sync.remove_hooks()

@@ -100,13 +100,11 @@ def init_device_mesh(shape: Sequence[int], names: Sequence[str] | None = None,
 
 def average_gradients(params: Sequence[Any], group: Any = None,
                       num_examples: float | None = None, bucket_cap_mb: float = 25) -> None:
-    """Replace each parameter's ``.grad`` by its average over the ranks of ``group``, for data
-    parallelism that DDP's hooks cannot serve (a pipeline step runs many backwards). The
-    gradients go through :class:`~needle.distributed.grad_sync.GradSync` (buckets of
-    ``bucket_cap_mb``, ring all-reduce), so the result is DDP's bit for bit.
-
-    ``num_examples``: this rank's examples when ranks hold different numbers; the result is
-    then ``sum_r n_r g_r / sum_r n_r`` (each rank's loss being a mean over its examples).
+    """Replace each parameter's ``.grad`` by its average over the ranks of ``group`` (data
+    parallelism that DDP's hooks cannot serve: a pipeline step runs many backwards), through
+    :class:`~needle.distributed.grad_sync.GradSync`, so the result is DDP's bit for bit.
+    ``num_examples``: this rank's examples when ranks hold different numbers (the result is
+    then ``sum_r n_r g_r / sum_r n_r``, each rank's loss being a mean over its examples).
 
     Example:
         >>> import numpy as np, needle.distributed as dist

@@ -16,23 +16,21 @@ staged through host buffers, so every device (``cuda()`` included) works.
 """
 from __future__ import annotations
 
-import time
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 
-from needle._core.errors import GraphError
 from needle.autograd import Tensor
 from needle.memory import framework_category
 
 from .._errors import CommError
 from .._group import resolve
-from ..collectives import all_gather_v, broadcast, reduce_scatter_v
-from ..grad_sync import Bucket, BucketHook, GradSync
+from ..collectives import broadcast, reduce_scatter_v
+from ..grad_sync import Bucket, BucketHook, GradSync, SyncedModule
 from .optimizer import ZeroOptimizer
 from .shards import Entry, flat_view, host, to_device
 from .stage3 import GatherUnits
+from .weights import ZeroWeights
 
 
 class _ScatterHook(BucketHook):
@@ -64,7 +62,7 @@ class _ScatterHook(BucketHook):
                    if e.shard is not None and e.shard.grad is not None)
 
 
-class ZeroDataParallel:
+class ZeroDataParallel(SyncedModule, ZeroWeights):
     """ZeRO data parallelism over the ranks of ``group`` (see the module docstring).
 
     Args:
@@ -123,7 +121,6 @@ class ZeroDataParallel:
         self.sync.check_same_model()
         for e in self.entries:
             broadcast(e.param, src=0, group=self.comm)
-        self.buckets = self.sync.buckets
         self.units = units
         self._make_shards()
         self.inner = optimizer([e.shard for e in self.entries if e.shard is not None])
@@ -131,7 +128,6 @@ class ZeroDataParallel:
         self.sync.register()
         self._seen_grads: set[int] = set()  # stage 1: gradient buffers already made own
         self.steps = 0
-        self.timeline: list[dict] = []
 
     # ----- setup ----------------------------------------------------------------------------
     def _make_shards(self) -> None:
@@ -146,29 +142,10 @@ class ZeroDataParallel:
         if self.units is not None:
             self.units.attach()
 
-    # ----- forward ---------------------------------------------------------------------------
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
-
-    forward = __call__
-
-    def parameters(self) -> list:
-        return self.module.parameters()
-
     def set_num_examples(self, n: float) -> None:
-        """Examples (or valid tokens) this rank's loss averages over in this step; each rank's
-        gradient then counts with weight ``n / sum over ranks`` (collective: every rank calls
-        it). Without it every rank weighs ``1 / world_size``. GradSync's one rule, so DDP and
-        ZeRO give bitwise-equal gradients."""
+        """GradSync's weighting rule (so DDP and ZeRO give bitwise-equal gradients)."""
         self.sync.set_num_examples(n)
         self.denominators = {"local": self.sync.counts[0], "global": self.sync.counts[1]}
-
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward passes inside accumulate whole gradients locally (also in stages 2 and 3);
-        the next backward outside reduces the sum once."""
-        with self.sync.no_sync():
-            yield
 
     # ----- gradients -------------------------------------------------------------------------
     def _own_grad(self, p: Any) -> None:
@@ -209,13 +186,6 @@ class ZeroDataParallel:
         e.grad = value
         e.shard.grad = Tensor.make_const(value)
 
-    def grads_finite(self) -> bool:
-        """Whether every rank's reduced gradient pieces are finite (collective; what
-        ``amp.GradScaler`` asks before a step)."""
-        return self.sync.grads_finite()
-
-    all_grads_finite = grads_finite
-
     def clip_grad_norm(self, max_norm: float) -> float:
         """Finish the gradient sync, then clip the reduced gradients by the whole model's L2
         norm, the one a single process would compute (collective; ``dist.clip_grad_norm``
@@ -254,41 +224,11 @@ class ZeroDataParallel:
     # ----- the step --------------------------------------------------------------------------
     def step(self) -> None:
         """Finish the gradient sync, update this rank's shard, publish the weights."""
-        started = time.perf_counter()
         self.finish_gradient_sync()
         self.inner.step()
         if self.stage < 3:
             self._all_gather_weights()
         self.steps += 1
-        self.timeline.append({"step": self.steps, "seconds": time.perf_counter() - started})
-        del self.timeline[:-100]
-
-    def _members(self, bucket: Bucket) -> list[Entry]:
-        return [self.entries[m] for m in bucket.members]
-
-    def _all_gather_weights(self) -> None:
-        """Stages 1-2: every rank's updated pieces into every rank's whole weights."""
-        works = []
-        for bucket in self.buckets:
-            flat = np.empty(bucket.layout.numel, dtype=bucket.dtype)
-            mine = [host(e.shard.realize_cached_data()) if e.shard is not None
-                    else np.empty(0, bucket.dtype) for e in self._members(bucket)]
-            bucket.layout.pack_mine(mine, self.rank, flat)
-            works.append((bucket, flat, all_gather_v(flat, bucket.layout.bounds, self.comm,
-                                                     async_op=True)))
-        for bucket, flat, work in works:
-            work.wait()
-            for e, full in zip(self._members(bucket), bucket.layout.unpack_all(flat),
-                               strict=True):
-                data = to_device(full, e, "weight", e.shape)
-                e.param.cached_data = data
-                if e.shard is not None:
-                    rebind = getattr(self.inner, "rebind", None)
-                    view = flat_view(data, e.lo, e.hi)
-                    if rebind is not None:
-                        rebind(e.shard, view)
-                    else:
-                        e.shard.cached_data = view
 
     def zero_grad(self) -> None:
         """Drop every gradient: whole ones, reduced pieces and the shard parameters'."""
@@ -299,93 +239,6 @@ class ZeroDataParallel:
                 e.shard.grad = None
 
     reset_grad = zero_grad
-
-    # ----- whole weights ---------------------------------------------------------------------
-    def full_parameters(self) -> list[np.ndarray]:
-        """Every parameter as a host array in ``parameters()`` order (collective in stage 3)."""
-        if self.units is not None:
-            return self.units.gather_all_host()
-        return [e.param.numpy() for e in self.entries]
-
-    def full_gradients(self) -> list[np.ndarray]:
-        """Every parameter's reduced gradient as a host array, assembled from every rank's
-        pieces (collective; after :meth:`finish_gradient_sync`, before the step)."""
-        out = []
-        for e in self.entries:
-            flat = np.zeros(e.size, dtype=e.dtype)
-            if e.shard is not None and e.shard.grad is not None:
-                flat[e.lo:e.hi] = host(e.shard.grad.realize_cached_data())
-            all_gather_v(flat, e.bounds, self.comm)
-            out.append(flat.reshape(e.shape))
-        return out
-
-    @contextmanager
-    def gathered(self) -> Iterator[None]:
-        """Stage 3: the whole weights in place for the block (collective; others: no-op)."""
-        if self.units is None:
-            yield
-            return
-        self.units.materialize_all()
-        try:
-            yield
-        finally:
-            self.units.release_all()
-
-    def set_full_weights(self, arrays: list[np.ndarray]) -> None:
-        """Install whole weights (host arrays in ``parameters()`` order) on this rank: the
-        whole data in stages 1-2, this rank's pieces in stage 3."""
-        for e, full in zip(self.entries, arrays, strict=True):
-            full = np.asarray(full).reshape(-1)
-            if self.stage == 3:
-                if e.shard is not None:
-                    e.shard.cached_data = to_device(full[e.lo:e.hi], e, "weight")
-                e.release()
-                continue
-            data = to_device(full, e, "weight", e.shape)
-            e.param.cached_data = data
-            if e.shard is not None:
-                e.shard.cached_data = flat_view(data, e.lo, e.hi)
-
-    # ----- checkpoints -----------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """This rank's pieces of the weights and of the optimizer state (docs/zero.md); save
-        one per rank."""
-        from .state import local_state
-
-        return local_state(self)
-
-    def load_state_dict(self, states: list[dict] | dict) -> None:
-        """Restore from the :meth:`state_dict` of *every* rank of a saved run, whatever its
-        world size (a different one reshards). A single dict is accepted on one rank."""
-        from .state import load_states
-
-        load_states(self, [states] if isinstance(states, dict) else list(states))
-
-    # ----- traffic ---------------------------------------------------------------------------
-    @property
-    def bytes_sent(self) -> int:
-        """Payload bytes this rank's ZeRO collectives have sent so far (measured)."""
-        return int(self.comm.bytes_sent["ring"])
-
-    def predicted_traffic(self, micro_batches: int = 1) -> dict[str, int]:
-        """Bytes this rank sends in one training step, from the layouts (ring: every segment
-        but one per collective): gradient reduce-scatter, weight all-gathers (after the step
-        in stages 1-2; before each module's forward and backward in stage 3, so once per
-        micro-batch when accumulating), their total, and a ring all-reduce of the same
-        gradients (what DDP sends) for comparison."""
-        rs = sum(b.layout.sent_elements(self.rank, "reduce_scatter") * np.dtype(b.dtype).itemsize
-                 for b in self.buckets)
-        if self.units is None:
-            ag = sum(b.layout.sent_elements(self.rank, "all_gather") * np.dtype(b.dtype).itemsize
-                     for b in self.buckets)
-        else:
-            per_gather = sum(lay.sent_elements(self.rank, "all_gather") * g[0].itemsize
-                             for u in self.units.units
-                             for g, lay in zip(u.groups, u.layouts, strict=True))
-            ag = 2 * int(micro_batches) * per_gather
-        ddp = sum(b.layout.sent_elements(self.rank, k) * np.dtype(b.dtype).itemsize
-                  for b in self.buckets for k in ("reduce_scatter", "all_gather"))
-        return {"reduce_scatter": rs, "all_gather": ag, "total": rs + ag, "ddp_all_reduce": ddp}
 
     def remove_hooks(self) -> None:
         """Detach from the module: gradient hooks, stage-3 forward wrappers."""

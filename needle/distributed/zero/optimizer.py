@@ -2,7 +2,7 @@
 
 It wraps the optimizer built over this rank's shard parameters. ``step()`` finishes the
 gradient reduce-scatter, updates the shard and publishes the weights; ``grad_scale`` and
-``all_grads_finite`` let ``amp.GradScaler`` unscale in float32 and skip a step on every rank
+``grads_finite`` let ``amp.GradScaler`` unscale in float32 and skip a step on every rank
 when any rank's gradient piece overflowed. Other attributes (``lr``, ``state_dict``, ...)
 are the inner optimizer's.
 """
@@ -46,13 +46,10 @@ class ZeroOptimizer:
         ``ZeroDataParallel.clip_grad_norm``)."""
         return self.zero.clip_grad_norm(max_norm)
 
-    def all_grads_finite(self) -> bool:
-        return self.zero.all_grads_finite()
-
     def grads_finite(self) -> bool:
         """Whether every rank's reduced gradient pieces are finite (collective: the same
         answer on every rank); what ``amp.GradScaler`` asks before a step."""
-        return self.zero.all_grads_finite()
+        return self.zero.grads_finite()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.optimizer, name)
