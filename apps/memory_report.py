@@ -41,23 +41,19 @@ import needle as ndl  # noqa: E402
 from needle import nn, optim  # noqa: E402
 from needle.memory.report import training_step_report  # noqa: E402
 
+try:  # the repository's one MLP-ResNet builder, beside this file
+    from mlp_resnet import MLPResNet
+except ImportError:
+    from apps.mlp_resnet import MLPResNet
+
 MODELS = ("mlp_resnet", "mlp", "linear")
 STRATEGIES = ("single", "ddp", "zero")
 OPTIMIZERS = ("adam", "sgd", "sgd_momentum")
 
 
 def _mlp_resnet(dim, hidden, blocks, classes, device, drop_prob=0.1):
-    def block():
-        inner = nn.Sequential(
-            nn.Linear(hidden, hidden // 2, device=device), nn.BatchNorm1d(hidden // 2,
-                                                                          device=device),
-            nn.ReLU(), nn.Dropout(drop_prob), nn.Linear(hidden // 2, hidden, device=device),
-            nn.BatchNorm1d(hidden, device=device))
-        return nn.Sequential(nn.Residual(inner), nn.ReLU())
-
-    return nn.Sequential(nn.Linear(dim, hidden, device=device), nn.ReLU(),
-                         *[block() for _ in range(blocks)],
-                         nn.Linear(hidden, classes, device=device))
+    return MLPResNet(dim, hidden, num_blocks=blocks, num_classes=classes, drop_prob=drop_prob,
+                     device=device)
 
 
 def _mlp(dim, hidden, layers, classes, device):

@@ -26,23 +26,47 @@ import needle.optim  # noqa: E402,F401
 __all__ = ["ResidualBlock", "MLPResNet", "epoch", "train_mnist"]
 
 
-def ResidualBlock(dim, hidden_dim, norm=nn.BatchNorm1d, drop_prob=0.1):  # noqa: N802
-    """Residual(Linear → norm → ReLU → Dropout → Linear → norm) → ReLU."""
+def _placement(device, dtype):
+    """Keyword arguments that put a layer on ``device`` in ``dtype``; none when both are unset,
+    so the course's calls build exactly the layers they always did."""
+    kw = {}
+    if device is not None:
+        kw["device"] = device
+    if dtype is not None:
+        kw["dtype"] = dtype
+    return kw
+
+
+def ResidualBlock(dim, hidden_dim, norm=nn.BatchNorm1d, drop_prob=0.1, *,  # noqa: N802
+                  device=None, dtype=None):
+    """Residual(Linear → norm → ReLU → Dropout → Linear → norm) → ReLU.
+
+    ``device`` and ``dtype`` (optional) go to every Linear and norm layer; ``norm`` must then
+    accept them as keywords, as needle's BatchNorm1d and LayerNorm1d do.
+    """
+    kw = _placement(device, dtype)
     return nn.Sequential(
-        nn.Residual(nn.Sequential(nn.Linear(dim, hidden_dim), norm(hidden_dim), nn.ReLU(),
-                                  nn.Dropout(drop_prob), nn.Linear(hidden_dim, dim),
-                                  norm(dim))),
+        nn.Residual(nn.Sequential(nn.Linear(dim, hidden_dim, **kw), norm(hidden_dim, **kw),
+                                  nn.ReLU(), nn.Dropout(drop_prob),
+                                  nn.Linear(hidden_dim, dim, **kw), norm(dim, **kw))),
         nn.ReLU())
 
 
 def MLPResNet(dim, hidden_dim=100, num_blocks=3, num_classes=10, norm=nn.BatchNorm1d,  # noqa: N802
-              drop_prob=0.1):
-    """Linear → ReLU → ``num_blocks`` residual blocks (hidden//2 inside) → Linear."""
+              drop_prob=0.1, *, device=None, dtype=None):
+    """Linear → ReLU → ``num_blocks`` residual blocks (hidden//2 inside) → Linear.
+
+    The one MLP-ResNet builder of the repository: apps/training (``--model mlp_resnet``),
+    apps/memory_report.py and the tests build theirs here. Parameters are created in the
+    course's order (stem, each block's two Linear and norm layers, head), so a seed gives the
+    same initial values whichever caller builds it. ``device`` / ``dtype``: see ResidualBlock.
+    """
+    kw = _placement(device, dtype)
     return nn.Sequential(
-        nn.Linear(dim, hidden_dim), nn.ReLU(),
-        *[ResidualBlock(hidden_dim, hidden_dim // 2, norm, drop_prob)
+        nn.Linear(dim, hidden_dim, **kw), nn.ReLU(),
+        *[ResidualBlock(hidden_dim, hidden_dim // 2, norm, drop_prob, device=device, dtype=dtype)
           for _ in range(num_blocks)],
-        nn.Linear(hidden_dim, num_classes))
+        nn.Linear(hidden_dim, num_classes, **kw))
 
 
 def epoch(dataloader, model, opt=None):

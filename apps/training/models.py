@@ -47,26 +47,24 @@ def _image_view(side: int):
     return ImageView()
 
 
-def _residual_block(dim: int, device):
-    """The course's ResidualBlock (dim → dim//2 → dim, BatchNorm, Dropout 0.1), on ``device``."""
-    from needle import nn
-
-    inner = nn.Sequential(
-        nn.Linear(dim, dim // 2, device=device), nn.BatchNorm1d(dim // 2, device=device),
-        nn.ReLU(), nn.Dropout(0.1), nn.Linear(dim // 2, dim, device=device),
-        nn.BatchNorm1d(dim, device=device))
-    return nn.Sequential(nn.Residual(inner), nn.ReLU())
+def _mlp_resnet_builder():
+    """``MLPResNet`` of apps/mlp_resnet.py, the repository's one MLP-ResNet builder, whether
+    apps/ (``import training``) or the repository root (``import apps.training``) is on the
+    path."""
+    try:
+        import mlp_resnet
+    except ImportError:
+        from apps import mlp_resnet
+    return mlp_resnet.MLPResNet
 
 
 def build_model(name: str, in_features: int, classes: int, hidden: int, device):
     """One of ``mlp_resnet``, ``mlp``, ``cnn`` on ``device`` (a ``Sequential``)."""
     from needle import nn
 
-    if name == "mlp_resnet":
-        return nn.Sequential(
-            nn.Linear(in_features, hidden, device=device), nn.ReLU(),
-            *[_residual_block(hidden, device) for _ in range(3)],
-            nn.Linear(hidden, classes, device=device))
+    if name == "mlp_resnet":  # the course's: 3 blocks of hidden → hidden//2 → hidden, Dropout 0.1
+        return _mlp_resnet_builder()(in_features, hidden, num_blocks=3, num_classes=classes,
+                                     drop_prob=0.1, device=device)
     if name == "mlp":
         return nn.Sequential(nn.Linear(in_features, hidden, device=device), nn.ReLU(),
                              nn.Linear(hidden, classes, device=device))

@@ -77,6 +77,47 @@ def test_mlp_resnet_structure_and_epoch():
     assert err == pytest.approx(np.mean(logits.numpy().argmax(1) != y))
 
 
+def test_mlp_resnet_keeps_the_course_parameter_order_and_state_names():
+    """Checkpoints and seeded runs depend on this order: stem, then per block Linear, norm,
+    Linear, norm, then the head; BatchNorm's running statistics are state, not parameters."""
+    model = mlp_resnet.MLPResNet(64, 32, num_blocks=2, num_classes=10)
+    block = [(32, 16), (1, 16), (16,), (16,), (16, 32), (1, 32), (32,), (32,)]
+    assert [p.shape for p in model.parameters()] == [(64, 32), (1, 32), *block, *block,
+                                                     (32, 10), (1, 10)]
+    names = list(model.state_dict())
+    assert names[:2] == ["modules.0.weight", "modules.0.bias"]
+    assert names[2:8] == [f"modules.2.modules.0.fn.modules.{i}.{k}" for i, k in
+                          [(0, "weight"), (0, "bias"), (1, "weight"), (1, "bias"),
+                           (1, "running_mean"), (1, "running_var")]]
+    assert names[-2:] == ["modules.4.weight", "modules.4.bias"] and len(names) == 28
+
+
+@pytest.mark.parametrize("dtype", [None, "float64"])
+def test_every_mlp_resnet_caller_builds_the_same_model(dtype):
+    """apps/training (``--model mlp_resnet``) and apps/memory_report.py build through
+    mlp_resnet.MLPResNet: the same seed gives the same parameters, in order, on the device."""
+    import memory_report
+    from training.models import build_model
+
+    dev = nd.cpu_numpy()
+
+    def params(build):
+        np.random.seed(7)
+        return [(p.shape, str(p.device), p.dtype, p.numpy()) for p in build().parameters()]
+
+    ours = params(lambda: mlp_resnet.MLPResNet(30, 20, 3, 4, drop_prob=0.1, device=dev,
+                                               dtype=dtype))
+    assert {d for _, d, _, _ in ours} == {str(dev)}
+    assert {t for _, _, t, _ in ours} == {dtype or "float32"}
+    if dtype is None:  # the callers build in float32
+        for other in (params(lambda: build_model("mlp_resnet", 30, 4, 20, dev)),
+                      params(lambda: memory_report._mlp_resnet(30, 20, 3, 4, dev))):
+            assert len(other) == len(ours) == 28
+            for (s1, d1, t1, v1), (s2, d2, t2, v2) in zip(ours, other, strict=True):
+                assert (s1, d1, t1) == (s2, d2, t2)
+                np.testing.assert_array_equal(v1, v2)
+
+
 def test_softmax_loss_and_nn_epoch_against_numpy():
     rng = np.random.default_rng(3)
     X = rng.standard_normal((20, 5)).astype(np.float32)

@@ -17,7 +17,8 @@ import needle as ndl
 from needle import nn
 
 sys.path.append(os.path.join(os.path.dirname(__file__), "..", "..", "apps"))
-from models import LanguageModel, ResNet9  # noqa: E402 - apps/ on sys.path
+import mlp_resnet  # noqa: E402 - apps/ on sys.path
+from models import LanguageModel, ResNet9  # noqa: E402
 
 STEPS = 4  # warm-up, trace, two replays
 
@@ -28,25 +29,22 @@ def dev(request):
 
 
 class MLPResNet(nn.Module):
-    """The course's MLPResNet (Linear, ReLU, residual blocks with BatchNorm and Dropout) with
-    a device; ``checkpoint_block`` recomputes the first residual block in backward."""
+    """apps/mlp_resnet.py's MLPResNet (Linear, ReLU, residual blocks with BatchNorm and
+    Dropout) on a device; ``checkpoint_block`` recomputes the first residual block in
+    backward."""
 
     def __init__(self, dim, hidden, blocks, classes, device, drop=0.2, checkpoint_block=False):
         super().__init__()
-        self.stem = nn.Sequential(nn.Linear(dim, hidden, device=device), nn.ReLU())
-        self.blocks = [nn.Sequential(nn.Residual(nn.Sequential(
-            nn.Linear(hidden, hidden // 2, device=device),
-            nn.BatchNorm1d(hidden // 2, device=device), nn.ReLU(), nn.Dropout(drop),
-            nn.Linear(hidden // 2, hidden, device=device),
-            nn.BatchNorm1d(hidden, device=device))), nn.ReLU()) for _ in range(blocks)]
-        self.head = nn.Linear(hidden, classes, device=device)
+        self.net = mlp_resnet.MLPResNet(dim, hidden, num_blocks=blocks, num_classes=classes,
+                                        drop_prob=drop, device=device)
         self.checkpoint_block = checkpoint_block
 
     def forward(self, x):
-        h = self.stem(x)
-        for i, block in enumerate(self.blocks):
+        stem_linear, stem_relu, *blocks, head = self.net.modules
+        h = stem_relu(stem_linear(x))
+        for i, block in enumerate(blocks):
             h = ndl.checkpoint(block, h) if self.checkpoint_block and i == 0 else block(h)
-        return self.head(h)
+        return head(h)
 
 
 class TinyTransformer(nn.Module):
