@@ -36,7 +36,7 @@ EXPECTED = {
     "Benchmarks": ["needle/NumPy", "50-op chain"],
     "The CUDA device": ["cuda()", "held-out accuracy"],
 }
-# The features the README promises a quick start for (issue 13).
+# The features the README promises a quick start for.
 REQUIRED = set(EXPECTED)
 PROCESSES = {"The same job on 2 processes: `--nproc 2`", "Your own script on the launcher"}
 
