@@ -2,7 +2,7 @@
 
 The CUDA backend asks ``fn(nbytes) -> owner`` for every buffer (``owner.ptr`` is the device
 address; dropping the owner frees it). Here ``fn`` cuts blocks from segments that CuPy
-allocates (CuPy's pool underneath, so memory CuPy itself caches is reused) with the same size classes and
+allocates (with CuPy's own pool underneath) with the same size classes and
 statistics as the CPU allocators, so ``needle.memory.stats(cuda())`` reports the same fields.
 Reuse follows stream order: every needle kernel runs on the current stream, so a block freed
 after its last kernel was queued is only written again by kernels queued after that one.
