@@ -14,7 +14,7 @@ Example:
 from __future__ import annotations
 
 from . import traffic
-from ._errors import CommError
+from ._errors import CommError, MessageError, ObjectTypeError, SenderAborted
 from ._group import ProcessGroup
 from ._work import Work
 from .clip import clip_grad_norm
@@ -31,7 +31,21 @@ from .collectives import (
     scatter,
     shard_bounds,
 )
-from .p2p import irecv, isend, recv, send
+from .object_collectives import all_gather_object, gather_object
+from .p2p import (
+    irecv,
+    irecv_array,
+    irecv_object,
+    isend,
+    isend_array,
+    isend_object,
+    recv,
+    recv_array,
+    recv_object,
+    send,
+    send_array,
+    send_object,
+)
 from .process_group import (
     destroy_process_group,
     get_backend,
@@ -44,7 +58,10 @@ from .process_group import (
 )
 
 __all__ = [
-    "CommError", "ProcessGroup", "Work", "all_gather", "all_gather_v", "all_reduce", "barrier",
+    "CommError", "MessageError", "ObjectTypeError", "ProcessGroup", "SenderAborted", "Work",
+    "all_gather", "all_gather_object", "all_gather_v",
+    "all_reduce", "barrier", "gather_object", "irecv_array", "irecv_object", "isend_array",
+    "isend_object", "recv_array", "recv_object", "send_array", "send_object",
     "broadcast", "clip_grad_norm", "destroy_process_group", "gather", "get_backend", "get_rank",
     "get_world_size", "init_process_group",
     "irecv", "is_initialized", "isend", "new_group", "recv", "reduce", "reduce_scatter",

@@ -1,51 +1,24 @@
 """The one place where needle objects meet NumPy buffers.
 
-Transports, process groups and collectives work on contiguous NumPy arrays only. This adapter
+Transports, process groups and collectives work on contiguous NumPy arrays only. ``borrow``
 turns a Tensor, an NDArray or a NumPy array into such a buffer and writes the result back in
-place on the caller's object, so the lower layers never import the autograd or the backends.
+place on the caller's object. ``to_host`` and ``to_device`` are the staging path of everything
+that sends device data through host memory (pipeline cut edges, tensor-parallel ops, ZeRO's
+shards): a host copy out, a new backend array back in. The autograd and the backends are
+imported inside the functions only, so the lower layers never import them.
 """
 from __future__ import annotations
 
-import struct
 from typing import Any, Callable
 
 import numpy as np
 
-from ._errors import CommError, DTypeError
+from ._errors import DTypeError
+from ._wire import HEADER_BYTES, MAX_NDIM, check_dtype, dtype_name, pack_header, unpack_header
 
-# Codes carried in message headers; the order is part of the wire format.
-_DTYPES = ["float32", "float64", "float16", "int8", "int16", "int32", "int64", "uint8", "bool"]
-_CODE = {name: i for i, name in enumerate(_DTYPES)}
-MAX_NDIM = 8
-_HEADER = struct.Struct("<4sBB" + "q" * MAX_NDIM)
-HEADER_BYTES = _HEADER.size
-
-
-def dtype_name(arr: np.ndarray) -> str:
-    """The needle dtype string of a NumPy array ("float32", ...)."""
-    return np.dtype(arr.dtype).name
-
-
-def check_dtype(op: str, arr: np.ndarray) -> None:
-    if dtype_name(arr) not in _CODE:
-        raise DTypeError(f"{op}: unsupported dtype, expected one of {_DTYPES}, got {arr.dtype}")
-
-
-def pack_header(arr: np.ndarray, op: str) -> np.ndarray:
-    """Encode dtype and shape of ``arr`` into a fixed-size uint8 buffer."""
-    check_dtype(op, arr)
-    if arr.ndim > MAX_NDIM:
-        raise CommError(f"{op}: at most {MAX_NDIM} dimensions can be sent, got {arr.ndim}")
-    dims = list(arr.shape) + [0] * (MAX_NDIM - arr.ndim)
-    raw = _HEADER.pack(b"NDL1", _CODE[dtype_name(arr)], arr.ndim, *dims)
-    return np.frombuffer(bytearray(raw), dtype=np.uint8)
-
-
-def unpack_header(buf: np.ndarray, op: str) -> tuple[str, tuple[int, ...]]:
-    magic, code, ndim, *dims = _HEADER.unpack(buf.tobytes())
-    if magic != b"NDL1" or code >= len(_DTYPES) or ndim > MAX_NDIM:
-        raise CommError(f"{op}: received a malformed message header (not sent by needle send?)")
-    return _DTYPES[code], tuple(dims[:ndim])
+# (the message format lives in _wire; its names stay importable from here)
+__all__ = ["Borrowed", "borrow", "to_host", "to_device", "HEADER_BYTES", "MAX_NDIM",
+           "check_dtype", "dtype_name", "pack_header", "unpack_header"]
 
 
 class Borrowed:
@@ -74,12 +47,54 @@ def _ndarray_of(obj: Any) -> Any:
 def _setter_for(nd: Any) -> Callable[[np.ndarray], None]:
     def commit(arr: np.ndarray) -> None:
         # Write through __setitem__ so the caller's buffer (and its allocator accounting) stays.
-        from needle.backend_ndarray import array
-
-        value = array(arr, dtype=dtype_name(arr), device=nd.device)
-        nd[tuple(slice(None) for _ in arr.shape)] = value
+        nd[tuple(slice(None) for _ in arr.shape)] = to_device(arr, nd.device)
 
     return commit
+
+
+def to_host(data: Any, flat: bool = False) -> np.ndarray:
+    """A C-contiguous, writeable host copy of a Tensor, NDArray or array (``flat``: 1-D), which
+    the caller owns: sending it, or changing ``data`` later, cannot affect the other.
+
+    Example:
+        >>> import needle as ndl
+        >>> to_host(ndl.Tensor([[1.0, 2.0]]), flat=True).tolist()
+        [1.0, 2.0]
+    """
+    if hasattr(data, "numpy") and not isinstance(data, np.ndarray):
+        out = np.asarray(data.numpy(), order="C")  # Tensor/NDArray.numpy() return new copies
+        if not out.flags.writeable:
+            out = out.copy()
+    else:
+        out = np.array(data, copy=True, order="C")
+    return out.reshape(-1) if flat else out
+
+
+def to_device(array: Any, device: Any = None, dtype: str | None = None, shape: Any = None,
+              like: Any = None) -> Any:
+    """A new backend array holding ``array`` (reshaped to ``shape``): an NDArray on ``device``
+    with the nd backend, a NumPy array with the np backend. ``like`` (a Tensor, an NDArray or
+    anything with ``device`` and ``dtype``) supplies whichever of ``device`` and ``dtype`` is
+    not given; the dtype defaults to ``array``'s own.
+
+    Example:
+        >>> import numpy as np, needle as ndl
+        >>> out = to_device(np.arange(4), ndl.cpu(), "float32", shape=(2, 2))
+        >>> out.shape, out.dtype, out.device == ndl.cpu()
+        ((2, 2), 'float32', True)
+    """
+    from needle.backend_selection import BACKEND, array_api
+
+    if like is not None:
+        device = getattr(like, "device", None) if device is None else device
+        dtype = str(like.dtype) if dtype is None and hasattr(like, "dtype") else dtype
+    values = np.asarray(array, order="C")  # (np.ascontiguousarray would make 0-d 1-d)
+    if shape is not None:
+        values = values.reshape(shape)
+    dtype = dtype_name(values) if dtype is None else str(dtype)
+    if BACKEND == "nd":
+        return array_api.array(values, dtype=dtype, device=device)
+    return np.array(values, dtype=dtype)
 
 
 def borrow(obj: Any, op: str, readonly: bool = False) -> Borrowed:
@@ -95,7 +110,7 @@ def borrow(obj: Any, op: str, readonly: bool = False) -> Borrowed:
         check_dtype(op, obj)
         if obj.flags.c_contiguous and (readonly or obj.flags.writeable):
             return Borrowed(obj, None)
-        copy = np.ascontiguousarray(obj)
+        copy = np.array(obj, order="C")
 
         def commit(arr: np.ndarray) -> None:
             obj[...] = arr
@@ -106,7 +121,7 @@ def borrow(obj: Any, op: str, readonly: bool = False) -> Borrowed:
         raise DTypeError(
             f"{op}: expected a Tensor, NDArray or numpy.ndarray, got {type(obj).__name__}"
         )
-    arr = np.ascontiguousarray(nd.numpy())
+    arr = np.asarray(nd.numpy(), order="C")
     if not arr.flags.writeable:
         arr = arr.copy()
     check_dtype(op, arr)

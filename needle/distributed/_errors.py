@@ -39,6 +39,33 @@ class PeerError(CommError):
         return (type(self), (str(self), self.peer, self.reason))
 
 
+class MessageError(CommError):
+    """A received message the receiver refuses: a malformed header, a payload larger than its
+    limit, another kind of message than the call expects (an object where an array was
+    expected), or an object encoding that does not decode."""
+
+
+class SenderAborted(CommError):
+    """The sender failed and sent its reason in place of the message the receiver waited for.
+
+    Attributes:
+        reason: the sender's text.
+    """
+
+    def __init__(self, message: str, reason: str = ""):
+        super().__init__(message)
+        self.reason = reason
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.reason))
+
+
+class ObjectTypeError(DTypeError):
+    """An object ``send_object`` cannot encode: the message names the op, where in the object
+    the value sits and its type (the allowed types are listed in ``needle.distributed._wire``).
+    """
+
+
 def rewrap(exc: CommError, message: str) -> CommError:
     """A CommError with a longer ``message`` and the same class and blame as ``exc``."""
     if isinstance(exc, PeerError):
@@ -46,5 +73,6 @@ def rewrap(exc: CommError, message: str) -> CommError:
     return CommError(message)
 
 
-__all__ = ["CommError", "DTypeError", "GraphError", "NeedleError", "PEER_REASONS", "PeerError",
-           "ShapeError", "rewrap"]
+__all__ = ["CommError", "DTypeError", "GraphError", "MessageError", "NeedleError",
+           "ObjectTypeError", "PEER_REASONS", "PeerError", "SenderAborted", "ShapeError",
+           "rewrap"]

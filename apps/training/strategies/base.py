@@ -69,12 +69,10 @@ def gathered_state_digest(local_state, rank: int, root: int = 0) -> str | None:
 
     import needle.distributed as dist
 
-    mine = np.frombuffer(bytes.fromhex(state_digest(local_state)), dtype=np.uint8).copy()
-    every = [np.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
+    every = dist.gather_object(state_digest(local_state), dst=root)
     if rank != root:
         return None
-    return hashlib.sha256(b"".join(d.tobytes() for d in every)).hexdigest()
+    return hashlib.sha256(b"".join(bytes.fromhex(d) for d in every)).hexdigest()
 
 
 def micro_batches(n: int, parts: int) -> list[tuple[int, int]]:

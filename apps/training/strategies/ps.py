@@ -23,7 +23,6 @@ order they arrive, so they refuse ``--save-every``, ``--resume``, ``--verify-res
 """
 from __future__ import annotations
 
-import json
 import time
 
 import numpy as np
@@ -242,19 +241,13 @@ class ParameterServerStrategy(Strategy):
         role = self.ps.server
         digest = self._servers_digest()
         if self.rank != 0:
-            blob = np.frombuffer(json.dumps(stats).encode(), np.uint8).copy()
-            dist.send(np.array([blob.size], np.int64), 0, tag=71)
-            dist.send(blob, 0, tag=72)
+            dist.send_object(stats, 0, tag=71)
             for i in self.ps.shards[self.rank].params:
                 dist.send(self.ps.params_all[i], 0, tag=73)
             return None
         every = [stats]
         for k in range(1, self.servers):
-            size = np.zeros(1, np.int64)
-            dist.recv(size, k, tag=71)
-            blob = np.zeros(int(size[0]), np.uint8)
-            dist.recv(blob, k, tag=72)
-            every.append(json.loads(blob.tobytes().decode()))
+            every.append(dist.recv_object(k, tag=71))
             for i in self.ps.shards[k].params:
                 dist.recv(self.ps.params_all[i], k, tag=73)
         losses, examples, loss_sum, correct = _losses(role.loss_log)
@@ -295,15 +288,12 @@ class ParameterServerStrategy(Strategy):
         mine = {"params": [p.numpy() for p in role.params],
                 "optimizer": role.optimizer.state_dict(), "updates": role.updates,
                 "buffers": [t.numpy() for t in self.ps.buffers_all] if self.rank == 0 else []}
-        digest = np.frombuffer(bytes.fromhex(state_digest(mine)), np.uint8).copy()
+        digest = state_digest(mine)
         if self.rank != 0:
-            dist.send(digest, 0, tag=74)
+            dist.send_object(digest, 0, tag=74)
             return None
-        every = [digest]
-        for k in range(1, self.servers):
-            every.append(np.zeros_like(digest))
-            dist.recv(every[-1], k, tag=74)
-        return hashlib.sha256(b"".join(d.tobytes() for d in every)).hexdigest()
+        every = [digest] + [dist.recv_object(k, tag=74) for k in range(1, self.servers)]
+        return hashlib.sha256(b"".join(bytes.fromhex(d) for d in every)).hexdigest()
 
     def _block(self, every: list[dict], steps: int) -> dict:
         first = every[0]

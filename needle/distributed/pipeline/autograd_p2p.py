@@ -35,6 +35,7 @@ import numpy as np
 from needle.autograd import Tensor, TensorOp
 from needle.backend_selection import BACKEND, array_api
 
+from .._buffers import to_device, to_host
 from .._errors import CommError
 from .._group import resolve
 from . import wire
@@ -101,19 +102,6 @@ class LocalSlot:
         return self.items.pop(key)
 
 
-def _host(t: Any) -> np.ndarray:
-    """The data of a Tensor or backend array as a contiguous host NumPy array (a copy)."""
-    data = t.realize_cached_data() if hasattr(t, "realize_cached_data") else t
-    arr = data.numpy() if hasattr(data, "numpy") else np.asarray(data)
-    return np.array(arr, copy=True, order="C")
-
-
-def _device_array(host: np.ndarray, device: Any) -> Any:
-    if BACKEND == "nd":
-        return array_api.array(host, dtype=str(host.dtype), device=device)
-    return np.array(host)
-
-
 class SendOp(TensorOp):
     """Forward: send the input, output a one-element float32 token. Backward: receive the
     adjoint from the peer (prefetched or now) as the input's gradient."""
@@ -124,9 +112,8 @@ class SendOp(TensorOp):
         self.link = link
 
     def compute(self, a):
-        self.link.send(_host(a), wire.FORWARD)
-        device = getattr(a, "device", None)
-        return _device_array(np.zeros(1, np.float32), device)
+        self.link.send(to_host(a), wire.FORWARD)
+        return to_device(np.zeros(1, np.float32), getattr(a, "device", None))
 
     def gradient(self, out_grad, node):
         x = node.inputs[0]
@@ -152,10 +139,10 @@ class RecvOp(TensorOp):
     def compute(self, anchor):
         # built here, inside a recorded op, so needle.memory counts it as an activation
         host, self._host = self._host, None
-        return _device_array(host, getattr(anchor, "device", None))
+        return to_device(host, getattr(anchor, "device", None))
 
     def gradient(self, out_grad, node):
-        self.link.send(_host(out_grad), wire.BACKWARD)
+        self.link.send(to_host(out_grad), wire.BACKWARD)
         anchor = node.inputs[0]
         return Tensor(np.zeros(1, np.float32), device=anchor.device, dtype="float32",
                       requires_grad=False)
@@ -193,6 +180,6 @@ def recv_forward(src: int, tag: int = 0, group: Any = None, device: Any = None,
     if device is None and BACKEND == "nd":
         device = array_api.default_device()
     if not requires_grad or host.dtype.kind not in "f":
-        return Tensor(_device_array(host, device), device=device, requires_grad=False)
+        return Tensor(to_device(host, device), device=device, requires_grad=False)
     anchor = Tensor(np.zeros(1, np.float32), device=device, dtype="float32", requires_grad=True)
     return RecvOp(link, host)(anchor)

@@ -1,17 +1,17 @@
 """Arrays of any dtype and shape between two ranks, plus an abort message, on needle's p2p.
 
-A message is a small int64 *meta* array (kind, dtype, shape) followed by the payload, both
-through ``needle.distributed.isend``/``recv`` (so both carry p2p's dtype+shape check, and a
-receive never writes out of bounds). The receiver learns the shape from the meta, which is
-what a pipeline needs: the last micro-batch may be shorter, a stage's output shape is not
-known in advance. An *abort* message carries a text instead: a failing stage sends it in
-place of every message it still owed, so that no peer waits for a tensor that will not come.
+Each message is one ``needle.distributed`` array message (``p2p.isend_array`` /
+``p2p.recv_array``: a header with dtype and shape, then the payload), so the receiver learns
+the shape from the message itself, which is what a pipeline needs: the last micro-batch may be
+shorter, a stage's output shape is not known in advance. An *abort* (``p2p.isend_abort``)
+carries a text instead: a failing stage sends it in place of every message it still owed, so
+that no peer waits for a tensor that will not come.
 
 Sends are nonblocking; their Works go to the group's :class:`Outbox`, and ``flush`` waits
 for them (the payload buffers stay alive until then, as nonblocking MPI requires).
 
-Tags: a user tag ``t`` (``0 <= t < 2**25``) uses the p2p tags ``4t .. 4t + 3``: direction
-(activation 0, adjoint 1) times two parts (meta, payload).
+Tags: a user tag ``t`` (``0 <= t < 2**25``) is the p2p tag ``2t + direction`` (activation 0,
+adjoint 1).
 """
 from __future__ import annotations
 
@@ -22,13 +22,10 @@ from typing import Any
 import numpy as np
 
 from .. import p2p
-from .._buffers import MAX_NDIM, check_dtype, dtype_name
-from .._errors import CommError
+from .._errors import CommError, SenderAborted
 from .._group import ProcessGroup, resolve
 
 MAX_TAG = 1 << 25
-_DTYPES = ("float32", "float64", "float16", "int8", "int16", "int32", "int64", "uint8", "bool")
-_DATA, _ABORT = 1, 2
 FORWARD, BACKWARD = 0, 1
 _DIRECTION = {FORWARD: "activation", BACKWARD: "adjoint"}
 
@@ -90,32 +87,20 @@ def check_tag(op: str, tag: int) -> None:
         raise CommError(f"{op}: tag out of range, expected 0 <= tag < {MAX_TAG}, got {tag!r}")
 
 
-def _p2p_tag(tag: int, direction: int, part: int) -> int:
-    return 4 * tag + 2 * direction + part
+def _p2p_tag(tag: int, direction: int) -> int:
+    return 2 * tag + direction
 
 
 def send_array(pg: ProcessGroup, arr: np.ndarray, dst: int, tag: int, direction: int,
                timeout: float | None = None) -> None:
     """Start sending ``arr`` (contiguous, owned by the message from now on) to ``dst``."""
-    check_dtype("pipeline send", arr)
-    if arr.ndim > MAX_NDIM:
-        raise CommError(f"pipeline send: at most {MAX_NDIM} dimensions, got {arr.ndim}")
-    meta = np.zeros(3 + MAX_NDIM, np.int64)
-    meta[:3] = (_DATA, _DTYPES.index(dtype_name(arr)), arr.ndim)
-    meta[3:3 + arr.ndim] = arr.shape
-    box = outbox(pg)
-    box.add(p2p.isend(meta, dst, pg, _p2p_tag(tag, direction, 0), timeout))
-    box.add(p2p.isend(np.ascontiguousarray(arr), dst, pg, _p2p_tag(tag, direction, 1), timeout))
+    outbox(pg).add(p2p.isend_array(arr, dst, tag=_p2p_tag(tag, direction), group=pg,
+                                   timeout=timeout))
 
 
 def send_abort(pg: ProcessGroup, text: str, dst: int, tag: int, direction: int) -> None:
     """Send an abort in place of the message (``dst``, ``tag``, ``direction``)."""
-    payload = np.frombuffer(text.encode()[:4000], dtype=np.uint8).copy()
-    meta = np.zeros(3 + MAX_NDIM, np.int64)
-    meta[:4] = (_ABORT, _DTYPES.index("uint8"), 1, payload.size)
-    box = outbox(pg)
-    box.add(p2p.isend(meta, dst, pg, _p2p_tag(tag, direction, 0)))
-    box.add(p2p.isend(payload, dst, pg, _p2p_tag(tag, direction, 1)))
+    outbox(pg).add(p2p.isend_abort(text, dst, tag=_p2p_tag(tag, direction), group=pg))
 
 
 def recv_array(pg: ProcessGroup, src: int, tag: int, direction: int,
@@ -123,24 +108,9 @@ def recv_array(pg: ProcessGroup, src: int, tag: int, direction: int,
     """Receive the next message (``src``, ``tag``, ``direction``); raise :class:`PipelineAborted`
     when the sender aborted instead, CommError on timeout (naming both ranks and the tag)."""
     try:
-        return _recv_array(pg, src, tag, direction, timeout)
-    except PipelineAborted:
-        raise
+        return p2p.recv_array(src, tag=_p2p_tag(tag, direction), group=pg, timeout=timeout)
+    except SenderAborted as exc:
+        raise PipelineAborted(exc.reason) from None
     except CommError as exc:
         raise CommError(f"pipeline: rank {pg.rank} receiving the {_DIRECTION[direction]} of "
                         f"pipeline tag {tag} from {pg.describe(src)}: {exc}") from None
-
-
-def _recv_array(pg: ProcessGroup, src: int, tag: int, direction: int,
-                timeout: float | None) -> np.ndarray:
-    meta = np.zeros(3 + MAX_NDIM, np.int64)
-    p2p.recv(meta, src, pg, _p2p_tag(tag, direction, 0), timeout)
-    kind, code, ndim = (int(x) for x in meta[:3])
-    if kind not in (_DATA, _ABORT) or not 0 <= code < len(_DTYPES) or not 0 <= ndim <= MAX_NDIM:
-        raise CommError(f"pipeline recv: malformed message from {pg.describe(src)} (tag {tag}), "
-                        f"expected a pipeline meta header, got {meta.tolist()}")
-    out = np.empty(tuple(int(d) for d in meta[3:3 + ndim]), dtype=_DTYPES[code])
-    p2p.recv(out, src, pg, _p2p_tag(tag, direction, 1), timeout)
-    if kind == _ABORT:
-        raise PipelineAborted(out.tobytes().decode(errors="replace"))
-    return out

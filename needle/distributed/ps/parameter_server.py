@@ -98,12 +98,13 @@ class ParameterServer:
         # servers that snapshot may be restarted: workers then wait for them to come back
         self.server_restarts = bool(snapshot_every) and world.backend == "tcp"
         self.timeout = world.timeout if timeout is None else float(timeout)
-        # A private group: its two channels carry requests/payloads and heartbeats, apart
-        # from every other message of the job.
+        # A private group, apart from every other message of the job: requests, replies and
+        # payloads are its point-to-point messages (wire.py), heartbeats pings on its other
+        # channel.
         ranks = list(range(self.size))
         self.group = dist.new_group(ranks) if group is None else dist.new_group(
             [world.p2p.global_rank(r) for r in ranks])
-        self.chan, self.hb_chan = self.group.p2p, self.group.coll
+        self.hb_chan = self.group.coll
         self.is_server = self.rank in self.server_ranks
         self.server_index = self.server_ranks.index(self.rank) if self.is_server else None
         self.worker_index = None if self.is_server else self.worker_ranks.index(self.rank)

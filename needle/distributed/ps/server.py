@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import CommError
-from .._transport import poll_until
+from .. import p2p
+from .._errors import CommError, rewrap
 from . import wire
 
 
@@ -32,10 +32,9 @@ class WorkerState:
         self.pull_waiting = False
         self.last_seen = now
         self.dead_at: float | None = None
-        self.req: Any = None
-        self.req_buf = wire.header()
+        self.req: Any = None  # the Work of the posted request receive
         self.hb: Any = None
-        self.hb_buf = wire.header()
+        self.hb_buf = wire.ping()
 
     @property
     def active(self) -> bool:
@@ -62,7 +61,7 @@ class ServerRole:
         self.bytes_in = 0
         self.bytes_out = 0
         self.loss_log: list[tuple[int, int, int, float, int]] = []
-        self._sending: list[tuple[Any, Any, WorkerState]] = []
+        self._sending: list[tuple[Any, WorkerState]] = []  # (Work of a send, its worker)
         self._last_clock = 0
         self.events: list[str] = []
         self.on_update = None  # called with the update count after every update
@@ -105,9 +104,13 @@ class ServerRole:
                 return False
         return True
 
+    def _listen(self, w: WorkerState) -> Any:
+        """Post the receive of ``w``'s next request (polled, never waited on)."""
+        return p2p.irecv_object(w.rank, tag=wire.T_REQUEST, group=self.ps.group,
+                                max_bytes=wire.MAX_MESSAGE_BYTES)
+
     def _post(self, w: WorkerState) -> None:
-        chan = self.ps.chan
-        w.req = chan.irecv(w.req_buf, w.rank, wire.T_REQUEST)
+        w.req = self._listen(w)
         if self.ps.heartbeat:
             w.hb = self.ps.hb_chan.irecv(w.hb_buf, w.rank, wire.T_HEARTBEAT)
 
@@ -120,13 +123,13 @@ class ServerRole:
             if w.hb is not None and w.hb.test():
                 w.last_seen = time.monotonic()
                 w.hb = self.ps.hb_chan.irecv(w.hb_buf, w.rank, wire.T_HEARTBEAT)
-            if not w.req.test():
+            if not w.req.is_completed():
                 return False
             w.last_seen = time.monotonic()
-            fields = w.req_buf.copy()
+            fields = wire.parse_request(w.req.wait(), w.rank)
             self._handle(w, fields)
             if w.alive and not w.finished:
-                w.req = self.ps.chan.irecv(w.req_buf, w.rank, wire.T_REQUEST)
+                w.req = self._listen(w)
         except CommError as exc:
             self._declare_dead(w, str(exc))
         return True
@@ -141,15 +144,15 @@ class ServerRole:
             return False
         try:
             if w.req is None:
-                w.req = self.ps.chan.irecv(w.req_buf, w.rank, wire.T_REQUEST)
-            if not w.req.test():
+                w.req = self._listen(w)
+            if not w.req.is_completed():
                 return False
+            fields = wire.parse_request(w.req.wait(), w.rank)
         except CommError:
             w.req = None
             return False
-        fields = w.req_buf.copy()
         w.req = None
-        if int(fields[0]) != wire.JOIN:
+        if fields["op"] != wire.JOIN:
             return True  # a leftover of the dead incarnation
         w.alive, w.dead_at = True, None
         self.rejoined += 1
@@ -157,7 +160,7 @@ class ServerRole:
         if self.ps.heartbeat:
             w.hb = self.ps.hb_chan.irecv(w.hb_buf, w.rank, wire.T_HEARTBEAT)
         self._on_join(w)
-        w.req = self.ps.chan.irecv(w.req_buf, w.rank, wire.T_REQUEST)
+        w.req = self._listen(w)
         return True
 
     def _watch_heartbeats(self) -> None:
@@ -173,6 +176,8 @@ class ServerRole:
         if not w.alive:
             return
         w.alive, w.dead_at, w.pull_waiting = False, time.monotonic(), False
+        if w.req is not None:  # a request a rejoining worker sends must reach a new receive
+            w.req.cancel()
         w.req = w.hb = None
         self.lost += 1
         self.events.append(f"worker rank {w.rank} declared dead: {why}")
@@ -180,16 +185,16 @@ class ServerRole:
             self._maybe_complete_round()  # the denominators now count the live workers only
 
     # ----- requests ---------------------------------------------------------------------------
-    def _handle(self, w: WorkerState, fields: np.ndarray) -> None:
-        op = int(fields[0])
+    def _handle(self, w: WorkerState, fields: dict) -> None:
+        op = fields["op"]
         mine = self.ps.shard_keys[self.shard.server]
-        if int(fields[wire.KEY]) != mine:
+        if fields["shard_key"] != mine:
             from .layout import ParameterServerConfigError
 
             raise ParameterServerConfigError(
                 f"ParameterServer.serve: worker rank {w.rank} disagrees on server "
                 f"{self.shard.server}'s parameters (keys, shapes, dtypes), expected shard key "
-                f"{mine:#010x}, got {int(fields[wire.KEY]):#010x}: build the same model on "
+                f"{mine:#010x}, got {fields['shard_key']:#010x}: build the same model on "
                 "every rank")
         if op == wire.JOIN:
             if w.joined:  # restarted faster than its death was noticed
@@ -197,8 +202,8 @@ class ServerRole:
                 self.events.append(f"worker rank {w.rank} restarted and rejoined")
             self._on_join(w)
         elif op == wire.PUSH:
-            self._on_push(w, int(fields[2]), int(fields[3]), float(fields[4]), int(fields[5]),
-                          int(fields[6]))
+            self._on_push(w, fields["version"], fields["examples"], float(fields["loss_sum"]),
+                          fields["correct"], fields["updates_seen"])
         elif op == wire.PULL:
             w.pull_waiting = True
         elif op == wire.FINISH:
@@ -210,8 +215,6 @@ class ServerRole:
             self._send(w, wire.reply(self.served_version(), w.clock, self.updates), [])
             if self.mode in ("sync", "backup"):
                 self._maybe_complete_round()
-        else:
-            raise CommError(f"ParameterServer.serve: worker rank {w.rank} sent unknown op {op}")
 
     def _on_join(self, w: WorkerState) -> None:
         """A worker (first start or restart) starts at the current clock: a restarted one
@@ -224,15 +227,16 @@ class ServerRole:
         self._send(w, wire.reply(self.served_version(), w.clock, self.updates), [])
 
     def _receive(self, w: WorkerState, bufs: list[np.ndarray], tag: int, what: str) -> int:
-        """Fill ``bufs`` with the arrays of a push that follow its header (on ``tag``); their
-        bytes. The worker sent them right after the header, so a wait can only be on it."""
-        deadline = time.monotonic() + self.ps.timeout
-        for buf in bufs:
-            req = self.ps.chan.irecv(buf, w.rank, tag)
-            if not poll_until(req.test, deadline):
-                req.cancel()
-                raise CommError(f"ParameterServer.serve: worker rank {w.rank} sent a push "
-                                f"header but no {what} within {self.ps.timeout:g} s")
+        """Fill ``bufs`` with the arrays of a push that follow its request (on ``tag``; each
+        must have its buffer's dtype and size); their bytes. The worker sent them right after
+        the request, so a wait can only be on it."""
+        works = [p2p.irecv(buf, w.rank, self.ps.group, tag, self.ps.timeout) for buf in bufs]
+        for work in works:
+            try:
+                work.wait()
+            except CommError as exc:
+                raise rewrap(exc, f"ParameterServer.serve: worker rank {w.rank} sent a push "
+                                  f"request but not its {what}: {exc}") from None
         return sum(buf.nbytes for buf in bufs)
 
     def _receive_payload(self, w: WorkerState) -> list[np.ndarray]:
@@ -399,21 +403,26 @@ class ServerRole:
             out.append(np.ascontiguousarray(np.concatenate(parts)))
         return out
 
-    def _send(self, w: WorkerState, head: np.ndarray, payload: list[np.ndarray]) -> None:
+    def _send(self, w: WorkerState, head: dict, payload: list[np.ndarray]) -> None:
+        group, timeout = self.ps.group, self.ps.timeout
         try:
-            self._sending.append((self.ps.chan.isend(head, w.rank, wire.T_REPLY), head, w))
+            self._sending.append((p2p.isend_object(head, w.rank, tag=wire.T_REPLY, group=group,
+                                                   timeout=timeout), w))
             for buf in payload:
-                self._sending.append((self.ps.chan.isend(buf, w.rank, wire.T_PULL_DATA), buf, w))
+                self._sending.append((p2p.isend(buf, w.rank, group, wire.T_PULL_DATA, timeout),
+                                      w))
                 self.bytes_out += buf.nbytes
         except CommError as exc:
             self._declare_dead(w, str(exc))
 
     def _reap_sends(self) -> None:
         keep = []
-        for req, buf, w in self._sending:
+        for work, w in self._sending:
+            if not work.is_completed():
+                keep.append((work, w))
+                continue
             try:
-                if not req.test():
-                    keep.append((req, buf, w))
+                work.wait()
             except CommError as exc:
                 self._declare_dead(w, str(exc))
         self._sending = keep

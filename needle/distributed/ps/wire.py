@@ -1,46 +1,82 @@
-"""The parameter server's messages: fixed float64 headers on their own tags, then payloads.
+"""The parameter server's messages, in needle.distributed's one message format (``_wire``).
 
-Every request a worker sends starts with ``REQUEST`` fields (op, the worker's clock, the
-version its gradient was computed on, the examples behind it, and the loss and correct counts
-of those examples for reporting); every reply starts with ``REPLY`` fields. Payloads are one
-flat array per dtype group of the server's shard (see ``layout.Shard``); a push to server 0
-also carries the model's buffers, one flat array per dtype group (``layout.buffer_groups``).
-float64 holds integers exactly up to 2**53, far beyond any clock or byte count here.
+Every request a worker sends is an object message (``p2p.isend_object``) on ``T_REQUEST``: a
+dict with the op, the worker's clock, the version its gradient was computed on, the examples
+behind it, the loss and correct counts of those examples for reporting, the update count it
+had seen and the digest of the server's shard keys. Every reply is an object message on
+``T_REPLY``. Payloads are array messages (``p2p.isend``), one flat array per dtype group of
+the server's shard (see ``layout.Shard``), received into buffers of the expected dtype and
+size, so a payload of another layout is refused before it lands; a push to server 0 also
+carries the model's buffers, one flat array per dtype group (``layout.buffer_groups``).
+
+A worker's heartbeat is a one-byte ping on the group's second channel: it carries nothing,
+only its arrival counts.
+
+Example:
+    >>> parse_request(request(PUSH, clock=3, examples=8, loss_sum=1.5), 1)["examples"]
+    8
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
-# tags on the parameter server's private channel
-T_REQUEST, T_PUSH_DATA, T_REPLY, T_PULL_DATA, T_HEARTBEAT, T_SERVERS = 1, 2, 3, 4, 5, 6
+from .._errors import MessageError
+
+# tags on the parameter server's private group
+T_REQUEST, T_PUSH_DATA, T_REPLY, T_PULL_DATA, T_HEARTBEAT = 1, 2, 3, 4, 5
 # a push to server 0 is followed by the worker's buffers (BatchNorm running statistics ...)
 T_BUFFER_DATA = 7
 
 # request ops
-PUSH, PULL, FINISH, JOIN = 1, 2, 3, 4
-OP_NAMES = {PUSH: "push", PULL: "pull", FINISH: "finish", JOIN: "join"}
+PUSH, PULL, FINISH, JOIN = "push", "pull", "finish", "join"
+OPS = (PUSH, PULL, FINISH, JOIN)
 
-REQUEST = ("op", "clock", "version", "examples", "loss_sum", "correct", "updates_seen",
-           "shard_key")
-KEY = REQUEST.index("shard_key")
-REPLY = ("status", "version", "clock", "updates", "spare0", "spare1", "spare2", "spare3")
-FIELDS = 8
-HEADER_BYTES = FIELDS * 8
+REQUEST = {"op": str, "clock": int, "version": int, "examples": int, "loss_sum": float,
+           "correct": int, "updates_seen": int, "shard_key": int}
+REPLY = {"version": int, "clock": int, "updates": int}
+MAX_MESSAGE_BYTES = 4096  # the most a request or reply may take encoded
 
 
-def request(op: int, clock: int = 0, version: int = 0, examples: int = 0,
-            loss_sum: float = 0.0, correct: int = 0, updates_seen: int = 0) -> np.ndarray:
-    out = np.zeros(FIELDS, np.float64)
-    out[:7] = (op, clock, version, examples, loss_sum, correct, updates_seen)
+def request(op: str, clock: int = 0, version: int = 0, examples: int = 0,
+            loss_sum: float = 0.0, correct: int = 0, updates_seen: int = 0,
+            shard_key: int = 0) -> dict:
+    return {"op": op, "clock": int(clock), "version": int(version), "examples": int(examples),
+            "loss_sum": float(loss_sum), "correct": int(correct),
+            "updates_seen": int(updates_seen), "shard_key": int(shard_key)}
+
+
+def reply(version: int, clock: int, updates: int) -> dict:
+    return {"version": int(version), "clock": int(clock), "updates": int(updates)}
+
+
+def _parse(obj: Any, fields: dict, what: str, peer: str) -> dict:
+    if not isinstance(obj, dict) or set(obj) != set(fields):
+        got = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+        raise MessageError(f"ParameterServer: {peer} sent a malformed {what}, expected the "
+                           f"fields {sorted(fields)}, got {got}")
+    for name, kind in fields.items():
+        value = obj[name]
+        if not (type(value) is kind or (kind is float and type(value) is int)):
+            raise MessageError(f"ParameterServer: {peer} sent a malformed {what}, expected "
+                               f"{name} of type {kind.__name__}, got {value!r}")
+    return obj
+
+
+def parse_request(obj: Any, rank: int) -> dict:
+    """A received request, checked field by field (MessageError names what is wrong)."""
+    out = _parse(obj, REQUEST, "request", f"worker rank {rank}")
+    if out["op"] not in OPS:
+        raise MessageError(f"ParameterServer: worker rank {rank} sent unknown op, expected one "
+                           f"of {OPS}, got {out['op']!r}")
     return out
 
 
-def reply(version: int, clock: int, updates: int) -> np.ndarray:
-    out = np.zeros(FIELDS, np.float64)
-    out[:4] = (0, version, clock, updates)
-    return out
+def parse_reply(obj: Any, rank: int) -> dict:
+    return _parse(obj, REPLY, "reply", f"server rank {rank}")
 
 
-def header() -> np.ndarray:
-    """An empty header buffer to receive into."""
-    return np.zeros(FIELDS, np.float64)
+def ping() -> np.ndarray:
+    """A heartbeat buffer (to send, or to receive into)."""
+    return np.zeros(1, np.uint8)

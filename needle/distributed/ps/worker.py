@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import p2p
 from .._buffers import borrow
 from .._errors import CommError, PeerError
 from .._transport import poll_until
@@ -26,7 +27,7 @@ class WorkerRole:
         self.bytes_pulled = 0
         self.pulls = 0
         self.pushes = 0
-        self._inflight: list[tuple[Any, Any, int]] = []
+        self._inflight: list[tuple[Work, int]] = []  # sends not known complete, per server
         self.server_restarts_seen = 0
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
@@ -44,15 +45,15 @@ class WorkerRole:
             return
         self.joined = True
         replies = self._request(wire.request(wire.JOIN), with_weights=False, op="join")
-        self.clock = min(int(r[2]) for r in replies)
-        self.versions = [int(r[1]) for r in replies]
+        self.clock = min(r["clock"] for r in replies)
+        self.versions = [r["version"] for r in replies]
         if self._restored_clock is not None and self._restored_clock != self.clock:
             from .layout import ParameterServerConfigError
 
             raise ParameterServerConfigError(
                 f"ParameterServer: worker rank {self.ps.rank} restored clock "
                 f"{self._restored_clock} but the servers hold clocks "
-                f"{[int(r[2]) for r in replies]} for it: its state and theirs come from "
+                f"{[r['clock'] for r in replies]} for it: its state and theirs come from "
                 f"different checkpoints, expected one checkpoint for every rank")
 
     def state_dict(self) -> dict:
@@ -87,11 +88,11 @@ class WorkerRole:
                                 f"server {k} (rank {exc.peer}) is gone and did not come back "
                                 f"within {self.ps.timeout:g} s: {exc}", exc.peer, "gone")
             time.sleep(0.05)
-        self._inflight = [(r, b, j) for r, b, j in self._inflight if j != k]
+        self._inflight = [(r, j) for r, j in self._inflight if j != k]
         replies = self._request(wire.request(wire.JOIN), with_weights=False, op="join",
                                 only=[k])
-        self.clock = int(replies[0][2])
-        self.versions[k] = int(replies[0][1])
+        self.clock = replies[0]["clock"]
+        self.versions[k] = replies[0]["version"]
         self.server_restarts_seen += 1
 
     # ----- helpers ----------------------------------------------------------------------------
@@ -102,62 +103,70 @@ class WorkerRole:
                          f"{k} (rank {rank}) {why}: {exc}", rank,
                          exc.reason if isinstance(exc, PeerError) else "gone")
 
-    def _wait(self, req: Any, op: str, k: int, deadline: float, what: str) -> None:
-        try:
-            done = poll_until(req.test, deadline)
-        except CommError as exc:
-            raise self._server_error(op, k, exc) from None
-        if not done:
-            req.cancel()
+    def _wait(self, work: Work, op: str, k: int, deadline: float, what: str) -> Any:
+        """Wait for ``work`` (a send or receive with server ``k``) until ``deadline``; its
+        result. Failures become the PeerError of that server."""
+        if not poll_until(work.is_completed, deadline):
+            getattr(work, "cancel", lambda: None)()
             rank = self.ps.server_ranks[k]
             raise PeerError(f"ParameterServer.{op}: worker rank {self.ps.rank} timed out after "
                             f"{self.ps.timeout:g} s waiting for parameter server {k} (rank "
                             f"{rank}) ({what})", rank, "timeout")
-
-    def _send(self, buf: np.ndarray, k: int, tag: int, op: str) -> Any:
         try:
-            req = self.ps.chan.isend(buf, self.ps.server_ranks[k], tag)
+            return work.wait()
         except CommError as exc:
             raise self._server_error(op, k, exc) from None
-        self._inflight.append((req, buf, k))
-        return req
+
+    def _send(self, k: int, tag: int, op: str, obj: Any = None,
+              array: np.ndarray | None = None) -> Work:
+        """Start sending ``obj`` (an object message) or ``array`` to server ``k``."""
+        rank, group, timeout = self.ps.server_ranks[k], self.ps.group, self.ps.timeout
+        try:
+            work = p2p.isend(array, rank, group, tag, timeout) if array is not None else \
+                p2p.isend_object(obj, rank, tag=tag, group=group, timeout=timeout)
+        except CommError as exc:
+            raise self._server_error(op, k, exc) from None
+        self._inflight.append((work, k))
+        return work
 
     def _reap(self, op: str) -> None:
         keep = []
-        for req, buf, k in self._inflight:
+        for work, k in self._inflight:
+            if not work.is_completed():
+                keep.append((work, k))
+                continue
             try:
-                if not req.test():
-                    keep.append((req, buf, k))
+                work.wait()
             except CommError as exc:
                 raise self._server_error(op, k, exc) from None
         self._inflight = keep
 
-    def _request(self, head: np.ndarray, with_weights: bool, op: str,
-                 only: list[int] | None = None) -> list[np.ndarray]:
+    def _request(self, head: dict, with_weights: bool, op: str,
+                 only: list[int] | None = None) -> list[dict]:
         """Send ``head`` to every server (or those in ``only``) and wait for each reply (and
         its weights)."""
         self._reap(op)
-        replies, pending = [], []
+        pending = []
+        group, timeout = self.ps.group, self.ps.timeout
         for k, rank in enumerate(self.ps.server_ranks):
             if only is not None and k not in only:
                 continue
-            mine = head.copy()
-            mine[wire.KEY] = self.ps.shard_keys[k]
-            self._send(mine, k, wire.T_REQUEST, op)
-            reply = wire.header()
-            recvs = [self.ps.chan.irecv(reply, rank, wire.T_REPLY)]
+            self._send(k, wire.T_REQUEST, op, obj={**head, "shard_key": self.ps.shard_keys[k]})
+            recvs: list[Work] = [p2p.irecv_object(rank, tag=wire.T_REPLY, group=group,
+                                                  timeout=timeout,
+                                                  max_bytes=wire.MAX_MESSAGE_BYTES)]
             bufs = []
             if with_weights:
                 shard = self.ps.shards[k]
                 for (dtype, _), n in zip(shard.groups, shard.sizes(self.ps.shapes), strict=True):
                     bufs.append(np.empty(n, dtype))
-                    recvs.append(self.ps.chan.irecv(bufs[-1], rank, wire.T_PULL_DATA))
-            replies.append(reply)
+                    recvs.append(p2p.irecv(bufs[-1], rank, group, wire.T_PULL_DATA, timeout))
             pending.append((k, recvs, bufs))
         deadline = time.monotonic() + self.ps.timeout
+        replies = []
         for k, recvs, bufs in pending:
-            for req in recvs:
-                self._wait(req, op, k, deadline, "reply")
+            got = [self._wait(work, op, k, deadline, "reply") for work in recvs]
+            replies.append(wire.parse_reply(got[0], self.ps.server_ranks[k]))
             if with_weights:
                 self._install(k, bufs)
         return replies
@@ -187,8 +196,8 @@ class WorkerRole:
     def _pull(self) -> int:
         replies = self._request(wire.request(wire.PULL, self.clock), with_weights=True,
                                 op="pull")
-        self.versions = [int(r[1]) for r in replies]
-        self.updates_seen = [int(r[3]) for r in replies]
+        self.versions = [r["version"] for r in replies]
+        self.updates_seen = [r["updates"] for r in replies]
         self.pulls += 1
         return min(self.versions)
 
@@ -205,8 +214,7 @@ class WorkerRole:
         reqs = []
         for k, shard in enumerate(self.ps.shards):
             head = wire.request(wire.PUSH, self.clock, self.versions[k], examples, loss_sum,
-                                correct, self.updates_seen[k])
-            head[wire.KEY] = self.ps.shard_keys[k]
+                                correct, self.updates_seen[k], self.ps.shard_keys[k])
             payload = []
             for dtype, members in shard.groups:
                 parts = []
@@ -217,13 +225,13 @@ class WorkerRole:
                     else:
                         parts.append(p.grad.numpy().astype(dtype, copy=False).reshape(-1))
                 payload.append(np.ascontiguousarray(np.concatenate(parts)))
-            reqs.append((self._send(head, k, wire.T_REQUEST, "push"), k))
+            reqs.append((self._send(k, wire.T_REQUEST, "push", obj=head), k))
             for buf in payload:
-                reqs.append((self._send(buf, k, wire.T_PUSH_DATA, "push"), k))
+                reqs.append((self._send(k, wire.T_PUSH_DATA, "push", array=buf), k))
                 self.bytes_pushed += buf.nbytes
             if k == 0:
                 for buf in self._buffers():
-                    reqs.append((self._send(buf, k, wire.T_BUFFER_DATA, "push"), k))
+                    reqs.append((self._send(k, wire.T_BUFFER_DATA, "push", array=buf), k))
                     self.buffer_bytes_pushed += buf.nbytes
         self.clock += 1
         self.pushes += 1
@@ -231,9 +239,12 @@ class WorkerRole:
 
         def test() -> bool:
             done = True
-            for req, k in reqs:
+            for work, k in reqs:
+                if not work.is_completed():
+                    done = False
+                    continue
                 try:
-                    done = req.test() and done
+                    work.wait()
                 except CommError as exc:
                     if self.ps.server_restarts:
                         continue  # complete() recovers
@@ -274,7 +285,7 @@ class WorkerRole:
             self._beat.join(timeout=2.0)
 
     def _heartbeat(self) -> None:
-        beat = wire.header()
+        beat = wire.ping()
         last: dict[int, Any] = {}
         while not self._stop.wait(self.ps.heartbeat):
             for k, rank in enumerate(self.ps.server_ranks):

@@ -28,22 +28,11 @@ from typing import Any
 import numpy as np
 
 from needle.autograd import Tensor, TensorOp
-from needle.backend_selection import BACKEND, array_api
 
+from .._buffers import to_device, to_host
 from .._errors import ShapeError
 from .._group import ProcessGroup, resolve
 from ..collectives import all_gather, all_reduce
-
-
-def _host(a: Any) -> np.ndarray:
-    arr = a.numpy() if hasattr(a, "numpy") else np.asarray(a)
-    return np.array(arr, copy=True, order="C")
-
-
-def _back(host: np.ndarray, like: Any) -> Any:
-    if BACKEND == "nd":
-        return array_api.array(host, dtype=str(host.dtype), device=like.device)
-    return host
 
 
 class CopyToParallel(TensorOp):
@@ -70,9 +59,9 @@ class ReduceFromParallel(TensorOp):
         self.group = group
 
     def compute(self, a):
-        host = _host(a)
+        host = to_host(a)
         all_reduce(host, op="sum", group=self.group)
-        return _back(host, a)
+        return to_device(host, like=a)
 
     def gradient(self, out_grad, node):
         return CopyToParallel(self.group)(out_grad)
@@ -87,10 +76,10 @@ class GatherFromParallel(TensorOp):
         self.group = group
 
     def compute(self, a):
-        host = _host(a)
+        host = to_host(a)
         parts = [np.empty_like(host) for _ in range(self.group.size)]
         all_gather(parts, host, group=self.group)
-        return _back(np.concatenate(parts, axis=-1), a)
+        return to_device(np.concatenate(parts, axis=-1), like=a)
 
     def gradient(self, out_grad, node):
         return ScatterToParallel(self.group)(out_grad)
@@ -105,13 +94,13 @@ class ScatterToParallel(TensorOp):
         self.group = group
 
     def compute(self, a):
-        host = _host(a)
+        host = to_host(a)
         size, rank = self.group.size, self.group.rank
         if host.shape[-1] % size:
             raise ShapeError(f"scatter_to_parallel: last dimension must divide among {size} "
                              f"ranks, expected a multiple of {size}, got shape {host.shape}")
         width = host.shape[-1] // size
-        return _back(np.ascontiguousarray(host[..., rank * width:(rank + 1) * width]), a)
+        return to_device(host[..., rank * width:(rank + 1) * width], like=a)
 
     def gradient(self, out_grad, node):
         return GatherFromParallel(self.group)(out_grad)

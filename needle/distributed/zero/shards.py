@@ -1,8 +1,9 @@
 """Per-parameter bookkeeping of ZeRO: which piece this rank owns, and the host/device moves.
 
 Everything that crosses the network is staged through host NumPy buffers (so any device,
-``cuda()`` included, works); the model state that stays (weights, shard gradients) lives in
-the device's arrays, allocated from its caching allocator in the right memory category.
+``cuda()`` included, works) by ``needle.distributed._buffers``' ``to_host``/``to_device``;
+the model state that stays (weights, shard gradients) lives in the device's arrays,
+allocated from its caching allocator in the right memory category.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from needle.autograd import Tensor
 from needle.autograd.release import Released
 from needle.memory import attribute, framework_category
 
+from .. import _buffers
 from ..flat_layout import piece_bounds
 
 
@@ -34,15 +36,13 @@ class Sharded(Released):
 
 def host(array: Any) -> np.ndarray:
     """A flat, contiguous host copy of a device array."""
-    return np.ascontiguousarray(array.numpy()).reshape(-1)
+    return _buffers.to_host(array, flat=True)
 
 
 def to_device(values: np.ndarray, like: "Entry", category: str, shape=None) -> Any:
     """A new device array of ``values`` on ``like``'s device and dtype, in ``category``."""
     with framework_category(category):
-        data = Tensor(values.reshape(shape if shape is not None else values.shape),
-                      device=like.device, dtype=like.dtype,
-                      requires_grad=False).realize_cached_data()
+        data = _buffers.to_device(values, like=like, shape=shape)
     attribute(data, category)
     return data
 
