@@ -75,6 +75,10 @@ def __getattr__(name: str):
         from .ddp import DistributedDataParallel
 
         return DistributedDataParallel
+    if name in ("GradSync", "BucketHook", "AllReduceHook"):
+        from . import grad_sync
+
+        return getattr(grad_sync, name)
     if name == "check_equivalence":
         from .equivalence import check_equivalence
 

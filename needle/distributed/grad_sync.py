@@ -31,6 +31,7 @@ Example (two thread ranks, rank 1 has three times rank 0's examples):
     >>> def job(rank):
     ...     layer = nn.Linear(2, 1, bias=False)
     ...     sync = dist.GradSync(layer.parameters(), None, dist.AllReduceHook())
+    ...     sync.register()  # gradient hooks feed the buckets during backward
     ...     sync.set_num_examples([1, 3][rank])
     ...     layer(Tensor(np.full((1, 2), rank + 1.0, np.float32))).sum().backward()
     ...     sync.finish()
