@@ -1,7 +1,9 @@
 """The step loop every strategy shares: data order, step count, faults, evaluation, history.
 
-The loop is the same on every rank; the strategy decides what a step computes there. Only the
-reporting rank keeps the history and returns the summary (other ranks return None).
+The loop is the same on every rank; the strategy decides what a step computes there, and
+its meters (``metrics.py``) what is measured between steps: after the run's first step,
+after each epoch's last step (where the epoch is logged) and at the end. Only the reporting
+rank keeps the history and returns the summary (other ranks return None).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import numpy as np
 from .checkpoints import Cursor, RunCheckpoints
 from .data import global_batches, load_data, replica_share, steps_per_epoch
 from .faults import parse_faults
+from .metrics import RunMetrics
 from .model_state import split_state
 from .models import build_model, build_optimizer, device_by_name
 from .summary import build_summary
@@ -94,6 +97,8 @@ def run(cfg, strategy, rank: int = 0, world_size: int = 1) -> dict | None:
     replicas, index = strategy.data_shard()
     _skip_to(cursor, strategy.start_step(), X.shape[0], cfg, replicas)
     history = History(**cursor.history) if cursor.history else History()
+    metrics = RunMetrics(strategy.meters())
+    metrics.start()
     started = time.perf_counter()
     max_steps = cfg.max_steps if cfg.max_steps is not None else math.inf
     while cursor.epoch <= cfg.epochs and cursor.steps < max_steps:
@@ -108,9 +113,12 @@ def run(cfg, strategy, rank: int = 0, world_size: int = 1) -> dict | None:
             step = cursor.steps + 1
             strategy.on_micro_batch = lambda done, step=step: faults.after_micro_batch(step, done)
             share = replica_share(batches[cursor.batch_index], replicas, index)
+            metrics.before_step()
             result = strategy.train_step(X[share], y[share])
             cursor.steps += 1
             cursor.batch_index += 1
+            metrics.after_step(last=cursor.batch_index >= len(batches)
+                               or cursor.steps >= max_steps)
             if result is not None:
                 cursor.losses.append(result.loss)
                 stats.add(result)
@@ -129,6 +137,7 @@ def run(cfg, strategy, rank: int = 0, world_size: int = 1) -> dict | None:
     state = strategy.model_state()  # collective where the model is sharded
     state_digest = strategy.state_sha256()
     strategy.collect_reports()
+    metrics.finish()  # collective where distributed
     if ledger is not None:
         ledger.stop()
         ledger.flush(ledger_path(cfg.rng_ledger, rank, world_size))
@@ -138,6 +147,7 @@ def run(cfg, strategy, rank: int = 0, world_size: int = 1) -> dict | None:
     summary = build_summary(cfg, strategy, device, history, cursor.losses, cursor.steps, wall,
                             params, X.shape[0], Xt.shape[0],
                             steps_per_epoch(X.shape[0], cfg.batch_size), buffers)
+    summary.update(metrics.summary_blocks())
     summary["state_sha256"] = state_digest
     summary["model_state"] = state
     summary["resume"] = checkpoints.report()

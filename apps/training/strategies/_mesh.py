@@ -277,29 +277,34 @@ class MeshStrategy(Strategy):
                     getattr(sharded, buffer), 0, sharded.group)
         return values
 
-    def collect_reports(self) -> None:
-        """This rank's model state (its chunks' weights, gradients and optimizer state) beside
-        the ledger's prediction for those chunks, gathered on the reporting rank."""
+    def meters(self) -> list:
+        """``memory``: this rank's model state (its chunks' weights, gradients and optimizer
+        state) beside the ledger's prediction for those chunks, measured once at the end;
+        ``traffic``: this rank's communication ledger, predicted vs measured bytes."""
+        from ..metrics import CommunicationLedger, ModelStateMemory
+
+        return [ModelStateMemory(self.memory_probe, self.rank, self.world_size,
+                                 when="after the last step and evaluation", at_end=True),
+                CommunicationLedger(self.rank)]
+
+    def memory_probe(self):
+        """This rank's chunks as one model (read at the end of the run)."""
         import gc
 
         from needle import nn
 
+        from ..metrics import ModelState
+
         gc.collect()  # the unsharded model built at set-up is garbage by now
-        self.model = nn.Sequential(*[self.modules[k] for k in self.my_chunks])
-        self._measure_memory(0)
-        self.model = None
-        super().collect_reports()
+        chunks = nn.Sequential(*[self.modules[k] for k in self.my_chunks])
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        return ModelState(self.ctx.device, chunks, inner, 0)
 
     def summary_blocks(self) -> dict:
-        """``mesh``, ``traffic`` (this rank's communication ledger, predicted vs measured
-        bytes), ``memory`` and, with pipeline stages, ``pipeline``."""
-        import needle.distributed as dist
-
-        traffic = dist.traffic.ledger().summary()
-        traffic["rank"] = self.rank
+        """``mesh`` and, with pipeline stages, ``pipeline`` (``memory`` and ``traffic`` are
+        the metrics')."""
         blocks = {"mesh": {"dp": self.dp, "tp": self.tp, "pp": self.pp,
-                           "layers_per_stage": self.layers_per_stage}, "traffic": traffic,
-                  "memory": self._memory_block("after the last step and evaluation")}
+                           "layers_per_stage": self.layers_per_stage}}
         if self._report is not None:
             block = self._report.as_dict()
             block["batchnorm_per_microbatch"] = self.has_batchnorm

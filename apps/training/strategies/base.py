@@ -1,9 +1,10 @@
 """What every training strategy provides, with the single-process behaviour as the default.
 
 The loop (``apps/training/loop.py``) calls, on every rank: ``setup`` once, ``data_shard``,
-``train_step`` once per optimizer step with this replica's share of the global batch,
-``evaluate`` after each epoch, ``model_state``, ``collect_reports`` and (on the
-reporting rank) ``summary_blocks`` at the end. Methods that are collective in a strategy
+``meters`` (what ``apps/training/metrics.py`` measures around the steps), ``train_step`` once
+per optimizer step with this replica's share of the global batch, ``evaluate`` after each
+epoch, ``model_state``, ``collect_reports`` and (on the reporting rank) ``summary_blocks``
+at the end. Methods that are collective in a strategy
 (evaluation of a sharded model, say) are called on every rank in the same order, so a
 strategy may communicate inside any of them.
 
@@ -12,9 +13,9 @@ float16 parameters, ``amp.autocast``, a ``GradScaler``, float32 master weights i
 optimizer) and gradient accumulation (``--accumulate G``: the replica's share is cut into G
 micro-batches whose sizes may differ by one; micro-batch i's mean loss is weighted by
 ``n_i / n`` so the accumulated gradient is the replica's mean gradient, and data-parallel
-ranks are then weighted by their ``n`` over the global batch). It records the denominators
-and, after every step, the model-state bytes measured by ``needle.memory`` beside the
-ledger's prediction.
+ranks are then weighted by their ``n`` over the global batch). It records the denominators;
+the model-state bytes beside the ledger's prediction are the metrics' (``meters``), read
+between steps, so the step itself measures nothing.
 """
 from __future__ import annotations
 
@@ -22,8 +23,6 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
-
-MODEL_STATE = ("weight", "gradient", "master", "optimizer")
 
 
 @dataclass
@@ -120,8 +119,6 @@ class Strategy:
         self.scaler = None
         self.on_micro_batch = None  # set by the loop: fault injection between micro-batches
         self.denominators: dict = {}
-        self.memory_row: dict | None = None
-        self._memory_rows: list | None = None
 
     # ---- command line --------------------------------------------------------------------
     @staticmethod
@@ -195,12 +192,12 @@ class Strategy:
                 Tensor(y, device=device, requires_grad=False))
 
     def _local_step(self, X: np.ndarray, y: np.ndarray, forward=None, after_backward=None,
-                    no_sync=None, zero_stage: int = 0):
+                    no_sync=None):
         """Forward and backward of every micro-batch (``no_sync`` around all but the last),
         (after_backward), the scaled optimizer step; local sums (see the module doc)."""
         self.optimizer.reset_grad()
         loss_sum, correct, parts = self._backward(X, y, forward, no_sync)
-        self._update(after_backward, zero_stage)
+        self._update(after_backward)
         n = int(y.shape[0])
         self.denominators = {"micro": [hi - lo for lo, hi in parts], "local": n}
         return loss_sum, correct, n
@@ -233,8 +230,8 @@ class Strategy:
                 self.on_micro_batch(counted + i + 1)
         return loss_sum, correct, parts
 
-    def _update(self, after_backward=None, zero_stage: int = 0) -> None:
-        """(after_backward), gradient clipping, the scaled optimizer step, the memory row."""
+    def _update(self, after_backward=None) -> None:
+        """(after_backward), gradient clipping, the scaled optimizer step."""
         if after_backward is not None:
             after_backward()
         if getattr(self.cfg, "clip_grad", None) is not None:
@@ -244,17 +241,25 @@ class Strategy:
             self.clip_gradients(self.cfg.clip_grad)
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        self._measure_memory(zero_stage)
 
-    def _measure_memory(self, zero_stage: int) -> None:
-        """This rank's model state now (right after a step) beside the ledger's prediction."""
-        from needle.distributed.zero import accounting
+    # ---- metrics -------------------------------------------------------------------------
+    def meters(self) -> list:
+        """What the loop measures between steps (``apps/training/metrics.py``): for the
+        default step, the model-state memory (``summary.json``'s ``memory``)."""
+        from ..metrics import ModelStateMemory
 
+        if not self.mixed_precision_and_accumulation:
+            return []
+        return [ModelStateMemory(self.memory_probe, self.rank, self.world_size)]
+
+    def memory_probe(self):
+        """This rank's :class:`~training.metrics.ModelState` (None before set-up)."""
+        from ..metrics import ModelState
+
+        if self.model is None:
+            return None
         inner = getattr(self.optimizer, "optimizer", self.optimizer)
-        got = accounting.measured(self.ctx.device)
-        want = accounting.predicted(self.model, inner, zero_stage, self.world_size, self.rank)
-        self.memory_row = {"rank": self.rank, "measured": got["requested"],
-                           "allocated": got["allocated"], "predicted": want}
+        return ModelState(self.ctx.device, self.model, inner, 0)
 
     def clip_gradients(self, max_norm: float) -> float:
         """Clip this step's gradients by the whole model's L2 norm (``--clip-grad``); the
@@ -294,42 +299,16 @@ class Strategy:
         return named_state(self.model, [p.numpy() for p in self.model.parameters()])
 
     def collect_reports(self) -> None:
-        """Gather every rank's memory row on the reporting rank (collective when
-        distributed; called on every rank at the end of the run)."""
-        row = self.memory_row
-        if row is None:
-            return
-        if self.world_size == 1:
-            self._memory_rows = [row]
-            return
-        import needle.distributed as dist
-
-        mine = np.array([row[k][c] for k in ("measured", "allocated", "predicted")
-                         for c in MODEL_STATE], dtype=np.int64)
-        every = [np.zeros_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(every, mine)
-        rows = []
-        for r, values in enumerate(every):
-            v = values.reshape(3, len(MODEL_STATE))
-            rows.append({"rank": r, **{k: {c: int(v[i][j]) for j, c in enumerate(MODEL_STATE)}
-                                       for i, k in enumerate(("measured", "allocated",
-                                                              "predicted"))}})
-        self._memory_rows = rows
-
-    def _memory_block(self, when: str) -> dict:
-        """``summary.json``'s ``memory``: every rank's row (see :meth:`collect_reports`)."""
-        return {"per_rank": self._memory_rows or [], "when": when,
-                "measured": "requested bytes held per category (needle.memory)",
-                "allocated": "the same in 512-byte-rounded allocator blocks",
-                "predicted": "needle.memory.estimate for this rank"}
+        """Anything the strategy itself gathers at the end of the run (called on every rank;
+        may be collective). The meters' results are gathered by the metrics, not here."""
 
     def summary_blocks(self) -> dict:
-        """``memory``, ``scaler`` and ``accumulation`` (the default step's blocks)."""
+        """``scaler`` and ``accumulation`` (the default step's blocks; ``memory`` is the
+        metrics')."""
         if not self.mixed_precision_and_accumulation or self.scaler is None:
             return {}
         scaler = self.scaler.state_dict()
         return {
-            "memory": self._memory_block("right after the last optimizer step"),
             "scaler": {"enabled": self.mixed, "skipped_steps": scaler["skipped_steps"],
                        "final_scale": self.scaler.get_scale(), "steps": scaler["steps"]},
             "accumulation": {"micro_batches": int(getattr(self.cfg, "accumulate", 1)),

@@ -65,14 +65,12 @@ class DataParallel(Strategy):
     def evaluate(self, X, y):
         return self._local_evaluate(X, y) if self.rank == 0 else None
 
-    def summary_blocks(self) -> dict:
-        """The default step's blocks plus ``traffic``: this rank's communication ledger,
-        predicted vs measured bytes per step (needle/distributed/traffic.py)."""
-        import needle.distributed as dist
+    def meters(self) -> list:
+        """The default step's memory meter plus ``traffic``: this rank's communication
+        ledger, predicted vs measured bytes per step (needle/distributed/traffic.py)."""
+        from ..metrics import CommunicationLedger
 
-        block = dist.traffic.ledger().summary()
-        block["rank"] = self.rank
-        return {**super().summary_blocks(), "traffic": block}
+        return [*super().meters(), CommunicationLedger(self.rank)]
 
 
 def global_step_result(local: tuple[float, int, int], rank: int, root: int = 0):

@@ -86,7 +86,6 @@ class SingleProcess(Strategy):
         if self.on_micro_batch is not None:
             self.on_micro_batch(1)
         self.denominators = {"micro": [n], "local": n}
-        self._measure_memory(0)
         return StepResult(float(loss.numpy()) * n, correct, n)
 
     def _shared_step(self, X: np.ndarray, y: np.ndarray, shares: int) -> StepResult:

@@ -56,18 +56,26 @@ class Zero(Strategy):
             bucket_cap_mb=self.cfg.extra.get("bucket_cap_mb", 1.0))
         self.optimizer = self.zero.optimizer
         self.loss_fn = nn.SoftmaxLoss()
-        self.traffic: list[int] = []
+        self.traffic = None  # the metrics' counter of bytes sent (meters)
 
     def data_shard(self) -> tuple[int, int]:
         return self.world_size, self.rank
 
+    def meters(self) -> list:
+        """The default step's memory meter, and the bytes this rank's ZeRO collectives send
+        per step (read by :meth:`summary_blocks`)."""
+        from ..metrics import CounterRate
+
+        self.traffic = CounterRate(lambda: self.zero.bytes_sent)
+        return [*super().meters(), self.traffic]
+
+    def memory_probe(self):
+        state = super().memory_probe()
+        return None if state is None else state._replace(zero_stage=self.stage)
+
     def train_step(self, X: np.ndarray, y: np.ndarray) -> StepResult | None:
-        start = self.zero.bytes_sent
         self.zero.set_num_examples(int(y.shape[0]))
-        local = self._local_step(X, y, forward=self.zero, no_sync=self.zero.no_sync,
-                                 zero_stage=self.stage)
-        self.traffic.append(self.zero.bytes_sent - start)
-        del self.traffic[:-1000]
+        local = self._local_step(X, y, forward=self.zero, no_sync=self.zero.no_sync)
         result = global_step_result(local, self.rank)
         if result is not None:
             self.denominators["global"] = result.examples
@@ -94,13 +102,12 @@ class Zero(Strategy):
     def summary_blocks(self) -> dict:
         blocks = super().summary_blocks()
         predicted = self.zero.predicted_traffic(int(getattr(self.cfg, "accumulate", 1)))
-        measured = self.traffic[1:] or self.traffic  # the first step may differ (set-up)
         blocks["zero"] = {
             "stage": self.stage, "world_size": self.world_size,
             "bucket_cap_mb": self.cfg.extra.get("bucket_cap_mb", 1.0),
             "traffic_bytes_per_step": {
                 "predicted": predicted["total"],
-                "measured": int(np.median(measured)) if measured else None,
+                "measured": self.traffic.per_step() if self.traffic is not None else None,
                 "reduce_scatter": predicted["reduce_scatter"],
                 "all_gather": predicted["all_gather"],
                 "ddp_all_reduce": predicted["ddp_all_reduce"],
