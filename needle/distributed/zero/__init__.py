@@ -9,8 +9,8 @@ Example:
 from __future__ import annotations
 
 from ..collectives import shard_bounds
-from .data_parallel import ZeroDataParallel
 from ..flat_layout import FlatLayout, piece_bounds
+from .data_parallel import ZeroDataParallel
 from .optimizer import ZeroOptimizer
 
 __all__ = ["ZeroDataParallel", "ZeroOptimizer", "FlatLayout", "piece_bounds",
