@@ -12,12 +12,16 @@ from .base import StepResult, Strategy
 
 
 class DataParallel(Strategy):
+    """Data parallelism over a gradient-sync wrapper (a ``SyncedModule``): ``wrap`` is the
+    flavour, DDP here, ZeRO in :class:`~.zero.Zero`; the step, the example weighting and the
+    data split are the same for every flavour."""
+
     name = "ddp"
 
     @staticmethod
     def add_arguments(group) -> None:
         group.add_argument("--bucket-cap-mb", type=float, default=1.0,
-                           help="DDP gradient bucket size in MiB")
+                           help="gradient bucket size in MiB (ddp, zero)")
 
     @classmethod
     def validate(cls, cfg) -> None:
@@ -25,6 +29,12 @@ class DataParallel(Strategy):
 
         if cfg.nproc < 2:
             raise UsageError(f"--strategy {cfg.strategy} needs --nproc >= 2, got {cfg.nproc}")
+        cls._validate_buckets(cfg)
+
+    @staticmethod
+    def _validate_buckets(cfg) -> None:
+        from ..config import UsageError
+
         if cfg.extra.get("bucket_cap_mb", 1.0) <= 0:
             raise UsageError(f"--bucket-cap-mb must be positive, got "
                              f"{cfg.extra['bucket_cap_mb']}")
@@ -34,27 +44,38 @@ class DataParallel(Strategy):
         return True
 
     def setup(self, ctx) -> None:
-        super().setup(ctx)
+        from needle import nn
+
+        self.ctx = ctx
+        self.model = self._new_model(ctx)
+        # the wrapper also broadcasts rank 0's parameters: every rank starts from them
+        self.wrapper, self.optimizer = self.wrap(ctx)
+        self.loss_fn = nn.SoftmaxLoss()
+
+    def wrap(self, ctx):
+        """(the gradient-sync wrapper of ``self.model``, the optimizer the loop steps)."""
         import needle.distributed as dist
 
-        # Also broadcasts rank 0's parameters, so every rank starts from the same weights.
-        self.ddp = dist.DistributedDataParallel(
-            self.model, bucket_cap_mb=self.cfg.extra.get("bucket_cap_mb", 1.0))
+        optimizer = ctx.new_optimizer(self.model.parameters())
+        return dist.DistributedDataParallel(
+            self.model, bucket_cap_mb=self.cfg.extra.get("bucket_cap_mb", 1.0)), optimizer
 
     def data_shard(self) -> tuple[int, int]:
         return self.world_size, self.rank
 
     def train_step(self, X: np.ndarray, y: np.ndarray) -> StepResult | None:
-        self.ddp.set_num_examples(int(y.shape[0]))
-        local = self._local_step(X, y, forward=self.ddp, after_backward=self._sync,
-                                 no_sync=self.ddp.no_sync)
+        self.wrapper.set_num_examples(int(y.shape[0]))
+        local = self._local_step(X, y, forward=self.wrapper, after_backward=self._synced,
+                                 no_sync=self.wrapper.no_sync)
         result = global_step_result(local, self.rank)
         if result is not None:
             self.denominators["global"] = result.examples
         return result
 
-    def _sync(self) -> None:
-        self.ddp.finish_gradient_sync()
+    def _synced(self) -> None:
+        """After the backward: DDP installs the averaged gradients now (a sharded flavour
+        finishes inside its optimizer's step)."""
+        self.wrapper.finish_gradient_sync()
         from needle import memory
 
         # the averaged gradients DDP installs are this step's gradients: count them so

@@ -9,13 +9,13 @@ per step predicted and measured beside ddp's) and every rank's model-state bytes
 """
 from __future__ import annotations
 
-import numpy as np
-
-from .base import StepResult, Strategy, gathered_state_digest
-from .ddp import global_step_result
+from .base import Strategy, gathered_state_digest
+from .ddp import DataParallel
 
 
-class Zero(Strategy):
+class Zero(DataParallel):
+    """ddp's step with the ZeRO flavour of gradient-sync wrapper (see the module doc)."""
+
     name = "zero"
     can_reshard = True
 
@@ -32,34 +32,26 @@ class Zero(Strategy):
         stage = cfg.extra.get("zero_stage", 2)
         if stage not in (1, 2, 3):
             raise UsageError(f"--zero-stage must be 1, 2 or 3, got {stage}")
-        if cfg.extra.get("bucket_cap_mb", 1.0) <= 0:
-            raise UsageError(f"--bucket-cap-mb must be positive, got "
-                             f"{cfg.extra['bucket_cap_mb']}")
-
-    @property
-    def distributed(self) -> bool:
-        return True
+        cls._validate_buckets(cfg)
 
     @property
     def stage(self) -> int:
         return int(self.cfg.extra.get("zero_stage", 2))
 
-    def setup(self, ctx) -> None:
-        import needle.distributed as dist
-        from needle import nn
+    @property
+    def zero(self):
+        return self.wrapper
 
-        self.ctx = ctx
-        self.model = self._new_model(ctx)
-        # Also broadcasts rank 0's parameters before sharding them.
-        self.zero = dist.ZeroDataParallel(
+    def wrap(self, ctx):
+        import needle.distributed as dist
+
+        self.traffic = None  # the metrics' counter of bytes sent (meters)
+        # also broadcasts rank 0's parameters before sharding them; the optimizer is built
+        # over this rank's shards only
+        zero = dist.ZeroDataParallel(
             self.model, optimizer=ctx.new_optimizer, stage=self.stage,
             bucket_cap_mb=self.cfg.extra.get("bucket_cap_mb", 1.0))
-        self.optimizer = self.zero.optimizer
-        self.loss_fn = nn.SoftmaxLoss()
-        self.traffic = None  # the metrics' counter of bytes sent (meters)
-
-    def data_shard(self) -> tuple[int, int]:
-        return self.world_size, self.rank
+        return zero, zero.optimizer
 
     def meters(self) -> list:
         """The default step's memory meter, and the bytes this rank's ZeRO collectives send
@@ -67,19 +59,14 @@ class Zero(Strategy):
         from ..metrics import CounterRate
 
         self.traffic = CounterRate(lambda: self.zero.bytes_sent)
-        return [*super().meters(), self.traffic]
+        return [*Strategy.meters(self), self.traffic]
 
     def memory_probe(self):
         state = super().memory_probe()
         return None if state is None else state._replace(zero_stage=self.stage)
 
-    def train_step(self, X: np.ndarray, y: np.ndarray) -> StepResult | None:
-        self.zero.set_num_examples(int(y.shape[0]))
-        local = self._local_step(X, y, forward=self.zero, no_sync=self.zero.no_sync)
-        result = global_step_result(local, self.rank)
-        if result is not None:
-            self.denominators["global"] = result.examples
-        return result
+    def _synced(self) -> None:
+        """Nothing after the backward: the reduce-scatter finishes inside the step."""
 
     def clip_gradients(self, max_norm: float) -> float:
         # each rank holds only its pieces of the reduced gradients: their squared sums are
