@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import statistics
 import sys
 import time
@@ -50,6 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _openmp  # noqa: E402
 import numpy as np  # noqa: E402
+from _machine import cpu_model  # noqa: E402
 
 _openmp.load_torch_first()  # before needle loads the C++ kernels: see bench/_openmp.py
 
@@ -205,17 +205,6 @@ def _format(row) -> str:
             f"{tf / nf:.2f}x | {nb * 1e3:.3f} | {tb * 1e3:.3f} | {tb / nb:.2f}x |")
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
@@ -245,7 +234,7 @@ def main(argv=None) -> int:
     phases, calls = (2, 5) if args.quick else (args.phases, args.calls)
     info = (cpu_mod._kernel_info() if hasattr(cpu_mod, "_kernel_info")
             else {"isa": cpu_mod._get_isa(), "sgemm": "?"})
-    print(f"# {datetime.date.today()} {_cpu_model()}, {os.cpu_count()} CPUs, load average "
+    print(f"# {datetime.date.today()} {cpu_model()}, {os.cpu_count()} CPUs, load average "
           f"{os.getloadavg()[0]:.2f}; needle kernels {info['isa']} (sgemm {info['sgemm']}); "
           f"PyTorch {torch.__version__}, CPU capability "
           f"{torch.backends.cpu.get_cpu_capability()}, oneDNN "

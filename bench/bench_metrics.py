@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import statistics
 import sys
 import time
@@ -36,23 +35,12 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "apps"))
 
 import train  # noqa: E402
+from _machine import cpu_model  # noqa: E402
 from training.data import global_batches, load_data  # noqa: E402
 from training.loop import RunContext  # noqa: E402
 from training.metrics import RunMetrics  # noqa: E402
 from training.models import device_by_name  # noqa: E402
 from training.strategies import STRATEGIES  # noqa: E402
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
 
 CLOCK = time.perf_counter
 
@@ -124,7 +112,7 @@ def main(argv=None) -> int:
     spent_on = modes["on"].spent
     steps = len(shares) * args.epochs_per_repeat
     per_step = {name: 1e3 * statistics.median(t) / steps for name, t in times.items()}
-    print(f"# {datetime.date.today()} {_cpu_model()}, {os.cpu_count()} CPUs, load average "
+    print(f"# {datetime.date.today()} {cpu_model()}, {os.cpu_count()} CPUs, load average "
           f"{os.getloadavg()[0]:.2f}; default job: {cfg.strategy}, {cfg.model} hidden "
           f"{cfg.hidden}, {cfg.data}, batch {cfg.batch_size}, {cfg.optimizer}; median of "
           f"{args.repeats} alternating repeats of {steps} steps; clock {args.clock}")

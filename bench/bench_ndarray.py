@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import statistics
 import sys
 import time
@@ -58,6 +57,7 @@ if "--as-avx2" in sys.argv:  # must be set before NumPy, OpenBLAS and needle's m
     os.environ["NPY_DISABLE_CPU_FEATURES"] = "X86_V4 AVX512_ICL AVX512_SPR"
 
 import numpy as np  # noqa: E402
+from _machine import cpu_model  # noqa: E402
 from threadpoolctl import threadpool_info, threadpool_limits  # noqa: E402
 
 from needle.backend_ndarray import ndarray_backend_cpu as cpu  # noqa: E402
@@ -311,7 +311,7 @@ def _kernel_info() -> dict:
 
 def print_header() -> None:
     info = _kernel_info()
-    print(f"# {datetime.date.today()} {_cpu_model()}, {os.cpu_count()} CPUs, "
+    print(f"# {datetime.date.today()} {cpu_model()}, {os.cpu_count()} CPUs, "
           f"load average {os.getloadavg()[0]:.2f}, statistic: {STAT}, clock: "
           f"{'cpu' if CLOCK is time.thread_time else 'wall'}")
     print(f"# needle: kernels {info['isa']}, sgemm {info['sgemm']}, dgemm {info['dgemm']} "
@@ -322,17 +322,6 @@ def print_header() -> None:
               f"kernel={info.get('architecture')} threads={info['num_threads']}")
     print("| kernel | threads | NumPy | needle | unit | needle/NumPy | vs NumPy out= |")
     print("|---|---|---|---|---|---|---|")
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _numpy_simd() -> str:

@@ -13,14 +13,9 @@ The per-thread state lives in :mod:`needle.autograd.grad_mode`, beside the other
 modes, so that ``nn`` and ``optim`` read it without importing the compiler; this module is
 the compiler's name for it.
 
-Example:
-    >>> class Counter:
-    ...     def __init__(self): self.t = 0
-    ...     def advance(self):
-    ...         self.t += 1
-    ...         return 0.5 ** self.t
-    >>> c = Counter(); replayed(c.advance, c), c.t
-    (0.5, 1)
+Example (outside a recording nothing is compiling, and ``replayed`` just calls):
+    >>> compiling(), replayed(lambda: 0.25, owner=None)
+    (False, 0.25)
 """
 from __future__ import annotations
 
