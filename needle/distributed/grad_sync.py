@@ -63,7 +63,7 @@ class Bucket:
                  world_size: int, group: Any):
         self.index, self.dtype, self.members, self.group = index, dtype, members, group
         self.layout = FlatLayout(sizes, world_size)
-        self.flat: Any = np.zeros(self.layout.numel, dtype=dtype)  # None: released
+        self.flat: Any = None  # allocated at the first pack (ZeRO releases it after each step)
         self.work: Any = None
         self.pending = len(members)
         self.ready_at: float | None = None
