@@ -113,8 +113,9 @@ def run(cfg, strategy, rank: int = 0, world_size: int = 1) -> dict | None:
             step = cursor.steps + 1
             strategy.on_micro_batch = lambda done, step=step: faults.after_micro_batch(step, done)
             share = replica_share(batches[cursor.batch_index], replicas, index)
-            metrics.before_step()
-            result = strategy.train_step(X[share], y[share])
+            Xs, ys = X[share], y[share]
+            metrics.before_step(Xs, ys)
+            result = strategy.train_step(Xs, ys)
             cursor.steps += 1
             cursor.batch_index += 1
             metrics.after_step(last=cursor.batch_index >= len(batches)

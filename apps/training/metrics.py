@@ -5,9 +5,10 @@ read here, at the points where the loop logs. The loop (``loop.py``) builds one
 :class:`RunMetrics` per rank from the strategy's :meth:`meters` and calls
 
 * ``start()`` before the first step;
-* ``before_step()`` before every optimizer step: a flag test; the meters mark the point
-  only before the first step after a sample (where a counter's next interval starts, so
-  that evaluation between epochs is not counted as steps);
+* ``before_step(X, y)`` before every optimizer step (``X, y``: this rank's share): a flag
+  test; the meters mark the point only before the first step after a sample (where a
+  counter's next interval starts, so that evaluation between epochs is not counted as
+  steps); meters with ``per_step`` set see every step (``step_begin``, ``step_end``);
 * ``after_step(last)`` after every optimizer step: a counter; the meters sample only after
   the run's first step and after each epoch's last step (``last``), where the loop logs.
   Both points are right after a step, with the step's gradients still held;
@@ -28,6 +29,7 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 
 _KINDS = ("measured", "allocated", "predicted")
+_PEAK = ("predicted", "measured", "step", "max_measured", "held_predicted", "held_measured")
 
 
 class ModelState(NamedTuple):
@@ -42,6 +44,14 @@ class ModelState(NamedTuple):
 
 class Meter:
     """One measurement of a run; every hook is optional (the defaults do nothing)."""
+
+    per_step = False  # whether step_begin and step_end are called around every step
+
+    def step_begin(self, steps: int, X, y) -> None:
+        """Right before a step (``per_step`` meters); ``X, y``: this rank's share."""
+
+    def step_end(self, steps: int) -> None:
+        """Right after a step (``per_step`` meters); ``steps`` counts it."""
 
     def start(self) -> None:
         """Before the run's first step."""
@@ -66,6 +76,7 @@ class RunMetrics:
 
     def __init__(self, meters: list[Meter]):
         self.meters = list(meters)
+        self.every_step = [m for m in self.meters if m.per_step]
         self.steps = 0
         self._mark_due = True
 
@@ -74,16 +85,20 @@ class RunMetrics:
             meter.start()
         self._mark_due = True
 
-    def before_step(self) -> None:
-        """Before an optimizer step."""
+    def before_step(self, X=None, y=None) -> None:
+        """Before an optimizer step on this rank's share ``X, y``."""
         if self._mark_due:
             self._mark_due = False
             for meter in self.meters:
                 meter.mark(self.steps)
+        for meter in self.every_step:
+            meter.step_begin(self.steps, X, y)
 
     def after_step(self, last: bool = False) -> None:
         """After an optimizer step; ``last``: the epoch's (or the run's) last step."""
         self.steps += 1
+        for meter in self.every_step:
+            meter.step_end(self.steps)
         if self.steps == 1 or last:
             self.sample()
 
@@ -113,13 +128,22 @@ class ModelStateMemory(Meter):
     on shapes, dtypes, optimizer and layout, so it is computed once, at the end."""
 
     def __init__(self, probe: Callable[[], ModelState | None], rank: int, world_size: int,
-                 when: str = "right after the last optimizer step", at_end: bool = False):
+                 when: str = "right after the last optimizer step", at_end: bool = False,
+                 peak: "PeakMemory | None" = None):
         self.probe, self.rank, self.world_size = probe, rank, world_size
         self.when, self.at_end = when, at_end
+        self.peak = peak  # each row gains this rank's step peak (``PeakMemory.row``)
+        self.per_step = peak is not None
         self._state: ModelState | None = None
         self._measured: dict | None = None
         self.row: dict | None = None  # this rank's, after finish
         self.rows: list[dict] = []  # every rank's, on the reporting rank
+
+    def step_begin(self, steps: int, X, y) -> None:
+        self.peak.step_begin(steps, X, y)
+
+    def step_end(self, steps: int) -> None:
+        self.peak.step_end(steps)
 
     def sample(self, steps: int) -> None:
         if not self.at_end:
@@ -144,15 +168,20 @@ class ModelStateMemory(Meter):
                                     self.world_size, self.rank)
         self.row = {"rank": self.rank, "measured": got["requested"],
                     "allocated": got["allocated"], "predicted": want}
+        if self.peak is not None:
+            self.row["peak"] = self.peak.row()
         self.rows = [self.row] if self.world_size == 1 else _gather_rows(self.row,
                                                                          self.world_size)
 
     def blocks(self) -> dict:
-        return {"memory": {
+        block = {
             "per_rank": self.rows, "when": self.when,
             "measured": "requested bytes held per category (needle.memory)",
             "allocated": "the same in 512-byte-rounded allocator blocks",
-            "predicted": "needle.memory.estimate for this rank"}}
+            "predicted": "needle.memory.estimate for this rank"}
+        if self.peak is not None:
+            block["peak"] = self.peak.describe()
+        return {"memory": block}
 
 
 def _gather_rows(row: dict, world_size: int) -> list[dict]:
@@ -160,15 +189,74 @@ def _gather_rows(row: dict, world_size: int) -> list[dict]:
     import needle.distributed as dist
     from needle.memory.accounting import MODEL_STATE
 
-    mine = np.array([row[k][c] for k in _KINDS for c in MODEL_STATE], dtype=np.int64)
+    peak = row.get("peak")
+    cells = [row[k][c] for k in _KINDS for c in MODEL_STATE]
+    if peak is not None:  # None (not predicted, not run) travels as -1
+        cells += [-1 if peak[k] is None else peak[k] for k in _PEAK]
+    mine = np.array(cells, dtype=np.int64)
     every = [np.zeros_like(mine) for _ in range(world_size)]
     dist.all_gather(every, mine)
     rows = []
+    size = len(_KINDS) * len(MODEL_STATE)
     for r, values in enumerate(every):
-        v = values.reshape(len(_KINDS), len(MODEL_STATE))
+        v = values[:size].reshape(len(_KINDS), len(MODEL_STATE))
         rows.append({"rank": r, **{k: {c: int(v[i][j]) for j, c in enumerate(MODEL_STATE)}
                                    for i, k in enumerate(_KINDS)}})
+        if peak is not None:
+            rows[-1]["peak"] = {k: None if x < 0 else int(x)
+                                for k, x in zip(_PEAK, values[size:], strict=True)}
     return rows
+
+
+class PeakMemory:
+    """The peak of one step on this rank (``summary.json``'s ``memory.per_rank[r].peak``):
+    ``predict(X, y, first)`` (``apps/training/peak.py``) before the run's second step (its
+    first when only one runs), the device allocator's ``peak_requested_bytes`` over that step
+    (peaks reset right before it) beside it; and the highest peak of every step
+    (``max_measured``: each step's peak is read the same way)."""
+
+    def __init__(self, predict: Callable, device: Any):
+        self.predict, self.device = predict, device
+        self.prediction: dict = {}
+        self.measured = self.step = self.held = self._held = None
+        self.max_measured = 0
+
+    def _allocator(self):
+        from needle.memory import get_allocator
+
+        return get_allocator(self.device)
+
+    def step_begin(self, steps: int, X, y) -> None:
+        if steps < 2:
+            self.prediction = self.predict(X, y, steps == 0) if X is not None else {
+                "predicted": None, "why": "the step's batch was not given"}
+        allocator = self._allocator()
+        allocator.reset_peak()
+        if steps < 2:
+            self._held = int(allocator.stats()["requested_bytes"])
+
+    def step_end(self, steps: int) -> None:
+        peak = int(self._allocator().stats()["peak_requested_bytes"])
+        self.max_measured = max(self.max_measured, peak)
+        if steps <= 2:
+            self.measured, self.step, self.held = peak, steps, self._held
+
+    def row(self) -> dict:
+        p = self.prediction
+        return {"predicted": p.get("predicted"), "measured": self.measured, "step": self.step,
+                "max_measured": self.max_measured, "held_predicted": p.get("held_at_start"),
+                "held_measured": self.held}
+
+    def describe(self) -> dict:
+        """What the numbers are (the reporting rank's prediction terms included)."""
+        out = {"measured": "peak_requested_bytes of the device allocator over the step "
+                           "(needle.memory; peaks reset right before it)",
+               "predicted": "computed before the step (apps/training/peak.py, "
+                            "docs/training.md)",
+               "max_measured": "the highest measured peak of every step of the run"}
+        out.update({k: v for k, v in self.prediction.items()
+                    if k in ("why", "where", "terms", "activations")})
+        return out
 
 
 class CounterRate(Meter):

@@ -246,11 +246,20 @@ class Strategy:
     def meters(self) -> list:
         """What the loop measures between steps (``apps/training/metrics.py``): for the
         default step, the model-state memory (``summary.json``'s ``memory``)."""
-        from ..metrics import ModelStateMemory
+        from ..metrics import ModelStateMemory, PeakMemory
 
         if not self.mixed_precision_and_accumulation:
             return []
-        return [ModelStateMemory(self.memory_probe, self.rank, self.world_size)]
+        return [ModelStateMemory(self.memory_probe, self.rank, self.world_size,
+                                 peak=PeakMemory(self.predict_peak, self.ctx.device))]
+
+    def predict_peak(self, X: np.ndarray, y: np.ndarray, first: bool) -> dict:
+        """This rank's peak of the step on ``X, y`` (``first``: the run's first step), from
+        shapes (``apps/training/peak.py``); ``predicted`` None with ``why`` where it is not
+        modelled."""
+        from ..peak import predict_default_step
+
+        return predict_default_step(self, X, y, first)
 
     def memory_probe(self):
         """This rank's :class:`~training.metrics.ModelState` (None before set-up)."""
