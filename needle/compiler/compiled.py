@@ -6,8 +6,8 @@ Per call signature (:func:`~needle.compiler.signature.signature`) a cache entry 
    step's first-call-only allocations happen here, not in the trace.
 2. *trace*: the call runs eagerly under :func:`needle.memory.trace`, which records every
    buffer of the forward, the backward and the optimiser update with its lifetime;
-   :func:`needle.memory.plan` then places all intermediates in one arena (liveness, best of
-   greedy-by-size / first-fit / two-sided).
+   :func:`~needle.compiler.arena.plan_arena` then chooses the intermediates one arena holds
+   and their offsets (the others come from the pools when the step asks, as eagerly).
 3. *recorded replays* (two calls): the step's Python runs with the device's allocator serving
    the k-th request at its planned arena offset (``cpu()``: the C++ allocator itself;
    ``cpu_numpy()``/``cuda()``: an arena swapped into the backend module) while its kernel
@@ -28,14 +28,12 @@ lives longer than traced) is served from the pools from that request on, so it s
 the right values; the entry is then traced again on its next call, and after
 ``max_retraces`` such divergences it stays eager (``stats()["eager_signatures"]``).
 
-Memory: a replay's peak of requested bytes above those live before it is exactly
-``memory()["planned_peak_bytes"]`` (the arena, held for the whole call, plus the outputs and
-releases as traced). That can exceed the eager peak by up to the outputs made while the arena
-is held (a gradient or a new parameter made while eagerly some intermediates were already
-gone): the arena does not shrink during the call.
-
-What it does not do yet: the kernel program is a Python function (one call per kernel), not
-a list run from C++, and elementwise chains are not fused in it.
+Memory: a Python replay's peak of requested bytes above those live before it is exactly
+``memory()["planned_peak_bytes"]`` (the arena, held for the whole call, plus the pools'
+buffers as traced), a kernel replay's at most that (a program frees a pool buffer right
+after its last kernel). With the default ``arena="bounded"`` the planned peak is at most the
+traced eager call's (:mod:`needle.compiler.arena` says why holding every intermediate in the
+arena can need more); ``arena="all"`` holds them all.
 
 While a compiled step runs, reading tensor values on the host (``loss.numpy()``) raises
 :class:`~needle.CompileError` naming the line (:mod:`needle.compiler.guard`).
@@ -45,10 +43,11 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from needle._core.errors import CompileError
-from needle.memory import plan, trace
+from needle.memory import trace
 from needle.memory.replay import run_plan
 
 from . import effects as _effects
+from .arena import POLICIES, plan_arena
 from .guard import refuse_host_reads
 from .program import Before, NotReplayable, build_program, flat_arguments
 from .recorder import Alloc, record_kernels
@@ -65,7 +64,8 @@ MAX_RERECORDS = 8
 
 class _Entry:
     __slots__ = ("calls", "graph", "plan", "divergences", "eager", "last_divergence",
-                 "eager_peak_bytes", "program", "candidate", "python_reason", "rerecords")
+                 "eager_peak_bytes", "program", "candidate", "python_reason", "rerecords",
+                 "arena")
 
     def __init__(self):
         self.calls = 0
@@ -79,6 +79,7 @@ class _Entry:
         self.candidate = None  # a recorded program waiting for a second, equal recording
         self.python_reason = None  # why replays run the step's Python, or None
         self.rerecords = 0  # programs dropped because the step's state changed between calls
+        self.arena = None  # the ArenaChoice of the plan (needle.compiler.arena)
 
     def forget_plan(self) -> None:
         self.plan = self.graph = self.program = self.candidate = None
@@ -91,9 +92,13 @@ class CompiledStep:
     _needle_opaque_state = True  # not part of any step's state (needle.compiler.state)
 
     def __init__(self, fn, *, max_cache: int = 8, warmup: int = 1, max_retraces: int = 2,
-                 device=None, kernels: bool = True, fusion: bool = True, native: bool = True):
+                 device=None, kernels: bool = True, fusion: bool = True, native: bool = True,
+                 arena: str = "bounded"):
         if not callable(fn):
             raise CompileError(f"compile: expected a callable step, got {fn!r}")
+        if arena not in POLICIES:
+            raise CompileError(f"compile: bad arena, expected one of {POLICIES}, got "
+                               f"{arena!r}")
         for name, value, low in (("max_cache", max_cache, 1), ("warmup", warmup, 0),
                                  ("max_retraces", max_retraces, 0)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -107,6 +112,7 @@ class CompiledStep:
         self.kernels = kernels
         self.fusion = fusion
         self.native = native
+        self.arena = arena
         self._cache: OrderedDict[tuple, _Entry] = OrderedDict()
         self._counts = {"calls": 0, "traces": 0, "replays": 0, "kernel_replays": 0,
                         "divergences": 0, "evictions": 0, "eager_calls": 0}
@@ -259,7 +265,8 @@ class CompiledStep:
         # the trace's own event count gives the eager peak: no reset of the user's peaks
         graph = trace(keep, *args, device=self.device or _device_of(args, kwargs))
         entry.eager_peak_bytes = graph.eager_peak_bytes
-        entry.graph, entry.plan = graph, plan(graph)
+        entry.arena = plan_arena(graph, self.arena)
+        entry.graph, entry.plan = graph, entry.arena.plan
         self._counts["traces"] += 1
         return box[0]
 
@@ -274,17 +281,21 @@ class CompiledStep:
 
     def memory(self) -> dict:
         """The plan of the signature called last: ``arena_bytes``, ``planned_peak_bytes``
-        (requested bytes above those live before a replay: arena plus outputs as traced),
-        ``eager_peak_bytes`` (the same measure of the traced eager call), ``naive_bytes``
-        and ``lower_bound_bytes``; empty before a trace."""
+        (requested bytes above those live before a replay: the arena, held for the whole
+        call, plus what the pools hold as traced), ``eager_peak_bytes`` (the same measure of
+        the traced eager call; the planned peak stays within it unless ``arena="all"``),
+        ``naive_bytes`` and ``lower_bound_bytes`` of the arena, ``arena_buffers`` of
+        ``intermediates`` and their ``arena_share`` of bytes (:mod:`.arena`); empty before a
+        trace."""
         entry = self._last
         if entry is None or entry.plan is None:
             return {}
-        p, g = entry.plan, entry.graph
-        return {"arena_bytes": p.peak_bytes, "planned_peak_bytes": g.planned_peak_bytes(p),
+        p, g, a = entry.plan, entry.graph, entry.arena
+        return {"arena_bytes": p.peak_bytes, "planned_peak_bytes": a.planned_peak_bytes,
                 "eager_peak_bytes": entry.eager_peak_bytes, "naive_bytes": p.naive_bytes,
                 "lower_bound_bytes": p.lower_bound_bytes, "strategy": p.strategy,
-                "intermediates": len(p.assignments), "ops": len(g.ops)}
+                "arena_buffers": a.arena_buffers, "intermediates": a.intermediates,
+                "arena_share": a.arena_share, "arena_policy": a.policy, "ops": len(g.ops)}
 
     def replay_mode(self) -> dict:
         """How the signature called last replays: ``mode`` is ``"kernels"`` (the recorded
@@ -354,7 +365,8 @@ def _device_of(args, kwargs):
 
 
 def compile(fn=None, *, max_cache: int = 8, warmup: int = 1, max_retraces: int = 2,
-            device=None, kernels: bool = True, fusion: bool = True, native: bool = True):
+            device=None, kernels: bool = True, fusion: bool = True, native: bool = True,
+            arena: str = "bounded"):
     """Capture ``fn`` (a training or inference step) once per call signature and replay it
     with every intermediate buffer in one planned arena.
 
@@ -367,6 +379,8 @@ def compile(fn=None, *, max_cache: int = 8, warmup: int = 1, max_retraces: int =
     After two recorded replays a step whose Python only drives kernels replays as a kernel
     program (``kernels=False``: never); its elementwise runs are fused (``fusion``) and on
     ``cpu()`` it runs from C++ (``native``; False keeps the generated Python function).
+    ``arena="bounded"`` keeps a replay's peak memory within the eager call's; ``"all"`` puts
+    every intermediate in the arena (:mod:`needle.compiler.arena`).
     ``replay_mode()`` says which, or why a step keeps running its Python.
 
     Example:
@@ -383,6 +397,8 @@ def compile(fn=None, *, max_cache: int = 8, warmup: int = 1, max_retraces: int =
     if fn is None:
         return lambda f: CompiledStep(f, max_cache=max_cache, warmup=warmup,
                                       max_retraces=max_retraces, device=device,
-                                      kernels=kernels, fusion=fusion, native=native)
+                                      kernels=kernels, fusion=fusion, native=native,
+                                      arena=arena)
     return CompiledStep(fn, max_cache=max_cache, warmup=warmup, max_retraces=max_retraces,
-                        device=device, kernels=kernels, fusion=fusion, native=native)
+                        device=device, kernels=kernels, fusion=fusion, native=native,
+                        arena=arena)

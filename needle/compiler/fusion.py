@@ -13,9 +13,12 @@ so a fused program's numbers are bitwise those of the unfused one (tests:
 python_tests/compiler/test_fusion.py).
 
 A run stops at any other kernel, at a kernel that writes one of its own inputs, at buffers
-of another size or dtype, at more than 16 distinct buffers, and where two of its buffers
+of another size or dtype, at more than 16 distinct buffers, where two of its buffers
 share arena bytes (the planner reuses the bytes of a dead buffer: within one fused pass both
-would be in use at once).
+would be in use at once), and where a buffer from the device's pools would be allocated
+after another pool buffer of the run was last used (a fused run makes all its buffers before
+it starts and frees them after it ends: that buffer would then be made before the other one
+is freed, and the step would hold more memory than its plan says).
 
 Example:
     >>> from needle.compiler.recorder import Alloc, Call, Ref
@@ -119,7 +122,7 @@ class _Run:
                 self.slots.append(s)
 
 
-def fuse(ops: list, sizes: dict, keep: set, kernel, overlaps=None) -> list:
+def fuse(ops: list, sizes: dict, keep: set, kernel, overlaps=None, pooled=None) -> list:
     """``ops`` with every fusible run of two or more kernels replaced by a :class:`FusedCall`.
 
     Args:
@@ -128,8 +131,11 @@ def fuse(ops: list, sizes: dict, keep: set, kernel, overlaps=None) -> list:
         keep: slots read after the program (its outputs and the buffers it leaves in place).
         kernel: the backend's ``ewise_program``.
         overlaps: ``overlaps(a, b)`` -> True when slots a and b share bytes (arena reuse).
+        pooled: slots whose buffers come from the pools, not the arena (None: no such
+            constraint).
     """
     overlaps = overlaps or (lambda a, b: False)
+    pooled = pooled if pooled is not None else set()
     last_use: dict[int, int] = {}
     for i, op in enumerate(ops):
         for s in slots_of(op):
@@ -155,7 +161,8 @@ def fuse(ops: list, sizes: dict, keep: set, kernel, overlaps=None) -> list:
             (pending if run is not None else out).append(op)
             continue
         desc = _describe(op, sizes)
-        if desc is not None and run is not None and run.admits(desc, overlaps):
+        if desc is not None and run is not None and run.admits(desc, overlaps) \
+                and not _frees_before_pool_alloc(run, pending, i, last_use, pooled):
             run.allocs.extend(pending)
             pending = []
             run.add(op, desc)
@@ -171,6 +178,14 @@ def fuse(ops: list, sizes: dict, keep: set, kernel, overlaps=None) -> list:
     close(len(ops))
     out.extend(pending)
     return out
+
+
+def _frees_before_pool_alloc(run: _Run, pending: list, i: int, last_use: dict,
+                             pooled: set) -> bool:
+    """Would op ``i`` joining ``run`` make a pool buffer (one of ``pending``) before a pool
+    buffer the run already finished with is freed?"""
+    return any(a.slot in pooled for a in pending) and \
+        any(s in pooled and last_use.get(s, -1) < i for s in run.slots)
 
 
 def _compile(run: _Run, end: int, last_use: dict, keep: set, kernel) -> FusedCall:

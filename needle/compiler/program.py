@@ -257,7 +257,8 @@ class KernelProgram:
         """Make the runner, once, for the program that replays: its elementwise runs fused
         into ``kernel`` when given (the backend's ``ewise_program``; :mod:`.fusion`), where
         ``arena`` (slot -> (offset, size) in the planned arena) keeps buffers that share bytes
-        out of one run; a C++ kernel list when ``native`` and the backend has one
+        out of one run, and the others (from the pools) from being made in a run before one
+        it finished with is freed; a C++ kernel list when ``native`` and the backend has one
         (:mod:`.native`), else the generated Python function (:mod:`.codegen`)."""
         rec, made = self._rec, self._made
         ops = rec.ops
@@ -265,6 +266,8 @@ class KernelProgram:
             sizes: dict = {op.slot: (op.size, op.dtype) for op in ops if isinstance(op, Alloc)}
             for b in self.binders:
                 sizes[b.slot] = (b.meta[4], b.meta[3])  # (handle size, dtype)
+            pooled = None if arena is None else \
+                {s for s in sizes if s not in arena} | set(self._external_slots)
             arena = arena or {}
 
             def overlaps(a: int, b: int) -> bool:
@@ -272,7 +275,8 @@ class KernelProgram:
                 return ra is not None and rb is not None and ra[0] < rb[0] + rb[1] \
                     and rb[0] < ra[0] + ra[1]
 
-            ops = fuse(ops, sizes, set(made) | set(self._external_slots), kernel, overlaps)
+            ops = fuse(ops, sizes, set(made) | set(self._external_slots), kernel, overlaps,
+                       pooled)
         self.fused_runs = sum(isinstance(op, FusedCall) for op in ops)
         mod = self.device.mod
         self.native = build_kernel_list(ops, self._external_slots, set(made), mod,

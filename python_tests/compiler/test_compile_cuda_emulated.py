@@ -155,4 +155,7 @@ def test_conv_batch_norm_step_replays_kernels_on_emulated_cuda(dev):
     assert mode["fused_runs"] > 0, mode
     for a, b in zip(got, want, strict=True):
         np.testing.assert_array_equal(a, b)
-    assert peaks[-1] == peaks[-2] == step.memory()["planned_peak_bytes"]
+    # a kernel program frees a pool buffer right after its last kernel (eagerly it may go
+    # later), so a kernel replay needs at most the planned peak, itself within the eager one
+    m = step.memory()
+    assert peaks[-1] == peaks[-2] <= m["planned_peak_bytes"] <= m["eager_peak_bytes"]
