@@ -1,9 +1,11 @@
-"""One training step of a model, the memory ledger's estimate beside the allocator's measurement.
+"""One training step of a model, predicted before it runs beside the allocator's measurement.
 
 The table reconciles every category: a prediction made without the allocator (ledger bytes per
-parameter, rounding from the shapes, what the ops declare they save, the optimizer's update
-rule), the measured bytes, the gap split into named terms, and the row's tolerance
-(needle/memory/reconcile.py).
+parameter, rounding from the shapes, the optimizer's update rule, and a shape-only trace of the
+step for the activations, the kernels' scratch and every buffer's lifetime,
+needle/memory/shape_trace.py), the measured bytes, the gap, and the row's tolerance, which
+comes from allocator rounding alone (needle/memory/reconcile.py). The exit code is 1 when a
+row is out of its tolerance; a row that cannot be predicted says why.
 
 Example:
     python apps/memory_report.py --model mlp_resnet --batch-size 128 --optimizer adam \\
@@ -162,7 +164,8 @@ def main(argv=None) -> int:
     try:
         model, loss_fn, opt, x, y = build(args)
         report = training_step_report(model, loss_fn, opt, x, y, optimizer_name=args.optimizer,
-                                      device=x.device, margin=args.margin, plot=args.plot)
+                                      device=x.device, margin=args.margin, plot=args.plot,
+                                      build=lambda: build(args))
     except ndl.NeedleError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -173,14 +176,19 @@ def main(argv=None) -> int:
     print()
     print(report.ledger)
     print()
+    print(report.prediction)
+    print()
     print("reconciliation: each row an independent prediction beside the measurement")
     print(report.reconciliation)
+    for row in report.reconciliation.rows:
+        if not row.checked:
+            print(f"not predicted: {row.name}: {row.gap_terms[0][0]}")
     events = report.timeline
     print(f"\ntimeline: {len(events)} events, {sum(e.new_segment for e in events)} new "
           f"segments, measured peak {report.stats['peak_bytes']:,} B")
     if args.plot:
         print(f"timeline plot written to {args.plot}")
-    return 0
+    return 0 if report.reconciliation.ok else 1
 
 
 if __name__ == "__main__":

@@ -36,8 +36,9 @@ from . import timeline as _timeline
 from ._errors import MemoryArgumentError
 from .categories import CATEGORIES, check_category, resolve
 
-__all__ = ["CachingAllocator", "Block", "round_size", "KiB", "MiB", "BLOCK_ROUND",
-           "SMALL_LIMIT", "SMALL_SEGMENT", "LARGE_ROUND", "MIN_LARGE_SPLIT", "ALIGNMENT"]
+__all__ = ["CachingAllocator", "Block", "round_size", "fresh_block_size", "KiB", "MiB",
+           "BLOCK_ROUND", "SMALL_LIMIT", "SMALL_SEGMENT", "LARGE_ROUND", "MIN_LARGE_SPLIT",
+           "ALIGNMENT"]
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -59,6 +60,22 @@ def round_size(nbytes: int) -> int:
         (512, 512, 1024)
     """
     return max(BLOCK_ROUND, -(-nbytes // BLOCK_ROUND) * BLOCK_ROUND)
+
+
+def fresh_block_size(nbytes: int) -> int:
+    """Block size for a request of ``nbytes`` served from a fresh segment: :func:`round_size`,
+    except that a large block takes its whole segment when the rest would be 1 MiB or less.
+    A large block served from the cache may be up to 1 MiB larger or smaller than this.
+
+    Example:
+        >>> fresh_block_size(1000), fresh_block_size(4_000_000), fresh_block_size(3_136_000)
+        (1024, 4194304, 3136000)
+    """
+    size = round_size(nbytes)
+    if size <= SMALL_LIMIT:
+        return size
+    segment = -(-size // LARGE_ROUND) * LARGE_ROUND
+    return segment if segment - size <= MIN_LARGE_SPLIT else size
 
 
 def _numpy_segment(nbytes: int) -> np.ndarray:

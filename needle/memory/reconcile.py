@@ -1,42 +1,58 @@
 """Reconcile one training step: an independent prediction per row beside the measurement.
 
-Every row predicts a category's bytes from things the allocator never saw (parameter shapes,
-the ledger's bytes per parameter, the ops' declarations of what they save, the optimizer's
-update rule) and lays the allocator's measurement beside it. The difference is split into named
-terms; a row holds when ``0 <= gap <= tolerance`` (``tolerance`` 0: the prediction is exact).
+Every row predicts a category's bytes from things the allocator never saw and lays the
+allocator's measurement beside it. The difference is split into named terms; a row holds when
+``-low <= gap <= tolerance``. No tolerance is ever computed from a measurement: it is 0 (exact),
+a bound from the graph's structure, or the allocator-rounding bound of the shape-only trace.
 
-Rows (fp32, one device; ``r(b)`` = ``b`` rounded up to the allocator's 512 B blocks, ``M`` = the
-largest ``r(parameter bytes)``, ``A`` = the largest activation block of the step):
+Two kinds of prediction:
+
+* the ledger and the rules (parameter shapes, bytes per parameter, the optimizer's update);
+* the shape-only trace (:mod:`needle.memory.shape_trace`): the same step run before the
+  measured one with buffers that have sizes and no bytes, through a simulated allocator with
+  the real one's rounding; the kernels' scratch from :mod:`needle.memory.kernel_scratch`. Its
+  tolerance ``T`` is 1 MiB per large-pool block (> 1 MiB) live at once in the category, both
+  ways, since only where a large block lands is up to the real allocator's cache; 0 when all
+  blocks are small.
+
+Rows (fp32, one device; ``r(b)`` = ``b`` in blocks as a fresh segment serves it: rounded up to
+512 B, and a large block (> 1 MiB) whole when its segment's rest is 1 MiB or less,
+:func:`~needle.memory.caching_allocator.fresh_block_size`; ``M`` = the largest ``r(parameter
+bytes)``, ``A`` = the largest activation block of the step; ``L`` = 1 MiB per large parameter
+block, the most a cached block can land away from ``r``, both ways; ``T`` as above):
 
 ==================================  =====================================================  =====
 row                                 prediction (terms)                                     tol.
 ==================================  =====================================================  =====
-weight (peak)                       parameters (ledger) + block rounding + the new          0
+weight (peak)                       parameters (ledger) + block rounding + the new          L
                                     weight beside the old one during the update (``M``;
                                     0 where the update is fused: in place)
-gradient (peak)                     parameter gradients (ledger) + block rounding;         seed +
-                                    gap: gradients in flight during backward               (2+b)A
-                                                                                           + M
-optimizer (peak)                    moments (ledger) + rounding + the new moment beside    0
+gradient (peak, above the start)    parameter gradients (ledger) + block rounding + the    T+L
+                                    traced peak above the final gradients; without a
+                                    trace: gap bounded by gradients in flight               seed +
+                                                                                           (2+b)A+M
+optimizer (peak)                    moments (ledger) + rounding + the new moment beside    kL
                                     the old one (``M``, when the state existed before
                                     and the update is not fused)
-optimizer_temp (peak)               the update's temporaries: ``t x M``, t = Adam 3,       0
+optimizer_temp (peak)               the update's temporaries: ``t x M``, t = Adam 3,       tL
                                     SGD 1, SGD with momentum 3 (1 on its first step),
                                     +1 with weight decay; 0 where the update is fused
-                                    (a backend with ``ewise_program``: docs of
-                                    ``needle.optim``)
-activation (end of forward)         what the ops declare they save for backward           0
-                                    (``save_inputs``/``save_output``; constants too, like
-                                    dropout masks, but not parameters or the input batch),
-                                    each buffer once, + rounding; gap: outputs still held
-                                    that no op saves (under autograd's release threshold,
-                                    or named by you)
-activation (peak)                   the same prediction; gap: forward transients           2A
-workspace (peak)                    0 (Python allocators); C++ kernel scratch is reported  0 or
-                                    but not predicted                                      None
-other (peak)                        the inputs given, ``r`` of their bytes; gap: tensors   A
-                                    the step makes outside ops (BatchNorm running stats)
+activation (end of forward)         traced: the buffers saved for backward + the outputs   T
+                                    held that no op saves (under autograd's release
+                                    threshold, or still named), in blocks
+activation (peak)                   traced: the above + the transients beyond it           T
+workspace (peak)                    traced kernel scratch (the C++ matmul's thread-local   T
+                                    packing buffers; 0 on the Python allocators)
+other (peak, above the start)       what the traced step makes outside ops (BatchNorm      T
+                                    running statistics); without a trace: at most ``A``    A
 ==================================  =====================================================  =====
+
+With small parameters (every block <= 1 MiB) L = 0 and the ledger rows are exact.
+
+A row that cannot be predicted says why and has no tolerance: it is reported as *not
+predicted*, never as a match (activation and workspace without a trace; workspace when kernel
+scratch is held from before the step, since the C++ packing buffers are thread-local and keep
+their largest size; a kernel whose scratch no model describes, e.g. the convolutions).
 
 In flight during backward: the gradient reaching the op being differentiated, the input
 gradient it makes (both at most ``A``), the weight gradient it makes (at most ``M``), the seed,
@@ -45,8 +61,10 @@ several ops, as a residual's input) while backward waits for its other consumers
 
 Example:
     >>> row = ReconRow("weight", "weight", "peak", 100, (("parameters", 100),), 100, (), 0)
-    >>> row.ok, row.gap
-    (True, 0)
+    >>> row.ok, row.gap, row.status
+    (True, 0, 'ok')
+    >>> ReconRow("workspace", "workspace", "peak", 0, (), 512, (("why", None),), None).status
+    'not predicted'
 """
 from __future__ import annotations
 
@@ -54,7 +72,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .caching_allocator import round_size
+from .caching_allocator import MIN_LARGE_SPLIT, SMALL_LIMIT, fresh_block_size, round_size
 from .ledger import Ledger
 
 __all__ = ["ReconRow", "Reconciliation", "UPDATE_TEMPORARIES", "update_temporaries",
@@ -86,8 +104,9 @@ def update_temporaries(optimizer: str, first_step: bool, weight_decay: bool,
 @dataclass(frozen=True)
 class ReconRow:
     """One reconciled quantity: ``predicted`` is the sum of ``terms``; ``gap`` = measured −
-    predicted, named by ``gap_terms``; ``ok`` when ``0 <= gap <= tolerance`` (None: not
-    asserted, reported only)."""
+    predicted, named by ``gap_terms``; ``ok`` when ``-low <= gap <= tolerance``. With
+    ``tolerance`` None the row is *not predicted* (``gap_terms`` say why): not a match, and
+    not a failure either."""
 
     name: str
     category: str
@@ -97,23 +116,40 @@ class ReconRow:
     measured: int
     gap_terms: tuple
     tolerance: int | None
+    low: int = 0
 
     @property
     def gap(self) -> int:
         return self.measured - self.predicted
 
     @property
+    def checked(self) -> bool:
+        return self.tolerance is not None
+
+    @property
     def ok(self) -> bool:
-        return self.tolerance is None or 0 <= self.gap <= self.tolerance
+        return self.tolerance is None or -self.low <= self.gap <= self.tolerance
+
+    @property
+    def status(self) -> str:
+        if self.tolerance is None:
+            return "not predicted"
+        return "ok" if self.ok else "OUT OF TOLERANCE"
 
     def line(self) -> str:
         terms = " + ".join(f"{n} {b:,}" for n, b in self.terms) or "0"
         gap = "; ".join(f"{n} {b:,}" if b is not None else n for n, b in self.gap_terms)
-        tol = "reported" if self.tolerance is None else (
-            "exact" if self.tolerance == 0 else f"<= {self.tolerance:,}")
-        verdict = "ok" if self.ok else "OUT OF TOLERANCE"
-        return (f"{self.name:<30}{self.predicted:>12,}{self.measured:>12,}{self.gap:>10,}  "
-                f"{tol:<12}{verdict:<6} = {terms}" + (f" | gap: {gap}" if gap else ""))
+        if self.tolerance is None:
+            tol = "none"
+        elif self.tolerance == 0 and self.low == 0:
+            tol = "exact"
+        else:
+            tol = (f"+-{self.tolerance:,}" if self.low == self.tolerance
+                   else f"<= {self.tolerance:,}")
+        predicted = "-" if self.tolerance is None and not self.terms else f"{self.predicted:,}"
+        gap_text = "-" if predicted == "-" else f"{self.gap:,}"
+        return (f"{self.name:<30}{predicted:>12}{self.measured:>12,}{gap_text:>10}  "
+                f"{tol:<12}{self.status:<14} = {terms}" + (f" | gap: {gap}" if gap else ""))
 
 
 @dataclass(frozen=True)
@@ -129,11 +165,17 @@ class Reconciliation:
 
     @property
     def ok(self) -> bool:
+        """No row out of its tolerance (rows not predicted are neither: see ``unpredicted``)."""
         return all(r.ok for r in self.rows)
+
+    @property
+    def unpredicted(self) -> tuple:
+        """Names of the rows that could not be predicted."""
+        return tuple(r.name for r in self.rows if not r.checked)
 
     def __str__(self) -> str:
         head = (f"{'row':<30}{'predicted':>12}{'measured':>12}{'gap':>10}  {'tolerance':<12}"
-                f"{'':<6}   terms")
+                f"{'':<14}   terms")
         return "\n".join([head, *(r.line() for r in self.rows)])
 
 
@@ -236,19 +278,54 @@ def declared_saved(root, exclude=()) -> tuple[dict, dict, int]:
 
 # ---- the rows ---------------------------------------------------------------------------------
 def _rounding(sizes) -> int:
-    return sum(round_size(b) - b for b in sizes)
+    return sum(fresh_block_size(b) - b for b in sizes)
 
 
+def _not_predicted(name: str, category: str, what: str, measured: int, why: str) -> ReconRow:
+    return ReconRow(name, category, what, 0, (), measured, ((why, None),), None)
+
+
+def _workspace_row(prediction, measured: int, before: int) -> ReconRow:
+    name = "workspace"
+    if prediction is None:
+        return _not_predicted(name, name, "peak", measured, "no shape-only trace (pass build=)")
+    if not prediction.scratch_modelled:
+        return _not_predicted(name, name, "peak", measured,
+                              f"no scratch model for the {prediction.device} kernels")
+    if prediction.unmodelled:
+        return _not_predicted(name, name, "peak", measured, "the scratch of "
+                              + ", ".join(prediction.unmodelled) + " is not modelled")
+    if before:
+        return _not_predicted(
+            name, name, "peak", measured,
+            f"{before:,} B of kernel scratch held before the step (thread-local packing "
+            f"buffers keep their largest size while their thread lives; the trace starts "
+            f"with none, as a fresh process does)")
+    peak = prediction.peak(name)
+    kept = prediction.end["by_category"][name]["current"]
+    tol = prediction.tolerance(name)
+    return ReconRow(name, name, "peak", peak,
+                    (("thread-local packing buffers (traced)", kept),
+                     ("transient scratch (traced)", peak - kept)), measured, (), tol, tol)
+
+
+# long: one row per category, each with its terms; splitting it would scatter the table
 def reconcile_step(*, ledger: Ledger, param_bytes: list, optimizer: str, first_step: bool,
-                   weight_decay: bool, saved: dict, unsaved: dict, largest_activation: int,
-                   input_bytes: list, seed_bytes: int, start: dict, held: dict, end: dict,
-                   python_allocator: bool, branches: int = 0,
-                   fused_update: bool = False) -> Reconciliation:
+                   weight_decay: bool, largest_activation: int, seed_bytes: int, start: dict,
+                   held: dict, end: dict, branches: int = 0, fused_update: bool = False,
+                   prediction=None) -> Reconciliation:
     """The rows of the module docstring from predictions and three measurements: per-category
     stats at the start (peaks reset), activation bytes at the end of forward (``held``: the
-    by_category dict then) and at the end of the step (``end``)."""
+    by_category dict then) and at the end of the step (``end``). ``prediction``: the step's
+    :class:`~needle.memory.shape_trace.StepPrediction` (None: rows that need it are not
+    predicted, or bounded)."""
     cats = end["by_category"]
-    m = max((round_size(b) for b in param_bytes), default=0)
+    first = start["by_category"]
+    # blocks as a fresh segment serves them; each large one (> 1 MiB) may land up to 1 MiB
+    # either way from a cached block: ``big`` bytes of tolerance per large parameter block
+    m = max((fresh_block_size(b) for b in param_bytes), default=0)
+    big = MIN_LARGE_SPLIT if m > SMALL_LIMIT else 0
+    large = MIN_LARGE_SPLIT * sum(1 for b in param_bytes if round_size(b) > SMALL_LIMIT)
     a = largest_activation
     n_bytes = sum(param_bytes)
     rounding = _rounding(param_bytes)
@@ -256,53 +333,72 @@ def reconcile_step(*, ledger: Ledger, param_bytes: list, optimizer: str, first_s
     k = moments // max(n_bytes, 1) if n_bytes else 0
     # a fused update rewrites θ and the moments in place (needle.optim): nothing beside them
     beside = 0 if fused_update else m
+    tol = large + (big if beside else 0)
     rows = [
         ReconRow("weight", "weight", "peak", ledger["working weights"] + rounding + beside,
                  (("parameters (ledger)", ledger["working weights"]),
                   ("block rounding", rounding), ("new weight beside the old", beside)),
-                 cats["weight"]["peak"], (), 0),
+                 cats["weight"]["peak"], (), tol, tol),
     ]
     grads = ledger["gradients"] + rounding
-    rows.append(ReconRow(
-        "gradient", "gradient", "peak", grads,
-        (("parameter gradients (ledger)", ledger["gradients"]), ("block rounding", rounding)),
-        cats["gradient"]["peak"],
-        (("gradients in flight during backward", cats["gradient"]["peak"] - grads),),
-        round_size(seed_bytes) + (2 + branches) * a + m))
+    grad_terms = (("parameter gradients (ledger)", ledger["gradients"]),
+                  ("block rounding", rounding))
+    grad_peak = cats["gradient"]["peak"] - first["gradient"]["current"]  # the step's own
+    if prediction is not None:
+        traced = prediction.end["by_category"]["gradient"]
+        above = traced["peak"] - traced["current"]
+        tol = prediction.tolerance("gradient") + large
+        rows.append(ReconRow(
+            "gradient", "gradient", "peak", grads + above,
+            grad_terms + (("peak above the final gradients (traced)", above),),
+            grad_peak, (), tol, tol))
+    else:
+        rows.append(ReconRow(
+            "gradient", "gradient", "peak", grads, grad_terms, grad_peak,
+            (("gradients in flight during backward", grad_peak - grads),),
+            round_size(seed_bytes) + (2 + branches) * a + m + large))
     state_rounding = k * rounding
     beside = 0 if first_step or not k or fused_update else m
+    tol = k * large + (big if beside else 0)
     rows.append(ReconRow(
         "optimizer", "optimizer", "peak", moments + state_rounding + beside,
         (("moments (ledger)", moments), ("block rounding", state_rounding),
-         ("new moment beside the old", beside)), cats["optimizer"]["peak"], (), 0))
+         ("new moment beside the old", beside)), cats["optimizer"]["peak"], (), tol, tol))
     t = update_temporaries(optimizer, first_step, weight_decay, fused_update)
     rows.append(ReconRow(
         "optimizer_temp", "optimizer_temp", "peak", t * m,
         ((f"update temporaries ({t} x largest parameter)", t * m),),
-        cats["optimizer_temp"]["peak"], (), 0))
-    declared = sum(saved.values())
-    declared_rounding = _rounding(saved.values())
-    base_act = start["by_category"]["activation"]["current"]
+        cats["optimizer_temp"]["peak"], (), t * big, t * big))
+    base_act = first["activation"]["current"]
     held_act = held["activation"]["current"] - base_act
-    unsaved_blocks = sum(round_size(b) for b in unsaved.values())
-    act_terms = (("saved by the ops (declared)", declared), ("block rounding",
-                                                             declared_rounding))
-    rows.append(ReconRow(
-        "activation (end of forward)", "activation", "held", declared + declared_rounding,
-        act_terms, held_act, (("outputs held that no op saves", unsaved_blocks),),
-        unsaved_blocks))
-    rows.append(ReconRow(
-        "activation (peak)", "activation", "peak", declared + declared_rounding, act_terms,
-        cats["activation"]["peak"] - base_act,
-        (("outputs held that no op saves", unsaved_blocks),
-         ("forward transients", None)), unsaved_blocks + 2 * a))
-    rows.append(ReconRow(
-        "workspace", "workspace", "peak", 0, (), cats["workspace"]["peak"],
-        () if python_allocator else (("C++ kernel scratch (not predicted)", None),),
-        0 if python_allocator else None))
-    inputs = sum(round_size(b) for b in input_bytes)
-    rows.append(ReconRow(
-        "other", "other", "peak", inputs, (("inputs given", inputs),),
-        cats["other"]["peak"] - (start["by_category"]["other"]["current"] - inputs),
-        (("made outside ops during the step (BatchNorm running statistics)", None),), a))
+    peak_act = cats["activation"]["peak"] - base_act
+    if prediction is None:
+        why = "no shape-only trace (pass build=)"
+        rows.append(_not_predicted("activation (end of forward)", "activation", "held",
+                                   held_act, why))
+        rows.append(_not_predicted("activation (peak)", "activation", "peak", peak_act, why))
+    else:
+        kept = prediction.held("activation")
+        saved = sum(s.block for s in prediction.saved)
+        peak = prediction.peak("activation")
+        tol = prediction.tolerance("activation")
+        rows.append(ReconRow(
+            "activation (end of forward)", "activation", "held", kept,
+            (("saved for backward (traced)", saved),
+             ("outputs held that no op saves (traced)", kept - saved)), held_act, (), tol, tol))
+        rows.append(ReconRow(
+            "activation (peak)", "activation", "peak", peak,
+            (("held at the end of forward (traced)", kept),
+             ("transients beyond it (traced)", peak - kept)), peak_act, (), tol, tol))
+    rows.append(_workspace_row(prediction, cats["workspace"]["peak"],
+                               first["workspace"]["current"]))
+    other = cats["other"]["peak"] - first["other"]["current"]  # above the inputs, held before
+    why = "made outside ops during the step (BatchNorm running statistics)"
+    if prediction is not None:
+        tol = prediction.tolerance("other")
+        rows.append(ReconRow("other", "other", "peak", prediction.peak("other"),
+                             ((why + " (traced)", prediction.peak("other")),), other, (),
+                             tol, tol))
+    else:
+        rows.append(ReconRow("other", "other", "peak", 0, (), other, ((why, None),), a))
     return Reconciliation(tuple(rows))

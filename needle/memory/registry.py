@@ -141,6 +141,10 @@ def attribute(x, category: str) -> None:
     if hasattr(x, "realize_cached_data"):
         x = x.realize_cached_data()
     handle = getattr(x, "_handle", x)
+    owner = getattr(getattr(handle, "_block", None), "allocator", None)
+    if isinstance(owner, CachingAllocator):  # the block knows its allocator (also a trace's)
+        owner.retag(handle, category)
+        return
     device = getattr(x, "device", None)
     if device is not None:
         alloc = _ALLOCATORS.get(_device_name(device))

@@ -1,12 +1,14 @@
 """Predicted vs measured memory of one training step of a real model.
 
-:func:`training_step_report` runs forward, backward and the optimiser step once, measures the
-per-category peaks, the activation bytes at the end of the forward pass and an event timeline,
-and reconciles them with independent predictions (:mod:`needle.memory.reconcile`: the ledger's
-bytes per parameter, block rounding from the shapes, the ops' declarations of what they save,
-the optimizer's update rule): every row names the terms of its gap and says whether it is
-within its stated tolerance. The ledger's own comparison (:func:`~needle.memory.ledger.compare`)
-is kept beside it as ``comparison``.
+:func:`training_step_report` first predicts the step from shapes alone when given ``build``
+(:func:`~needle.memory.shape_trace.predict_step`: activations, kernel scratch and every
+buffer's lifetime, before anything runs), then runs forward, backward and the optimiser step
+once, measures the per-category peaks, the activation bytes at the end of the forward pass and
+an event timeline, and reconciles them with the predictions (:mod:`needle.memory.reconcile`:
+the ledger's bytes per parameter, block rounding from the shapes, the optimizer's update rule,
+the shape-only trace): every row names its terms and says whether it is within its stated
+tolerance, or why it could not be predicted. The ledger's own comparison
+(:func:`~needle.memory.ledger.compare`) is kept beside it as ``comparison``.
 
 Everything here is duck-typed (a model is callable and has ``parameters()``, a loss is a
 tensor with ``backward()``, an optimiser has ``step()``): L2 does not import the layers above.
@@ -20,8 +22,8 @@ Example:
     >>> y = ndl.Tensor(np.zeros(4), device=d, requires_grad=False)
     >>> r = training_step_report(model, nn.SoftmaxLoss(), optim.SGD(model.parameters()), x, y,
     ...                          optimizer_name="sgd")
-    >>> r.reconciliation.row("weight").gap, r.reconciliation.ok
-    (0, True)
+    >>> r.reconciliation.row("weight").gap, r.reconciliation.ok, r.reconciliation.unpredicted
+    (0, True, ('activation (end of forward)', 'activation (peak)', 'workspace'))
 """
 from __future__ import annotations
 
@@ -31,7 +33,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .caching_allocator import CachingAllocator
 from .ledger import Comparison, Ledger, compare, estimate
 from .reconcile import (
     Reconciliation,
@@ -40,7 +41,8 @@ from .reconcile import (
     declared_saved,
     reconcile_step,
 )
-from .registry import get_allocator, reset_peak, stats
+from .registry import reset_peak, stats
+from .shape_trace import StepPrediction, predict_step, run_step
 from .timeline import Timeline, plot_timeline, record
 
 __all__ = ["saved_activation_bytes", "StepReport", "training_step_report"]
@@ -103,6 +105,7 @@ class StepReport:
     saved_bytes: int
     loss: float
     reconciliation: Reconciliation | None = None
+    prediction: StepPrediction | None = None
 
     def __str__(self) -> str:
         return str(self.reconciliation or self.comparison)
@@ -123,8 +126,9 @@ def _fused_update(params) -> bool:
 
 
 def training_step_report(model, loss_fn, optimizer, x, y, *, optimizer_name: str = "adam",
-                         device=None, margin: float = 0.25, plot=None) -> StepReport:
-    """Run one training step and reconcile predictions with the measured bytes.
+                         device=None, margin: float = 0.25, plot=None, build=None,
+                         prediction: StepPrediction | None = None) -> StepReport:
+    """Predict one training step from shapes (with ``build``), run it, and reconcile.
 
     Args:
         model: callable on ``x``, with ``parameters()``.
@@ -134,40 +138,53 @@ def training_step_report(model, loss_fn, optimizer, x, y, *, optimizer_name: str
         device: where to measure (default: ``x``'s device).
         margin: the estimate's margin.
         plot: a PNG path for the timeline, or None.
+        build: ``build() -> (model, loss_fn, optimizer, x, y)``, the same on ``device``: the
+            shape-only trace runs its first step before the measured one. Without it (and
+            without ``prediction``) the activation and workspace rows are not predicted.
+        prediction: a :func:`~needle.memory.shape_trace.predict_step` result made earlier,
+            used instead of tracing ``build``.
     """
     device = device if device is not None else getattr(x, "device", None)
+    stats(device)  # fail early, before the step, on a device without statistics
+    if prediction is None and build is not None:
+        prediction = predict_step(build, device)
     params = list(model.parameters())
     for p in params:
         p.grad = None
     first_step = not any(getattr(optimizer, slot, None)
                          for slot in getattr(optimizer, "_slots", ()))
-    stats(device)  # fail early, before the step, on a device without statistics
-    gc.collect()
-    reset_peak(device)
-    start = stats(device)
-    with record(device) as events:
-        loss = loss_fn(model(x), y)
-        held = stats(device)["by_category"]
+    found: dict = {}
+
+    def at_forward(loss) -> None:
+        found["held"] = stats(device)["by_category"]
         exclude = [buffer_key(t) for t in (*params, x, y)]
-        saved, unsaved, largest = declared_saved(loss, exclude)
-        saved_bytes = saved_activation_bytes(loss)
-        branches = branch_points(loss)
-        seed = _bytes_of(loss)
-        loss.backward()
-        optimizer.step()
-        value = float(loss.numpy())
-        del loss
-    measured = stats(device)
+        found["saved"], _, found["largest"] = declared_saved(loss, exclude)
+        found["saved_bytes"] = saved_activation_bytes(loss)
+        found["branches"] = branch_points(loss)
+        found["seed"] = _bytes_of(loss)
+
+    gc.collect()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # releases at the same points as in the trace (which runs without the GC)
+    try:
+        reset_peak(device)
+        start = stats(device)
+        with record(device) as events:
+            value = run_step(model, loss_fn, optimizer, x, y, at_forward)
+        measured = stats(device)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    saved = found["saved"]
     ledger = estimate(model, precision="fp32", optimizer=optimizer_name,
                       activation_bytes=sum(saved.values()), margin=margin)
     recon = reconcile_step(
         ledger=ledger, param_bytes=[_bytes_of(p) for p in params], optimizer=optimizer_name,
         first_step=first_step, weight_decay=bool(getattr(optimizer, "weight_decay", 0)),
-        saved=saved, unsaved=unsaved, largest_activation=largest,
-        input_bytes=[_bytes_of(x), _bytes_of(y)], seed_bytes=seed, start=start, held=held,
-        end=measured, python_allocator=isinstance(get_allocator(device), CachingAllocator),
-        branches=branches, fused_update=_fused_update(params))
+        largest_activation=found["largest"], seed_bytes=found["seed"], start=start,
+        held=found["held"], end=measured, branches=found["branches"],
+        fused_update=_fused_update(params), prediction=prediction)
     if plot is not None:
         plot_timeline(events, plot, title="one training step")
-    return StepReport(ledger, measured, compare(ledger, measured), events, saved_bytes, value,
-                      recon)
+    return StepReport(ledger, measured, compare(ledger, measured), events,
+                      found["saved_bytes"], value, recon, prediction)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -67,12 +68,56 @@ def test_model_state_report_for_zero_ranks_through_the_memory_cli():
         assert predicted == measured == "3,200", line
 
 
+ROWS = ("weight", "gradient", "optimizer", "optimizer_temp", "activation (end of forward)",
+        "activation (peak)", "workspace", "other")
+
+
+ROW = re.compile(r"^(.{30})\s*(\S+)\s+(\S+)\s+(\S+)\s+(exact|none|\+-\S+|<= \S+)\s+"
+                 r"(ok|OUT OF TOLERANCE|not predicted)\s+=")
+
+
+def table_rows(out: str) -> dict:
+    """name -> (predicted, measured, gap, status) of the reconciliation table."""
+    rows = {}
+    for line in out[out.index("reconciliation"):].splitlines():
+        match = ROW.match(line)
+        if match and match.group(1).strip() in ROWS:
+            name, predicted, measured, gap, _, status = match.groups()
+            rows[name.strip()] = (predicted, int(measured.replace(",", "")), gap, status)
+    return rows
+
+
 def test_cli_report_rows_are_all_within_their_tolerance(capsys):
     rc = cli.main(["--model", "mlp_resnet", "--batch-size", "32", "--input-dim", "64",
                    "--hidden-dim", "32", "--num-blocks", "2", "--optimizer", "sgd_momentum"])
     out = capsys.readouterr().out
     assert rc == 0 and "OUT OF TOLERANCE" not in out
-    table = out[out.index("reconciliation"):]
-    rows = [line for line in table.splitlines() if line.split()[:1] and line.split()[0] in
-            ("weight", "gradient", "optimizer", "optimizer_temp", "workspace", "other")]
-    assert len(rows) == 6 and all(" ok " in line for line in rows)
+    rows = table_rows(out)
+    assert sorted(rows) == sorted(ROWS)
+    for name, (predicted, measured, gap, status) in rows.items():
+        assert (gap, status) == ("0", "ok"), (name, out)  # cpu_numpy: every row exact
+        assert int(predicted.replace(",", "")) == measured
+    assert "shape-only trace of the step on cpu_numpy (no kernel ran)" in out
+
+
+@pytest.mark.parametrize("model,optimizer", [("mlp_resnet", "adam"), ("mlp", "sgd"),
+                                             ("linear", "sgd_momentum")])
+@pytest.mark.parametrize("device", ["cpu", "cpu_numpy"])
+def test_every_model_is_predicted_exactly_in_a_fresh_process(model, optimizer, device):
+    """The command the docs give, as a user runs it: activations and the C++ kernels'
+    scratch predicted before the step and equal to the measurement, byte for byte."""
+    import needle as ndl
+
+    if device == "cpu" and not ndl.cpu().enabled():
+        pytest.skip("needs the compiled cpu() backend")
+    root = os.path.dirname(os.path.dirname(cli.__file__))
+    proc = subprocess.run([sys.executable, os.path.join(root, "apps", "memory_report.py"),
+                           "--model", model, "--optimizer", optimizer, "--device", device],
+                          capture_output=True, text=True, timeout=300, cwd=root)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    rows = table_rows(proc.stdout)
+    assert sorted(rows) == sorted(ROWS)
+    for name, (_, _, gap, status) in rows.items():
+        assert (gap, status) == ("0", "ok"), (name, proc.stdout)
+    workspace = rows["workspace"][1]
+    assert workspace > 0 if device == "cpu" else workspace == 0
