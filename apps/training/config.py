@@ -57,6 +57,8 @@ class Config:
     resume: str | None = None
     rng_ledger: str | None = None
     verify_resume: int | None = None
+    activation_checkpoints: str | None = None  # "2c,2,2c": segment lengths, c = recomputed
+    memory_budget: int | None = None  # bytes per rank: apps/training/planner.py chooses
     extra: dict | None = None  # strategy-specific options, by dest name
 
     @property
@@ -107,6 +109,15 @@ def build_parser(strategies: dict) -> argparse.ArgumentParser:
                    help="before each optimizer step, scale the gradients down to global L2 "
                         "norm X when it is larger: the whole model's norm under every "
                         "strategy (not ps)")
+    p.add_argument("--activation-checkpoints", default=None, metavar="PLAN",
+                   help="recompute activations in backward: the model's layers cut into "
+                        "segments by length, 'c' marking a recomputed one, e.g. 2c,2,2c "
+                        "(single, ddp, zero)")
+    p.add_argument("--memory-budget", type=int, default=None, metavar="BYTES",
+                   help="peak bytes per rank: choose the ZeRO stage, the activation "
+                        "checkpoints, the micro-batch count and the pipeline split with the "
+                        "least predicted step time that fits, and fail if the measured peak "
+                        "exceeds it (single, ddp, zero, pipeline; docs/training.md)")
     faults = p.add_argument_group("fault injection (really sleeps, SIGKILLs, SIGSTOPs)")
     faults.add_argument("--slow-worker", default=None, metavar="RANK:MS",
                         help="rank RANK sleeps MS milliseconds before every step")
@@ -199,9 +210,59 @@ def validate(cfg: Config, strategies: dict) -> None:
         raise UsageError(f"--seed must be >= 0, got {cfg.seed}")
     if cfg.lr is not None and cfg.lr <= 0:
         raise UsageError(f"--lr must be positive, got {cfg.lr}")
+    _validate_memory_options(cfg, strategies)
     if cfg.data == "mnist":
         if cfg.data_dir is None:
             raise UsageError("--data mnist needs --data-dir DIR holding the IDX .gz files")
         if not os.path.isdir(cfg.data_dir):
             raise UsageError(f"data directory not found: {cfg.data_dir}")
     strategies[cfg.strategy].validate(cfg)
+
+
+PLANNED = ("single", "ddp", "zero", "pipeline")  # what --memory-budget plans for
+
+
+def parse_checkpoints(spec: str) -> list[tuple[int, bool]]:
+    """``"2c,2,2c"`` -> ``[(2, True), (2, False), (2, True)]``: consecutive segments of the
+    model's layers by length, ``c`` marking one recomputed in backward."""
+    out = []
+    for item in spec.split(","):
+        item = item.strip()
+        length = item[:-1] if item.endswith("c") else item
+        if not length.isdigit() or int(length) < 1:
+            raise UsageError(f"--activation-checkpoints: expected segment lengths such as "
+                             f"2c,2,2c (a positive length, 'c' for a recomputed segment), "
+                             f"got {spec!r}")
+        out.append((int(length), item.endswith("c")))
+    return out
+
+
+def format_checkpoints(segments) -> str:
+    """The inverse of :func:`parse_checkpoints`."""
+    return ",".join(f"{n}{'c' if c else ''}" for n, c in segments)
+
+
+def _validate_memory_options(cfg: Config, strategies: dict) -> None:
+    default_step = strategies[cfg.strategy].mixed_precision_and_accumulation
+    if cfg.activation_checkpoints is not None:
+        parse_checkpoints(cfg.activation_checkpoints)
+        if not default_step or (cfg.extra or {}).get("compile"):
+            raise UsageError(f"--activation-checkpoints applies to the single, ddp and zero "
+                             f"strategies without --compile, got --strategy {cfg.strategy}")
+    if cfg.memory_budget is None:
+        return
+    if cfg.memory_budget < 1:
+        raise UsageError(f"--memory-budget must be a positive number of bytes, got "
+                         f"{cfg.memory_budget}")
+    if cfg.strategy not in PLANNED:
+        raise UsageError(f"--memory-budget plans for --strategy {', '.join(PLANNED)}, got "
+                         f"--strategy {cfg.strategy}")
+    extra = cfg.extra or {}
+    if cfg.precision != "fp32" or extra.get("compile") or extra.get("data_shares", 1) > 1:
+        raise UsageError("--memory-budget predicts the fp32 step without --compile or "
+                         "--data-shares")
+    if cfg.activation_checkpoints is not None:
+        raise UsageError("--memory-budget chooses the activation checkpoints: leave out "
+                         "--activation-checkpoints")
+    if extra.get("balance", "params") != "params":
+        raise UsageError("--memory-budget chooses the pipeline split: leave out --balance")

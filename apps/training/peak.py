@@ -26,6 +26,7 @@ step makes them, whose running sum's maximum is the peak.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 from contextlib import contextmanager
 
@@ -115,27 +116,32 @@ def probe(model, log: EventLog, modules: bool) -> None:
         module.forward = forward
 
 
-def trace_backward(strategy, X: np.ndarray, y: np.ndarray, modules: bool = False) -> list:
-    """The event log of the default step's forward and backward of ``X, y`` (zeros of their
-    shapes) on a copy of the strategy's model: every micro-batch, gradients accumulated
-    as the step does, ``("mb", k)`` after micro-batch k."""
-    import needle as ndl
+def shadow_strategy(cfg, ctx):
+    """A bare default-step strategy over ``ctx`` whose model each trace sets: runs the step's
+    forward and backward as the strategies do (``Strategy._backward``)."""
+    from needle import amp, nn
 
     from .strategies.base import Strategy
 
-    with ndl.random.fork_rng():
-        replica = strategy.ctx.new_model()
-        shadow = copy.copy(strategy)
-        shadow.model = replica
-        with recording(strategy.ctx.device) as log:
-            probe(replica, log, modules)
-            shadow.on_micro_batch = lambda done: log.mark("mb", done)
-            Strategy._backward(shadow, np.zeros_like(X), np.zeros_like(y))
-            log.mark("end")
-        for module, _ in units_of(replica) if modules else ():
-            module.__dict__.pop("forward", None)  # the probe's closure refers to the module
-        del shadow, replica
-        gc.collect()
+    shadow = Strategy(cfg)
+    shadow.ctx, shadow.loss_fn = ctx, nn.SoftmaxLoss()
+    shadow.scaler = amp.GradScaler(enabled=False)
+    return shadow
+
+
+def trace_backward(shadow, model, X: np.ndarray, y: np.ndarray, modules: bool = False) -> list:
+    """The event log of the default step's forward and backward of ``X, y`` (zeros of their
+    shapes) on ``model``, a throwaway copy: every micro-batch, gradients accumulated as the
+    step does, ``("mb", k)`` after micro-batch k."""
+    shadow.model = model
+    with recording(shadow.ctx.device) as log:
+        probe(model, log, modules)
+        shadow.on_micro_batch = lambda done: log.mark("mb", done)
+        shadow._backward(np.zeros_like(X), np.zeros_like(y))
+        log.mark("end")
+    for module, _ in units_of(model) if modules else ():
+        module.__dict__.pop("forward", None)  # the probe's closure refers to the module
+    shadow.model = shadow.on_micro_batch = None
     return log.items
 
 
@@ -253,22 +259,25 @@ def update_cost(optimizer, device, first: bool, compact: tuple[bool, bool]) -> t
     return _CALIBRATED[key]
 
 
-def optimizer_update(optimizer, device, first: bool, grads_compact: bool) -> tuple:
-    """(peak, bytes left, the parameters' composed updates) of ``optimizer.step()`` above
-    what it starts from: the fused parameters first (one batch), then the others in order
-    (``Optimizer.step``). A composed update of a view parameter leaves a new compact value
-    (its bytes in the third element, in parameter order; 0 for a fused one)."""
+def optimizer_update(optimizer, device, first: bool, params: list[tuple[int, bool]],
+                     grads_compact: bool) -> tuple:
+    """(peak, bytes left, the composed updates' new values) of ``optimizer.step()`` above what
+    it starts from, for ``params``: (bytes, whether the value is compact) of each parameter
+    the optimizer updates, in order. The fused parameters go first (one batch), then the
+    others in order (``Optimizer.step``); a composed update of a view parameter leaves a new
+    compact value (its bytes in the third element, in parameter order; 0 if fused)."""
     level = top = 0
-    kinds = [(_compact(p.realize_cached_data()), grads_compact) for p in optimizer.params]
-    composed = []
-    for p, kind in sorted(zip(optimizer.params, kinds, strict=True),
-                          key=lambda pk: not all(pk[1])):
+    kinds = [(compact, grads_compact) for _, compact in params]
+    for (nbytes, _), kind in sorted(zip(params, kinds, strict=True), key=lambda pk: not all(pk[1])):
         held, left = update_cost(optimizer, device, first, kind)
-        top = max(top, level + held * _bytes(p))
-        level += left * _bytes(p)
-    for p, kind in zip(optimizer.params, kinds, strict=True):
-        composed.append(0 if all(kind) else _bytes(p))
-    return top, level, composed
+        top = max(top, level + held * nbytes)
+        level += left * nbytes
+    return top, level, [0 if all(k) else b for (b, _), k in zip(params, kinds, strict=True)]
+
+
+def live_params(optimizer) -> list[tuple[int, bool]]:
+    """:func:`optimizer_update`'s ``params`` for a live optimizer."""
+    return [(_bytes(p), _compact(p.realize_cached_data())) for p in optimizer.params]
 
 
 def data_parallel(items: list, *, stage: int, sizes: list[int], pieces: list[int],
@@ -333,30 +342,191 @@ def unpredicted(why: str) -> dict:
     return {"predicted": None, "why": why}
 
 
-def predict_default_step(strategy, X: np.ndarray, y: np.ndarray, first: bool) -> dict:
-    """The peak of the default step (``single``, ``ddp``, ``zero``) on this rank's share."""
-    extra = strategy.cfg.extra or {}
-    if strategy.mixed:
+def predict_default(cfg, ctx, X: np.ndarray, y: np.ndarray, first: bool, *, stage: int = 0,
+                    rank: int = 0, world_size: int = 1, ddp: bool = False) -> dict:
+    """The peak of the default step (``single``, ``ddp``, ``zero`` at ``stage``) on ``X, y``,
+    this rank's share, from a fresh copy of the configured model (see the module doc)."""
+    import needle as ndl
+
+    if cfg.precision != "fp32":
         return unpredicted("--precision fp16-mixed: the loss scaler's unscale and the float32 "
                            "master update are not modelled")
+    extra = cfg.extra or {}
     if extra.get("compile") or extra.get("data_shares", 1) > 1:
         return unpredicted("--compile and --data-shares run another step than the default")
-    state = strategy.memory_probe()
-    stage, world, rank = state.zero_stage, strategy.world_size, strategy.rank
-    items = trace_backward(strategy, X, y, modules=stage == 3)
-    params = list(state.model.parameters())
-    sizes = [_bytes(p) for p in params]
-    items_per = [int(np.prod(p.shape)) for p in params]
-    pieces = [((rank + 1) * n // world - rank * n // world) * s // max(n, 1)
-              for n, s in zip(items_per, sizes, strict=True)]
-    held = held_at_start(state.model, state.optimizer, stage, world, rank, first,
-                         workspace_bytes(state.device))
-    update = optimizer_update(state.optimizer, state.device, first, grads_compact=stage != 1)
+    with ndl.random.fork_rng():
+        model = ctx.new_model()
+        optimizer = ctx.new_optimizer(model.parameters())
+        sizes = [_bytes(p) for p in model.parameters()]
+        counts = [int(np.prod(p.shape)) for p in model.parameters()]
+        pieces = [((rank + 1) * n // world_size - rank * n // world_size) * (b // max(n, 1))
+                  for n, b in zip(counts, sizes, strict=True)]
+        units = [m for _, m in units_of(model)] if stage == 3 else None
+        held = held_at_start(model, optimizer, stage, world_size, rank, first, 0)
+        items = trace_backward(shadow_strategy(cfg, ctx), model, X, y, modules=stage == 3)
+        del model
+        gc.collect()
+    held[WORKSPACE] = workspace_bytes(ctx.device)  # after the trace: kernels have run
+    if stage == 0:
+        params = [(b, True) for b in sizes]
+    else:  # ZeRO's optimizer updates this rank's pieces: views of the weights below stage 3
+        params = [(p, stage == 3 or p == b) for p, b in zip(pieces, sizes, strict=True) if p]
+    update = optimizer_update(optimizer, ctx.device, first, params, grads_compact=stage != 1)
     step = data_parallel(items, stage=stage, sizes=sizes, pieces=pieces,
-                         micro_batches=max(1, int(strategy.cfg.accumulate)), update=update,
-                         ddp=strategy.distributed and stage == 0,
-                         units=[m for _, m in units_of(state.model)] if stage == 3 else None)
+                         micro_batches=max(1, int(cfg.accumulate)), update=update, ddp=ddp,
+                         units=units)
     start = sum(held.values())
     return {"predicted": start - held["gradient"] + step["peak"], "where": step["where"],
+            "held_at_start": start, "terms": held}
+
+
+def predict_default_step(strategy, X: np.ndarray, y: np.ndarray, first: bool) -> dict:
+    """:func:`predict_default` for a running strategy (``single``, ``ddp``, ``zero``)."""
+    stage = int(getattr(strategy, "stage", 0))
+    return predict_default(strategy.cfg, strategy.ctx, X, y, first, stage=stage,
+                           rank=strategy.rank, world_size=strategy.world_size,
+                           ddp=strategy.distributed and stage == 0)
+
+
+def _shadow_trace(strategy, build, run, X, y) -> list:
+    """The event log of ``run(shadow, X0, y0)``: ``shadow`` is a shallow copy of the strategy
+    whose model is ``build(fresh unsharded model)``, ``X0, y0`` zeros of the shapes."""
+    import needle as ndl
+    import needle.distributed as dist
+
+    with ndl.random.fork_rng():
+        shadow = copy.copy(strategy)
+        model = build(shadow, strategy.ctx.new_model())
+        with recording(strategy.ctx.device) as log, dist.traffic.label("peak prediction"):
+            probe(model, log, modules=False)
+            run(shadow, np.zeros_like(X), np.zeros_like(y))
+            log.mark("end")
+        del shadow, model
+        gc.collect()
+    return log.items
+
+
+def predict_tensor_parallel(strategy, X: np.ndarray, y: np.ndarray, first: bool) -> dict:
+    """The peak of a mesh step without pipeline stages or data-parallel replicas (``tp``):
+    held state, the sharded model's forward and backward (its all-reduces' results are
+    activations and gradients like any op's), the fused update."""
+    from needle.distributed import tensor_parallel
+
+    from .strategies._mesh import MeshStrategy
+
+    def build(shadow, full):
+        shadow.modules = {0: tensor_parallel.parallelize_sequential(
+            full, strategy.mesh.get_group("tp"))}
+        return shadow.modules[0]
+
+    items = _shadow_trace(strategy, build, MeshStrategy._forward_backward, X, y)
+    state = strategy.memory_probe()
+    held = held_at_start(state.model, state.optimizer, 0, strategy.world_size, strategy.rank,
+                         first, workspace_bytes(state.device))
+    top, level = run_deltas(items)
+    update = optimizer_update(state.optimizer, state.device, first,
+                              live_params(state.optimizer), grads_compact=True)
+    step = max(top, level + update[0])
+    start = sum(held.values())
+    return {"predicted": start - held["gradient"] + step, "held_at_start": start,
+            "terms": held, "where": "backward" if step == top else "optimizer update"}
+
+
+class _Messages:
+    """A pipeline step's messages without the network: what a stage sends is dropped, what
+    it receives is zeros of the shape its peer sends (``shape(tag)``)."""
+
+    def __init__(self, shape):
+        self.shape = shape
+
+    def put(self, key, arr) -> None:
+        pass
+
+    def take(self, key):
+        return np.zeros(self.shape(key[0]), np.float32)
+
+
+def schedule_actions(schedule) -> list:
+    """This rank's actions of the schedule's plan, in the order the step runs them (the
+    in-flight micro-batches of the schedule are in that order)."""
+    return list(schedule.plan.actions[schedule.rank])
+
+
+def predict_pipeline(strategy, X: np.ndarray, y: np.ndarray, first: bool) -> dict:
+    """The peak of a pipeline step on this rank: held state (and, on the last stage, the
+    previous step's outputs, dropped when the step begins), then this rank's actions of the
+    schedule in order (``schedule_actions``) run by the runtime on copies of its chunks, with
+    zeros of the right shapes for the messages it receives, then the fused update."""
+    import needle as ndl
+    import needle.distributed as dist
+    from needle import nn
+    from needle.autograd import Tensor, no_grad
+    from needle.distributed.pipeline.autograd_p2p import Link
+    from needle.distributed.pipeline.runtime import TAG_BASE
+
+    real = strategy.schedule
+    plan = real.plan
+    sizes = [hi - lo for lo, hi in _cuts(int(X.shape[0]), plan.num_microbatches)]
+    with ndl.random.fork_rng():
+        layers = list(strategy.ctx.new_model().modules)
+        cuts = np.cumsum([0, *strategy.layers_per_stage]).tolist()
+        pieces = [nn.Sequential(*layers[a:b]) for a, b in zip(cuts, cuts[1:], strict=False)]
+        if strategy.tp > 1:
+            from needle.distributed import tensor_parallel
+
+            for k in real.stages:  # this rank's chunks, sharded as the run's are
+                pieces[k] = tensor_parallel.parallelize_sequential(
+                    pieces[k], strategy.mesh.get_group("tp"))
+        tails, h = [], Tensor(np.zeros((1, *X.shape[1:]), np.float32),
+                              device=strategy.ctx.device, requires_grad=False)
+        with no_grad():
+            for piece in pieces:
+                piece.eval()
+                h = piece(h)
+                tails.append(tuple(h.shape[1:]))
+        for piece in pieces:
+            piece.train()
+        messages = _Messages(lambda tag: (sizes[(tag - TAG_BASE) // plan.num_stages],
+                                          *tails[(tag - TAG_BASE) % plan.num_stages]))
+        shadow = copy.copy(real)
+        shadow.stages = {k: copy.copy(st) for k, st in real.stages.items()}
+        for k, st in shadow.stages.items():
+            st.module = pieces[k]
+        shadow._params = {k: pieces[k].parameters() for k in shadow.stages}
+        shadow.record, shadow._links = False, {}
+        def link(edge, microbatch, towards_next, links=shadow._links):
+            key = (edge, microbatch, towards_next)
+            if key not in links:
+                tag = TAG_BASE + microbatch * plan.num_stages + edge
+                links[key] = Link(real.group, 0, tag, local=messages)
+            return links[key]
+
+        shadow._link = link
+        actions = list(plan.actions)
+        actions[real.rank] = tuple(schedule_actions(real))
+        shadow.plan = dataclasses.replace(plan, actions=tuple(actions))
+        with recording(strategy.ctx.device) as log, dist.traffic.label("peak prediction"):
+            for k in shadow.stages:
+                probe(pieces[k], log, modules=False)
+            shadow.step(np.zeros_like(X), np.zeros_like(y))
+            log.mark("end")  # the last stage's outputs stay until the next step begins
+        shadow.outputs = []
+        del shadow, pieces, layers, h
+        gc.collect()
+    state = strategy.memory_probe()
+    held = held_at_start(state.model, state.optimizer, 0, strategy.world_size, strategy.rank,
+                         first, workspace_bytes(state.device))
+    held["outputs"] = sum(_bytes(o) for o in real.outputs)  # freed when the step begins
+    top, level = run_deltas(log.items)
+    update = optimizer_update(state.optimizer, state.device, first,
+                              live_params(state.optimizer), grads_compact=True)
+    step = max(top, level + update[0])
+    start = sum(held.values())
+    return {"predicted": start - held["gradient"] - held["outputs"] + step,
             "held_at_start": start, "terms": held,
-            "step": step["peak"]}
+            "where": "schedule" if step == top else "optimizer update"}
+
+
+def _cuts(n: int, m: int) -> list[tuple[int, int]]:
+    c = [n * i // m for i in range(m + 1)]
+    return list(zip(c, c[1:], strict=False))

@@ -281,11 +281,23 @@ class MeshStrategy(Strategy):
         """``memory``: this rank's model state (its chunks' weights, gradients and optimizer
         state) beside the ledger's prediction for those chunks, measured once at the end;
         ``traffic``: this rank's communication ledger, predicted vs measured bytes."""
-        from ..metrics import CommunicationLedger, ModelStateMemory
+        from ..metrics import CommunicationLedger, ModelStateMemory, PeakMemory
 
         return [ModelStateMemory(self.memory_probe, self.rank, self.world_size,
-                                 when="after the last step and evaluation", at_end=True),
+                                 when="after the last step and evaluation", at_end=True,
+                                 peak=PeakMemory(self.predict_peak, self.ctx.device)),
                 CommunicationLedger(self.rank)]
+
+    def predict_peak(self, X: np.ndarray, y: np.ndarray, first: bool) -> dict:
+        """This rank's peak of the step on ``X, y`` (``apps/training/peak.py``)."""
+        from .. import peak
+
+        if self.dp > 1:
+            return peak.unpredicted("data-parallel replicas of a mesh (3d --dp > 1): their "
+                                    "gradient averaging is not modelled")
+        if self.pp > 1:
+            return peak.predict_pipeline(self, X, y, first)
+        return peak.predict_tensor_parallel(self, X, y, first)
 
     def memory_probe(self):
         """This rank's chunks as one model (read at the end of the run)."""

@@ -210,7 +210,7 @@ class Strategy:
         from needle import amp
 
         self.model.train()
-        forward = forward or self.model
+        forward = self._checkpointed(forward or self.model)
         n = int(y.shape[0])
         parts = micro_batches(n, max(1, int(getattr(self.cfg, "accumulate", 1))))
         loss_sum, correct = 0.0, 0
@@ -229,6 +229,27 @@ class Strategy:
             if self.on_micro_batch is not None:
                 self.on_micro_batch(counted + i + 1)
         return loss_sum, correct, parts
+
+    def _checkpointed(self, forward):
+        """``forward``, or with ``--activation-checkpoints`` the model run as checkpoint
+        regions of consecutive layers (``needle.checkpoint.checkpoint_sequential``)."""
+        spec = getattr(self.cfg, "activation_checkpoints", None)
+        if not spec:
+            return forward
+        from needle.checkpoint import CheckpointPlan, checkpoint_sequential
+
+        from ..config import UsageError, parse_checkpoints
+
+        segments, layers = parse_checkpoints(spec), len(getattr(self.model, "modules", ()))
+        if sum(n for n, _ in segments) != layers:
+            raise UsageError(f"--activation-checkpoints {spec} covers "
+                             f"{sum(n for n, _ in segments)} layers, expected the {layers} "
+                             f"layers of --model {self.cfg.model}")
+        bounds = np.cumsum([0] + [n for n, _ in segments]).tolist()
+        plan = CheckpointPlan("given", tuple(zip(bounds, bounds[1:], strict=False)),
+                              tuple(c for _, c in segments), 0, 0.0, 0)
+        model = self.model
+        return lambda x: checkpoint_sequential(model, plan, x)
 
     def _update(self, after_backward=None) -> None:
         """(after_backward), gradient clipping, the scaled optimizer step."""
