@@ -9,7 +9,8 @@
   :func:`measure_layer_costs` measures the costs on the real layers, so that the measured
   activation peak of running the plan stays within the budget.
 * :func:`checkpoint_report` — what policies change, measured (``python -m needle.memory
-  checkpoint-report``): saved vs recomputed tensors, bytes, FLOPs, random draws, peaks.
+  checkpoint-report``): saved vs recomputed tensors, bytes, FLOPs, random draws, peaks,
+  and the recompute overhead R/(F+B), counted from the ops and measured.
 * :func:`is_recomputing` — for stateful code that must act once per step.
 * :func:`release_unsaved` — record a plain graph that keeps only what backward reads, at every
   size (autograd's own release, ``needle/autograd/release.py``, with its size threshold off).

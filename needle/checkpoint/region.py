@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import threading
+import time
 
 import numpy as np
 
@@ -44,11 +45,12 @@ from ..autograd.grad_mode import STATE, enable_grad
 from ..autograd.versions import check_kept
 from .state import ModuleState, modules_of
 
-__all__ = ["checkpoint", "is_recomputing"]
+__all__ = ["checkpoint", "is_recomputing", "recompute_seconds"]
 
 
 class _Local(threading.local):
     recomputing = 0
+    seconds = 0.0  # wall time spent recomputing in this thread (outermost regions)
 
 
 _LOCAL = _Local()
@@ -66,13 +68,23 @@ def is_recomputing() -> bool:
     return _LOCAL.recomputing > 0
 
 
+def recompute_seconds() -> float:
+    """Wall time this thread has spent recomputing regions so far (the report's measured
+    recompute: differences of this around a backward)."""
+    return _LOCAL.seconds
+
+
 @contextlib.contextmanager
 def _recomputing():
+    outermost = _LOCAL.recomputing == 0
+    start = time.perf_counter() if outermost else 0.0
     _LOCAL.recomputing += 1
     try:
         yield
     finally:
         _LOCAL.recomputing -= 1
+        if outermost:
+            _LOCAL.seconds += time.perf_counter() - start
 
 
 def _fingerprint(data) -> tuple:
