@@ -36,10 +36,10 @@ sys.path.insert(0, os.path.join(ROOT, "apps"))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import numpy as np  # noqa: E402
+from _machine import cpu_model  # noqa: E402
 
 import needle as ndl  # noqa: E402
 import needle.memory as mem  # noqa: E402
-from _machine import cpu_model  # noqa: E402
 from needle import nn  # noqa: E402
 
 MODELS = ("mlp_resnet", "resnet9", "lstm", "transformer")

@@ -150,7 +150,8 @@ def _place(inter: list, capacity: int) -> dict[int, int]:
         cursor = 0
         if live.any():
             busy = np.argsort(lows[:placed][live], kind="stable")
-            for lo, hi in zip(lows[:placed][live][busy], highs[:placed][live][busy]):
+            for lo, hi in zip(lows[:placed][live][busy], highs[:placed][live][busy],
+                              strict=True):
                 if lo >= cursor + size:
                     break
                 cursor = max(cursor, int(hi))
