@@ -368,7 +368,8 @@ def compile(fn=None, *, max_cache: int = 8, warmup: int = 1, max_retraces: int =
             device=None, kernels: bool = True, fusion: bool = True, native: bool = True,
             arena: str = "bounded"):
     """Capture ``fn`` (a training or inference step) once per call signature and replay it
-    with every intermediate buffer in one planned arena.
+    with its intermediate buffers in one planned arena (those that keep a replay within the
+    eager call's peak memory).
 
     ``fn(*args)`` may run the forward, ``loss.backward()`` and ``optimizer.step()``; it must
     not read tensor values on the host (refused with :class:`~needle.CompileError`). A new
