@@ -13,7 +13,9 @@ did before). Columns, in requested bytes above those live before the step:
 * ``planned``: the arena plus the pools' peak during a replay; ``/eager``: planned ÷ eager;
 * ``measured``: the peak the allocator measured during the last replay (a kernel program's,
   which frees a pool buffer right after its last kernel, so it can be below ``planned``);
-* ``all arena``, ``all planned``, ``/eager``: the same with ``arena="all"``.
+* ``all arena``, ``all planned``, ``/eager``: the same with ``arena="all"``;
+* ``plain``: the peak of the same step not compiled (there optimisers update weights and
+  moments in place; in a compiled step they make new ones, see docs/compile.md).
 
 Bytes are counts (the same on every run of the same build); the date and the CPU are printed
 for the record. ResNet9 and the language model have no Dropout of their own: "with" adds one
