@@ -50,12 +50,22 @@ def parse_args(argv=None) -> Config:
 
 
 def train(cfg: Config, *, rank: int = 0, world_size: int = 1) -> dict | None:
-    """Run ``cfg`` on this rank; the summary on the reporting rank, None on the others."""
+    """Run ``cfg`` on this rank; the summary on the reporting rank, None on the others.
+    With ``--memory-budget`` the planner chooses first (``training/planner.py``) and the
+    summary gains ``plan``."""
+    plan = None
+    if cfg.memory_budget is not None:
+        from training.planner import choose
+
+        cfg, plan = choose(cfg, rank, world_size)
     strategy = STRATEGIES[cfg.strategy](cfg, rank, world_size)
     try:
-        return run(cfg, strategy, rank, world_size)
+        summary = run(cfg, strategy, rank, world_size)
     finally:
         strategy.close()
+    if summary is not None and plan is not None:
+        summary["plan"] = plan.block(summary)
+    return summary
 
 
 def _start_ranks(cfg: Config) -> tuple[int, int]:
@@ -109,7 +119,17 @@ def main(argv=None) -> int:
         print(f"traffic (rank {traffic['rank']}): {traffic['calls']} calls, predicted "
               f"{traffic['predicted_sent']:,} B sent, measured {traffic['sent']:,} B "
               f"(+{traffic['overhead_sent']:,} B call checks and headers): {verdict}")
+    plan = summary.get("plan")
+    if plan:
+        chosen = " ".join(f"{k} {v}" for k, v in plan["chosen"].items() if v is not None)
+        print(f"memory plan: {chosen}; peak per rank predicted {plan['predicted_peak']:,} B, "
+              f"measured {plan['measured_peak']:,} B, budget {plan['budget']:,} B "
+              f"({len(plan['rejected'])} cheaper configurations rejected)")
     print(f"wrote {json_path} and {png_path}")
+    if plan and not plan["within_budget"]:
+        print(f"train.py: error: --memory-budget {plan['budget']}: a step's measured peak "
+              f"{plan['measured_peak']:,} bytes exceeds the budget", file=sys.stderr)
+        return 3
     return 0
 
 

@@ -24,6 +24,7 @@ step both ways.
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
@@ -220,6 +221,8 @@ class PeakMemory:
         self.prediction: dict = {}
         self.measured = self.step = self.held = self._held = None
         self.max_measured = 0
+        self.seconds: list[float] = []  # each step's wall time
+        self._started = 0.0
 
     def _allocator(self):
         from needle.memory import get_allocator
@@ -234,8 +237,10 @@ class PeakMemory:
         allocator.reset_peak()
         if steps < 2:
             self._held = int(allocator.stats()["requested_bytes"])
+        self._started = time.perf_counter()
 
     def step_end(self, steps: int) -> None:
+        self.seconds.append(time.perf_counter() - self._started)
         peak = int(self._allocator().stats()["peak_requested_bytes"])
         self.max_measured = max(self.max_measured, peak)
         if steps <= 2:
@@ -253,7 +258,8 @@ class PeakMemory:
                            "(needle.memory; peaks reset right before it)",
                "predicted": "computed before the step (apps/training/peak.py, "
                             "docs/training.md)",
-               "max_measured": "the highest measured peak of every step of the run"}
+               "max_measured": "the highest measured peak of every step of the run",
+               "step_s_median": float(np.median(self.seconds)) if self.seconds else None}
         out.update({k: v for k, v in self.prediction.items()
                     if k in ("why", "where", "terms", "activations")})
         return out

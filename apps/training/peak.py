@@ -342,10 +342,13 @@ def unpredicted(why: str) -> dict:
     return {"predicted": None, "why": why}
 
 
-def predict_default(cfg, ctx, X: np.ndarray, y: np.ndarray, first: bool, *, stage: int = 0,
-                    rank: int = 0, world_size: int = 1, ddp: bool = False) -> dict:
+def predict_default(cfg, ctx, X: np.ndarray, y: np.ndarray, first: bool | None, *,
+                    stage: int = 0, rank: int = 0, world_size: int = 1,
+                    ddp: bool = False) -> dict:
     """The peak of the default step (``single``, ``ddp``, ``zero`` at ``stage``) on ``X, y``,
-    this rank's share, from a fresh copy of the configured model (see the module doc)."""
+    this rank's share, from a fresh copy of the configured model (see the module doc).
+    ``first``: the run's first step (no gradients or moments yet); None: the larger of the
+    first and a later step (one trace serves both)."""
     import needle as ndl
 
     if cfg.precision != "fp32":
@@ -362,22 +365,28 @@ def predict_default(cfg, ctx, X: np.ndarray, y: np.ndarray, first: bool, *, stag
         pieces = [((rank + 1) * n // world_size - rank * n // world_size) * (b // max(n, 1))
                   for n, b in zip(counts, sizes, strict=True)]
         units = [m for _, m in units_of(model)] if stage == 3 else None
-        held = held_at_start(model, optimizer, stage, world_size, rank, first, 0)
+        held = {f: held_at_start(model, optimizer, stage, world_size, rank, f, 0)
+                for f in ((True, False) if first is None else (first,))}
         items = trace_backward(shadow_strategy(cfg, ctx), model, X, y, modules=stage == 3)
         del model
         gc.collect()
-    held[WORKSPACE] = workspace_bytes(ctx.device)  # after the trace: kernels have run
     if stage == 0:
         params = [(b, True) for b in sizes]
     else:  # ZeRO's optimizer updates this rank's pieces: views of the weights below stage 3
         params = [(p, stage == 3 or p == b) for p, b in zip(pieces, sizes, strict=True) if p]
-    update = optimizer_update(optimizer, ctx.device, first, params, grads_compact=stage != 1)
-    step = data_parallel(items, stage=stage, sizes=sizes, pieces=pieces,
-                         micro_batches=max(1, int(cfg.accumulate)), update=update, ddp=ddp,
-                         units=units)
-    start = sum(held.values())
-    return {"predicted": start - held["gradient"] + step["peak"], "where": step["where"],
-            "held_at_start": start, "terms": held}
+    out = {}
+    for f, terms in held.items():
+        terms[WORKSPACE] = workspace_bytes(ctx.device)  # after the trace: kernels have run
+        update = optimizer_update(optimizer, ctx.device, f, params, grads_compact=stage != 1)
+        step = data_parallel(items, stage=stage, sizes=sizes, pieces=pieces,
+                             micro_batches=max(1, int(cfg.accumulate)), update=update,
+                             ddp=ddp, units=units)
+        start = sum(terms.values())
+        got = {"predicted": start - terms["gradient"] + step["peak"], "where": step["where"],
+               "held_at_start": start, "terms": terms}
+        if not out or got["predicted"] > out["predicted"]:
+            out = got
+    return out
 
 
 def predict_default_step(strategy, X: np.ndarray, y: np.ndarray, first: bool) -> dict:
@@ -452,79 +461,103 @@ def schedule_actions(schedule) -> list:
     return list(schedule.plan.actions[schedule.rank])
 
 
-def predict_pipeline(strategy, X: np.ndarray, y: np.ndarray, first: bool) -> dict:
-    """The peak of a pipeline step on this rank: held state (and, on the last stage, the
-    previous step's outputs, dropped when the step begins), then this rank's actions of the
-    schedule in order (``schedule_actions``) run by the runtime on copies of its chunks, with
-    zeros of the right shapes for the messages it receives, then the fused update."""
-    import needle as ndl
-    import needle.distributed as dist
+def pipeline_chunks(ctx, layers_per_stage, mine, tp_group=None) -> tuple[dict, list]:
+    """Fresh copies of the chunks ``mine`` of the model cut into ``layers_per_stage`` (sharded
+    over ``tp_group`` when given), and every chunk's output shape past the batch axis."""
     from needle import nn
     from needle.autograd import Tensor, no_grad
+
+    layers = list(ctx.new_model().modules)
+    cuts = np.cumsum([0, *layers_per_stage]).tolist()
+    pieces = [nn.Sequential(*layers[a:b]) for a, b in zip(cuts, cuts[1:], strict=False)]
+    tails, h = [], Tensor(np.zeros((1, ctx.in_features), np.float32), device=ctx.device,
+                          requires_grad=False)
+    with no_grad():
+        for piece in pieces:
+            piece.eval()
+            h = piece(h)
+            tails.append(tuple(h.shape[1:]))
+    chunks = {}
+    for k in mine:
+        pieces[k].train()
+        chunks[k] = pieces[k]
+        if tp_group is not None:
+            from needle.distributed import tensor_parallel
+
+            chunks[k] = tensor_parallel.parallelize_sequential(pieces[k], tp_group)
+    return chunks, tails
+
+
+def trace_schedule(schedule, chunks: dict, tails: list, X: np.ndarray, y: np.ndarray,
+                   device) -> list:
+    """The event log of ``schedule.step`` on this rank with ``chunks`` (copies) for its stages:
+    this rank's actions in order (``schedule_actions``), messages received as zeros of the
+    shape the peer sends (``tails``: each chunk's output shape past the batch axis)."""
+    import needle.distributed as dist
     from needle.distributed.pipeline.autograd_p2p import Link
     from needle.distributed.pipeline.runtime import TAG_BASE
 
-    real = strategy.schedule
-    plan = real.plan
+    plan = schedule.plan
     sizes = [hi - lo for lo, hi in _cuts(int(X.shape[0]), plan.num_microbatches)]
+    messages = _Messages(lambda tag: (sizes[(tag - TAG_BASE) // plan.num_stages],
+                                      *tails[(tag - TAG_BASE) % plan.num_stages]))
+    shadow = copy.copy(schedule)
+    shadow.stages = {k: copy.copy(st) for k, st in schedule.stages.items()}
+    for k, st in shadow.stages.items():
+        st.module = chunks[k]
+    shadow._params = {k: chunks[k].parameters() for k in shadow.stages}
+    shadow.record, shadow._links = False, {}
+
+    def link(edge, microbatch, towards_next, links=shadow._links):
+        key = (edge, microbatch, towards_next)
+        if key not in links:
+            tag = TAG_BASE + microbatch * plan.num_stages + edge
+            links[key] = Link(schedule.group, 0, tag, local=messages)
+        return links[key]
+
+    shadow._link = link
+    actions = list(plan.actions)
+    actions[schedule.rank] = tuple(schedule_actions(schedule))
+    shadow.plan = dataclasses.replace(plan, actions=tuple(actions))
+    with recording(device) as log, dist.traffic.label("peak prediction"):
+        for k in shadow.stages:
+            probe(chunks[k], log, modules=False)
+        shadow.step(np.zeros_like(X), np.zeros_like(y))
+        log.mark("end")  # the last stage's outputs stay until the next step begins
+    shadow.outputs = []
+    return log.items
+
+
+def pipeline_peak(items: list, held: dict, optimizer, params, device, first: bool) -> dict:
+    """A pipeline step's peak from its trace: held state (less the gradients and the last
+    stage's previous outputs, both dropped as the step begins), the schedule, the update."""
+    top, level = run_deltas(items)
+    update = optimizer_update(optimizer, device, first, params, grads_compact=True)
+    step = max(top, level + update[0])
+    start = sum(held.values())
+    return {"predicted": start - held["gradient"] - held.get("outputs", 0) + step,
+            "held_at_start": start, "terms": held,
+            "where": "schedule" if step == top else "optimizer update"}
+
+
+def predict_pipeline(strategy, X: np.ndarray, y: np.ndarray, first: bool) -> dict:
+    """The peak of the running pipeline's step on this rank (see :func:`trace_schedule`)."""
+    import needle as ndl
+
+    real = strategy.schedule
+    tp = strategy.mesh.get_group("tp") if strategy.tp > 1 else None
     with ndl.random.fork_rng():
-        layers = list(strategy.ctx.new_model().modules)
-        cuts = np.cumsum([0, *strategy.layers_per_stage]).tolist()
-        pieces = [nn.Sequential(*layers[a:b]) for a, b in zip(cuts, cuts[1:], strict=False)]
-        if strategy.tp > 1:
-            from needle.distributed import tensor_parallel
-
-            for k in real.stages:  # this rank's chunks, sharded as the run's are
-                pieces[k] = tensor_parallel.parallelize_sequential(
-                    pieces[k], strategy.mesh.get_group("tp"))
-        tails, h = [], Tensor(np.zeros((1, *X.shape[1:]), np.float32),
-                              device=strategy.ctx.device, requires_grad=False)
-        with no_grad():
-            for piece in pieces:
-                piece.eval()
-                h = piece(h)
-                tails.append(tuple(h.shape[1:]))
-        for piece in pieces:
-            piece.train()
-        messages = _Messages(lambda tag: (sizes[(tag - TAG_BASE) // plan.num_stages],
-                                          *tails[(tag - TAG_BASE) % plan.num_stages]))
-        shadow = copy.copy(real)
-        shadow.stages = {k: copy.copy(st) for k, st in real.stages.items()}
-        for k, st in shadow.stages.items():
-            st.module = pieces[k]
-        shadow._params = {k: pieces[k].parameters() for k in shadow.stages}
-        shadow.record, shadow._links = False, {}
-        def link(edge, microbatch, towards_next, links=shadow._links):
-            key = (edge, microbatch, towards_next)
-            if key not in links:
-                tag = TAG_BASE + microbatch * plan.num_stages + edge
-                links[key] = Link(real.group, 0, tag, local=messages)
-            return links[key]
-
-        shadow._link = link
-        actions = list(plan.actions)
-        actions[real.rank] = tuple(schedule_actions(real))
-        shadow.plan = dataclasses.replace(plan, actions=tuple(actions))
-        with recording(strategy.ctx.device) as log, dist.traffic.label("peak prediction"):
-            for k in shadow.stages:
-                probe(pieces[k], log, modules=False)
-            shadow.step(np.zeros_like(X), np.zeros_like(y))
-            log.mark("end")  # the last stage's outputs stay until the next step begins
-        shadow.outputs = []
-        del shadow, pieces, layers, h
+        chunks, tails = pipeline_chunks(strategy.ctx, strategy.layers_per_stage, real.stages,
+                                        tp)
+        items = trace_schedule(real, chunks, tails, X, y, strategy.ctx.device)
+        del chunks
         gc.collect()
     state = strategy.memory_probe()
     held = held_at_start(state.model, state.optimizer, 0, strategy.world_size, strategy.rank,
                          first, workspace_bytes(state.device))
     held["outputs"] = sum(_bytes(o) for o in real.outputs)  # freed when the step begins
-    top, level = run_deltas(log.items)
-    update = optimizer_update(state.optimizer, state.device, first,
-                              live_params(state.optimizer), grads_compact=True)
-    step = max(top, level + update[0])
-    start = sum(held.values())
-    return {"predicted": start - held["gradient"] - held["outputs"] + step,
-            "held_at_start": start, "terms": held,
-            "where": "schedule" if step == top else "optimizer update"}
+    return pipeline_peak(items, held, state.optimizer, live_params(state.optimizer),
+                         state.device, first)
 
 
 def _cuts(n: int, m: int) -> list[tuple[int, int]]:

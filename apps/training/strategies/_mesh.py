@@ -28,6 +28,9 @@ def _add_pipeline_arguments(group) -> None:
     group.add_argument("--balance", default="params",
                        help="how layers are cut into stages: params (parameter counts) or "
                             "measure (time each layer on rank 0)")
+    group.add_argument("--layers-per-stage", default=None, metavar="N,N,...",
+                       help="cut the model into stages (chunks) of these many layers "
+                            "instead of --balance")
 
 
 def _check_pipeline_arguments(cfg, pp: int) -> None:
@@ -47,10 +50,29 @@ def _check_pipeline_arguments(cfg, pp: int) -> None:
     if extra.get("balance", "params") not in ("params", "measure"):
         raise UsageError(f"--balance must be params or measure, got {extra['balance']!r}")
     v = extra.get("virtual_stages", 2)
+    counts = layers_per_stage(cfg)
+    chunks = pp * (v if schedule == "interleaved" else 1)
+    if counts is not None and len(counts) != chunks:
+        raise UsageError(f"--layers-per-stage needs one count per stage ({chunks}), got "
+                         f"{extra['layers_per_stage']!r}")
     if schedule == "interleaved" and (v < 1 or m % pp):
         raise UsageError(f"--schedule interleaved needs --virtual-stages >= 1 and "
                          f"--microbatches a multiple of the {pp} pipeline stages, got "
                          f"--virtual-stages {v} --microbatches {m}")
+
+
+def layers_per_stage(cfg) -> list[int] | None:
+    """``--layers-per-stage`` as a list of positive counts (None when not given)."""
+    from ..config import UsageError
+
+    text = (cfg.extra or {}).get("layers_per_stage")
+    if text is None:
+        return None
+    counts = [c.strip() for c in str(text).split(",")]
+    if not all(c.isdigit() and int(c) > 0 for c in counts):
+        raise UsageError(f"--layers-per-stage: expected positive counts such as 2,4, got "
+                         f"{text!r}")
+    return [int(c) for c in counts]
 
 
 class MeshStrategy(Strategy):
@@ -82,8 +104,20 @@ class MeshStrategy(Strategy):
         self.schedule_name = extra.get("schedule", "1f1b") if self.pp > 1 else None
         v = extra.get("virtual_stages", 2) if self.schedule_name == "interleaved" else 1
         chunks = self.pp * v
-        pieces = pipeline.split_sequential(full, chunks, self._layer_costs(full)) \
-            if chunks > 1 else [full]
+        counts = layers_per_stage(self.cfg)
+        if counts is not None and sum(counts) != len(full.modules):
+            from ..config import UsageError
+
+            raise UsageError(f"--layers-per-stage {extra['layers_per_stage']} covers "
+                             f"{sum(counts)} layers, expected the {len(full.modules)} layers "
+                             f"of --model {self.cfg.model}")
+        if counts is not None and chunks > 1:
+            bounds = np.cumsum([0, *counts]).tolist()
+            pieces = [nn.Sequential(*full.modules[a:b])
+                      for a, b in zip(bounds, bounds[1:], strict=False)]
+        else:
+            pieces = pipeline.split_sequential(full, chunks, self._layer_costs(full)) \
+                if chunks > 1 else [full]
         s = self.mesh.local_rank("pp")
         self.my_chunks = list(range(s, chunks, self.pp))
         tp_group = self.mesh.get_group("tp")
