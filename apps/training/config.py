@@ -237,6 +237,17 @@ def parse_checkpoints(spec: str) -> list[tuple[int, bool]]:
     return out
 
 
+def layers_per_stage(text: str | None) -> list[int] | None:
+    """``--layers-per-stage`` as a list of positive counts (None when not given)."""
+    if text is None:
+        return None
+    counts = [c.strip() for c in str(text).split(",")]
+    if not all(c.isdigit() and int(c) > 0 for c in counts):
+        raise UsageError(f"--layers-per-stage: expected positive counts such as 2,4, got "
+                         f"{text!r}")
+    return [int(c) for c in counts]
+
+
 def format_checkpoints(segments) -> str:
     """The inverse of :func:`parse_checkpoints`."""
     return ",".join(f"{n}{'c' if c else ''}" for n, c in segments)

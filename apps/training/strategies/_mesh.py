@@ -36,7 +36,7 @@ def _add_pipeline_arguments(group) -> None:
 def _check_pipeline_arguments(cfg, pp: int) -> None:
     from needle.distributed.pipeline import SCHEDULES
 
-    from ..config import UsageError
+    from ..config import UsageError, layers_per_stage
 
     extra = cfg.extra
     schedule = extra.get("schedule", "1f1b")
@@ -50,7 +50,7 @@ def _check_pipeline_arguments(cfg, pp: int) -> None:
     if extra.get("balance", "params") not in ("params", "measure"):
         raise UsageError(f"--balance must be params or measure, got {extra['balance']!r}")
     v = extra.get("virtual_stages", 2)
-    counts = layers_per_stage(cfg)
+    counts = layers_per_stage(cfg.extra.get("layers_per_stage"))
     chunks = pp * (v if schedule == "interleaved" else 1)
     if counts is not None and len(counts) != chunks:
         raise UsageError(f"--layers-per-stage needs one count per stage ({chunks}), got "
@@ -59,20 +59,6 @@ def _check_pipeline_arguments(cfg, pp: int) -> None:
         raise UsageError(f"--schedule interleaved needs --virtual-stages >= 1 and "
                          f"--microbatches a multiple of the {pp} pipeline stages, got "
                          f"--virtual-stages {v} --microbatches {m}")
-
-
-def layers_per_stage(cfg) -> list[int] | None:
-    """``--layers-per-stage`` as a list of positive counts (None when not given)."""
-    from ..config import UsageError
-
-    text = (cfg.extra or {}).get("layers_per_stage")
-    if text is None:
-        return None
-    counts = [c.strip() for c in str(text).split(",")]
-    if not all(c.isdigit() and int(c) > 0 for c in counts):
-        raise UsageError(f"--layers-per-stage: expected positive counts such as 2,4, got "
-                         f"{text!r}")
-    return [int(c) for c in counts]
 
 
 class MeshStrategy(Strategy):
@@ -104,10 +90,10 @@ class MeshStrategy(Strategy):
         self.schedule_name = extra.get("schedule", "1f1b") if self.pp > 1 else None
         v = extra.get("virtual_stages", 2) if self.schedule_name == "interleaved" else 1
         chunks = self.pp * v
-        counts = layers_per_stage(self.cfg)
-        if counts is not None and sum(counts) != len(full.modules):
-            from ..config import UsageError
+        from ..config import UsageError, layers_per_stage
 
+        counts = layers_per_stage(extra.get("layers_per_stage"))
+        if counts is not None and sum(counts) != len(full.modules):
             raise UsageError(f"--layers-per-stage {extra['layers_per_stage']} covers "
                              f"{sum(counts)} layers, expected the {len(full.modules)} layers "
                              f"of --model {self.cfg.model}")
