@@ -114,7 +114,11 @@ def run(cfg, strategy, rank: int = 0, world_size: int = 1) -> dict | None:
             strategy.on_micro_batch = lambda done, step=step: faults.after_micro_batch(step, done)
             share = replica_share(batches[cursor.batch_index], replicas, index)
             Xs, ys = X[share], y[share]
+            if ledger is not None:  # the meters' predictions draw on copies, not the run's
+                ledger.stop()
             metrics.before_step(Xs, ys)
+            if ledger is not None:
+                ledger.start()
             result = strategy.train_step(Xs, ys)
             cursor.steps += 1
             cursor.batch_index += 1

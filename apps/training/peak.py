@@ -19,9 +19,11 @@ step makes them, whose running sum's maximum is the peak.
   under the allocator's event log. Probes on the copy mark where each parameter's gradient is
   final and where each module owning parameters runs its forward and starts its backward.
 * The strategy's own device buffers, from shapes, at those marks and after the backward:
-  ``data_parallel`` below (ddp and ZeRO stages 1-3), ``mesh.py``'s pipeline schedule.
-  Everything that crosses the network is staged in host memory (DDP buckets, ZeRO's gathers
-  and prefetches, pipeline messages), which the device allocator never sees.
+  :func:`data_parallel` (ddp and ZeRO stages 1-3); a pipeline runs this rank's actions of
+  its schedule on copies of its chunks (:func:`trace_schedule`); tensor parallelism traces
+  the sharded model. The optimizer's update: :func:`optimizer_update`. Everything that
+  crosses the network is staged in host memory (DDP buckets, ZeRO's gathers and prefetches,
+  pipeline messages), which the device allocator never sees.
 """
 from __future__ import annotations
 
