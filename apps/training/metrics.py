@@ -77,7 +77,7 @@ class RunMetrics:
 
     def __init__(self, meters: list[Meter]):
         self.meters = list(meters)
-        self.every_step = [m for m in self.meters if m.per_step]
+        self._per_step = [m for m in self.meters if m.per_step]
         self.steps = 0
         self._mark_due = True
 
@@ -92,13 +92,13 @@ class RunMetrics:
             self._mark_due = False
             for meter in self.meters:
                 meter.mark(self.steps)
-        for meter in self.every_step:
+        for meter in self._per_step:
             meter.step_begin(self.steps, X, y)
 
     def after_step(self, last: bool = False) -> None:
         """After an optimizer step; ``last``: the epoch's (or the run's) last step."""
         self.steps += 1
-        for meter in self.every_step:
+        for meter in self._per_step:
             meter.step_end(self.steps)
         if self.steps == 1 or last:
             self.sample()
@@ -146,7 +146,13 @@ class ModelStateMemory(Meter):
     def step_end(self, steps: int) -> None:
         self.peak.step_end(steps)
 
+    def mark(self, steps: int) -> None:
+        if self.peak is not None:
+            self.peak.mark(steps)
+
     def sample(self, steps: int) -> None:
+        if self.peak is not None:
+            self.peak.sample(steps)
         if not self.at_end:
             self._measure()
 
@@ -213,38 +219,49 @@ class PeakMemory:
     """The peak of one step on this rank (``summary.json``'s ``memory.per_rank[r].peak``):
     ``predict(X, y, first)`` (``apps/training/peak.py``) before the run's second step (its
     first when only one runs), the device allocator's ``peak_requested_bytes`` over that step
-    (peaks reset right before it) beside it; and the highest peak of every step
-    (``max_measured``: each step's peak is read the same way)."""
+    (peaks reset right before it) beside it; and ``max_measured``, the highest peak of every
+    step: the peaks are reset where the meters mark (before the first step after a sample)
+    and read where they sample (after the epoch's last step), so evaluation between epochs
+    is left out and the steps in between pay nothing."""
 
     def __init__(self, predict: Callable, device: Any):
         self.predict, self.device = predict, device
         self.prediction: dict = {}
-        self.measured = self.step = self.held = self._held = None
+        self.measured = self.step = self.held = None
         self.max_measured = 0
-        self.seconds: list[float] = []  # each step's wall time
-        self._started = 0.0
+        self.seconds: list[float] = []  # seconds per step, per interval from mark to sample
+        self._open: tuple[float, int] | None = None
 
     def _allocator(self):
         from needle.memory import get_allocator
 
         return get_allocator(self.device)
 
+    def mark(self, steps: int) -> None:
+        self._allocator().reset_peak()
+        self._open = (time.perf_counter(), steps)
+
+    def sample(self, steps: int) -> None:
+        self.max_measured = max(self.max_measured,
+                                int(self._allocator().stats()["peak_requested_bytes"]))
+        if self._open is not None and steps > self._open[1]:
+            self.seconds.append((time.perf_counter() - self._open[0]) / (steps - self._open[1]))
+        self._open = None
+
     def step_begin(self, steps: int, X, y) -> None:
-        if steps < 2:
-            self.prediction = self.predict(X, y, steps == 0) if X is not None else {
-                "predicted": None, "why": "the step's batch was not given"}
+        if steps >= 2:
+            return
+        self.prediction = self.predict(X, y, steps == 0) if X is not None else {
+            "predicted": None, "why": "the step's batch was not given"}
         allocator = self._allocator()
-        allocator.reset_peak()
-        if steps < 2:
-            self._held = int(allocator.stats()["requested_bytes"])
-        self._started = time.perf_counter()
+        allocator.reset_peak()  # after the prediction: its copies are not the step's
+        self.held = int(allocator.stats()["requested_bytes"])
+        self._open = (time.perf_counter(), steps)
 
     def step_end(self, steps: int) -> None:
-        self.seconds.append(time.perf_counter() - self._started)
-        peak = int(self._allocator().stats()["peak_requested_bytes"])
-        self.max_measured = max(self.max_measured, peak)
         if steps <= 2:
-            self.measured, self.step, self.held = peak, steps, self._held
+            self.measured, self.step = int(self._allocator().stats()["peak_requested_bytes"]), steps
+            self.max_measured = max(self.max_measured, self.measured)
 
     def row(self) -> dict:
         p = self.prediction
