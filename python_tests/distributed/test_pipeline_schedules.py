@@ -100,6 +100,83 @@ def test_per_stage_costs():
     assert sim.makespan == pytest.approx(1 + 12 + 1)
 
 
+def test_unequal_stages_are_not_the_closed_form():
+    # by hand: rank 0 F 0-1, 1-2; rank 1 F 1-3, 3-5, B 5-9, 9-13; rank 0 B 9-11, 13-15.
+    # Busy 6 + 12 of 2 x 15: bubble 12/30, where (p-1)/(m+p-1) says 1/3
+    sim = simulate("gpipe", 2, 2, forward=[1, 2], backward=[2, 4])
+    assert sim.makespan == pytest.approx(15.0)
+    assert sim.bubble_fraction == pytest.approx(0.4)
+    assert sim.bubble_fraction != pytest.approx(float(gpipe_bubble(2, 2)))
+    assert [(e.kind, e.start, e.end) for e in sim.timeline[0] if e.kind == "B"] == \
+        [("B", 9.0, 11.0), ("B", 13.0, 15.0)]
+
+
+def _link(**kw):
+    from needle.distributed.calibrate import Link
+
+    return Link(**kw)
+
+
+def test_a_link_charges_flight_and_send_where_they_happen():
+    # alpha 0.5 from send start to a waiting receiver; a send occupies its rank 0.25; a
+    # receive whose message is there costs 0.1. By hand (gpipe, p = m = 2, F = 1, B = 2):
+    # rank 0: F 0-1, SEND 1-1.25 (lands 1.5), F 1.25-2.25, SEND 2.25-2.5 (lands 2.75)
+    # rank 1: RECV 0-1.5, F 1.5-2.5, RECV 2.5-2.75 (waits), F 2.75-3.75, B 3.75-5.75,
+    #         SEND_B 5.75-6 (lands 6.25), B 6-8, SEND_B 8-8.25 (lands 8.5)
+    # rank 0: RECV_B 2.5-6.25, B 6.25-8.25, RECV_B 8.25-8.5, B 8.5-10.5
+    link = _link(alpha=0.5, send_fixed=0.25, recv_fixed=0.1)
+    sim = simulate("gpipe", 2, 2, forward=1, backward=2, link=link, message_bytes=100)
+    assert sim.makespan == pytest.approx(10.5)  # without the send cost: 10.2
+    assert sim.bubble_fraction == pytest.approx(9 / 21)
+    sends = [(e.start, e.end) for e in sim.timeline[0] if e.kind == "SEND_F"]
+    assert sends == [(1.0, 1.25), (2.25, 2.5)]
+
+
+def test_a_receive_whose_message_is_there_still_costs_its_rank():
+    # as above with F = [1, 2], B = 2: rank 1 reaches RECV_F1.1 at 3.5, its message landed
+    # at 2.75: the receive costs 0.1 (3.5-3.6), and everything after it moves by 0.1:
+    # F 3.6-5.6, B 5.6-7.6, SEND_B 7.6-7.85 (lands 8.1), B 7.85-9.85, SEND_B (lands 10.35);
+    # rank 0: RECV_B until 8.1, B 8.1-10.1, RECV_B 10.1-10.35, B 10.35-12.35
+    link = _link(alpha=0.5, send_fixed=0.25, recv_fixed=0.1)
+    sim = simulate("gpipe", 2, 2, forward=[1, 2], backward=2, link=link)
+    recv = [(e.start, e.end) for e in sim.timeline[1] if e.kind == "RECV_F"]
+    assert recv[1] == pytest.approx((3.5, 3.6))
+    assert sim.makespan == pytest.approx(12.35)  # without the receive cost: 12.25
+
+
+def test_bytes_grow_every_message_cost():
+    link = _link(alpha=0.5, beta=0.01, send_per_byte=0.001, recv_per_byte=0.001)
+    small = simulate("gpipe", 2, 1, forward=1, backward=2, link=link, message_bytes=0)
+    big = simulate("gpipe", 2, 1, forward=1, backward=2, link=link, message_bytes=100)
+    # each of the two hops: +1 flight (0.01 x 100) on the critical path
+    assert small.makespan == pytest.approx(7.0) and big.makespan == pytest.approx(9.0)
+
+
+def test_a_long_wait_wakes_late():
+    # rank 1 waits 1.5 for its activation, rank 0 waits 4 for the adjoint: both past spin
+    # 1.0, both end wake 0.3 after the message landed: 1.8, then B on rank 0 from 5.6
+    sim = simulate("gpipe", 2, 1, forward=1, backward=2, link=_link(alpha=0.5, wake=0.3,
+                                                                   spin=1.0))
+    assert sim.makespan == pytest.approx(7.6)
+    short = simulate("gpipe", 2, 1, forward=1, backward=2,
+                     link=_link(alpha=0.5, wake=0.3, spin=10.0))
+    assert short.makespan == pytest.approx(7.0)
+
+
+def test_samples_give_means_and_noisy_draws_cost_more():
+    from needle.distributed.pipeline.simulator import expected
+
+    same = simulate("1f1b", 2, 4, forward=[[1, 3], [2]], backward=[[4], [2, 6]])
+    assert same.makespan == simulate("1f1b", 2, 4, forward=[2, 2], backward=[4, 4]).makespan
+    flat = expected("1f1b", 2, 4, draws=5, forward=[[2, 2], [2]], backward=4)
+    assert flat.makespan == pytest.approx(same.makespan)
+    noisy = expected("1f1b", 2, 4, draws=200, forward=[[1, 3], [2]], backward=[[4], [2, 6]])
+    assert noisy.makespan > same.makespan and noisy.costs["draws"] == 200
+    # a random draw is repeatable
+    assert simulate("gpipe", 2, 2, forward=[[1, 5], [1, 5]], seed=3).makespan == \
+        simulate("gpipe", 2, 2, forward=[[1, 5], [1, 5]], seed=3).makespan
+
+
 def _sweep():
     for p in range(1, 6):
         for m in range(1, 13):
@@ -189,3 +266,15 @@ def test_command_line_simulate_and_plot(tmp_path):
                           "--schedule", "nope"], capture_output=True, text=True, env=env,
                          timeout=120, cwd=ROOT)
     assert out.returncode == 2 and "unknown schedule" in out.stderr
+
+
+def test_an_adjoint_posted_inside_b_counts_as_compute():
+    # the runtime's B sends its adjoint: as the first link test, but rank 1's B take 2.25
+    # (3.75-6, 6-8.25) and SEND_B nothing; the adjoint still leaves 0.25 before B's end
+    # (lands 6.25, 8.5): the same makespan, busy 6 + 6.5 of 21, bubble 8.5/21
+    link = _link(alpha=0.5, send_fixed=0.25, recv_fixed=0.1)
+    sim = simulate("gpipe", 2, 2, forward=1, backward=2, link=link, adjoint_in_backward=True)
+    assert sim.makespan == pytest.approx(10.5)
+    assert sim.bubble_fraction == pytest.approx(8.5 / 21)
+    assert [(e.kind, e.start, e.end) for e in sim.timeline[1][4:6]] == \
+        [("B", 3.75, 6.0), ("SEND_B", 6.0, 6.0)]

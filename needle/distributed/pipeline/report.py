@@ -1,4 +1,4 @@
-"""Measured vs predicted: a recorded pipeline run against the simulator fed its own costs.
+"""Measured vs replayed: a recorded pipeline run against the simulator fed the run's own costs.
 
 With ``record=True`` each rank keeps, per step, every action's start and end (relative to a
 barrier that opened the step) and the ``activation`` bytes of ``needle.memory`` after each
@@ -8,10 +8,22 @@ compute action. :func:`gather_report` collects that on one rank and derives:
   predicted and measured compute time agree);
 * measured message time ``comm``: the median delay from a send to the end of the matching
   receive, over receives that were already waiting when the message left; the mean time a
-  send occupies its rank (``send_time``) and the mean gap between actions (``overhead``);
+  send occupies its rank (``send_time``, over every send) and the mean gap between actions
+  (``overhead``); the median time a receive takes when its message was sent before it
+  started (``recv_time``) and the mean time of an activation's send (``activation_send_time``:
+  the runtime's ``SEND_B`` is empty, the adjoint leaves inside ``B``);
 * measured activation bytes of one micro-batch on each stage: the median growth of the
   ``activation`` category over that stage's forwards;
-* the prediction: :func:`~.simulator.simulate` of the same plan with those numbers;
+* the replay (``bubble_predicted``): :func:`~.simulator.simulate` of the same plan with the
+  mean costs, ``comm``, ``send_time`` and ``overhead``; and ``replay_terms``, the replay with
+  one more term at a time: the receive's own cost, the send time per direction (an
+  activation's send in ``SEND_F``, the adjoint's inside ``B``), then the run's noise
+  (:func:`~.simulator.expected` over the run's own samples: every action's cost drawn from
+  its stage's, every message's delays from the measured ones; on a loaded machine delays do
+  not average out, a late message stalls its receiver), whose result is also
+  ``bubble_replayed_noisy``. All are fitted to the run they describe: they say which terms
+  explain it. A prediction made before a run comes from a calibration instead
+  (``needle.plan``, ``bench/bench_time_model.py``);
 * the measurement: bubble ``(p * makespan - sum of compute time) / (p * makespan)`` of each
   step (averaged), and the peak ``activation`` bytes above the step's starting level.
 
@@ -27,9 +39,10 @@ import numpy as np
 
 from . import wire
 from .schedules import COMPUTE, KINDS
-from .simulator import Event, Simulation, simulate
+from .simulator import Event, Simulation, expected, simulate
 
 _REPORT_TAG = (1 << 24) - 1  # below the runtime's micro-batch tags
+NOISY_DRAWS = 100  # random draws of the noisy replay
 
 
 @dataclass
@@ -76,13 +89,15 @@ class PipelineReport:
                 "peak_activation_bytes": self.peak_activation_bytes,
                 "peak_activation_error": self.activation_error(),
                 "activation_bytes_per_microbatch": self.activation_bytes_per_microbatch,
-                "costs_s": self.costs, "memory_note": self.memory_note}
+                "costs_s": self.costs, "memory_note": self.memory_note, **self.extra}
 
     def text(self) -> str:
         lines = [f"{self.schedule}: {self.stages} stages, {self.microbatches} micro-batches, "
                  f"{self.steps} measured steps",
                  f"bubble   predicted {self.bubble_predicted:.3f}  measured "
-                 f"{self.bubble_measured:.3f}  error {self.bubble_error:+.3f}",
+                 f"{self.bubble_measured:.3f}  error {self.bubble_error:+.3f}"
+                 + (f"  (noisy replay {self.extra['bubble_replayed_noisy']:.3f})"
+                    if "bubble_replayed_noisy" in self.extra else ""),
                  f"step     predicted {self.makespan_predicted * 1e3:.2f} ms  measured "
                  f"{self.makespan_measured * 1e3:.2f} ms"]
         measured = self.peak_activation_bytes["measured"]
@@ -158,34 +173,88 @@ def _activation_per_mb(plan: Any, steps: list[list[np.ndarray]]) -> list[float]:
     return [float(np.median(d)) if d else 0.0 for d in deltas.values()]
 
 
-def _comm(plan: Any, steps: list[list[np.ndarray]]) -> float:
-    lags = []
+def _messages(plan: Any, steps: list[list[np.ndarray]]) -> dict[str, list[float]]:
+    """Samples of every message: ``flight`` (send start to the end of a receive that was
+    already waiting), ``recv`` (a receive whose message left before it started), ``send``
+    (an activation's send: the runtime's ``SEND_B`` is empty), ``all_sends``."""
+    out: dict[str, list[float]] = {"flight": [], "recv": [], "send": [], "all_sends": []}
     for step in steps:
-        sends, recvs = {}, []
+        sends = {}
         for rows in step:
             for e in rows:
                 kind, s, i = KINDS[int(e[1])], int(e[2]), int(e[3])
+                if kind.startswith("SEND"):
+                    out["all_sends"].append(e[5] - e[4])
                 if kind == "SEND_F":
                     sends[("F", s + 1, i)] = e[4]
+                    out["send"].append(e[5] - e[4])
                 elif kind == "SEND_B":
                     sends[("B", s - 1, i)] = e[4]
-                elif kind in ("RECV_F", "RECV_B"):
-                    recvs.append((kind[-1], s, i, e[4], e[5]))
-        for direction, s, i, start, end in recvs:
-            sent = sends.get((direction, s, i))
-            if sent is not None and start <= sent:
-                lags.append(max(0.0, end - sent))
-    return float(np.median(lags)) if lags else 0.0
+        for rows in step:
+            for e in rows:
+                kind = KINDS[int(e[1])]
+                sent = sends.get((kind[-1], int(e[2]), int(e[3]))) if kind.startswith(
+                    "RECV") else None
+                if sent is None:
+                    continue
+                if e[4] <= sent:
+                    out["flight"].append(max(0.0, e[5] - sent))
+                else:
+                    out["recv"].append(e[5] - e[4])
+    return out
 
 
-def _overheads(steps: list[list[np.ndarray]]) -> tuple[float, float]:
-    """Mean time a send occupies its rank, and mean gap between consecutive actions."""
-    sends, gaps = [], []
+def _replay_terms(plan: Any, steps: list, costs: dict, msgs: dict, act: list[float],
+                  overhead: float, first: Simulation) -> list[dict]:
+    """The replay with one more term at a time: the receive's own cost, the send time per
+    direction (an activation's send is ``SEND_F``; the adjoint's is posted inside ``B``, the
+    runtime's ``SEND_B`` is empty), then the run's noise (random draws of its own samples;
+    the mean over :data:`NOISY_DRAWS`)."""
+    med = lambda xs: float(np.median(xs)) if xs else 0.0  # noqa: E731
+    comm, recv_time = med(msgs["flight"]), med(msgs["recv"])
+    send_time = float(np.mean(msgs["send"])) if msgs["send"] else 0.0
+    split = plan.split_backward
+    moved = [0.0 if s == 0 else send_time for s in range(plan.num_stages)]
+    back = [max(0.0, b - m) for b, m in zip(costs["B"], moved, strict=True)]
+    common = dict(comm=comm, overhead=overhead, activation_bytes=act)
+    rows = [("mean costs, one send time", first)]
+    rows.append(("+ receive cost", simulate(
+        plan, forward=costs["F"], backward=costs["B"], weight=costs["W"] if split else None,
+        send_time=first.costs["send_time"], recv_time=recv_time, **common)))
+    # the adjoint's send is posted inside B (its autograd sends it): B keeps it as compute
+    rows.append(("+ send time per direction", simulate(
+        plan, forward=costs["F"], backward=back, weight=costs["W"] if split else None,
+        send_time=send_time, recv_time=recv_time, adjoint_in_backward=True, **common)))
+    samples = {k: _samples(plan, steps, k) for k in COMPUTE}
+    samples["B"] = [[max(0.0, x - m) for x in xs] for xs, m in
+                    zip(samples["B"], moved, strict=True)]
+    noise = {"flight": [x - comm for x in msgs["flight"]],
+             "recv": [x - recv_time for x in msgs["recv"]],
+             "send": [x - send_time for x in msgs["send"]]}
+    rows.append(("+ noise (the run's own samples)", expected(
+        plan, draws=NOISY_DRAWS, forward=samples["F"], backward=samples["B"],
+        weight=samples["W"] if split else None, send_time=send_time, recv_time=recv_time,
+        message_noise=noise, adjoint_in_backward=True, **common)))
+    return [{"terms": name, "bubble": sim.bubble_fraction, "makespan_s": sim.makespan}
+            for name, sim in rows]
+
+
+def _overheads(steps: list[list[np.ndarray]]) -> float:
+    """Mean gap between consecutive actions."""
+    gaps = []
     for step in steps:
         for rows in step:
-            sends += [e[5] - e[4] for e in rows if KINDS[int(e[1])].startswith("SEND")]
             gaps += [max(0.0, b[4] - a[5]) for a, b in zip(rows[:-1], rows[1:], strict=True)]
-    return (float(np.mean(sends)) if sends else 0.0, float(np.mean(gaps)) if gaps else 0.0)
+    return float(np.mean(gaps)) if gaps else 0.0
+
+
+def _samples(plan: Any, steps: list[list[np.ndarray]], kind: str) -> list[list[float]]:
+    out = []
+    for s in range(plan.num_stages):
+        got = [e[5] - e[4] for step in steps for e in _kind(step[plan.rank_of(s)], kind)
+               if int(e[2]) == s]
+        out.append(got or [0.0])
+    return out
 
 
 def _measured(plan: Any, step: list[np.ndarray]) -> tuple[list[list[Event]], float, list[float]]:
@@ -201,11 +270,17 @@ def _build(plan: Any, per_rank: list[np.ndarray], memory_ok: bool) -> PipelineRe
     steps = _steps(per_rank)
     costs = _costs(plan, steps)
     act = _activation_per_mb(plan, steps)
-    comm = _comm(plan, steps)
-    send_time, overhead = _overheads(steps)
+    msgs = _messages(plan, steps)
+    comm = float(np.median(msgs["flight"])) if msgs["flight"] else 0.0
+    recv_time = float(np.median(msgs["recv"])) if msgs["recv"] else 0.0
+    send_time = float(np.mean(msgs["send"])) if msgs["send"] else 0.0
+    overhead = _overheads(steps)
+    split = plan.split_backward
     predicted = simulate(plan, forward=costs["F"], backward=costs["B"],
-                         weight=costs["W"] if plan.split_backward else None, comm=comm,
-                         activation_bytes=act, send_time=send_time, overhead=overhead)
+                         weight=costs["W"] if split else None, comm=comm,
+                         activation_bytes=act, send_time=float(np.mean(msgs["all_sends"]))
+                         if msgs["all_sends"] else 0.0, overhead=overhead)
+    terms = _replay_terms(plan, steps, costs, msgs, act, overhead, predicted)
     p = plan.num_ranks
     bubbles, spans, last = [], [], None
     for step in steps:
@@ -230,5 +305,8 @@ def _build(plan: Any, per_rank: list[np.ndarray], memory_ok: bool) -> PipelineRe
         float(np.mean(spans)),
         {"predicted": predicted.peak_activation_bytes, "measured": peaks}, act,
         {"forward": costs["F"], "backward": costs["B"], "weight": costs["W"], "comm": comm,
-         "send_time": send_time, "overhead": overhead},
-        predicted, measured, note)
+         "send_time": predicted.costs["send_time"], "overhead": overhead,
+         "recv_time": recv_time, "activation_send_time": send_time},
+        predicted, measured, note,
+        {"bubble_replayed_noisy": terms[-1]["bubble"],
+         "makespan_replayed_noisy_s": terms[-1]["makespan_s"], "replay_terms": terms})

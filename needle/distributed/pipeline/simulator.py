@@ -1,14 +1,23 @@
 """Predict a pipeline schedule's timeline, bubble and activation memory from its action lists.
 
-The model: each rank runs its actions in order. ``F``, ``B`` and ``W`` take their stage's
-cost; a send takes no time on the sender and its message arrives ``comm`` later; a receive
-ends when the rank reaches it or when the message arrives, whichever is later (waiting is
-idle time). A micro-batch's activations on a stage are held from the end of its ``F`` until
-the end of its ``B`` (its ``W`` when the backward is split).
+The model: each rank runs its actions in order, each after ``overhead`` of bookkeeping. ``F``,
+``B`` and ``W`` take their stage's cost. A message crosses a stage edge: its send occupies the
+sender for ``send_time`` (posting it), and it reaches a waiting receiver ``comm`` after the
+send started; a receive ends when its rank has spent ``recv_time`` taking a message that was
+already there, or when the message lands, whichever is later (waiting is idle time). With a
+``link`` (``needle.distributed.calibrate.Link``, the α-β model fitted by a probe) each of the
+three also grows with the message's bytes: flight ``α + β·n``, send ``o_s(n)``, receive
+``o_r(n)``; and a receive that waited longer than the link's ``spin`` ends its ``wake`` after
+the message landed (a rank that waits long yields its core and is scheduled back late). A
+micro-batch's activations on a stage are held from the end of its ``F`` until the end of its
+``B`` (its ``W`` when the backward is split).
 
-``bubble_fraction = 1 - (sum of every rank's compute time) / (ranks x makespan)``. For GPipe
-with no communication cost this is ``(p - 1) / (m + p - 1)``: 3/11 for 4 stages and 8
-micro-batches.
+``bubble_fraction = 1 - (sum of every rank's compute time) / (ranks x makespan)``: time spent
+sending, receiving or waiting is bubble. For GPipe with no communication cost this is
+``(p - 1) / (m + p - 1)``: 3/11 for 4 stages and 8 micro-batches.
+
+Costs may be measured samples; :func:`expected` averages random draws of them, the makespan a
+noisy machine measures on average (longer than the makespan of the mean costs).
 
 Example:
     >>> sim = simulate("gpipe", stages=4, microbatches=8)
@@ -20,12 +29,14 @@ Example:
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 from .schedules import COMPUTE, Action, Plan, ScheduleError, canonical_name, make_plan
 
 Number = float | int
+Costs = Number | Sequence[Number] | Sequence[Sequence[Number]]
 
 
 @dataclass(frozen=True)
@@ -78,61 +89,131 @@ class Simulation:
                 "peak_activation_bytes": self.peak_activation_bytes, "costs": self.costs}
 
 
-def _per_stage(name: str, value, num_stages: int) -> list[float]:
+def _per_stage(name: str, value, num_stages: int) -> tuple[list[float], list[list[float]]]:
+    """(per-stage cost, per-stage samples): ``value`` is one number, one number per stage, or
+    one sequence of measured samples per stage (the cost is then their mean)."""
     if value is None:
-        return [0.0] * num_stages
+        value = 0.0
     if isinstance(value, (int, float)):
-        values = [float(value)] * num_stages
+        values: list = [float(value)] * num_stages
     else:
-        values = [float(x) for x in value]
-    if len(values) != num_stages or any(not math.isfinite(x) or x < 0 for x in values):
-        raise ScheduleError(f"simulate: {name} must be a non-negative number or one per stage, "
-                            f"expected {num_stages} values, got {value!r}")
-    return values
+        values = list(value)
+    samples = [[float(x) for x in v] if isinstance(v, (list, tuple)) or hasattr(v, "__len__")
+               else [float(v)] for v in values]
+    bad = any(not s or any(not math.isfinite(x) or x < 0 for x in s) for s in samples)
+    if len(values) != num_stages or bad:
+        raise ScheduleError(f"simulate: {name} must be a non-negative number, one per stage or "
+                            f"one list of samples per stage, expected {num_stages} values, got "
+                            f"{value!r}")
+    return [sum(s) / len(s) for s in samples], samples
 
 
 def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values)
 
 
-def _costs(plan_name: str, num_stages: int, forward, backward, weight) -> dict[str, list[float]]:
-    """Per-stage cost of F, B, W. ``weight=None``: ``backward`` is the whole backward (split
-    schedules then give half of it to B and half to W); else B costs ``backward`` and W
-    ``weight`` when split, and a fused backward costs their sum."""
-    f = _per_stage("forward", forward, num_stages)
-    b = _per_stage("backward", backward, num_stages)
+def _costs(plan_name: str, num_stages: int, forward, backward, weight) -> dict:
+    """Per-stage cost of F, B, W, and their samples under ``"samples"``. ``weight=None``:
+    ``backward`` is the whole backward (split schedules then give half of it to B and half to
+    W); else B costs ``backward`` and W ``weight`` when split, and a fused backward their sum."""
+    f, fs = _per_stage("forward", forward, num_stages)
+    b, bs = _per_stage("backward", backward, num_stages)
     split = plan_name == "zero-bubble"
     if weight is None:
-        w = [x / 2 for x in b] if split else [0.0] * num_stages
-        b = [x / 2 for x in b] if split else b
+        half = [[x / 2 for x in s] for s in bs]
+        w, ws = ([x / 2 for x in b], half) if split else ([0.0] * num_stages,
+                                                          [[0.0]] * num_stages)
+        b, bs = ([x / 2 for x in b], half) if split else (b, bs)
     else:
-        w = _per_stage("weight", weight, num_stages)
+        w, ws = _per_stage("weight", weight, num_stages)
         if not split:
-            b, w = [x + y for x, y in zip(b, w, strict=True)], [0.0] * num_stages
-    return {"F": f, "B": b, "W": w}
+            bs = [[x + y for x in sb] for sb, y in zip(bs, w, strict=True)]
+            b = [x + y for x, y in zip(b, w, strict=True)]
+            w, ws = [0.0] * num_stages, [[0.0]] * num_stages
+    return {"F": f, "B": b, "W": w, "samples": {"F": fs, "B": bs, "W": ws}}
+
+
+def _edges(value, num_stages: int) -> list[float]:
+    """Bytes of the message across each of the ``num_stages - 1`` stage edges."""
+    edges = max(num_stages - 1, 1)
+    values = [float(value)] * edges if isinstance(value, (int, float)) else [
+        float(x) for x in value]
+    if len(values) != edges or any(not math.isfinite(x) or x < 0 for x in values):
+        raise ScheduleError(f"simulate: message_bytes must be a non-negative number or one per "
+                            f"stage edge, expected {edges} values, got {value!r}")
+    return values
+
+
+class _Messages:
+    """What each message costs: fixed ``comm``/``send_time``/``recv_time`` plus a link's
+    ``time``/``send_time``/``recv_time`` of the edge's bytes; with a random draw, noise samples
+    (``flight``, ``send``, ``recv``: seconds added, the sum clipped at zero) too."""
+
+    def __init__(self, comm: float, send: float, recv: float, link, nbytes: list[float],
+                 noise: dict | None, rng) -> None:
+        self.fixed = {"flight": comm, "send": send, "recv": recv}
+        self.link, self.nbytes, self.noise, self.rng = link, nbytes, noise or {}, rng
+
+    def cost(self, what: str, edge: int) -> float:
+        value = self.fixed[what]
+        if self.link is not None:
+            n = self.nbytes[edge]
+            value += {"flight": self.link.time, "send": self.link.send_time,
+                      "recv": self.link.recv_time}[what](n)
+        return self._noisy(what, value)
+
+    def wake(self, waited: float) -> float:
+        """Extra delay of a receive that waited ``waited`` (the link's ``wake_time``)."""
+        wake_time = getattr(self.link, "wake_time", None)
+        if wake_time is None or wake_time(waited) == 0.0:
+            return 0.0
+        return self._noisy("wake", wake_time(waited))
+
+    def _noisy(self, what: str, value: float) -> float:
+        extra = self.noise.get(what)
+        if self.rng is not None and extra:
+            value = max(0.0, value + float(extra[self.rng.randrange(len(extra))]))
+        return value
 
 
 def simulate(schedule, stages: int | None = None, microbatches: int | None = None,
-             forward: Number | Sequence[Number] = 1.0, backward: Number | Sequence[Number] = 2.0,
-             weight: Number | Sequence[Number] | None = None, comm: Number = 0.0,
-             activation_bytes: Number | Sequence[Number] = 1.0,
+             forward: Costs = 1.0, backward: Costs = 2.0, weight: Costs | None = None,
+             comm: Number = 0.0, activation_bytes: Number | Sequence[Number] = 1.0,
              virtual_stages: int | None = None, send_time: Number = 0.0,
-             overhead: Number = 0.0) -> Simulation:
+             overhead: Number = 0.0, *, recv_time: Number = 0.0, link: Any = None,
+             message_bytes: Number | Sequence[Number] = 0.0, seed: int | None = None,
+             message_noise: dict | None = None, adjoint_in_backward: bool = False
+             ) -> Simulation:
     """Predict the timeline of ``schedule`` on ``stages`` ranks with ``microbatches``.
 
     Args:
         schedule: "gpipe", "1f1b", "interleaved", "zero-bubble", a schedule class, or a
-            :class:`Plan` (then ``stages``/``microbatches`` may be omitted).
-        forward, backward, weight: cost of one micro-batch's F, B and W on a stage, one number
-            or one per stage (``stages x virtual_stages`` values). ``weight=None`` means that
-            ``backward`` is the whole backward; split schedules then give half to B, half to W.
-        comm: time for a message between ranks (receives wait for it).
+            :class:`Plan` (then ``stages``/``microbatches`` may be omitted; pass the runtime's
+            own plan to predict a run: the zero-bubble order depends on the costs it was built
+            for).
+        forward, backward, weight: cost of one micro-batch's F, B and W on a stage: one number,
+            one per stage (``stages x virtual_stages`` values), or one list of measured samples
+            per stage (the cost is their mean; a ``seed`` draws one per action). ``weight=None``
+            means that ``backward`` is the whole backward; split schedules then give half to B,
+            half to W.
+        comm: time from a send's start until a waiting receiver holds the message.
         activation_bytes: bytes one micro-batch holds on a stage between F and B/W (number or
             one per stage); the default 1 makes ``peak_activation_bytes`` a count.
         virtual_stages: chunks per rank (interleaved).
-        send_time: time a send occupies its rank (copying the data out), not compute.
-        overhead: idle time before every action (the runtime's own bookkeeping); this and
-            ``send_time`` let a prediction fitted to a measured run account for everything.
+        send_time: time a send occupies its rank (posting the message), not compute.
+        overhead: idle time before every action (the runtime's own bookkeeping).
+        recv_time: time a receive occupies its rank when the message is already there.
+        link, message_bytes: a :class:`needle.distributed.calibrate.Link`; a message of
+            ``n = message_bytes[s]`` bytes across stage edge ``s`` adds ``link.time(n)`` to
+            its flight, ``link.send_time(n)`` to its sender, ``link.recv_time(n)`` to a
+            receiver that finds it there, ``link.wake`` to one that waited past ``spin``.
+        seed: draw every cost at random (compute from its samples, messages with
+            ``message_noise``) instead of using means: one sample of a noisy run.
+        message_noise: ``{"flight": [...], "send": [...], "recv": [...], "wake": [...]}``,
+            seconds added to a message's costs in a random draw (``LinkProbe.residuals()``).
+        adjoint_in_backward: an adjoint is posted at the end of its stage's ``B``, inside it,
+            as needle's runtime does it (its autograd sends it): the send's time counts as
+            ``B``'s (compute, as the runtime's record measures it) and ``SEND_B`` is empty.
 
     Returns:
         :class:`Simulation` with ``timeline`` (per rank), ``bubble_fraction``,
@@ -144,6 +225,9 @@ def simulate(schedule, stages: int | None = None, microbatches: int | None = Non
     Example:
         >>> round(simulate("gpipe", 4, 28).bubble_fraction, 4)
         0.0968
+        >>> from needle.distributed.calibrate import Link
+        >>> simulate("gpipe", 2, 1, forward=1, backward=2, link=Link(alpha=0.5)).makespan
+        7.0
     """
     plan = schedule if isinstance(schedule, Plan) else None
     if plan is None:
@@ -156,16 +240,50 @@ def simulate(schedule, stages: int | None = None, microbatches: int | None = Non
         plan = make_plan(name, stages, microbatches, virtual_stages, _mean(c["F"]),
                          _mean(c["B"]), _mean(c["W"]) or 1.0, float(comm))
     costs = _costs(plan.name, plan.num_stages, forward, backward, weight)
-    act = _per_stage("activation_bytes", activation_bytes, plan.num_stages)
-    for name, value in (("comm", comm), ("send_time", send_time), ("overhead", overhead)):
+    act, _ = _per_stage("activation_bytes", activation_bytes, plan.num_stages)
+    for name, value in (("comm", comm), ("send_time", send_time), ("overhead", overhead),
+                        ("recv_time", recv_time)):
         if not math.isfinite(float(value)) or value < 0:
             raise ScheduleError(f"simulate: {name} must be a non-negative number, got "
                                 f"{value!r}")
-    costs["SEND"], costs["GAP"] = float(send_time), float(overhead)
-    return _run(plan, costs, float(comm), act)
+    rng = None if seed is None else random.Random(seed)
+    messages = _Messages(float(comm), float(send_time), float(recv_time), link,
+                         _edges(message_bytes, plan.num_stages), message_noise, rng)
+    costs["SEND"], costs["RECV"], costs["GAP"] = float(send_time), float(recv_time), overhead
+    sim = _run(plan, costs, messages, act, rng, adjoint_in_backward)
+    if link is not None:
+        sim.costs["link"] = link.as_dict() if hasattr(link, "as_dict") else repr(link)
+        sim.costs["message_bytes"] = messages.nbytes
+    return sim
 
 
-def _run(plan: Plan, costs: dict[str, list[float]], comm: float, act: list[float]) -> Simulation:
+def expected(schedule, stages: int | None = None, microbatches: int | None = None,
+             draws: int = 200, **costs: Any) -> Simulation:
+    """The mean over ``draws`` random draws of :func:`simulate` (seeds 0, 1, ...): makespan,
+    busy time and bubble averaged (the timeline is the first draw's). Under noise the mean
+    makespan exceeds the makespan of mean costs (a late message delays its receiver, an
+    early one does not hurry it), which is what a loaded machine measures.
+
+    Example:
+        >>> sim = expected("gpipe", 2, 2, draws=50, forward=[[1, 3], [2]], backward=2)
+        >>> sim.makespan > simulate("gpipe", 2, 2, forward=[2, 2], backward=2).makespan
+        True
+    """
+    if draws < 1:
+        raise ScheduleError(f"expected: draws must be positive, got {draws}")
+    sims = [simulate(schedule, stages, microbatches, seed=k, **costs) for k in range(draws)]
+    first = sims[0]
+    p = first.plan.num_ranks
+    first.makespan = _mean([s.makespan for s in sims])
+    first.busy = [_mean([s.busy[r] for s in sims]) for r in range(p)]
+    first.bubble_fraction = _mean([s.bubble_fraction for s in sims])
+    first.bubble_per_rank = [_mean([s.bubble_per_rank[r] for s in sims]) for r in range(p)]
+    first.costs["draws"] = draws
+    return first
+
+
+def _run(plan: Plan, costs: dict, messages: _Messages, act: list[float],
+         rng: random.Random | None, adjoint_in_backward: bool = False) -> Simulation:
     p = plan.num_ranks
     clock = [0.0] * p
     pos = [0] * p
@@ -174,6 +292,7 @@ def _run(plan: Plan, costs: dict[str, list[float]], comm: float, act: list[float
     held = [0.0] * p
     count, peak_count, peak_bytes = [0] * p, [0] * p, [0.0] * p
     frees_at = "W" if plan.split_backward else "B"
+    samples = costs["samples"]
     progress = True
     while progress:
         progress = False
@@ -186,12 +305,25 @@ def _run(plan: Plan, costs: dict[str, list[float]], comm: float, act: list[float
                     break  # blocked until the sender gets there
                 start = clock[r] + costs["GAP"]
                 if a.kind.startswith("RECV"):
-                    end = max(start, sent[key])
+                    edge = a.stage - 1 if a.kind == "RECV_F" else a.stage
+                    landed = sent[key] + messages.wake(sent[key] - start)
+                    end = max(start + messages.cost("recv", edge), landed)
+                elif a.kind == "SEND_B" and adjoint_in_backward:  # it left at B's end
+                    end, posted = start, clock[r] - sent.pop(("posted", a.stage, a.microbatch))
+                    sent[key] = posted + messages.cost("flight", a.stage - 1)
                 elif a.kind.startswith("SEND"):
-                    end = start + costs["SEND"]
-                    sent[key] = start + comm
+                    edge = a.stage if a.kind == "SEND_F" else a.stage - 1
+                    end = start + messages.cost("send", edge)
+                    sent[key] = start + messages.cost("flight", edge)
                 else:
-                    end = start + costs[a.kind][a.stage]
+                    drawn = samples[a.kind][a.stage]
+                    cost = costs[a.kind][a.stage] if rng is None else drawn[
+                        rng.randrange(len(drawn))]
+                    if a.kind == "B" and adjoint_in_backward and a.stage > 0:
+                        posting = messages.cost("send", a.stage - 1)
+                        sent[("posted", a.stage, a.microbatch)] = posting
+                        cost += posting
+                    end = start + cost
                     if a.kind == "F":
                         held[r] += act[a.stage]
                         count[r] += 1
@@ -209,7 +341,8 @@ def _run(plan: Plan, costs: dict[str, list[float]], comm: float, act: list[float
         what = ", ".join(f"rank {r} at {a}" for r, a in stuck)
         raise ScheduleError(f"simulate: {plan.describe()} deadlocks, expected every receive to "
                             f"have a send that can run first, got stuck: {what}")
-    return _summarise(plan, timeline, costs, comm, act, peak_count, peak_bytes)
+    return _summarise(plan, timeline, costs, messages.fixed["flight"], act, peak_count,
+                      peak_bytes)
 
 
 def _message_key(a: Action) -> tuple[str, int, int]:
@@ -233,8 +366,8 @@ def _summarise(plan: Plan, timeline: list[list[Event]], costs: dict, comm: float
     # 0.0999..., which matters when asking where the bubble first drops below 10%)
     bubble = (p * makespan - sum(busy)) / (p * span)
     used = {k: list(v) for k, v in costs.items() if k in COMPUTE}
-    used |= {"comm": comm, "send_time": costs["SEND"], "overhead": costs["GAP"],
-             "activation_bytes": act}
+    used |= {"comm": comm, "send_time": costs["SEND"], "recv_time": costs["RECV"],
+             "overhead": costs["GAP"], "activation_bytes": act}
     return Simulation(plan, timeline, makespan, busy, bubble, [(makespan - b) / span for b in busy],
                       peak_count, peak_bytes, used)
 
