@@ -166,9 +166,9 @@ def test_memory_row_is_the_measurement_right_after_the_last_step():
     direct = accounting.measured(strategy.ctx.device)
     metrics.finish()
     block = metrics.summary_blocks()["memory"]
-    assert set(block) == {"per_rank", "when", "measured", "allocated", "predicted"}
+    assert set(block) == {"per_rank", "when", "measured", "allocated", "predicted", "peak"}
     (row,) = block["per_rank"]
-    assert set(row) == {"rank", "measured", "allocated", "predicted"}
+    assert set(row) == {"rank", "measured", "allocated", "predicted", "peak"}
     assert row["measured"] == direct["requested"] and row["allocated"] == direct["allocated"]
     assert row["predicted"] == accounting.predicted(strategy.model, strategy.optimizer, 0, 1, 0)
     assert row["measured"] == row["predicted"]

@@ -151,11 +151,15 @@ def test_profiling_apps_train_reproduces_stats_categories(tmp_path):
     data = json.loads((out / "memory.json").read_text())
     dev = data["devices"]["cpu"]
     stats = dev["stats_end"]  # ndl.memory.stats(cpu()) when the script ended
+    # train.py resets the allocator's peaks before the steps it measures (summary.json's
+    # memory.per_rank[r].peak), so the allocator's peaks at the end cover only the last
+    # window, while the profile's cover the whole run: at least as high, and what is held
+    # at the end is the same
     for cat in mem.CATEGORIES:
-        assert dev["by_category"][cat]["peak"] == stats["by_category"][cat]["peak"], cat
+        assert dev["by_category"][cat]["peak"] >= stats["by_category"][cat]["peak"], cat
         assert dev["by_category"][cat]["final"] == stats["by_category"][cat]["current"], cat
-    assert dev["peak_bytes"] == stats["peak_bytes"]
-    assert sum(e["bytes"] for e in dev["peak"]["live"]) == stats["peak_bytes"]
+    assert dev["peak_bytes"] >= stats["peak_bytes"]
+    assert sum(e["bytes"] for e in dev["peak"]["live"]) == dev["peak_bytes"]
     assert dev["by_category"]["weight"]["peak"] > 0 and dev["phases"]["optimizer"]["events"]
     assert (tmp_path / "run" / "summary.json").exists()  # the script really ran
 
