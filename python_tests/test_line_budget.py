@@ -30,7 +30,7 @@ SKIP_DIRS = {"__pycache__"}
 # comment). Raising a limit is a deliberate edit, made with the change that needs it.
 LIMITS: dict[str, int] = {
     "apps": 1530,  # 1449
-    "apps/training": 1910,  # 1813
+    "apps/training": 3050,  # 2901: the step peak predicted before the step; --memory-budget
     "apps/training/strategies": 1630,  # 1546
     "needle": 50,  # 39 (needle/__init__.py)
     "needle/_core": 460,  # 432
@@ -41,20 +41,21 @@ LIMITS: dict[str, int] = {
     "needle/backend_ndarray/cuda_kernels": 1270,  # 1205
     "needle/backend_numpy.py": 90,  # 83
     "needle/backend_selection.py": 40,  # 37
-    "needle/checkpoint": 1510,  # 1435
-    "needle/compiler": 2280,  # 2166
+    "needle/checkpoint": 1680,  # 1594: recompute overhead R/(F+B) per policy
+    "needle/compiler": 2530,  # 2409: an arena that never exceeds the eager peak (arena.py)
     "needle/data": 380,  # 359
     "needle/data/datasets": 420,  # 394
     "needle/distributed": 6750,  # 6426
-    "needle/distributed/pipeline": 2170,  # 2066
+    "needle/distributed/pipeline": 2400,  # 2277: calibrated simulator (link, receive, wake costs)
     "needle/distributed/ps": 1400,  # 1325
     "needle/distributed/tensor_parallel": 730,  # 689
     "needle/distributed/zero": 990,  # 937
     "needle/init": 220,  # 208
-    "needle/memory": 4950,  # 4714
+    "needle/memory": 5700,  # 5421: activations and kernel scratch predicted by a shape-only trace
     "needle/nn": 940,  # 888
     "needle/ops": 3070,  # 2921
     "needle/optim.py": 840,  # 800
+    "needle/plan": 1320,  # 1250: python -m needle.plan, the cluster-scale what-if
     "needle/random.py": 400,  # 379
     "needle/serialization.py": 290,  # 274
     "needle/train_state": 590,  # 558
