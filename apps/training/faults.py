@@ -77,6 +77,10 @@ def _sigkill_self(reason: str) -> None:
 def _sigstop_self(reason: str) -> None:
     print(f"train.py: {reason}: sending SIGSTOP to myself (pid {os.getpid()})",
           file=sys.stderr, flush=True)
+    # as for the kill: the freeze comes between steps, after what the rank sent has left
+    # (a frozen process cannot flush the tcp transport's queue, so a push request could
+    # arrive without its payload and hold the server for its whole timeout)
+    time.sleep(FLUSH_BEFORE_KILL_S)
     os.kill(os.getpid(), signal.SIGSTOP)
     # Only reached after a SIGCONT from outside: carry on where the step was.
     print(f"train.py: {reason}: continued (pid {os.getpid()})", file=sys.stderr, flush=True)
