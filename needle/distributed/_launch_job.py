@@ -1,9 +1,9 @@
 """The processes of one launched job: start them, watch how each rank ends, stop them all.
 
-tcp: one supervisor (``_run_rank``) per rank, each our child in its own session, its output
-prefixed here. mpi: one ``mpiexec`` (own session); Hydra puts every rank in a session of its
-own, so stopping the job signals every process group of the job's process tree, not only
-mpiexec's, and finishes with SIGKILL after a bounded wait.
+tcp: one supervisor (``_run_rank``) per rank, each our child started with ``setsid``, its
+output prefixed here. mpi: one ``mpiexec`` (started with ``setsid``); Hydra starts every rank
+with its own ``setsid`` too, so stopping the job signals every process group of the job's
+process tree, not only mpiexec's, and finishes with SIGKILL after a bounded wait.
 
 Expendable ranks (tcp): a rank that wrote ``rank<k>.expendable`` to the status directory (a
 parameter-server worker does) may be killed without failing the job: it is restarted, up to
