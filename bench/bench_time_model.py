@@ -44,6 +44,9 @@ from needle.plan.model import Layout, Model, predict  # noqa: E402
 
 SCHEDULES = ("gpipe", "1f1b", "zero-bubble", "interleaved")
 MICROBATCHES, BATCH, IN_FEATURES, CLASSES, HIDDEN = 4, 64, 64, 10, 100
+# the profiled pipelined step: the run's micro-batch size, half its micro-batches (the
+# prediction simulates m = MICROBATCHES from the actions measured at m = CAL_MICROBATCHES)
+CAL_MICROBATCHES, CAL_STEPS = 2, 16
 
 
 def app_model(device=None):
@@ -74,10 +77,44 @@ def calibrate_worker(out: str, repeats: int, stages: bool) -> None:
                         repeats=repeats)
     profiled = profile_stages(dist.get_rank(), dist.get_world_size(), repeats) if stages \
         else None
+    pipelined = profile_pipelined(dist.get_rank(), dist.get_world_size()) if stages else None
     if cal is not None:
         cal.reference["model"] = "MLP-ResNet (apps/training, --model mlp_resnet), Adam"
         cal.reference["pipeline"] = profiled
+        cal.reference["pipelined"] = pipelined
         cal.save(out)
+
+
+def profile_pipelined(rank: int, p: int) -> dict | None:
+    """Each schedule's actions measured inside CAL_STEPS pipelined steps of CAL_MICROBATCHES
+    micro-batches of the run's size (needle.plan.profile_schedule), cut as apps/train.py
+    cuts the model; rank 0 gets ``{schedule: simulator inputs}``."""
+    from needle import nn
+    from needle.distributed import pipeline
+    from needle.plan.profile import profile_schedule
+
+    rows = BATCH // MICROBATCHES
+    rng = np.random.RandomState(0)
+    x = rng.randn(rows * CAL_MICROBATCHES, IN_FEATURES).astype(np.float32)
+    y = rng.randint(0, CLASSES, rows * CAL_MICROBATCHES).astype(np.uint8)
+    out = {}
+    for name in SCHEDULES:
+        v = 2 if name == "interleaved" else 1
+        full = app_model()
+        chunks = p * v
+        pieces = pipeline.split_sequential(full, chunks,
+                                           pipeline.parameter_costs(list(full.modules)))
+        mine = list(range(rank, chunks, p))
+        stages = [pipeline.PipelineStage(pieces[k], k, chunks) for k in mine]
+        schedule = pipeline.schedule_class(name)(stages if v > 1 else stages[0],
+                                                 CAL_MICROBATCHES, loss_fn=nn.SoftmaxLoss(),
+                                                 record=True)
+        params = [q for k in mine for q in pieces[k].parameters()]
+        got = profile_schedule(schedule, x if rank == 0 else None,
+                               y if rank == p - 1 else None, CAL_STEPS,
+                               app_optimizer(params))
+        out[name] = got
+    return out if rank == 0 else None
 
 
 def profile_stages(rank: int, p: int, repeats: int) -> dict | None:
@@ -178,6 +215,33 @@ def layout_of(strategy: str, p: int, schedule: str = "1f1b") -> Layout:
 
 
 def predict_pipeline(cal: Calibration, schedule: str, draws: int, collectives) -> dict:
+    """The schedule at MICROBATCHES from the actions measured in the calibration's pipelined
+    steps at CAL_MICROBATCHES (needle.distributed.pipeline.simulator.expected: every
+    action's cost drawn from its stage's samples, every message's from the measured ones);
+    the step adds the model's optimizer, collectives and fixed step time."""
+    from needle.distributed.pipeline import make_plan
+    from needle.distributed.pipeline.simulator import expected, simulate
+
+    inputs = dict((cal.reference.get("pipelined") or {}).get(schedule) or {})
+    if not inputs:
+        return predict_pipeline_isolated(cal, schedule, draws, collectives)
+    inputs.pop("microbatches")
+    v = 2 if schedule == "interleaved" else 1
+    plan = make_plan(schedule, 2, MICROBATCHES, v if v > 1 else None)
+    noisy = expected(plan, draws=draws, **inputs)
+    plain = simulate(plan, **{**inputs, "message_noise": None})  # mean costs
+    model = Model.from_module(app_model(), IN_FEATURES)
+    rest = predict(model, layout_of("pipeline", 2, schedule), cal.device, cal.link, BATCH,
+                   collectives=collectives)
+    others = rest.step - rest.parts["pipeline"]
+    return {"bubble": noisy.bubble_fraction, "makespan_s": noisy.makespan,
+            "step_s": noisy.makespan + others, "bubble_means": plain.bubble_fraction,
+            "makespan_means_s": plain.makespan, "step_means_s": plain.makespan + others}
+
+
+def predict_pipeline_isolated(cal: Calibration, schedule: str, draws: int,
+                              collectives) -> dict:
+    """The schedule from each stage profiled alone (needle.plan.profile_stage)."""
     key = "v2" if schedule == "interleaved" else "v1-split" if schedule == "zero-bubble" \
         else "v1"
     prof = cal.reference["pipeline"][key]

@@ -12,7 +12,11 @@ run), profiles training steps of a reference model at a few batch sizes and fits
 * forward ``F(b) = ops x op_time + FLOPs(b) / rate`` (least squares over the batch sizes ``b``;
   ``ops`` counts the model's leaf modules), backward ``backward_ratio x F``;
 * optimizer step ``tensors x optimizer_tensor_time`` (per parameter tensor);
-* ``step_time``: what a whole step costs beyond those (gradient reset, host reads of the loss).
+* ``step_time``: what a whole step costs beyond those (gradient reset, host reads of the loss);
+* with two or more ranks, ``sync_tensor_time``: a profiled data-parallel step
+  (:func:`calibrate_sync`: ``DistributedDataParallel`` without overlap) costs the training
+  thread this much per parameter tensor beyond the plain backward and beyond the same
+  all-reduce timed alone (packing the gradients into the bucket, writing the sums back).
 
 The noise is kept as samples: compute (each profiled sample of F, B and the optimizer over
 the median of its kind and batch size: 1 for an undisturbed run, 3 for one preempted for
@@ -30,7 +34,7 @@ import json
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -39,7 +43,7 @@ from needle.distributed.calibrate import Link, fit_alpha_beta
 
 from .model import Device, Model, Noise
 
-__all__ = ["Calibration", "calibrate_device", "machine", "load"]
+__all__ = ["Calibration", "calibrate_device", "calibrate_sync", "machine", "load"]
 
 
 def machine() -> dict:
@@ -158,6 +162,64 @@ def calibrate_device(module: Any, in_features: int, classes: int, optimizer: Any
                             "params": model.params, "flops_per_example": flops}
 
 
+def calibrate_sync(module: Any, in_features: int, classes: int, batch: int = 32,
+                   repeats: int = 20, seed: int = 0) -> tuple[float, dict]:
+    """Collective over the default group: the per-parameter-tensor cost of the gradient sync
+    on the training thread, from profiled steps of ``module`` at ``batch`` (its parameters
+    get rank 0's values). Returns (seconds per tensor, the medians it came from): the median
+    plain backward ``B``, then with ``DistributedDataParallel(overlap=False)`` the backward
+    ``B_sync`` (its hooks pack) and ``finish`` (the all-reduce, the write-back), and the same
+    all-reduce alone; ``(B_sync - B) + (finish - all_reduce)`` over the tensors."""
+    import needle.distributed as dist
+    from needle import nn
+    from needle.autograd import Tensor
+
+    rng = np.random.RandomState(seed + dist.get_rank())
+    x = Tensor(rng.randn(batch, in_features).astype(np.float32), requires_grad=False)
+    y = Tensor(rng.randint(0, classes, batch).astype(np.uint8), requires_grad=False)
+    loss_fn = nn.SoftmaxLoss()
+    params = module.parameters()
+
+    def backward(forward: Any, after: Any = None) -> tuple[list[float], list[float]]:
+        back, fin = [], []
+        for k in range(repeats + 1):
+            for p in params:
+                p.grad = None
+            loss = loss_fn(forward(x), y)
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss.backward()
+            t1 = time.perf_counter()
+            if after is not None:
+                after()
+            t2 = time.perf_counter()
+            if k:
+                back.append(t1 - t0)
+                fin.append(t2 - t1)
+        return back, fin
+
+    plain, _ = backward(module)
+    ddp = dist.DistributedDataParallel(module, overlap=False)
+    try:
+        synced, finish = backward(ddp, ddp.finish_gradient_sync)
+        flats = [np.zeros(b.layout.numel, b.dtype) for b in ddp.buckets]
+    finally:
+        ddp.close()
+    alone = []
+    for k in range(repeats + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for flat in flats:
+            dist.all_reduce(flat, "sum", async_op=True, algorithm="ring").wait()
+        if k:
+            alone.append(time.perf_counter() - t0)
+    med = {"B": float(np.median(plain)), "B_sync": float(np.median(synced)),
+           "finish": float(np.median(finish)), "all_reduce": float(np.median(alone)),
+           "tensors": len(params)}
+    extra = (med["B_sync"] - med["B"]) + (med["finish"] - med["all_reduce"])
+    return max(extra, 0.0) / max(len(params), 1), med
+
+
 def probe_table(probe: dict, link: Link) -> str:
     """What a link probe measured (``LinkProbe.as_dict()``) beside the fit, as a table."""
     lines = [f"{'bytes':>9} {'one-way us':>11} {'fit us':>8} {'send busy us':>13} "
@@ -200,6 +262,10 @@ def calibrate_job(module: Any, in_features: int, classes: int, optimizer: Any,
     dist.barrier(timeout=timeout)
     device, ratios, ref = calibrate_device(module, in_features, classes, optimizer,
                                            repeats=repeats)
+    if dist.get_world_size() > 1:
+        per_tensor, ref["sync"] = calibrate_sync(module, in_features, classes,
+                                                 repeats=repeats)
+        device = replace(device, sync_tensor_time=per_tensor)
     every = dist.all_gather_object([asdict(device), ratios, ref["medians"]["step"]])
     if dist.get_rank() != 0:
         return None

@@ -158,7 +158,10 @@ class Device:
     overhead, optimizer FLOPs per parameter, a fixed cost per step; ``cores``: processes
     beyond this many share cores, their compute stretches (a calibration sets it to the
     machine's cores, or to the processes that profiled at once when more: their sharing is in
-    the profile already); a backward costs ``backward_ratio`` forwards (2: twice the FLOPs)."""
+    the profile already); a backward costs ``backward_ratio`` forwards (2: twice the FLOPs);
+    ``sync_tensor_time``: what the data-parallel gradient sync costs the training thread per
+    parameter tensor beyond its collectives (packing each gradient into its bucket, writing
+    the result back; zero where kernels do it beside the compute)."""
 
     flops: float = 4e14
     memory: float | None = 80e9
@@ -168,6 +171,7 @@ class Device:
     step_time: float = 0.0
     cores: int | None = None
     backward_ratio: float = 2.0
+    sync_tensor_time: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -313,7 +317,8 @@ def stage_costs(model: Model, layout: Layout, device: Device, batch: int
     tensors = sum(x.tensors for x in model.layers) / layout.pp
     opt = (tensors * device.optimizer_tensor_time + share * device.optimizer_flops
            / device.flops) * stretch
-    return {"F": f, "B": b, "optimizer": [opt]}
+    sync = tensors * device.sync_tensor_time * stretch if layout.dp > 1 else 0.0
+    return {"F": f, "B": b, "optimizer": [opt], "sync": [sync]}
 
 
 def _stretch(layout: Layout, device: Device) -> float:
@@ -407,19 +412,19 @@ def predict(model: Model, layout: Layout, device: Device, link: Link, batch: int
     dp_colls = _dp_collectives(model, layout)
     dp = sum(collective_time(kind, n, layout.dp, link) for kind, n in dp_colls)
     extra = sum(collective_time(kind, n, layout.gpus, link) for kind, n in collectives)
-    opt = costs["optimizer"][0]
+    opt, sync = costs["optimizer"][0], costs["sync"][0]
     inside = {"adjoint_in_backward": adjoint_in_backward}
     span, bubble, _ = _pipeline(layout, samples, stages, per_mb * value, link, **inside)
     last_backward = mean["B"][0] if layout.pp > 1 else layout.microbatches * mean["B"][0]
     exposed = max(0.0, dp - last_backward) if layout.overlap else dp
-    step = span + exposed + opt + extra + device.step_time
-    parts = {"pipeline": span, "dp_communication": dp, "collectives": extra,
+    step = span + exposed + sync + opt + extra + device.step_time
+    parts = {"pipeline": span, "dp_communication": dp, "sync": sync, "collectives": extra,
              "tp_per_stage": [sum(t) for t in tp_each], "forward": mean["F"],
              "backward": mean["B"], "draws": 0}
     one_dimensional = sorted((layout.dp, layout.tp, layout.pp))[:2] == [1, 1]
     if noise is not None and draws > 0 and one_dimensional:
         segments = _segments(layout, samples, tp_each, dp_colls, collectives,
-                             opt + device.step_time, link, tp_link)
+                             sync + opt + device.step_time, link, tp_link)
         runs = [_draw(segments, layout, stages, per_mb * value, link, noise, k,
                       stage_samples is None, inside) for k in range(draws)]
         step = sum(r["step"] for r in runs) / draws

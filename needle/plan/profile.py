@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["profile_stage", "profile_optimizer", "time_calls"]
+__all__ = ["profile_stage", "profile_schedule", "profile_optimizer", "time_calls"]
 
 
 def time_calls(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> list[float]:
@@ -140,6 +140,29 @@ def profile_stage(module: Any, x: np.ndarray, *, first: bool, last: bool,
             out["W"].append(t3 - t2)
         del inp, y, root
     return out
+
+
+def profile_schedule(schedule: Any, inputs: Any, targets: Any, steps: int = 12,
+                     optimizer: Any = None) -> dict | None:
+    """The simulator's inputs measured inside ``steps`` pipelined steps of ``schedule`` (a
+    :class:`~needle.distributed.pipeline.PipelineSchedule` built with ``record=True``), after
+    one warm-up step: every action's cost as the runtime runs it, with the other ranks'
+    messages arriving and the other micro-batches in flight (an action costs more there than
+    repeated alone: `profile_stage`), and the messages' costs. Collective over the pipeline
+    group; rank 0 gets :attr:`PipelineReport.inputs` plus ``"microbatches"`` (the profiled
+    step's m; a prediction may simulate another m with the same inputs), the others None.
+    ``optimizer``: stepped after each step (and its gradients reset before), as in training.
+    """
+    for _ in range(steps + 1):
+        if optimizer is not None:
+            optimizer.reset_grad()
+        schedule.step(inputs, targets)
+        if optimizer is not None:
+            optimizer.step()
+    report = schedule.report(root=0, skip_first=True)
+    if report is None:
+        return None
+    return {**report.inputs, "microbatches": schedule.num_microbatches}
 
 
 def profile_optimizer(optimizer: Any, repeats: int = 20) -> list[float]:

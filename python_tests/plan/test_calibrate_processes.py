@@ -26,6 +26,10 @@ def test_calibrate_then_plan_with_it(tmp_path, backend):
     assert cal.device.flops > 0 and cal.device.op_time >= 0 and cal.machine["cores"] >= 1
     assert len(cal.noise.flight) > 0 and len(cal.noise.compute) > 0
     assert cal.reference["ranks"] == 2 and cal.reference["model"].startswith("MLP 16x32")
+    # the profiled data-parallel step: its 4 tensors cost the training thread some time
+    sync = cal.reference["sync"]
+    assert sync["tensors"] == 4 and sync["B_sync"] > 0 and sync["all_reduce"] > 0
+    assert cal.as_dict()["device"]["sync_tensor_time"] >= 0
     plan = subprocess.run([sys.executable, "-m", "needle.plan", "--calibration", path,
                            "--layers", "16x32,32x4", "--dp", "2", "--batch", "32",
                            "--precision", "fp32", "--draws", "10"], capture_output=True,

@@ -1,6 +1,8 @@
 """needle.plan's formulas: the course's numbers exactly, ZeRO's divisions, traffic, the step."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from needle.distributed.calibrate import Link, collective_time
@@ -110,6 +112,21 @@ def test_a_step_adds_compute_gradient_sync_and_optimizer():
     assert got.step == pytest.approx(compute + sync + 2 * 0.5e-3)
     hidden = predict(m, Layout(dp=2, precision="fp32", overlap=True), dev, link, batch=10)
     assert hidden.step == pytest.approx(compute + (sync - 5 * 200 / 1e6 * 2) + 1e-3)
+
+
+def test_the_gradient_sync_costs_each_tensor_on_every_replica_only():
+    m = Model.from_shapes("10x10,10x4")  # 4 parameter tensors
+    dev = Device(flops=1e6, sync_tensor_time=1e-3)
+    alone = predict(m, Layout(precision="fp32"), dev, Link(), batch=12)
+    assert alone.parts["sync"] == 0.0  # one replica: nothing to synchronize
+    dp = predict(m, Layout(dp=3, precision="fp32"), dev, Link(), batch=12)
+    assert dp.parts["sync"] == pytest.approx(4e-3)
+    cheaper = predict(m, Layout(dp=3, precision="fp32"), replace(dev, sync_tensor_time=0.0),
+                      Link(), batch=12)
+    assert dp.step - cheaper.step == pytest.approx(4e-3)
+    staged = predict(m, Layout(dp=2, pp=2, microbatches=2, precision="fp32"), dev, Link(),
+                     batch=12)
+    assert staged.parts["sync"] == pytest.approx(2e-3)  # each stage holds 2 of the tensors
 
 
 def test_pipeline_layout_gives_the_gpipe_bubble():

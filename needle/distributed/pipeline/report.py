@@ -65,6 +65,11 @@ class PipelineReport:
     measured: Simulation
     memory_note: str = ""
     extra: dict = field(default_factory=dict)
+    #: the simulator's inputs measured in these steps (keyword arguments of
+    #: :func:`~.simulator.expected`: every action's cost samples per stage, the message
+    #: costs and their noise): what a calibration carries to predict this pipeline at
+    #: another micro-batch count (``bench/bench_time_model.py``). Not in :meth:`as_dict`.
+    inputs: dict = field(default_factory=dict)
 
     @property
     def bubble_error(self) -> float:
@@ -205,7 +210,7 @@ def _messages(plan: Any, steps: list[list[np.ndarray]]) -> dict[str, list[float]
 
 
 def _replay_terms(plan: Any, steps: list, costs: dict, msgs: dict, act: list[float],
-                  overhead: float, first: Simulation) -> list[dict]:
+                  overhead: float, first: Simulation, inputs: dict) -> list[dict]:
     """The replay with one more term at a time: the receive's own cost, the send time per
     direction (an activation's send is ``SEND_F``; the adjoint's is posted inside ``B``, the
     runtime's ``SEND_B`` is empty), then the run's noise (random draws of its own samples;
@@ -225,18 +230,33 @@ def _replay_terms(plan: Any, steps: list, costs: dict, msgs: dict, act: list[flo
     rows.append(("+ send time per direction", simulate(
         plan, forward=costs["F"], backward=back, weight=costs["W"] if split else None,
         send_time=send_time, recv_time=recv_time, adjoint_in_backward=True, **common)))
+    rows.append(("+ noise (the run's own samples)", expected(plan, draws=NOISY_DRAWS,
+                                                             **inputs)))
+    return [{"terms": name, "bubble": sim.bubble_fraction, "makespan_s": sim.makespan}
+            for name, sim in rows]
+
+
+def simulator_inputs(plan: Any, steps: list, costs: dict, msgs: dict, act: list[float],
+                     overhead: float) -> dict:
+    """Keyword arguments of :func:`~.simulator.expected` that replay the recorded steps with
+    their own noise: each action's cost drawn from its stage's samples (``B`` without the
+    adjoint's send, which the simulator posts inside ``B`` itself), each message's delays
+    from the measured ones. Plain lists and floats (JSON-ready)."""
+    med = lambda xs: float(np.median(xs)) if xs else 0.0  # noqa: E731
+    comm, recv_time = med(msgs["flight"]), med(msgs["recv"])
+    send_time = float(np.mean(msgs["send"])) if msgs["send"] else 0.0
+    moved = [0.0 if s == 0 else send_time for s in range(plan.num_stages)]
     samples = {k: _samples(plan, steps, k) for k in COMPUTE}
     samples["B"] = [[max(0.0, x - m) for x in xs] for xs, m in
                     zip(samples["B"], moved, strict=True)]
     noise = {"flight": [x - comm for x in msgs["flight"]],
              "recv": [x - recv_time for x in msgs["recv"]],
              "send": [x - send_time for x in msgs["send"]]}
-    rows.append(("+ noise (the run's own samples)", expected(
-        plan, draws=NOISY_DRAWS, forward=samples["F"], backward=samples["B"],
-        weight=samples["W"] if split else None, send_time=send_time, recv_time=recv_time,
-        message_noise=noise, adjoint_in_backward=True, **common)))
-    return [{"terms": name, "bubble": sim.bubble_fraction, "makespan_s": sim.makespan}
-            for name, sim in rows]
+    return {"forward": samples["F"], "backward": samples["B"],
+            "weight": samples["W"] if plan.split_backward else None, "comm": comm,
+            "send_time": send_time, "recv_time": recv_time, "overhead": float(overhead),
+            "activation_bytes": [float(a) for a in act], "message_noise": noise,
+            "adjoint_in_backward": True}
 
 
 def _overheads(steps: list[list[np.ndarray]]) -> float:
@@ -280,7 +300,8 @@ def _build(plan: Any, per_rank: list[np.ndarray], memory_ok: bool) -> PipelineRe
                          weight=costs["W"] if split else None, comm=comm,
                          activation_bytes=act, send_time=float(np.mean(msgs["all_sends"]))
                          if msgs["all_sends"] else 0.0, overhead=overhead)
-    terms = _replay_terms(plan, steps, costs, msgs, act, overhead, predicted)
+    inputs = simulator_inputs(plan, steps, costs, msgs, act, overhead)
+    terms = _replay_terms(plan, steps, costs, msgs, act, overhead, predicted, inputs)
     p = plan.num_ranks
     bubbles, spans, last = [], [], None
     for step in steps:
@@ -309,4 +330,5 @@ def _build(plan: Any, per_rank: list[np.ndarray], memory_ok: bool) -> PipelineRe
          "recv_time": recv_time, "activation_send_time": send_time},
         predicted, measured, note,
         {"bubble_replayed_noisy": terms[-1]["bubble"],
-         "makespan_replayed_noisy_s": terms[-1]["makespan_s"], "replay_terms": terms})
+         "makespan_replayed_noisy_s": terms[-1]["makespan_s"], "replay_terms": terms},
+        inputs)
