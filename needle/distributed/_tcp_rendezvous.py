@@ -9,6 +9,13 @@ A hello from another job (different job id, or a connection that fails authentic
 joins: the stranger is told, and fails loudly, while this job keeps waiting for its own ranks.
 A hello of this job that contradicts the others (a rank twice, another world size) fails
 everyone, since the job's own configuration is wrong.
+
+Rank 0 keeps the rendezvous socket for the life of the job, so that a second job on the same
+MASTER_PORT cannot bind it, and its ranks reach this rank 0 instead of a rank 0 of their own.
+Ranks started by hand with the same secret cannot be told apart by anything they carry, so a
+hello after the rendezvous that claims one of this job's ranks means two jobs share the secret
+and the port, and some of this job's ranks may be the other job's: ``answer_late`` refuses the
+newcomer and returns why this job must stop too.
 """
 from __future__ import annotations
 
@@ -86,6 +93,7 @@ class Rendezvous:
         self.master_ip, self.port, self.timeout = master_ip, port, timeout
         self.deadline = time.monotonic() + timeout
         self.strangers = 0  # hellos refused because they came from another job
+        self.router: Any = None
 
     def run(self, mine: str) -> list[str]:
         """Send this rank's address; return every rank's address (index = rank)."""
@@ -97,12 +105,15 @@ class Rendezvous:
             if router is not None:
                 self._serve(router)
             reply = self._await_reply(dealer)
+        except BaseException:
+            if router is not None:
+                router.close(int(1000 * min(self.timeout, 5.0)))
+            raise
         finally:
             dealer.disable_monitor()
             self._monitor.close(0)
             dealer.close(0)
-            if router is not None:
-                router.close(int(1000 * min(self.timeout, 5.0)))
+        self.router = router  # rank 0: held until close(), see answer_late
         if "error" in reply:
             raise CommError(f"init_process_group: rank {self.rank}: {reply['error']}")
         table = reply.get("table")
@@ -111,7 +122,32 @@ class Rendezvous:
                             f"addresses, got {reply!r:.200}")
         return table
 
+    def close(self) -> None:
+        if self.router is not None:
+            self.router.close(1000)  # let a last refusal reach its newcomer
+            self.router = None
+
     # ----- rank 0 -----------------------------------------------------------------------
+    def answer_late(self, table: list[str]) -> str | None:
+        """Answer one hello that arrived after the rendezvous (rank 0, receiver thread).
+        A stranger is refused; a process of this job (same job id) that claims a rank is a
+        second job with this secret and port: refuse it and return why this job must stop."""
+        frames = self.router.recv_multipart(copy=False)
+        hello, refusal, misfit = self._judge(frames)
+        stop = None
+        if refusal is None and misfit is None:
+            rank = hello["rank"]
+            stop = (f"a second process with this job's secret claims rank {rank} (from "
+                    f"{hello['address']}) after rank {rank} joined (from {table[rank]}): two "
+                    f"jobs share {SECRET_ENV} and MASTER_PORT {self.port}, so this job cannot "
+                    "tell its own ranks from the other's; give each job its own secret or port")
+        if refusal is None:
+            refusal = (f"the rendezvous at {self.where} belongs to a job that is already "
+                       f"running: {stop or misfit}" + ("; that job stops too" if stop else ""))
+        self.strangers += 1
+        self.router.send_multipart([frames[0].bytes, json.dumps({"error": refusal}).encode()])
+        return stop
+
     def _bind(self) -> Any:
         zmq = _zmq()
         router = self.ctx.socket(zmq.ROUTER)

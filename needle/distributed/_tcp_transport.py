@@ -53,7 +53,7 @@ from ._transport import (
 )
 
 _FRAME = struct.Struct("<QBiiq")  # job hash, kind, channel id, source rank, tag
-_DATA, _BYE, _REJOIN = 0, 1, 2
+_DATA, _BYE, _REJOIN, _STOP = 0, 1, 2, 3  # _STOP: rank 0 stops the job, with its reason
 REJOIN_ENV = "NEEDLE_DIST_REJOIN"
 ADDRESSES_FILE = "tcp_addresses.json"
 
@@ -161,6 +161,7 @@ class TcpTransport(MailboxTransportMixin):
                 if rank == 0:
                     _write_addresses(table)
             self._timeout = timeout
+            self._table = table
             self._connect(table, timeout)
         except BaseException:
             self._teardown()
@@ -242,11 +243,18 @@ class TcpTransport(MailboxTransportMixin):
         poller.register(self.pull, zmq.POLLIN)
         for monitor in self._monitors:
             poller.register(monitor, zmq.POLLIN)
+        router = self.rendezvous.router if self.rendezvous is not None else None
+        if router is not None:
+            poller.register(router, zmq.POLLIN)
         while not self._closing:
             try:
                 events = dict(poller.poll(50))
                 if self.pull in events:
                     self._drain()  # goodbyes first, then the closed connections they explain
+                if router is not None and router in events:
+                    stop = self.rendezvous.answer_late(self._table)
+                    if stop:
+                        self._stop_job(f"rank 0 stopped the job: {stop}")
                 for monitor, peer in list(self._monitors.items()):
                     if monitor in events:
                         self._on_event(monitor, peer)
@@ -270,6 +278,8 @@ class TcpTransport(MailboxTransportMixin):
             _, kind, channel_id, src, tag = _FRAME.unpack(frames[0].bytes)
             if kind == _BYE:
                 self.mailbox.mark_gone(src, f"rank {src} left the process group (exited)")
+            elif kind == _STOP:
+                self._fail_every_peer(bytes(frames[1].bytes[:2000]).decode(errors="replace"))
             elif kind == _REJOIN:
                 self._on_rejoin(src, frames[1].bytes.decode())
             else:
@@ -282,7 +292,7 @@ class TcpTransport(MailboxTransportMixin):
         job, kind, channel_id, src, tag = _FRAME.unpack(frames[0].bytes)
         if job != self._job:
             return "frame of another job"
-        if kind not in (_DATA, _BYE, _REJOIN) or len(frames) != (1 if kind == _BYE else 2):
+        if kind not in (_DATA, _BYE, _REJOIN, _STOP) or len(frames) != (1 if kind == _BYE else 2):
             return f"malformed frame (kind {kind} with {len(frames)} parts)"
         if not 0 <= src < self.size or src == self.rank or channel_id < 0 or tag < 0:
             return f"malformed frame (source {src}, channel {channel_id}, tag {tag})"
@@ -313,6 +323,22 @@ class TcpTransport(MailboxTransportMixin):
                 del self._suspects[peer]
                 self.mailbox.mark_gone(peer, f"rank {peer} is gone: its connection closed "
                                              "without a goodbye (killed or crashed)")
+
+    def _stop_job(self, reason: str) -> None:
+        """Tell every peer why the job stops, then fail this rank's own communication."""
+        head = _FRAME.pack(self._job, _STOP, 0, self.rank, 0)
+        for peer, sock in self.push.items():
+            with self.locks[peer]:
+                try:
+                    sock.send_multipart([head, reason.encode()], _zmq().NOBLOCK)
+                except _zmq().ZMQError:
+                    pass  # that peer fails on its own when this rank stops answering
+        self._fail_every_peer(reason)
+
+    def _fail_every_peer(self, reason: str) -> None:
+        for peer in range(self.size):
+            if peer != self.rank:
+                self.mailbox.mark_gone(peer, reason, "refused")
 
     # ----- sending ----------------------------------------------------------------------
     def raise_if_gone(self, peer: int) -> None:
@@ -387,6 +413,8 @@ class TcpTransport(MailboxTransportMixin):
             sock.close(linger=1000)  # flush to live peers, do not wait long for dead ones
         if getattr(self, "pull", None) is not None:
             self.pull.close(0)
+        if self.rendezvous is not None:
+            self.rendezvous.close()
         if self.zap is not None:
             self.zap.close()
         self.ctx.term()

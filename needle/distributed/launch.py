@@ -118,7 +118,10 @@ def _job_env(backend: str, nodes: Nodes, status_dir: str) -> dict:
                              f"{SECRET_ENV} (the same on every node) or --secret-file, got "
                              "neither")
         env[SECRET_ENV] = secrets.token_hex(32)
-        env[JOB_ENV] = secrets.token_hex(8)  # a fresh job: never mistaken for another
+    if nodes.nnodes == 1:
+        # This launcher starts every rank, so each launch is its own job even when the user
+        # gave the secret: another launch on the same port is a stranger, never a member.
+        env[JOB_ENV] = secrets.token_hex(8)
     env.update(WORLD_SIZE=str(nodes.world_size), LOCAL_WORLD_SIZE=str(nodes.nproc),
                GROUP_RANK=str(nodes.node_rank),
                MASTER_ADDR=nodes.master_addr or env.get("MASTER_ADDR", "127.0.0.1"),

@@ -212,6 +212,93 @@ def test_two_jobs_on_one_port_fail_loudly_never_mix(auth: str) -> None:
     assert "another job" in outs_b[1][1]  # the stranger is told what happened
 
 
+def _start_logged(rank: int, env: dict, log: Path, *args: str) -> subprocess.Popen:
+    import sys
+
+    from ._tcp_attack import SCRIPTS
+
+    with open(log, "w") as out:
+        return subprocess.Popen([sys.executable, str(SCRIPTS / "two_jobs.py"), *args],
+                                env=dict(env, RANK=str(rank)), stdout=out,
+                                stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_text(proc: subprocess.Popen, log: Path, words: tuple[str, ...],
+               seconds: float = 90.0) -> None:
+    """Until ``log`` holds one of ``words`` or ``proc`` has exited."""
+    end = time.monotonic() + seconds
+    while proc.poll() is None and not any(w in log.read_text() for w in words):
+        assert time.monotonic() < end, f"{log.name}: none of {words} in\n{log.read_text()}"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("auth", ["curve", "off"])
+def test_interleaved_start_of_two_jobs_with_one_secret_never_mixes(tmp_path: Path,
+                                                                    auth: str) -> None:
+    """Two 2-rank jobs started by hand with one secret and one MASTER_PORT, in the order
+    A0, B1, A1, B0: B1 reaches A's rank 0 first and cannot be told from A1. Every rank either
+    computes its own job's sum (A 3.0, B 203.0) or fails naming MASTER_PORT; the cross-joined
+    sum 103.0 never appears. The ranks wait for "go" before their all-reduce, so that all
+    four run at once, as jobs that do real work do."""
+    a = job_env(NEEDLE_DIST_AUTH=auth, JOB_BASE="0")
+    a.pop("NEEDLE_DIST_JOB_ID")  # by hand: the job id comes from the secret alone
+    b = dict(a, JOB_BASE="100")
+    go = tmp_path / "go"
+    order = [("A", 0, a), ("B", 1, b), ("A", 1, a), ("B", 0, b)]
+    procs: list[tuple[str, int, subprocess.Popen, Path]] = []
+    try:
+        for job, rank, env in order:
+            log = tmp_path / f"{job}{rank}.log"
+            proc = _start_logged(rank, env, log, str(go))
+            procs.append((job, rank, proc, log))
+            if (job, rank) == ("A", 0):
+                _wait_listening(int(a["MASTER_PORT"]))
+            elif (job, rank) == ("B", 1):
+                _wait_text(proc, log, ("JOINED",))  # joined A's rank 0
+            elif (job, rank) == ("A", 1):
+                _wait_text(proc, log, ("JOINING",))
+                time.sleep(2.0)  # its hello is out before B's rank 0 starts
+        for _, _, proc, log in procs:
+            _wait_text(proc, log, ("JOINED",), seconds=60.0)
+        go.write_text("")
+        for _, _, proc, _ in procs:
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                pass
+    finally:
+        go.write_text("")
+        for _, _, proc, _ in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+    texts = "\n".join(f"--- {j}{r} rc={p.returncode}\n{log.read_text()[-2500:]}"
+                       for j, r, p, log in procs)
+    assert "RESULT 103.0" not in texts, texts
+    for job, _, proc, log in procs:
+        text = log.read_text()
+        if proc.returncode == 0:
+            assert results(text)["RESULT"] == {"A": "3.0", "B": "203.0"}[job], texts
+        else:
+            assert "CommError" in text or "PeerError" in text, texts
+            assert "MASTER_PORT" in text, texts
+
+
+def test_each_one_node_launch_is_its_own_job(tmp_path: Path, monkeypatch) -> None:
+    """Two one-node launches with the same user-given secret get different job ids, so the
+    ranks of one are strangers to the other's rendezvous (refused as "another job"); a job of
+    several nodes keeps the id every node derives from the secret."""
+    from needle.distributed.launch import Nodes, _job_env
+
+    monkeypatch.setenv("NEEDLE_DIST_SECRET", "a secret two launches share")
+    monkeypatch.delenv("NEEDLE_DIST_JOB_ID", raising=False)
+    one = [_job_env("tcp", Nodes(2, master_port=29500), str(tmp_path)) for _ in range(2)]
+    assert one[0]["NEEDLE_DIST_SECRET"] == one[1]["NEEDLE_DIST_SECRET"]
+    assert one[0]["NEEDLE_DIST_JOB_ID"] != one[1]["NEEDLE_DIST_JOB_ID"]
+    many = _job_env("tcp", Nodes(2, nnodes=2, master_port=29500), str(tmp_path))
+    assert "NEEDLE_DIST_JOB_ID" not in many
+
+
 def _listening(pid: int) -> list[tuple[str, int]]:
     """(address, port) of the TCP sockets ``pid`` listens on (from /proc)."""
     inodes = set()
