@@ -118,6 +118,10 @@ def build_parser(strategies: dict) -> argparse.ArgumentParser:
                         "checkpoints, the micro-batch count and the pipeline split with the "
                         "least predicted step time that fits, and fail if the measured peak "
                         "exceeds it (single, ddp, zero, pipeline; docs/training.md)")
+    p.add_argument("--calibration", default=None, metavar="FILE",
+                   help="with --memory-budget: predict the step times from this machine's "
+                        "calibration (python -m needle.plan calibrate) instead of nominal "
+                        "rates")
     faults = p.add_argument_group("fault injection (really sleeps, SIGKILLs, SIGSTOPs)")
     faults.add_argument("--slow-worker", default=None, metavar="RANK:MS",
                         help="rank RANK sleeps MS milliseconds before every step")
@@ -261,6 +265,9 @@ def _validate_memory_options(cfg: Config, strategies: dict) -> None:
             raise UsageError(f"--activation-checkpoints applies to the single, ddp and zero "
                              f"strategies without --compile, got --strategy {cfg.strategy}")
     if cfg.memory_budget is None:
+        if (cfg.extra or {}).get("calibration"):
+            raise UsageError("--calibration sets the planner's step times: it needs "
+                             "--memory-budget")
         return
     if cfg.memory_budget < 1:
         raise UsageError(f"--memory-budget must be a positive number of bytes, got "

@@ -18,13 +18,18 @@ Candidates:
   the interleaved schedule) x every cut of the model's layers into the stages
   (``--layers-per-stage``).
 
-Predicted step time (:data:`TIME_MODEL`): nominal, not calibrated. A micro-batch costs its
-forward FLOPs three times (backward twice the forward) plus the recomputed forward, at
-:data:`FLOP_RATE`, and :data:`OP_SECONDS` per op and backward node (small models are
-dispatch-bound: an extra micro-batch costs a whole pass of ops); ZeRO sends its traffic at
-:data:`BYTE_RATE` (stage 3 gathers the weights again for backward: 1.5x the bytes of stages
-1-2); a pipeline's step is the schedule simulator's makespan on these per-stage costs. Ties
-go to fewer micro-batches, no recompute, the lower ZeRO stage.
+Predicted step time (:class:`StepTimes`). Without ``--calibration`` it is nominal: a
+micro-batch costs its forward FLOPs three times (backward twice the forward) plus the
+recomputed forward, at :data:`FLOP_RATE`, and :data:`OP_SECONDS` per op and backward node
+(small models are dispatch-bound: an extra micro-batch costs a whole pass of ops); the
+gradients' traffic goes at :data:`BYTE_RATE` (ZeRO stage 3 gathers the weights again for
+backward: 1.5x the bytes of stages 1-2). With ``--calibration FILE`` (written by ``python -m
+needle.plan calibrate``, or by ``bench/bench_time_model.py``) the same terms come from this
+machine: the fitted device's FLOP rate, per-op time and backward ratio, the link's α-β times
+of each collective (``needle.distributed.calibrate.collective_time``), and the gradient
+sync's per-tensor cost. A pipeline's step is the schedule simulator's makespan on these
+per-stage costs (with the link's message times when calibrated). Ties go to fewer
+micro-batches, no recompute, the lower ZeRO stage.
 """
 from __future__ import annotations
 
@@ -44,6 +49,73 @@ TIME_MODEL = ("nominal, not calibrated: forward FLOPs x 3 plus the recomputed fo
               f"ZeRO traffic at {BYTE_RATE:.0e} B/s; pipelines: the schedule simulator's "
               "makespan on those costs")
 MICRO_BATCHES = (1, 2, 4, 8)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTimes:
+    """What the planner's step-time predictions charge: a forward costs ``ops x op_s +
+    FLOPs / flops``, a backward ``backward_ops`` and ``backward_flops`` times those terms,
+    a recomputed forward one forward; gradients move over ``link`` (the α-β time of each
+    collective) or at ``byte_rate`` without one; ``sync_tensor_s`` per parameter tensor when
+    there is more than one replica."""
+
+    flops: float = FLOP_RATE
+    op_s: float = OP_SECONDS
+    backward_flops: float = 2.0
+    backward_ops: float = 1.0
+    byte_rate: float = BYTE_RATE
+    link: object = None
+    sync_tensor_s: float = 0.0
+    source: str = TIME_MODEL
+
+    @classmethod
+    def from_calibration(cls, path: str) -> "StepTimes":
+        """The terms of a calibration file (``python -m needle.plan calibrate``)."""
+        from needle.plan.calibration import load
+
+        try:
+            cal = load(path)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise UsageError(f"--calibration {path}: not a calibration file "
+                             f"({type(exc).__name__}: {exc})") from None
+        dev = cal.device
+        mach = cal.machine
+        return cls(flops=dev.flops, op_s=dev.op_time, backward_flops=dev.backward_ratio,
+                   backward_ops=dev.backward_ratio, link=cal.link,
+                   sync_tensor_s=dev.sync_tensor_time,
+                   source=f"calibrated: {path} ({mach.get('date')}, {mach.get('cpu')}): "
+                          f"{dev.flops:.3g} FLOP/s, {dev.op_time * 1e6:.1f} us per op, "
+                          f"backward {dev.backward_ratio:.2f} x forward, link alpha "
+                          f"{cal.link.alpha * 1e6:.1f} us, beta {cal.link.beta * 1e9:.3f} ns/B")
+
+    def forward(self, flops: float, ops: float) -> float:
+        return flops / self.flops + ops * self.op_s
+
+    def train(self, flops: float, ops: float, r_flops: float = 0, r_ops: float = 0) -> float:
+        """A micro-batch's forward, backward and recomputed forward."""
+        return ((1 + self.backward_flops) * flops + r_flops) / self.flops \
+            + ((1 + self.backward_ops) * ops + r_ops) * self.op_s
+
+    def gradients(self, nbytes: float, world_size: int, zero_stage: int | None,
+                  tensors: int) -> float:
+        """Moving ``nbytes`` of gradients (and ZeRO's weights) among the replicas."""
+        if world_size == 1:
+            return 0.0
+        kinds = ["all_reduce"] if not zero_stage else ["reduce_scatter", "all_gather"] + (
+            ["all_gather"] if zero_stage == 3 else [])
+        if self.link is None:
+            ring = 2 * (world_size - 1) / world_size * nbytes
+            return ring * (1.5 if zero_stage == 3 else 1.0) / self.byte_rate
+        from needle.distributed.calibrate import collective_time
+
+        return sum(collective_time(k, nbytes, world_size, self.link) for k in kinds) \
+            + tensors * self.sync_tensor_s
+
+
+def step_times(cfg) -> StepTimes:
+    """The run's :class:`StepTimes`: ``--calibration FILE`` or nominal."""
+    path = (cfg.extra or {}).get("calibration")
+    return StepTimes.from_calibration(path) if path else StepTimes()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,9 +156,10 @@ class Candidate:
 
 
 # ---- what each layer costs ----------------------------------------------------------------
-def _layer_work(ctx, rows: int) -> list[tuple[int, int]]:
-    """(forward FLOPs, ops) of each of the model's layers on ``rows`` examples (FLOPs by
-    ``needle.checkpoint``'s rule: a matmul 2mkn, elementwise one per output element)."""
+def _layer_work(ctx, rows: int) -> list[tuple[int, int, int]]:
+    """(forward FLOPs, ops, output values) of each of the model's layers on ``rows`` examples
+    (FLOPs by ``needle.checkpoint``'s rule: a matmul 2mkn, elementwise one per output
+    element)."""
     import needle as ndl
     from needle.autograd import Tensor
     from needle.checkpoint.report import op_flops
@@ -114,7 +187,7 @@ def _layer_work(ctx, rows: int) -> list[tuple[int, int]]:
                 h = layer(h)
             finally:
                 handle.remove()
-            out.append((count.flops, count.ops))
+            out.append((count.flops, count.ops, int(np.prod(h.shape))))
     return out
 
 
@@ -131,7 +204,7 @@ def _checkpoint_front(ctx, rows: int, work) -> list[tuple[str | None, int, int]]
         x = Tensor(np.zeros((rows, ctx.in_features), np.float32), device=ctx.device,
                    requires_grad=False)
         costs = measure_layer_costs(ctx.new_model(), x)
-    flops = [max(f, 1) for f, _ in work]
+    flops = [max(w[0], 1) for w in work]
     front: list = [(None, 0, 0)]
     budget = plan_checkpoints(costs, math.inf, policy="optimal").no_checkpoint_peak_bytes
     while len(front) < 12:
@@ -154,18 +227,19 @@ def _checkpoint_front(ctx, rows: int, work) -> list[tuple[str | None, int, int]]
 def _default_candidates(cfg, ctx, world_size: int) -> list[Candidate]:
     rows = -(-cfg.batch_size // world_size)  # the largest share of a full batch
     stages = (1, 2, 3) if cfg.strategy == "zero" else (None,)
-    params = sum(int(np.prod(p.shape)) * 4 for p in ctx.new_model().parameters())
+    times = step_times(cfg)
+    model = ctx.new_model().parameters()
+    params = sum(int(np.prod(p.shape)) * 4 for p in model)
     out = []
     for g in [g for g in MICRO_BATCHES if g <= rows]:
         mb = -(-rows // g)
         work = _layer_work(ctx, mb)
-        flops, ops = sum(f for f, _ in work), sum(o for _, o in work)
+        flops, ops = sum(w[0] for w in work), sum(w[1] for w in work)
         for spec, r_flops, r_ops in _checkpoint_front(ctx, mb, work):
-            compute = g * ((3 * flops + r_flops) / FLOP_RATE + (2 * ops + r_ops) * OP_SECONDS)
+            compute = g * times.train(flops, ops, r_flops, r_ops)
             for stage in stages:
-                ring = 2 * (world_size - 1) / world_size * params if world_size > 1 else 0
-                sent = ring * (1.5 if stage == 3 else 1.0)
-                out.append(Candidate(g, spec, stage, step_s=compute + sent / BYTE_RATE))
+                sent = times.gradients(params, world_size, stage, len(model))
+                out.append(Candidate(g, spec, stage, step_s=compute + sent))
     return sorted(out, key=lambda c: (round(c.step_s, 12), c.accumulate,
                                       c.checkpoints is not None, c.zero_stage or 0))
 
@@ -177,20 +251,28 @@ def _pipeline_candidates(cfg, ctx, world_size: int) -> list[Candidate]:
     schedule = extra.get("schedule", "1f1b")
     v = extra.get("virtual_stages", 2) if schedule == "interleaved" else 1
     chunks = world_size * v
+    times = step_times(cfg)
     layers = len(ctx.new_model().modules)
     out = []
     for m in MICRO_BATCHES:
         if m > cfg.batch_size or (schedule == "interleaved" and m % world_size):
             continue
-        work = _layer_work(ctx, -(-cfg.batch_size // m))
+        rows = -(-cfg.batch_size // m)
+        work = _layer_work(ctx, rows)
         for cut in itertools.combinations(range(1, layers), chunks - 1):
             bounds = [0, *cut, layers]
             counts = tuple(b - a for a, b in zip(bounds, bounds[1:], strict=False))
-            fwd = [sum(work[i][0] / FLOP_RATE + work[i][1] * OP_SECONDS for i in range(a, b))
-                   for a, b in zip(bounds, bounds[1:], strict=False)]
+            spans = list(zip(bounds, bounds[1:], strict=False))
+            fwd = [sum(times.forward(*work[i][:2]) for i in range(a, b)) for a, b in spans]
+            back = [times.train(sum(work[i][0] for i in range(a, b)),
+                                sum(work[i][1] for i in range(a, b))) - f
+                    for (a, b), f in zip(spans, fwd, strict=True)]
+            # calibrated: each cut's activation crosses the link (4-byte values)
+            link = {} if times.link is None else {
+                "link": times.link, "message_bytes": [4 * work[b - 1][2] for _, b in spans[:-1]]}
             sim = simulator.simulate(schedule, stages=world_size, microbatches=m,
-                                     forward=fwd, backward=[2 * f for f in fwd],
-                                     virtual_stages=v if v > 1 else None)
+                                     forward=fwd, backward=back,
+                                     virtual_stages=v if v > 1 else None, **link)
             out.append(Candidate(microbatches=m, layers_per_stage=counts,
                                  step_s=float(sim.makespan)))
     return sorted(out, key=lambda c: (round(c.step_s, 12), c.microbatches))
@@ -272,6 +354,7 @@ class Plan:
     predicted_peak: int
     rejected: list
     candidates: int
+    time_model: str = TIME_MODEL
 
     def block(self, summary: dict) -> dict:
         """``summary.json``'s ``plan``: the choice beside the run's measurement."""
@@ -282,7 +365,7 @@ class Plan:
                 "predicted_peak": self.predicted_peak, "measured_peak": measured,
                 "within_budget": measured is not None and measured <= self.budget,
                 "predicted_step_s": self.chosen.step_s, "measured_step_s": step_s,
-                "time_model": TIME_MODEL, "rejected": self.rejected,
+                "time_model": self.time_model, "rejected": self.rejected,
                 "candidates": self.candidates,
                 "peak": "per rank, the largest over the ranks and over the first and a later "
                         "full step; measured: the largest step peak of the run"}
@@ -308,7 +391,7 @@ def choose(cfg, rank: int, world_size: int):
         peak = _peak(candidate, cfg, ctx, rank, world_size, X, y)
         if peak <= cfg.memory_budget:
             return candidate.apply(cfg), Plan(cfg.memory_budget, candidate, peak, rejected,
-                                              len(listed))
+                                              len(listed), step_times(cfg).source)
         rejected.append({"config": candidate.options(), "predicted_peak": peak,
                          "predicted_step_s": candidate.step_s,
                          "reason": f"predicted peak {peak:,} B > budget "

@@ -115,6 +115,7 @@ def test_the_plan_block(tmp_path):
     (["--memory-budget", "1000000", "--strategy", "tp", "--nproc", "2"],
      "--memory-budget plans for --strategy single, ddp, zero, pipeline"),
     (["--memory-budget", "1000000", "--precision", "fp16-mixed"], "predicts the fp32 step"),
+    (["--calibration", "cal.json"], "--calibration sets the planner's step times"),
     (["--memory-budget", "1000000", "--activation-checkpoints", "2c,4"],
      "leave out --activation-checkpoints"),
     (["--activation-checkpoints", "2x,4"], "expected segment lengths such as 2c,2,2c"),
@@ -167,3 +168,36 @@ def test_pipeline_picks_micro_batches_and_split(tmp_path):
     summary = json.loads((tmp_path / "tight" / "summary.json").read_text())
     counts = [int(c) for c in tight["chosen"]["--layers-per-stage"].split(",")]
     assert summary["mesh"]["layers_per_stage"] == counts
+
+
+# ---- a calibrated time model ----------------------------------------------------------------
+def _calibration(path, **device) -> str:
+    from needle.distributed.calibrate import Link
+    from needle.plan.calibration import Calibration
+    from needle.plan.model import Device
+
+    return Calibration(Link(alpha=1e-5, beta=1e-9), Device(**device),
+                       machine={"cpu": "test", "date": "today"}).save(str(path))
+
+
+def test_the_calibration_decides_between_micro_batches_and_recomputation(tmp_path):
+    """One byte under the plain step's peak, two candidates fit: two micro-batches (the same
+    FLOPs, every op twice) or one with two layers recomputed (a few more FLOPs and ops). A
+    machine whose cost is all FLOPs takes the micro-batches; one whose cost is all per-op
+    dispatch recomputes. A planner that ignored the file would choose the same for both."""
+    generous = _plan(tmp_path / "generous", "--memory-budget", str(GENEROUS))
+    budget = str(generous["predicted_peak"] - 1)
+    flop_bound = _calibration(tmp_path / "flops.json", flops=1e9, op_time=0.0,
+                              backward_ratio=2.0)
+    by_flops = _plan(tmp_path / "by_flops", "--memory-budget", budget,
+                     "--calibration", flop_bound)
+    assert by_flops["chosen"] == {"--accumulate": 2, "--activation-checkpoints": None}
+    assert by_flops["time_model"].startswith(f"calibrated: {flop_bound}")
+    op_bound = _calibration(tmp_path / "ops.json", flops=1e30, op_time=1e-3,
+                            backward_ratio=1.0)
+    by_ops = _plan(tmp_path / "by_ops", "--memory-budget", budget, "--calibration", op_bound)
+    assert by_ops["chosen"]["--accumulate"] == 1
+    assert by_ops["chosen"]["--activation-checkpoints"] is not None
+    # there every op and backward node costs 1 ms and nothing else costs: whole milliseconds
+    ops = by_ops["predicted_step_s"] / 1e-3
+    assert ops == pytest.approx(round(ops)) and ops > 20
