@@ -25,7 +25,7 @@ from . import traffic
 from ._buffers import borrow
 from ._errors import CommError, MessageError, PeerError, SenderAborted, rewrap
 from ._group import ProcessGroup, resolve
-from ._transport import unexpected_limit_bytes
+from ._transport import MailboxRecv, unexpected_limit_bytes
 from ._wire import (
     ABORT,
     ARRAY,
@@ -58,19 +58,51 @@ def _waiter(pg: ProcessGroup, op: str, peer: int, tag: int, timeout: float | Non
     span = pg.timeout if timeout is None else float(timeout)
     deadline = pg.deadline(timeout)
 
-    def wait(req: Any, what: str) -> None:
+    def wait(req: Any, what: str, cancel: bool = True) -> None:
         try:
             done = req.wait(deadline)
         except CommError as exc:
             raise rewrap(exc, f"{op}: rank {pg.rank} failed {what} with {pg.describe(peer)} "
                               f"(tag {tag}): {exc}") from None
         if not done:
-            req.cancel()
+            if cancel:
+                req.cancel()
             raise PeerError(f"{op}: rank {pg.rank} timed out after {span:g} s waiting for "
                             f"{pg.describe(peer)} (tag {tag}, {what})",
                             pg.p2p.global_rank(peer), "timeout")
 
     return wait
+
+
+def _started(pg: ProcessGroup) -> dict:
+    """Messages whose header a timed-out ``recv`` took, by (src, tag): (header, buffer,
+    payload receive). Their payload belongs to the next ``recv`` on that (src, tag), which
+    would otherwise wait for a header that never comes."""
+    started = getattr(pg, "_p2p_started", None)
+    if started is None:
+        started = pg._p2p_started = {}
+    return started
+
+
+def _await_payload(pg: ProcessGroup, wait: Any, src: int, tag: int, got: Header,
+                   target: np.ndarray, body: Any) -> np.ndarray:
+    """Wait for the payload into ``target``; on a timeout keep a receive for it (into a
+    buffer of needle's, never the caller's) for the next recv on (src, tag)."""
+    try:
+        wait(body, "payload receive", cancel=False)
+        return target
+    except PeerError as exc:
+        if exc.reason != "timeout":
+            raise
+        body.cancel()
+        if not isinstance(body, MailboxRecv):
+            raise  # MPI: a cancelled receive cannot be told from a matched one here
+        if body.test():
+            return target  # it arrived while the timeout was raised
+        stash = np.empty(got.shape, got.dtype)
+        _started(pg)[(src, tag)] = (got, stash, pg.p2p.irecv(stash, src, 2 * tag + 1))
+        raise PeerError(f"{exc}; the next recv from {pg.describe(src)} with tag {tag} gets "
+                        "this message", exc.peer, exc.reason) from None
 
 
 def _limit(max_bytes: int | None) -> int:
@@ -168,15 +200,22 @@ def recv(tensor: Any, src: int, group: Any = None, tag: int = 0,
     record = traffic.open_record(pg, "recv", "p2p", buf.arr.nbytes, (0, buf.arr.nbytes),
                                  "recv: M")
     with traffic.counting(record):
-        wait(pg.p2p.irecv(header, src, 2 * tag), "header receive")
-        got = unpack_header(header, "recv")
+        started = _started(pg).pop((src, tag), None)
+        if started is not None:
+            got, target = started[0], _await_payload(pg, wait, src, tag, *started)
+        else:
+            wait(pg.p2p.irecv(header, src, 2 * tag), "header receive")
+            got = unpack_header(header, "recv")
+            if got != _expects(buf.arr) and got.nbytes > _limit(None):
+                raise _mismatch(pg, "recv", src, tag, buf.arr, got, None)
+            # a mismatched payload is drained into scratch, keeping the stream in step
+            target = buf.arr if got == _expects(buf.arr) else np.empty(got.shape, got.dtype)
+            _await_payload(pg, wait, src, tag, got, target,
+                           pg.p2p.irecv(target, src, 2 * tag + 1))
         if got != _expects(buf.arr):
-            drain = None
-            if got.nbytes <= _limit(None):  # keep the stream in step, within the bound
-                drain = np.empty(got.shape, got.dtype)
-                wait(pg.p2p.irecv(drain, src, 2 * tag + 1), "payload receive")
-            raise _mismatch(pg, "recv", src, tag, buf.arr, got, drain)
-        wait(pg.p2p.irecv(buf.arr, src, 2 * tag + 1), "payload receive")
+            raise _mismatch(pg, "recv", src, tag, buf.arr, got, target)
+        if target is not buf.arr:
+            buf.arr[...] = target
     buf.commit()
 
 
