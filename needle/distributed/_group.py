@@ -17,6 +17,21 @@ from ._work import CommThread, Work
 from .traffic import Counters, CountingChannel, TrafficLedger
 
 DEFAULT_TIMEOUT = float(os.environ.get("NEEDLE_DIST_TIMEOUT", "300"))
+CHUNK_ENV = "NEEDLE_DIST_CHUNK_BYTES"
+
+
+def _chunk_bytes() -> int:
+    """The ring's chunk size (env NEEDLE_DIST_CHUNK_BYTES, default 1 MiB); the ring divides
+    by it, so anything but a positive integer is refused here rather than mid-collective."""
+    raw = os.environ.get(CHUNK_ENV, str(1 << 20))
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise CommError(f"init_process_group: bad {CHUNK_ENV}, expected an integer number of "
+                        f"bytes >= 1, got {raw!r}")
+    return value
 
 
 class ProcessGroup:
@@ -42,7 +57,7 @@ class ProcessGroup:
         self.timeout = float(timeout)
         # Ring chunk size: small enough that reduction of one chunk overlaps the next transfer,
         # large enough that per-message overhead stays small (see docs/performance.md).
-        self.chunk_bytes = int(os.environ.get("NEEDLE_DIST_CHUNK_BYTES", 1 << 20))
+        self.chunk_bytes = _chunk_bytes()
         self.check_signatures = True
         # Payload bytes this rank's collectives sent, by algorithm family ("ring", "tree",
         # "linear", "barrier", "check"): measured traffic, e.g. per training step.

@@ -16,8 +16,8 @@ forged or altered frame never reaches needle. ``NEEDLE_DIST_AUTH=off`` turns all
 for networks where every process is trusted (and to measure what it costs).
 
 Example:
-    >>> sec = Security.from_values("curve", "s3cret", job_id=None, size=2)
-    >>> sec.job_id == Security.from_values("curve", "s3cret", None, 2).job_id
+    >>> sec = Security.from_values("curve", "correct horse battery", job_id=None, size=2)
+    >>> sec.job_id == Security.from_values("curve", "correct horse battery", None, 2).job_id
     True
     >>> len(sec.public_key(1))
     40
@@ -49,6 +49,17 @@ def _z85() -> Any:
     from zmq.utils import z85
 
     return z85
+
+
+MIN_SECRET_CHARS = 16  # the launcher's own secrets have 64 (secrets.token_hex(32))
+
+
+def check_secret(op: str, secret: str) -> None:
+    """Refuse a secret short enough to guess: every key of the job is derived from it."""
+    if len(secret) < MIN_SECRET_CHARS:
+        raise CommError(f"{op}: {SECRET_ENV} too short to keep other processes out, expected "
+                        f"at least {MIN_SECRET_CHARS} characters (python -c 'import secrets; "
+                        f"print(secrets.token_hex(32))'), got {len(secret)}")
 
 
 def derive_job_id(secret: str) -> str:
@@ -91,6 +102,8 @@ class Security:
                 "the same value on every rank (needle's launcher makes one; by hand: python -c "
                 f"'import secrets; print(secrets.token_hex(32))') or {AUTH_ENV}=off on a trusted "
                 "network, got neither")
+        if mode == "curve":
+            check_secret("init_process_group", secret or "")
         job = job_id or (derive_job_id(secret) if secret else "")
         return cls(mode, job, secret, size)
 

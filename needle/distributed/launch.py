@@ -38,12 +38,12 @@ import threading
 import time
 from pathlib import Path
 
-from needle._core.errors import NeedleError
+from needle._core.errors import CommError, NeedleError
 
 from ._launch_job import Job
 from ._launch_report import verdict
 from ._run_rank import STATUS_DIR_ENV
-from ._tcp_security import JOB_ENV, SECRET_ENV
+from ._tcp_security import AUTH_ENV, JOB_ENV, SECRET_ENV, check_secret
 
 FAILURE_GRACE = 3.0  # seconds to let the other ranks report after the first failure
 STOP_GRACE = 5.0     # seconds between the first signal and SIGKILL when stopping
@@ -264,6 +264,8 @@ def run(nproc: int, script: str, args: list[str] | None = None, backend: str = "
     """
     if backend not in ("mpi", "tcp"):
         raise ValueError(f"launch: unknown backend, expected 'mpi' or 'tcp', got {backend!r}")
+    if timeout is not None and not timeout > 0:  # also refuses NaN
+        raise ValueError(f"launch: bad --timeout, expected seconds > 0, got {timeout!r}")
     nodes = nodes or Nodes(nproc)
     grace = _finish_grace(finish_grace)
     status_dir = tempfile.mkdtemp(prefix="needle-launch-")
@@ -349,6 +351,14 @@ def main(argv: list[str] | None = None) -> int:
     if opts.backend == "tcp" and opts.nnodes > 1 and not os.environ.get(SECRET_ENV):
         parser.error(f"--nnodes > 1 needs the job secret, expected {SECRET_ENV} (the same on "
                      "every node) or --secret-file, got neither")
+    if opts.timeout is not None and not opts.timeout > 0:
+        parser.error(f"bad --timeout, expected seconds > 0, got {opts.timeout:g}")
+    secret = os.environ.get(SECRET_ENV)
+    if opts.backend == "tcp" and secret and os.environ.get(AUTH_ENV, "curve") == "curve":
+        try:
+            check_secret("launch", secret)
+        except CommError as exc:
+            parser.error(str(exc))
     try:
         nodes = Nodes(opts.nproc, opts.nnodes, opts.node_rank, opts.master_addr,
                       opts.master_port, opts.local_addr, opts.hostfile)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import Any, Callable
 
 from . import _group
-from ._errors import CommError
+from ._errors import CommError, PeerError
 from ._group import DEFAULT_TIMEOUT, NonMemberGroup, ProcessGroup, current_state
 from ._run_rank import rank_environment
 
@@ -31,7 +32,30 @@ def _env_int(name: str, given: int | None) -> int:
     if name not in os.environ:
         raise CommError(f"init_process_group: backend 'tcp' needs {name}, expected it as an "
                         "argument or environment variable, got neither")
-    return int(os.environ[name])
+    try:
+        return int(os.environ[name])
+    except ValueError:
+        raise CommError(f"init_process_group: bad {name}, expected an integer, got "
+                        f"{os.environ[name]!r}") from None
+
+
+def _check_rank(rank: int, world_size: int) -> tuple[int, int]:
+    """Refuse a layout no job can complete, before waiting for peers that cannot exist."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise CommError(f"init_process_group: bad rank layout, expected WORLD_SIZE >= 1 and "
+                        f"0 <= RANK < WORLD_SIZE, got RANK={rank} WORLD_SIZE={world_size}")
+    return rank, world_size
+
+
+def check_timeout(op: str, timeout: Any) -> float:
+    """``timeout`` as seconds, refusing what no wait can honour (negative, zero, NaN)."""
+    try:
+        seconds = float(timeout)
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if not seconds > 0:  # also refuses NaN
+        raise CommError(f"{op}: bad timeout, expected a number of seconds > 0, got {timeout!r}")
+    return seconds
 
 
 def _transport(backend: str, rank: int | None, world_size: int | None, timeout: float,
@@ -49,8 +73,8 @@ def _transport(backend: str, rank: int | None, world_size: int | None, timeout: 
     if backend == "tcp":
         from ._tcp_transport import TcpTransport
 
-        return TcpTransport(_env_int("RANK", rank), _env_int("WORLD_SIZE", world_size),
-                            os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        rank, size = _check_rank(_env_int("RANK", rank), _env_int("WORLD_SIZE", world_size))
+        return TcpTransport(rank, size, os.environ.get("MASTER_ADDR", "127.0.0.1"),
                             _env_int("MASTER_PORT", None), timeout)
     from ._thread_transport import ThreadTransport
 
@@ -94,6 +118,7 @@ def init_process_group(backend: str | None = None, timeout: float = DEFAULT_TIME
     if current_state() is not None:
         raise CommError("init_process_group: already initialized, expected one call per "
                         "process (call destroy_process_group first)")
+    timeout = check_timeout("init_process_group", timeout)
     transport = _transport(backend, rank, world_size, timeout, world)
     if backend != "thread":
         _export_rank_environment(transport)
@@ -165,10 +190,25 @@ def destroy_process_group(group: Any = None) -> None:
     _group.set_state(None, thread_local=state.transport.backend == "thread")
 
 
+_SPAWN_GRACE = 5.0  # seconds past the timeout before spawn_threads gives up on a rank
+
+
+def _root_cause(errors: list[tuple[int, BaseException]]) -> tuple[int, BaseException] | None:
+    """The failure the others follow from: the first (in time) that is not a PeerError,
+    since a PeerError says another rank is at fault; else the first."""
+    causes = [e for e in errors if not isinstance(e[1], PeerError)]
+    return (causes or errors or [None])[0]
+
+
 def spawn_threads(fn: Callable[..., Any], world_size: int, *args: Any,
                   timeout: float = 60.0) -> list[Any]:
     """Run ``fn(rank, *args)`` on ``world_size`` threads, each the rank of a thread-backend
-    group, and return their results in rank order. The first failure is re-raised.
+    group, and return their results in rank order.
+
+    Raises:
+        the failure the others follow from: the first that is not a PeerError (a PeerError
+        blames another rank), else the first; CommError naming the ranks still running
+        ``timeout`` + 5 s after the start, with that failure as its cause.
 
     Example:
         >>> import needle.distributed as dist
@@ -177,6 +217,7 @@ def spawn_threads(fn: Callable[..., Any], world_size: int, *args: Any,
     """
     from ._thread_transport import ThreadWorld
 
+    timeout = check_timeout("spawn_threads", timeout)
     world = ThreadWorld(world_size)
     results: list[Any] = [None] * world_size
     errors: list[tuple[int, BaseException]] = []
@@ -190,16 +231,23 @@ def spawn_threads(fn: Callable[..., Any], world_size: int, *args: Any,
         finally:
             destroy_process_group()
 
-    threads = [threading.Thread(target=main, args=(r,), name=f"needle-rank-{r}")
+    threads = [threading.Thread(target=main, args=(r,), name=f"needle-rank-{r}", daemon=True)
                for r in range(world_size)]
     for t in threads:
         t.start()
+    # One deadline for all: every call of a rank gives up after ``timeout``, so a rank alive
+    # well past it is stuck outside needle, and joining each in turn would multiply the wait.
+    end = time.monotonic() + timeout + _SPAWN_GRACE
     for t in threads:
-        t.join(timeout + 30.0)
-    if any(t.is_alive() for t in threads):
-        raise CommError(f"spawn_threads: ranks {[i for i, t in enumerate(threads) if t.is_alive()]}"
-                        f" still running after {timeout + 30.0:g} s")
-    if errors:
-        errors.sort(key=lambda e: e[0])
-        raise errors[0][1]
+        t.join(max(0.0, end - time.monotonic()))
+    root = _root_cause(list(errors))
+    stuck = [i for i, t in enumerate(threads) if t.is_alive()]
+    if stuck:
+        cause = "" if root is None else (f"; rank {root[0]} failed first: "
+                                         f"{type(root[1]).__name__}: {root[1]}")
+        raise CommError(f"spawn_threads: ranks {stuck} still running {timeout + _SPAWN_GRACE:g} "
+                        f"s after the start, expected every rank to end within the timeout "
+                        f"({timeout:g} s){cause}") from (root[1] if root else None)
+    if root is not None:
+        raise root[1]
     return results
