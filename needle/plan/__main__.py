@@ -183,7 +183,7 @@ def what_if(opts) -> dict:
     out["traffic_bytes"] = pred.traffic
     out["step"] = {"seconds": pred.step, "bubble": pred.bubble, "compute_s": pred.compute,
                    "communication_s": pred.communication, "optimizer_s": pred.optimizer,
-                   "draws": pred.parts["draws"]}
+                   "sync_s": pred.parts["sync"], "draws": pred.parts["draws"]}
     if opts.tokens and opts.batch:
         seconds = time_to_train(opts.tokens, opts.batch, pred.step)
         out["time_to_train"] = {"tokens": opts.tokens, "steps": -(-opts.tokens // opts.batch),
@@ -220,8 +220,9 @@ def text(out: dict) -> str:
             return "\n".join(lines + ["step: give --batch (examples per step) for its time"]
                              + _flops_lines(out))
         lines.append(f"step: {st['seconds']:.6g} s (compute {st['compute_s']:.4g} s, "
-                     f"communication {st['communication_s']:.4g} s, optimizer "
-                     f"{st['optimizer_s']:.4g} s), bubble {st['bubble']:.3f}"
+                     f"communication {st['communication_s']:.4g} s, gradient sync "
+                     f"{st['sync_s']:.4g} s, optimizer {st['optimizer_s']:.4g} s), bubble "
+                     f"{st['bubble']:.3f}"
                      + (f" (mean of {st['draws']} noisy draws)" if st["draws"] else ""))
     if "time_to_train" in out:
         tt = out["time_to_train"]
