@@ -47,7 +47,7 @@ import math
 
 import numpy as np
 
-from ._core.errors import NeedleError, ShapeError
+from ._core.errors import SerializationError, ShapeError
 from ._core.versions import BUFFER_LOGS
 from ._core.versions import note_write as _note_write
 from .autograd import Tensor
@@ -367,28 +367,21 @@ class Optimizer:
                 "state": state, "extra": self._extra_state()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore what :meth:`state_dict` gave (same parameter list, same order).
+        """Restore what :meth:`state_dict` gave (same parameter list, same order). Everything
+        is checked against this optimizer's own parameters before anything changes.
 
         Raises:
-            NeedleError: for a state of another optimiser type.
+            SerializationError: for a state of another optimiser type, hyper-parameters other
+                than this optimizer's, a slot missing (Adam's ``m``...), a parameter index
+                out of range, or slots that cover different parameters.
             ShapeError: for a state array whose shape differs from its parameter's.
         """
-        if state.get("type") != type(self).__name__:
-            raise NeedleError(f"{type(self).__name__}.load_state_dict: optimiser type differs, "
-                              f"expected {type(self).__name__}, got {state.get('type')!r}")
+        _check_optimizer_state(self, state)
         for name, value in state["hyper"].items():
             setattr(self, name, value)
         for name in self._slots:
-            slot = {}
-            for i, value in state["state"].get(name, {}).items():
-                p = self.params[int(i)]
-                if tuple(np.shape(value)) != tuple(p.shape):
-                    raise ShapeError(
-                        f"{type(self).__name__}.load_state_dict: state {name!r} of parameter "
-                        f"{i} has the wrong shape, expected {tuple(p.shape)}, got "
-                        f"{tuple(np.shape(value))}")
-                slot[p] = _from_numpy(value, p)
-            setattr(self, name, slot)
+            setattr(self, name, {self.params[int(i)]: _from_numpy(v, self.params[int(i)])
+                                 for i, v in state["state"][name].items()})
         self._load_master(state["state"].get("master", {}))
         self._load_extra_state(state.get("extra", {}))
 
@@ -396,11 +389,6 @@ class Optimizer:
         self.master, self._installed = {}, {}
         for i, value in saved.items():
             p = self.params[int(i)]
-            if tuple(np.shape(value)) != tuple(p.shape):
-                raise ShapeError(
-                    f"{type(self).__name__}.load_state_dict: master weights of parameter {i} "
-                    f"have the wrong shape, expected {tuple(p.shape)}, got "
-                    f"{tuple(np.shape(value))}")
             master = Tensor(np.asarray(value, dtype=np.float32), device=p.device,
                             dtype="float32", requires_grad=False).realize_cached_data()
             _attribute(master, "master")
@@ -412,6 +400,48 @@ class Optimizer:
 
     def _load_extra_state(self, extra: dict) -> None:
         pass
+
+
+def _check_optimizer_state(opt: Optimizer, state) -> None:
+    """Refuse a state that does not fit ``opt``: its type, its hyper-parameters (a key such
+    as ``params`` would replace the parameter list), every slot present, indices of
+    ``opt.params``, the same parameters in every slot, shapes of the parameters."""
+    where = f"{type(opt).__name__}.load_state_dict"
+
+    def fail(what: str, expected, got) -> SerializationError:
+        return SerializationError(f"{where}: {what}, expected {expected}, got {got}")
+
+    if not isinstance(state, dict) or state.get("type") != type(opt).__name__:
+        got = state.get("type") if isinstance(state, dict) else type(state).__name__
+        raise fail("optimiser type differs", type(opt).__name__, repr(got))
+    hyper, slots = state.get("hyper"), state.get("state")
+    if not isinstance(hyper, dict) or sorted(hyper) != sorted(opt._hyper):
+        raise fail("hyper-parameters differ", sorted(opt._hyper),
+                   sorted(hyper) if isinstance(hyper, dict) else hyper)
+    for name, value in hyper.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
+            raise fail(f"hyper-parameter {name!r} is not a number", "int or float", repr(value))
+    names = (*opt._slots, "master")
+    if not isinstance(slots, dict) or not set(opt._slots) <= set(slots) <= set(names):
+        raise fail("per-parameter state slots differ", list(names),
+                   sorted(slots) if isinstance(slots, dict) else slots)
+    covered = {}
+    for name in slots:
+        if not isinstance(slots[name], dict):
+            raise fail(f"slot {name!r} is not a dict", "{index: array}", slots[name])
+        for i, value in slots[name].items():
+            if not (type(i) is int or (isinstance(i, str) and i.isdecimal())) or not (
+                    0 <= int(i) < len(opt.params)):
+                raise fail(f"slot {name!r} holds parameter index {i!r}",
+                           f"indices 0..{len(opt.params) - 1}", repr(i))
+            shape = tuple(opt.params[int(i)].shape)
+            if tuple(np.shape(value)) != shape:
+                raise ShapeError(f"{where}: state {name!r} of parameter {i} has the wrong "
+                                 f"shape, expected {shape}, got {tuple(np.shape(value))}")
+        covered[name] = sorted(int(i) for i in slots[name])
+    if len({tuple(covered[name]) for name in opt._slots}) > 1:
+        raise fail("slots cover different parameters", "the same in every slot",
+                   {name: covered[name] for name in opt._slots})
 
 
 def _noted_in_place(params, fresh) -> None:

@@ -24,9 +24,9 @@ from dataclasses import asdict, dataclass, field
 from .config import UsageError
 
 # Options that may differ between a run and its resumption (they do not change the math).
-_FREE = {"out", "progress", "resume", "checkpoint_dir", "save_every", "keep_checkpoints",
-         "max_steps", "epochs", "die_at_step", "die_after_micro_batches", "kill_worker",
-         "slow_worker", "freeze_worker", "rng_ledger", "verify_resume"}
+_FREE = {"out", "progress", "resume", "adopt_run", "checkpoint_dir", "save_every",
+         "keep_checkpoints", "max_steps", "epochs", "die_at_step", "die_after_micro_batches",
+         "kill_worker", "slow_worker", "freeze_worker", "rng_ledger", "verify_resume"}
 
 
 @dataclass
@@ -54,6 +54,7 @@ class RunCheckpoints:
         self.ledger = ledger
         self.directory = cfg.checkpoint_dir or cfg.resume or os.path.join(cfg.out, "checkpoints")
         self._report: dict | None = None
+        self.run_id: str | None = None  # the resumed run's, which later saves continue
 
     def _state(self, cursor: Cursor | None = None, without_strategy: bool = False):
         from needle.train_state import TrainState
@@ -82,7 +83,7 @@ class RunCheckpoints:
                                  world_size=self.world_size, keep=self.cfg.keep_checkpoints,
                                  barrier=self._barrier(),
                                  meta={"config": fingerprint(self.cfg),
-                                       "strategy": self.strategy.name})
+                                       "strategy": self.strategy.name}, run_id=self.run_id)
 
     def restore(self) -> Cursor | None:
         """Load the newest complete checkpoint of ``--resume`` (None without ``--resume``).
@@ -107,16 +108,18 @@ class RunCheckpoints:
 
         try:
             # resolved once, then read by path: the report names the checkpoint that was read
-            path, skipped = resolve_checkpoint(self.cfg.resume, "--resume")
+            path, skipped = resolve_checkpoint(self.cfg.resume, "--resume",
+                                               adopt_run=self.cfg.adopt_run)
         except Exception as exc:  # SerializationError and friends: a usage problem here
             raise UsageError(str(exc)) from None
         self._log(*(f"skipped {p}: {why}" for p, why in skipped))
         try:
-            mode = self._mode(read_manifest(path))
+            # the run was checked once, above: these reads take the checkpoint resolved
+            mode = self._mode(read_manifest(path, adopt_run=True))
             if mode == "own":
-                manifest, shard = read_checkpoint(path, self.rank)
+                manifest, shard = read_checkpoint(path, self.rank, adopt_run=True)
             else:
-                manifest, shards = read_all_shards(path)
+                manifest, shards = read_all_shards(path, adopt_run=True)
                 continued = self.rank % len(shards)
                 shard = shards[continued]
         except UsageError:
@@ -124,6 +127,8 @@ class RunCheckpoints:
         except Exception as exc:
             raise UsageError(f"--resume {self.cfg.resume}: {exc}") from None
         self._check_compatible(manifest, mode)
+        if not self.cfg.adopt_run:  # an adopted checkpoint joins the saving folder's run
+            self.run_id = manifest.get("run_id")
         if mode == "convert":
             from .universal import load_full, template_model, to_full
 

@@ -55,6 +55,7 @@ class Config:
     checkpoint_dir: str | None = None  # None: --resume's folder, else OUT/checkpoints
     keep_checkpoints: int = 3
     resume: str | None = None
+    adopt_run: bool = False  # --resume from a checkpoint of another run than its folder's
     rng_ledger: str | None = None
     verify_resume: int | None = None
     activation_checkpoints: str | None = None  # "2c,2,2c": segment lengths, c = recomputed
@@ -145,6 +146,9 @@ def build_parser(strategies: dict) -> argparse.ArgumentParser:
                       help="how many complete checkpoints to keep")
     ckpt.add_argument("--resume", default=None, metavar="D",
                       help="continue from the newest complete checkpoint under D")
+    ckpt.add_argument("--adopt-run", action="store_true",
+                      help="with --resume: accept a checkpoint whose run differs from its "
+                           "folder's run.json (one copied from another run); refused without")
     ckpt.add_argument("--rng-ledger", default=None, metavar="FILE",
                       help="record every random draw (JSON lines; one file per rank)")
     ckpt.add_argument("--verify-resume", type=int, default=None, metavar="K",
@@ -210,6 +214,8 @@ def validate(cfg: Config, strategies: dict) -> None:
                          f"{cfg.verify_resume}, S={cfg.max_steps}")
     if cfg.resume is not None and not os.path.isdir(cfg.resume):
         raise UsageError(f"--resume: no such folder {cfg.resume}")
+    if cfg.adopt_run and cfg.resume is None:
+        raise UsageError("--adopt-run applies to the checkpoint --resume D loads, got no --resume")
     if cfg.seed < 0:
         raise UsageError(f"--seed must be >= 0, got {cfg.seed}")
     if cfg.lr is not None and cfg.lr <= 0:

@@ -75,10 +75,10 @@ def write_outputs(summary: dict, out_dir: str) -> tuple[str, str]:
         save_model(state, os.path.join(out_dir, MODEL_FILE))
         summary["model_file"] = MODEL_FILE
     json_path = os.path.join(out_dir, "summary.json")
-    tmp_path = json_path + ".tmp"
-    with open(tmp_path, "w") as f:
-        json.dump(summary, f, indent=2)
-    os.replace(tmp_path, json_path)  # readers never see half a file
+    from needle.serialization import atomic_write_bytes
+
+    # readers never see half a file, and nothing planted at a temporary name is written through
+    atomic_write_bytes(json_path, json.dumps(summary, indent=2).encode())
     h = summary["history"]
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
     ax_loss.plot(range(1, len(summary["losses"]) + 1), summary["losses"], alpha=0.4,

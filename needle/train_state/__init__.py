@@ -34,10 +34,11 @@ from .store import (
     read_checkpoint,
     read_manifest,
     resolve_checkpoint,
+    run_id_of,
     write_checkpoint,
 )
 
 __all__ = ["TrainState", "STATE_FORMAT_VERSION", "RNGLedger", "incomplete_reason",
            "latest_checkpoint", "latest_checkpoint_report", "list_checkpoints",
            "read_all_shards", "read_checkpoint", "read_manifest", "resolve_checkpoint",
-           "write_checkpoint"]
+           "run_id_of", "write_checkpoint"]

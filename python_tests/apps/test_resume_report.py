@@ -129,7 +129,8 @@ def saved(tmp_path_factory):
     ckpt = tmp_path_factory.mktemp("saved") / "ckpt"
     summary = train.train(_quiet("--model", "mlp", "--max-steps", "6", "--save-every", "2",
                                  "--checkpoint-dir", str(ckpt)))
-    assert sorted(os.listdir(ckpt)) == ["step-00000002", "step-00000004", "step-00000006"]
+    assert sorted(os.listdir(ckpt)) == ["run.json", "step-00000002", "step-00000004",
+                                        "step-00000006"]
     return summary, str(ckpt)
 
 

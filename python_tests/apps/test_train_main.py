@@ -324,7 +324,7 @@ def test_resume_continues_and_keeps_the_newest_checkpoints(tmp_path):
     cfg = _quiet("--model", "mlp", "--max-steps", "20", "--save-every", "5",
                  "--checkpoint-dir", str(ckpt), "--keep-checkpoints", "2")
     straight = train.train(cfg)
-    assert sorted(os.listdir(ckpt)) == ["step-00000015", "step-00000020"]
+    assert sorted(os.listdir(ckpt)) == ["run.json", "step-00000015", "step-00000020"]
     # resume from step 20 and go on to 26: the first 20 losses are the saved ones
     resumed = train.train(_quiet("--model", "mlp", "--max-steps", "26", "--resume", str(ckpt)))
     assert resumed["steps"] == 26 and resumed["losses"][:20] == straight["losses"]
