@@ -4,21 +4,25 @@ compare.
     python bench/bench_time_model.py                          # both tables (a few minutes)
     python bench/bench_time_model.py --only pipeline          # the four schedules at p = 2
     python bench/bench_time_model.py --only scaling --nprocs 1 2 4 8 --json out.json
+    python bench/bench_time_model.py --nprocs 1 2 --rounds 3  # medians of 3 paired rounds
 
-1. Calibration: a job of 2 ranks (this file with --calibrate-worker) runs the link probe
-   (needle.distributed.calibrate.probe_link: alpha, beta, each end's CPU time, the wake-up
-   of a long wait), fits the device on the main job's model (MLP-ResNet, Adam) at a few
-   batch sizes (needle.plan.calibration), and profiles every pipeline stage's F and B (and
-   the zero-bubble split's B and W) on one micro-batch as the runtime runs them, both ranks
-   at once (needle.plan.profile). Everything goes to --calibration (JSON).
-2. Predictions, from that file only, before any run: each schedule's bubble, makespan and
-   step time (needle.plan.predict with the profiled stages: the mean of --draws noisy
-   simulator draws), and each scaling run's step time (needle.plan.predict with the fitted
-   device; the job's other per-step collectives read from the traffic ledger of one dry-run
-   step on thread ranks).
+1. Calibration: a job of as many ranks as the run (this file with --calibrate-worker) runs
+   the link probe (needle.distributed.calibrate.probe_link: alpha, beta, each end's CPU
+   time, the wake-up of a long wait), fits the device on the main job's model (MLP-ResNet,
+   Adam) at a few batch sizes and the gradient sync's cost per tensor (needle.plan.calibration),
+   and, for the pipeline table, runs every schedule for a few pipelined steps of
+   CAL_MICROBATCHES micro-batches of the run's size, recording every action as the runtime
+   runs it (needle.plan.profile_schedule). Everything goes to one JSON file.
+2. Predictions, from that file only, before any run: each schedule at MICROBATCHES
+   micro-batches (the simulator fed the profiled actions and messages: the mean of --draws
+   noisy draws), and each scaling run's step time (needle.plan.predict with the fitted device;
+   the job's other per-step collectives read from the traffic ledger of one dry-run step on
+   thread ranks).
 3. The runs: apps/train.py through bench/_timed_train.py (rank 0 times every train_step;
    the first step, which allocates, is left out of the mean).
-4. The tables, with measured / predicted ratios.
+4. The tables, with measured / predicted ratios; with --rounds R every calibrate-predict-run
+   repeats R times in turn (the machine's speed drifts by tens of percent over minutes on a
+   shared host) and a last table gives the medians and the range of the ratios.
 """
 from __future__ import annotations
 
@@ -339,6 +343,27 @@ def scaling_table(rows: list[dict], head: bool = True) -> str:
     return "\n".join(lines)
 
 
+def rounds_table(rows: list[dict], key: str) -> str:
+    """Per configuration over the rounds: median predicted and measured step, the median and
+    the range of measured / predicted, and (pipelines) the median bubble difference."""
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r[key], r.get("nproc", 2)), []).append(r)
+    lines = [f"{key:12} {'nproc':>5} {'step ms pred':>12} {'meas':>7} {'ratio':>6} "
+             f"{'range':>11} {'bubble diff':>11}"]
+    for (name, p), rs in groups.items():
+        pred = [r["predicted"]["step_s"] for r in rs]
+        meas = [r["measured"]["step_s"] for r in rs]
+        ratios = [m / q for m, q in zip(meas, pred, strict=True)]
+        diff = [r["measured"]["bubble"] - r["predicted"]["bubble"] for r in rs
+                if "bubble" in r["measured"]]
+        lines.append(f"{name:12} {p:5d} {np.median(pred) * 1e3:12.2f} "
+                     f"{np.median(meas) * 1e3:7.2f} {np.median(ratios):6.2f} "
+                     f"{min(ratios):5.2f}-{max(ratios):<5.2f} "
+                     + (f"{np.median(diff):+11.3f}" if diff else f"{'':>11}"))
+    return "\n".join(lines)
+
+
 def header(cal: Calibration) -> str:
     mach = cal.machine
     link, dev = cal.link, cal.device
@@ -366,6 +391,9 @@ def main() -> int:
                              "2 processes for all")
     parser.add_argument("--calibration", default=None,
                         help="with --calibrate once: write the calibration here")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="repeat every calibrate-predict-run this many times, in turn, "
+                             "and add a table of the medians")
     parser.add_argument("--json", default=None, help="also write every row here")
     parser.add_argument("--calibrate-worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--stages", action="store_true", help=argparse.SUPPRESS)
@@ -391,33 +419,38 @@ def main() -> int:
         return cal
 
     pipe_rows, scale_rows = [], []
-    if opts.only in (None, "pipeline"):
-        extra = dry_run_collectives("pipeline", 2)
-        for s in SCHEDULES:
-            cal = calibration(s, 2, stages=True)
-            row = {"schedule": s, "predicted": predict_pipeline(cal, s, opts.draws, extra),
-                   "calibration": summary_of(cal)}
-            row["measured"] = run_train("pipeline", 2, opts.epochs, s)
-            pipe_rows.append(row)
-            print(pipeline_table([row], head=len(pipe_rows) == 1), flush=True)
-    if opts.only in (None, "scaling"):
-        combos = [("single", 1)] if 1 in opts.nprocs else []
-        combos += [(s, p) for s in opts.strategies for p in opts.nprocs if p > 1
-                   and not (s == "pipeline" and p > 4)]
-        for s, p in combos:
-            extra = dry_run_collectives(s, p)
-            cal = calibration(f"{s}{p}", p)
-            row = {"strategy": s, "nproc": p, "calibration": summary_of(cal),
-                   "predicted": predict_step(cal, s, p, opts.draws, extra)}
-            row["measured"] = run_train(s, p, opts.epochs)
-            scale_rows.append(row)
-            print(scaling_table([row], head=len(scale_rows) == 1), flush=True)
+    for rnd in range(opts.rounds):  # rounds interleave: each config meets the machine's drift
+        if opts.only in (None, "pipeline"):
+            extra = dry_run_collectives("pipeline", 2)
+            for s in SCHEDULES:
+                cal = calibration(s, 2, stages=True)
+                row = {"schedule": s, "round": rnd, "calibration": summary_of(cal),
+                       "predicted": predict_pipeline(cal, s, opts.draws, extra)}
+                row["measured"] = run_train("pipeline", 2, opts.epochs, s)
+                pipe_rows.append(row)
+                print(pipeline_table([row], head=len(pipe_rows) == 1), flush=True)
+        if opts.only in (None, "scaling"):
+            combos = [("single", 1)] if 1 in opts.nprocs else []
+            combos += [(s, p) for s in opts.strategies for p in opts.nprocs if p > 1
+                       and not (s == "pipeline" and p > 4)]
+            for s, p in combos:
+                extra = dry_run_collectives(s, p)
+                cal = calibration(f"{s}{p}", p)
+                row = {"strategy": s, "nproc": p, "round": rnd, "calibration": summary_of(cal),
+                       "predicted": predict_step(cal, s, p, opts.draws, extra)}
+                row["measured"] = run_train(s, p, opts.epochs)
+                scale_rows.append(row)
+                print(scaling_table([row], head=len(scale_rows) == 1), flush=True)
     if pipe_rows:
         print("\npipeline, p = 2, m = 4 (makespan: the schedule; step: the whole train_step)")
         print(pipeline_table(pipe_rows))
     if scale_rows:
         print("\nstep time, apps/train.py --model mlp_resnet --batch-size 64")
         print(scaling_table(scale_rows))
+    if opts.rounds > 1:
+        print(f"\nover {opts.rounds} rounds: medians, and the range of measured / predicted")
+        print(rounds_table(pipe_rows, "schedule") if pipe_rows else "")
+        print(rounds_table(scale_rows, "strategy") if scale_rows else "")
     load = os.getloadavg()
     print(f"\nfinished after {time.time() - started:.0f} s; load average now "
           f"{load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
