@@ -90,3 +90,53 @@ def _release_every_size(request, monkeypatch):
         from needle.autograd import release
 
         monkeypatch.setattr(release, "RELEASE_MIN_ELEMENTS", 0)
+
+
+# Every process a test starts (a launcher, mpiexec, Hydra's proxies, the ranks, a helper
+# script) inherits this variable; whatever still carries it when the test ends is killed,
+# pass or fail. Processes are found through /proc, so one that was reparented after its
+# parent died (a launcher killed by a timeout leaves mpiexec to init) is found too.
+_PROCESS_TOKEN = "NEEDLE_TEST_PROCESS_TOKEN"
+
+
+def _processes_carrying(token: bytes) -> list[int]:
+    """pids (other than ours) of live, non-zombie processes whose environment holds ``token``."""
+    found = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return found  # no procfs (not Linux): nothing to find
+    for entry in entries:
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if token not in f.read():
+                    continue
+            with open(f"/proc/{entry}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+        if state != "Z":
+            found.append(int(entry))
+    return found
+
+
+@pytest.fixture(autouse=True)
+def _no_process_outlives_its_test(monkeypatch):
+    import signal
+    import uuid
+
+    token = uuid.uuid4().hex
+    monkeypatch.setenv(_PROCESS_TOKEN, token)
+    yield
+    needle = f"{_PROCESS_TOKEN}={token}".encode()
+    for _ in range(5):  # a process may fork while the previous round kills
+        left = _processes_carrying(needle)
+        if not left:
+            return
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass

@@ -39,7 +39,8 @@ __all__ = ["explain", "Explanation"]
 
 @dataclass
 class Explanation:
-    """What :func:`explain` found (see the module docstring)."""
+    """What :func:`explain` found (see the module docstring). ``peak_event`` is -1 when the
+    peak is the start (the step never rises above the bytes it began with)."""
 
     device: str
     measured_peak_bytes: int
@@ -130,7 +131,8 @@ def explain(step_fn, *args, device=None, top: int = 12, **kwargs) -> Explanation
             delta[row["start"]] += row["requested"]
         if row["end"] < len(recs):
             delta[row["end"]] -= row["requested"]
-    live, best, at = before, before, 0
+    # at = -1: the peak is the start (no event rose above it; the first may be a free)
+    live, best, at = before, before, -1
     for i in range(len(recs)):
         live += delta[i]
         if live > best:
@@ -145,7 +147,7 @@ def explain(step_fn, *args, device=None, top: int = 12, **kwargs) -> Explanation
                    if (r["start"] is None or r["start"] <= at) and r["end"] > at]
     overlapping.sort(key=lambda r: -r["requested"])
     stats = prof.end_stats[name]
-    peak = recs[at] if recs else None
+    peak = recs[at] if at >= 0 else None
     return Explanation(
         device=name, measured_peak_bytes=stats["peak_bytes"],
         measured_requested_bytes=stats["peak_requested_bytes"], liveness_bytes=best,
