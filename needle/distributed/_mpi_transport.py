@@ -94,6 +94,33 @@ class MpiChannel(Channel):
         return MpiNative(self)
 
 
+SHM_PREFIX = "/dev/shm/mpich_shm_"
+
+
+def record_shm_files(rank: int) -> None:
+    """Under needle's launcher, note the MPICH shared-memory files this rank has mapped, so
+    that the launcher can remove them when the job ends: MPICH unlinks them only in a clean
+    MPI_Finalize, and a rank that raised, was killed or interrupted leaves them behind."""
+    import json
+    import os
+
+    from ._run_rank import STATUS_DIR_ENV
+
+    folder = os.environ.get(STATUS_DIR_ENV)
+    if not folder:
+        return
+    try:
+        with open("/proc/self/maps") as maps:
+            names = sorted({line.split()[-1] for line in maps
+                            if line.split()[-1].startswith(SHM_PREFIX)})
+        path = os.path.join(folder, f"shm-{rank}.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(names, f)
+        os.replace(path + ".tmp", path)
+    except OSError:
+        pass  # no /proc, or the launcher is gone: nothing to clean up for
+
+
 class MpiTransport:
     backend = "mpi"
 
@@ -115,6 +142,7 @@ class MpiTransport:
         color = 0 if member else MPI.UNDEFINED
         key = ranks.index(self.rank) if member else 0
         comm = self.world.Split(color, key)
+        record_shm_files(self.rank)  # MPICH maps them at the first communication
         if not member:
             return None
         return [MpiChannel(comm.Dup(), list(ranks)) for _ in range(count)]

@@ -27,6 +27,8 @@ the other ranks' verdict.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import secrets
 import shutil
@@ -287,7 +289,23 @@ def run(nproc: int, script: str, args: list[str] | None = None, backend: str = "
         if not job.processes_done():  # an error in the launcher itself: leave nothing behind
             job.stop(signal.SIGKILL, 0.0)
         job.join_pumps()
+        _remove_shm_files(status_dir)
         shutil.rmtree(status_dir, ignore_errors=True)
+
+
+def _remove_shm_files(status_dir: str) -> None:
+    """Remove the MPICH shared-memory files that this job's ranks recorded (and only those:
+    other jobs' files are never touched); a clean finalize already removed them."""
+    for path in Path(status_dir).glob("shm-*.json"):
+        try:
+            names = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        for name in names if isinstance(names, list) else []:
+            base = os.path.basename(str(name))  # a file directly in /dev/shm, nothing else
+            if base.startswith("mpich_shm_"):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join("/dev/shm", base))
 
 
 def relaunch(nproc: int, backend: str | None = None, timeout: float | None = None,

@@ -2,6 +2,7 @@
 result, never a hang or a wrong answer."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -138,3 +139,19 @@ def test_spawn_threads_with_a_stuck_rank_names_it_and_the_root_cause() -> None:
         assert not isinstance(info.value, PeerError)
     finally:
         release.set()
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("how", ["raise", "kill"])
+def test_failed_mpi_job_leaves_no_shared_memory_files(how: str) -> None:
+    """MPICH removes its /dev/shm files only in a clean finalize; the launcher removes the
+    ones this job's ranks mapped (the ranks print their names: other jobs' files, which
+    may appear meanwhile, are not this test's business, nor the launcher's)."""
+    out = launch(2, "mpi", "shm_leak.py", how, timeout=90)
+    assert out.returncode != 0, out.stdout[-3000:] + out.stderr[-2000:]
+    files = {f for line in out.stdout.splitlines() if "SHM" in line
+             for f in line.split("SHM", 1)[1].split()}
+    assert files, out.stdout[-3000:]
+    left = sorted(f for f in files if os.path.exists(f))
+    assert not left, (left, out.stderr[-2000:])
