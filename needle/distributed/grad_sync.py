@@ -93,6 +93,11 @@ class BucketHook:
     def launch(self, bucket: Bucket) -> Any:
         raise NotImplementedError
 
+    def gradient(self, i: int, param: Any, grad: np.ndarray) -> np.ndarray:
+        """What to pack of parameter i's gradient ``grad`` (host values; default: all of
+        it)."""
+        return grad
+
     def packed(self, i: int, param: Any) -> None:
         """Parameter i's gradient is in its bucket."""
 
@@ -305,7 +310,7 @@ class GradSync:
         self._fired.add(i)
         self._step.setdefault("first_hook", now)
         self._step["last_hook"] = now
-        grad = borrow(p.grad, self.owner, readonly=True).arr
+        grad = self.hook.gradient(i, p, borrow(p.grad, self.owner, readonly=True).arr)
         self._pack(i, grad, now)
         self.hook.packed(i, p)
 

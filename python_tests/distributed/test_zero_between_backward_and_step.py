@@ -43,12 +43,7 @@ def _numpy_grads(params: list, x: np.ndarray) -> list:
     return [x.T @ dh, dh.sum(0, keepdims=True), h.T @ dy, dy.sum(0, keepdims=True)]
 
 
-STAGE1_MIXES = pytest.mark.xfail(strict=True, reason=(
-    "stage 1 keeps whole gradients whose other ranks' pieces stay unreduced after a sync: "
-    "a second synced backward adds its gradient to them and reduces the mixture"))
-
-
-@pytest.mark.parametrize("stage", [pytest.param(1, marks=STAGE1_MIXES), 2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_two_synced_backwards_before_one_step_add_up(stage):
     def job(rank):
         model = _linear_net()

@@ -45,6 +45,13 @@ class _ScatterHook(BucketHook):
         return reduce_scatter_v(bucket.flat, bucket.layout.bounds, "sum", bucket.group,
                                 async_op=True)
 
+    def gradient(self, i: int, param: Any, grad: np.ndarray) -> np.ndarray:
+        """Stage 1 after a sync of this step: ``p.grad`` is the synced gradient plus this
+        backward's; pack this backward's only (the synced one is still alive: the shard's
+        gradient is a view of it), its reduced piece is added to the synced piece."""
+        synced = self.zero.entries[i].synced if self.zero.stage == 1 else None
+        return grad if synced is None else grad - synced.numpy()
+
     def packed(self, i: int, param: Any) -> None:
         if self.zero.stage == 1:
             self.zero._own_grad(param)
@@ -174,10 +181,13 @@ class ZeroDataParallel(SyncedModule, ZeroWeights):
         if not e.numel:
             return
         if self.stage == 1 and e.param.grad is not None:  # into the whole gradient's slice
+            if e.synced is not None:  # a second synced backward: add to the synced piece
+                piece = piece + e.shard.grad.numpy()
             grad = e.param.grad.realize_cached_data()
             view = flat_view(grad, e.lo, e.hi)
             view[slice(None)] = to_device(piece, e, "gradient")
             e.shard.grad = Tensor.make_const(view)
+            e.synced = e.param.grad  # its other ranks' slices are this rank's, unreduced
             return
         value = to_device(piece, e, "gradient")
         if e.grad is not None:  # a second synced backward before the step: accumulate
@@ -234,7 +244,7 @@ class ZeroDataParallel(SyncedModule, ZeroWeights):
         """Drop every gradient: whole ones, reduced pieces and the shard parameters'."""
         for e in self.entries:
             e.param.grad = None
-            e.grad = None
+            e.grad = e.synced = None
             if e.shard is not None:
                 e.shard.grad = None
 

@@ -66,6 +66,7 @@ class Entry:
         self.lo, self.hi = self.bounds[rank], self.bounds[rank + 1]
         self.shard: Tensor | None = None  # the optimizer's parameter (None: empty piece)
         self.grad: Any = None  # stages 2-3: the reduced gradient piece (device array)
+        self.synced: Any = None  # stage 1: the whole gradient of the last sync (Tensor)
 
     @property
     def numel(self) -> int:
