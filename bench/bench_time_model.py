@@ -377,6 +377,7 @@ def header(cal: Calibration) -> str:
             f" us per tensor, step {dev.step_time * 1e6:.1f} us")
 
 
+# long: the options, then the rounds of calibrate-predict-run for both tables, in order
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", choices=["pipeline", "scaling"], default=None)

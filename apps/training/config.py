@@ -72,6 +72,7 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+# long: one flat list of the common options, each with its help, reads as the --help page
 def build_parser(strategies: dict) -> argparse.ArgumentParser:
     """The parser with the common options and every registered strategy's options."""
     d = Config()
