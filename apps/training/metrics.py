@@ -126,12 +126,14 @@ class ModelStateMemory(Meter):
     ``probe()`` returns the :class:`ModelState` to measure (None: nothing yet). With
     ``at_end``, the meter measures once, in :meth:`finish` (strategies whose ranks free
     set-up state late); else at every sample, keeping the latest. The prediction depends only
-    on shapes, dtypes, optimizer and layout, so it is computed once, at the end."""
+    on shapes, dtypes, optimizer and layout, so it is computed once, at the end. ``gather``:
+    every rank's row reaches the reporting rank by an all-gather (False: the strategy carries
+    this rank's :attr:`row` itself, as the parameter server's workers do)."""
 
     def __init__(self, probe: Callable[[], ModelState | None], rank: int, world_size: int,
                  when: str = "right after the last optimizer step", at_end: bool = False,
-                 peak: "PeakMemory | None" = None):
-        self.probe, self.rank, self.world_size = probe, rank, world_size
+                 peak: "PeakMemory | None" = None, gather: bool = True):
+        self.probe, self.rank, self.world_size, self.gather = probe, rank, world_size, gather
         self.when, self.at_end = when, at_end
         self.peak = peak  # each row gains this rank's step peak (``PeakMemory.row``)
         self.per_step = peak is not None
@@ -164,6 +166,8 @@ class ModelStateMemory(Meter):
             self._state, self._measured = state, accounting.measured(state.device)
 
     def finish(self) -> None:
+        if self.row is not None:  # finished already (a strategy that sends its row itself)
+            return
         if self.at_end:
             self._measure()
         state, got = self._state, self._measured
@@ -177,8 +181,8 @@ class ModelStateMemory(Meter):
                     "allocated": got["allocated"], "predicted": want}
         if self.peak is not None:
             self.row["peak"] = self.peak.row()
-        self.rows = [self.row] if self.world_size == 1 else _gather_rows(self.row,
-                                                                         self.world_size)
+        self.rows = [self.row] if self.world_size == 1 or not self.gather else _gather_rows(
+            self.row, self.world_size)
 
     def blocks(self) -> dict:
         block = {

@@ -399,6 +399,29 @@ def predict_default_step(strategy, X: np.ndarray, y: np.ndarray, first: bool) ->
                            ddp=strategy.distributed and stage == 0)
 
 
+def predict_ps_worker(strategy, X: np.ndarray, y: np.ndarray, first: bool) -> dict:
+    """The peak of a parameter-server worker's step: the pull writes the new weights into
+    the parameters in place (host staging: nothing on the device), the last step's gradients
+    are dropped, then the forward and backward of the default step; the push reads the
+    gradients into host memory and the servers run the optimizer, so no update here."""
+    import needle as ndl
+
+    cfg, ctx = strategy.cfg, strategy.ctx
+    if cfg.precision != "fp32":
+        return unpredicted("--precision fp16-mixed: not a parameter-server option")
+    with ndl.random.fork_rng():
+        model = ctx.new_model()
+        terms = held_at_start(model, None, 0, 1, 0, first, 0)
+        items = trace_backward(shadow_strategy(cfg, ctx), model, X, y)
+        del model
+        gc.collect()
+    terms[WORKSPACE] = workspace_bytes(ctx.device)
+    top, _ = run_deltas(items)
+    start = sum(terms.values())
+    return {"predicted": start - terms["gradient"] + top, "held_at_start": start,
+            "terms": terms, "where": "backward"}
+
+
 def _shadow_trace(strategy, build, run, X, y) -> list:
     """The event log of ``run(shadow, X0, y0)``: ``shadow`` is a shallow copy of the strategy
     whose model is ``build(fresh unsharded model)``, ``X0, y0`` zeros of the shapes."""

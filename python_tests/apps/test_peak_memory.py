@@ -1,9 +1,10 @@
 """summary.json's memory.per_rank[r].peak: the step's peak, predicted before the step from
 shapes, equals the allocator's measured peak (requested bytes: the allocator's block rounding
-is outside both) on every rank, for single, ddp, zero stage 3, pipeline and tp on the default
-model (MLPResNet with BatchNorm and Dropout); planted mistakes in the prediction (a ZeRO-3
-unit not gathered again for backward, a prefetched unit counted on the device, one fewer
-micro-batch in flight in a pipeline) make the comparison fail.
+is outside both) on every rank, for single, ddp, zero stage 3, pipeline, tp and the parameter
+server's workers on the default model (MLPResNet with BatchNorm and Dropout); planted mistakes
+in the prediction (a ZeRO-3 unit not gathered again for backward, a prefetched unit counted on
+the device, one fewer micro-batch in flight in a pipeline, a worker's last gradients not
+held) make the comparison fail.
 
 Runs are fresh processes: the measured peak is every byte the device holds, so a process
 that has run other tests would hold more than the run predicts."""
@@ -129,13 +130,28 @@ def test_planted_mistakes_fail_the_comparison(tmp_path, plant, args):
 
 
 # ---- the parameter server --------------------------------------------------------------------
+_PS_KEEPS_GRADIENTS = ("peak.predict_ps_worker.__globals__['held_at_start'] = "
+                       "lambda *a, _f=peak.held_at_start, **k: {**_f(*a, **k), 'gradient': 0}")
+
+
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_parameter_server_says_why_its_peak_is_not_predicted(tmp_path):
-    summary = _run(tmp_path, "--strategy", "ps", "--servers", "1", "--nproc", "1",
-                   "--max-steps", "2", "--model", "mlp")
-    peak = summary["memory"]["peak"]
-    assert peak["predicted"] is None and peak["measured"] is None and peak["why"]
+@pytest.mark.parametrize("plant", [None, _PS_KEEPS_GRADIENTS], ids=["exact", "planted"])
+def test_parameter_server_workers_report_their_peaks(tmp_path, plant):
+    """Three workers of unequal shares (22, 21, 21 examples of 64) send their rows with their
+    FINISH; server 0 writes them. Planted: the last step's gradients not counted as held at
+    the step's start (they are dropped only after the pull)."""
+    args = ("--strategy", "ps", "--servers", "1", "--nproc", "3", "--max-steps", "2")
+    summary = _run(tmp_path, *args, **({} if plant is None else
+                                       {"script": _planted(tmp_path, plant)}))
+    rows = summary["memory"]["per_rank"]
+    assert [row["rank"] for row in rows] == [1, 2, 3]  # workers; server 0 runs no step
+    assert rows[0]["peak"]["measured"] > rows[1]["peak"]["measured"]  # 22 examples vs 21
+    if plant is None:
+        _exact(summary, 3, 2)
+    else:
+        with pytest.raises(AssertionError):
+            _exact(summary, 3, 2)
 
 
 # ---- the step model without processes --------------------------------------------------------

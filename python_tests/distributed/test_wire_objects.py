@@ -467,6 +467,23 @@ def test_parameter_server_requests_are_checked_field_by_field():
             wire.parse_request(obj, 3)
 
 
+def test_only_a_finish_carries_a_report_of_named_integers():
+    from needle.distributed.ps import wire
+
+    row = {"rank": 2, "peak": {"predicted": 10, "measured": 10, "step": None}}
+    done = wire.request(wire.FINISH, clock=5, report=row)
+    assert wire.parse_request(done, 2)["report"] == row
+    push = {**wire.request(wire.PUSH, clock=5), "report": row}
+    with pytest.raises(dist.MessageError, match="expected the fields"):
+        wire.parse_request(push, 2)  # a report rides on a FINISH only
+    bad = [({"peak": {"predicted": 1.5}}, "section 'peak'"), ({"rank": "2"}, "'rank' = '2'"),
+           ({f"k{i}": 1 for i in range(9)}, "of 9"), ({"peak": {"x": [1] * 3}}, "section"),
+           ([1], "got list")]
+    for report, why in bad:
+        with pytest.raises(dist.MessageError, match=f"rank 2 sent a malformed report.*{why}"):
+            wire.parse_request({**done, "report": report}, 2)
+
+
 # ---- host staging --------------------------------------------------------------------------
 def test_to_host_copies_and_keeps_shape():
     import needle as ndl

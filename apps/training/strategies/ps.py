@@ -197,7 +197,28 @@ class ParameterServerStrategy(Strategy):
         return None
 
     def collect_reports(self) -> None:
-        self.ps.finish()
+        """A worker's FINISH carries its memory row (peak included) to the servers: server 0
+        writes the summary, and the protocol is the only line between it and the workers."""
+        meter = getattr(self, "_memory", None)
+        if meter is not None:
+            meter.finish()
+        self.ps.finish(report=None if meter is None else meter.row)
+
+    # ---- metrics -------------------------------------------------------------------------
+    def meters(self) -> list:
+        """A worker's memory row and step peak, sent with its FINISH (no collective: the
+        servers are not in the loop)."""
+        from ..metrics import ModelStateMemory, PeakMemory
+
+        self._memory = ModelStateMemory(self.memory_probe, self.rank, self.world_size,
+                                        peak=PeakMemory(self.predict_peak, self.ctx.device),
+                                        gather=False)
+        return [self._memory]
+
+    def predict_peak(self, X: np.ndarray, y: np.ndarray, first: bool) -> dict:
+        from ..peak import predict_ps_worker
+
+        return predict_ps_worker(self, X, y, first)
 
     def close(self) -> None:
         ps = getattr(self, "ps", None)
@@ -272,10 +293,7 @@ class ParameterServerStrategy(Strategy):
                                                          test_acc]]
         summary["state_sha256"] = digest
         summary["resume"] = checkpoints.report()
-        summary["memory"] = {"per_rank": [], "peak": {
-            "predicted": None, "measured": None,
-            "why": "server 0 writes the summary and the parameter-server protocol carries no "
-                   "memory report from the workers, whose steps are not measured"}}
+        summary["memory"] = _memory_block(every[0], self.servers)
         return summary
 
     def _servers_digest(self) -> str | None:
@@ -329,6 +347,25 @@ class ParameterServerStrategy(Strategy):
             "worker_clocks": first["worker_clocks"],
             "events": [e for s in every for e in s["events"]],
         }
+
+
+def _memory_block(stats: dict, servers: int) -> dict:
+    """``summary.json``'s ``memory``: each worker's row as its FINISH carried it (server 0's
+    counters); a worker that never finished (killed, frozen) has none."""
+    rows = []
+    for k, report in enumerate(stats.get("worker_reports") or []):
+        rows.append(report if report is not None else {
+            "rank": servers + k, "peak": None,
+            "why": "the worker did not finish (it died or left), so it sent no report"})
+    return {"per_rank": rows, "when": "each worker's row, sent with its FINISH request",
+            "measured": "requested bytes held per category (needle.memory), on the worker",
+            "predicted": "needle.memory.estimate for the worker (no optimizer state: the "
+                         "servers hold it)",
+            "peak": {"measured": "peak_requested_bytes of the worker's device allocator over "
+                                 "its step (peaks reset right before it)",
+                     "predicted": "computed before the step (apps/training/peak.py, "
+                                  "predict_ps_worker)"},
+            "servers": "not in per_rank: a server runs no step"}
 
 
 def _losses(log) -> tuple[list[float], int, float, int]:

@@ -183,9 +183,11 @@ class ParameterServer:
         only travel along for reporting."""
         return self._worker("push").push(int(examples), float(loss_sum), int(correct))
 
-    def finish(self) -> None:
-        """Tell the servers this worker is done (they stop waiting for it)."""
-        self._worker("finish").finish()
+    def finish(self, report: dict | None = None) -> None:
+        """Tell the servers this worker is done (they stop waiting for it); ``report``: a
+        small dict of named integers the servers keep (``serve()``'s ``worker_reports``, by
+        worker; ``apps/train.py`` sends the worker's memory row)."""
+        self._worker("finish").finish(report)
 
     @property
     def traffic(self) -> dict:

@@ -35,6 +35,7 @@ class WorkerState:
         self.req: Any = None  # the Work of the posted request receive
         self.hb: Any = None
         self.hb_buf = wire.ping()
+        self.report: dict | None = None  # what the worker's FINISH carried
 
     @property
     def active(self) -> bool:
@@ -211,6 +212,7 @@ class ServerRole:
                 self.window = (time.perf_counter() - self.started_at,
                                sum(entry[2] for entry in self.loss_log), self.updates)
             w.finished = True
+            w.report = fields.get("report")
             w.pull_waiting = False
             self._send(w, wire.reply(self.served_version(), w.clock, self.updates), [])
             if self.mode in ("sync", "backup"):
@@ -446,6 +448,7 @@ class ServerRole:
                 "buffer_bytes_pushed": self.buffer_bytes_in,
                 "buffers_from_worker": self.buffers_from,
                 "worker_clocks": [w.clock for w in self.workers], "events": list(self.events),
+                "worker_reports": [w.report for w in self.workers],
                 "snapshots_written": self.snapshots, "restored_from": self.restored_from,
                 "all_active": self._window(), "max_lead": self.max_lead}
 

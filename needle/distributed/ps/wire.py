@@ -41,10 +41,14 @@ MAX_MESSAGE_BYTES = 4096  # the most a request or reply may take encoded
 
 def request(op: str, clock: int = 0, version: int = 0, examples: int = 0,
             loss_sum: float = 0.0, correct: int = 0, updates_seen: int = 0,
-            shard_key: int = 0) -> dict:
-    return {"op": op, "clock": int(clock), "version": int(version), "examples": int(examples),
-            "loss_sum": float(loss_sum), "correct": int(correct),
-            "updates_seen": int(updates_seen), "shard_key": int(shard_key)}
+            shard_key: int = 0, report: dict | None = None) -> dict:
+    """A request; a FINISH may carry the worker's ``report`` (see :func:`parse_report`)."""
+    out = {"op": op, "clock": int(clock), "version": int(version), "examples": int(examples),
+           "loss_sum": float(loss_sum), "correct": int(correct),
+           "updates_seen": int(updates_seen), "shard_key": int(shard_key)}
+    if report is not None:
+        out["report"] = report
+    return out
 
 
 def reply(version: int, clock: int, updates: int) -> dict:
@@ -66,11 +70,41 @@ def _parse(obj: Any, fields: dict, what: str, peer: str) -> dict:
 
 def parse_request(obj: Any, rank: int) -> dict:
     """A received request, checked field by field (MessageError names what is wrong)."""
+    report = None
+    if isinstance(obj, dict) and obj.get("op") == FINISH and "report" in obj:
+        obj = dict(obj)
+        report = parse_report(obj.pop("report"), rank)
     out = _parse(obj, REQUEST, "request", f"worker rank {rank}")
+    if report is not None:
+        out["report"] = report
     if out["op"] not in OPS:
         raise MessageError(f"ParameterServer: worker rank {rank} sent unknown op, expected one "
                            f"of {OPS}, got {out['op']!r}")
     return out
+
+
+def parse_report(obj: Any, rank: int) -> dict:
+    """A worker's end-of-run report: its memory row (``apps/training``'s ``memory.per_rank``
+    row): at most 8 sections of at most 8 named integers (or None) each, and ``rank``."""
+    def fail(what: str) -> MessageError:
+        return MessageError(f"ParameterServer: worker rank {rank} sent a malformed report, "
+                            f"expected a dict of at most 8 sections of named integers, {what}")
+
+    def number(v: Any) -> bool:
+        return v is None or type(v) is int
+
+    if not isinstance(obj, dict) or len(obj) > 8:
+        raise fail(f"got {type(obj).__name__} of {len(obj) if isinstance(obj, dict) else 0}")
+    for key, value in obj.items():
+        if not isinstance(key, str):
+            raise fail(f"got the key {key!r}")
+        if isinstance(value, dict):
+            if len(value) > 8 or not all(isinstance(k, str) and number(v)
+                                         for k, v in value.items()):
+                raise fail(f"got section {key!r} = {value!r}")
+        elif not number(value):
+            raise fail(f"got {key!r} = {value!r}")
+    return obj
 
 
 def parse_reply(obj: Any, rank: int) -> dict:

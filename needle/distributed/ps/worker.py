@@ -267,12 +267,12 @@ class WorkerRole:
             [ps.buffers_all[i].numpy().astype(dtype, copy=False).reshape(-1) for i in members]))
             for dtype, members in ps.buffer_groups]
 
-    def finish(self) -> None:
+    def finish(self, report: dict | None = None) -> None:
         self.join()
         while True:
             try:
-                self._request(wire.request(wire.FINISH, self.clock), with_weights=False,
-                              op="finish")
+                self._request(wire.request(wire.FINISH, self.clock, report=report),
+                              with_weights=False, op="finish")
                 break
             except PeerError as exc:
                 self._recover(exc, "finish")
