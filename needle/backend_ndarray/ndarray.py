@@ -40,6 +40,7 @@ from .ndarray_checks import (
     index_view,
     is_scalar,
     normalize_axes,
+    numpy_data,
     resolve_reshape,
     scalar_value,
 )
@@ -121,7 +122,7 @@ class NDArray:
         device = default_device() if device is None else check_enabled(device, "NDArray")
         dtype = canonical_dtype(dtype, "NDArray")
         # np.asarray, not ascontiguousarray: the latter turns a 0-d array into shape (1,).
-        src = np.asarray(other, dtype=numpy_dtype(dtype), order="C")
+        src = numpy_data(other, numpy_dtype(dtype), "NDArray")
         array = _alloc(src.shape, device, dtype, "NDArray")
         device.from_numpy(src, array._handle)
         self._init(array)
@@ -437,6 +438,13 @@ class NDArray:
 
     def _setitem(self, idxs, other) -> None:
         # __setitem__ without a version bump, for arrays only their creator can see yet
+        if builtins.any(s == 0 and n > 1 for n, s in zip(self._shape, self._strides,
+                                                          strict=True)):
+            # several elements share one address: a write would land on them all (NumPy
+            # makes such broadcast views read-only)
+            raise ShapeError(f"setitem: the array repeats elements (stride 0), expected one "
+                             f"whose elements are distinct, got shape {self.shape} and strides "
+                             f"{self.strides} (write to the array it was broadcast from)")
         view = self._index_view(idxs, "setitem")
         if isinstance(other, NDArray):
             if other.size != view.size:

@@ -22,7 +22,7 @@ def is_scalar(x) -> bool:
 
 
 def normalize_axis(axis: int, ndim: int, op: str) -> int:
-    if not isinstance(axis, (int, np.integer)):
+    if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
         raise AxisError(f"{op}: axis must be an int, expected int in [{-ndim}, {ndim}), "
                         f"got {axis!r}")
     if not -ndim <= axis < builtins.max(ndim, 1):
@@ -41,10 +41,40 @@ def normalize_axes(axis, ndim: int, op: str) -> tuple:
             return axis
     elif type(axis) is int and 0 <= axis < ndim:
         return (axis,)
-    axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
+    if isinstance(axis, (int, np.integer)):
+        axes = (axis,)
+    elif isinstance(axis, (tuple, list, range)):
+        axes = tuple(axis)
+    else:  # a float or a string would otherwise fail deep inside with a TypeError
+        raise AxisError(f"{op}: axes must be None, an int or a tuple of ints, expected e.g. 1 "
+                        f"or (0, 1), got {axis!r}")
     out = tuple(sorted(normalize_axis(a, ndim, op) for a in axes))
     if len(set(out)) != len(out):
         raise AxisError(f"{op}: repeated axis, expected distinct axes, got {axis}")
+    return out
+
+
+def numpy_data(value, dtype: np.dtype, op: str) -> np.ndarray:
+    """``value`` as a C-ordered NumPy array of ``dtype``, refused where the conversion would
+    invent or change a value: ``None`` (NumPy makes it NaN) and integers that ``dtype``
+    cannot hold exactly (16777217 in float32 would become 16777216). Integers it holds
+    exactly, bools and floats convert as the course does."""
+    if value is None:
+        raise DTypeError(f"{op}: expected numbers, a list or an array, got None")
+    src = np.asarray(value)
+    if src.dtype.hasobject and any(x is None for x in src.flat):
+        raise DTypeError(f"{op}: expected numbers, got None inside the data")
+    out = np.asarray(src, dtype=dtype, order="C")
+    if src.dtype.kind in "iu" and out.dtype.kind == "f" and src.size:
+        exact = 2 ** (np.finfo(out.dtype).nmant + 1)  # every integer up to this is exact
+        big = (src > exact) | (src < -exact) if src.dtype.kind == "i" else src > exact
+        if big.any():
+            for was, now in zip(src[big].tolist(), out[big].tolist(), strict=True):
+                if was != now:
+                    raise DTypeError(
+                        f"{op}: integer {was} cannot be held exactly in {out.dtype}, expected "
+                        f"integers within +-{exact} or exactly representable, got {was} -> "
+                        f"{int(now) if math.isfinite(now) else now} (convert explicitly)")
     return out
 
 
@@ -93,7 +123,7 @@ def index_view(shape: tuple, strides: tuple, offset: int, idxs, op: str) -> tupl
                 raise IndexOutOfRange(f"{op}: slice step must be nonzero, got 0 on axis {dim}")
             start, stop, step = idx.indices(n)
             length = len(range(start, stop, step))
-        elif isinstance(idx, (int, np.integer)):
+        elif isinstance(idx, (int, np.integer)) and not isinstance(idx, bool):
             if not -n <= idx < n:
                 raise IndexOutOfRange(f"{op}: index out of range on axis {dim}, "
                                       f"expected [{-n}, {n}), got {idx}")

@@ -8,6 +8,8 @@ Example:
 """
 from __future__ import annotations
 
+import numpy
+
 from ..autograd import Tensor, TensorOp
 from . import _array as A
 from .ops_mathematic import exp
@@ -21,6 +23,10 @@ def _kept(shape, axes):
 def _lse_keepdims(z, axes):
     """log Σ exp(z) over ``axes`` with kept dims, shifted by the max for stability."""
     m = A.reduce_max(z, axes, keepdims=True)
+    # an infinite max would shift by inf - inf = NaN: clamp it to the largest finite value,
+    # so all -inf gives -inf and any +inf gives +inf (as NumPy and PyTorch do)
+    big = float(numpy.finfo(str(m.dtype)).max)
+    m = -A.maximum(-A.maximum(m, -big), -big)
     shifted = z - A.broadcast_to(m, z.shape)
     return A.log(A.reduce_sum(A.exp(shifted), axes, keepdims=True)) + m
 

@@ -238,7 +238,8 @@ def _parse_index(key, shape: tuple):
                     f"axis {dim} (use ndl.flip)")
             slices.append(slice(start, stop, step))
             out_shape.append(len(range(start, stop, step)))
-        elif isinstance(k, int) or hasattr(k, "__index__") and not hasattr(k, "shape"):
+        elif (isinstance(k, int) or hasattr(k, "__index__") and not hasattr(k, "shape")) and (
+                not isinstance(k, bool)):  # True is not "index 1"
             k = int(k)
             if not -n <= k < n:
                 raise IndexOutOfRange(

@@ -9,42 +9,75 @@ Example (needs the files, hence skipped by doctest):
 from __future__ import annotations
 
 import gzip
+import math
 import os
 import struct
+import zlib
 
 import numpy as np
 
-from ..._core.errors import NeedleError, ShapeError
+from ..._core.errors import DataError, NeedleError, ShapeError
 from ..data_basic import Dataset
 
 __all__ = ["MNISTDataset", "parse_mnist", "read_idx"]
 
 _MAGIC_IMAGES = 2051
 _MAGIC_LABELS = 2049
+_INFLATE_MAX = 1032  # DEFLATE cannot inflate data by more than this factor
 
 
 def read_idx(filename: str, magic: int) -> np.ndarray:
     """Read an IDX file (gzip-compressed or plain) of unsigned bytes.
 
+    The header's sizes are checked before the data is read: no more is read than the file can
+    hold (a gzip stream inflates at most ``_INFLATE_MAX`` times its size).
+
     Raises:
         NeedleError: for a missing file or a wrong magic number.
+        DataError: for a file that is not a regular file, unreadable (a corrupted gzip
+            stream), or whose header is truncated or declares negative or impossible sizes.
+        ShapeError: for data shorter or longer than the header declares.
     """
     if not os.path.exists(filename):
         raise NeedleError(f"read_idx: file not found, expected an IDX file, got {filename!r}")
-    opener = gzip.open if filename.endswith(".gz") else open
-    with opener(filename, "rb") as f:
-        raw = f.read()
-    (found,) = struct.unpack(">i", raw[:4])
+    if not os.path.isfile(filename):
+        raise DataError(f"read_idx: {filename!r} is not a regular file, expected an IDX file")
+    packed = filename.endswith(".gz")
+    most = os.path.getsize(filename) * (_INFLATE_MAX if packed else 1)
+    try:
+        with (gzip.open if packed else open)(filename, "rb") as f:
+            return _read_idx_stream(f, filename, magic, most)
+    except (OSError, EOFError, zlib.error) as exc:  # gzip.BadGzipFile is an OSError
+        raise DataError(f"read_idx: {filename!r} is unreadable, expected an IDX file, got "
+                        f"{type(exc).__name__}: {exc}") from None
+
+
+def _read_exactly(f, n: int, filename: str, what: str) -> bytes:
+    data = f.read(n)
+    if len(data) != n:
+        raise DataError(f"read_idx: truncated header in {filename!r}, expected {n} bytes of "
+                        f"{what}, got {len(data)}")
+    return data
+
+
+def _read_idx_stream(f, filename: str, magic: int, most: int) -> np.ndarray:
+    (found,) = struct.unpack(">i", _read_exactly(f, 4, filename, "magic number"))
     if found != magic:
         raise NeedleError(
             f"read_idx: bad magic number in {filename!r}, expected {magic}, got {found}")
     ndim = found & 0xFF
-    dims = struct.unpack(">" + "i" * ndim, raw[4:4 + 4 * ndim])
-    data = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
-    if data.size != int(np.prod(dims)):
+    dims = struct.unpack(">" + "i" * ndim, _read_exactly(f, 4 * ndim, filename, "dimensions"))
+    count = math.prod(dims)
+    if min(dims, default=0) < 0 or count > most:
+        raise DataError(f"read_idx: {filename!r} declares dimensions {dims} ({count} values), "
+                        f"expected non-negative dimensions of at most {most} values (what the "
+                        f"file can hold)")
+    data = np.frombuffer(f.read(count + 1), dtype=np.uint8)  # one more: a longer file shows
+    if data.size != count:
         raise ShapeError(
-            f"read_idx: truncated file {filename!r}, expected {int(np.prod(dims))} values, "
-            f"got {data.size}")
+            f"read_idx: {'truncated' if data.size < count else 'overlong'} file {filename!r}, "
+            f"expected {count} values, got {'more than ' if data.size > count else ''}"
+            f"{min(data.size, count)}")
     return data.reshape(dims)
 
 

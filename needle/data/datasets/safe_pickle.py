@@ -24,7 +24,10 @@ Example:
 """
 from __future__ import annotations
 
+import io
+import os
 import pickle
+import pickletools
 
 import numpy as np
 
@@ -69,13 +72,21 @@ def load_cifar_batch(path: str) -> tuple[np.ndarray, np.ndarray]:
         DataError: the file is not a well-formed batch (names anything but plain data, is
             truncated, or holds content of the wrong kind or shape).
     """
+    if not os.path.isfile(path):
+        raise DataError(f"CIFAR10Dataset: {path!r} is not a regular file, expected a CIFAR-10 "
+                        f"batch")
+    with open(path, "rb") as f:
+        raw = f.read()
     try:
-        with open(path, "rb") as f:
-            batch = RestrictedUnpickler(f, encoding="bytes").load()
+        # every length an opcode declares must fit in the file before the unpickler, which
+        # allocates a declared length up front (2**50 bytes: a bare MemoryError), reads it
+        for _ in pickletools.genops(io.BytesIO(raw)):
+            pass
+        batch = RestrictedUnpickler(io.BytesIO(raw), encoding="bytes").load()
     except DataError as exc:
         raise DataError(f"CIFAR10Dataset: {path!r}: {exc}") from None
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError,
-            IndexError, KeyError) as exc:
+            IndexError, KeyError, MemoryError) as exc:
         raise DataError(f"CIFAR10Dataset: {path!r} is not a CIFAR-10 batch, expected a "
                         f"pickled dict, got {type(exc).__name__}: {exc}") from None
     return _check_batch(path, batch)
