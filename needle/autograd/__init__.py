@@ -11,7 +11,8 @@ requires grad, records the op and its inputs so that :meth:`Tensor.backward` can
 * ``engine`` — the backward walk (dependency counting, hooks, freeing as it goes);
 * ``tensor`` — :class:`Tensor`, :class:`TensorTuple`, :class:`TensorOp`; its operators reach
   :mod:`needle.ops` (the layer above) through a registration made by ``needle.ops``;
-* ``gradcheck`` — numerical gradient check.
+* ``gradcheck`` — numerical gradient check;
+* ``anomaly`` — ``detect_anomaly``: the first op that makes a NaN/Inf, and its source line.
 
 Example:
     >>> import needle as ndl
@@ -36,6 +37,7 @@ from ..backend_selection import (  # noqa: F401 - re-exported as the course's au
 )
 from ..memory import offload as _mem_offload
 from . import value as _value
+from .anomaly import NonFiniteError, detect_anomaly
 from .engine import compute_gradient_of_variables, find_topo_sort, sum_node_list, topo_sort_dfs
 from .grad_mode import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
 from .gradcheck import gradcheck
@@ -58,7 +60,7 @@ __all__ = ["Op", "TensorOp", "TensorTupleOp", "Value", "Tensor", "TensorTuple",
            "find_topo_sort", "topo_sort_dfs", "sum_node_list", "compute_gradient_of_variables",
            "no_grad", "enable_grad", "set_grad_enabled", "is_grad_enabled",
            "saved_tensors_hooks", "RemovableHandle", "gradcheck", "ImplicitGradWarning",
-           "SparseTupleGrad", "LAZY_MODE", "TENSOR_COUNTER"]
+           "SparseTupleGrad", "LAZY_MODE", "TENSOR_COUNTER", "detect_anomaly", "NonFiniteError"]
 
 # The course reads (and may set) ``needle.autograd.TENSOR_COUNTER`` / ``LAZY_MODE``. LAZY_MODE
 # lives in ``value.py``, where the op dispatch reads it; TENSOR_COUNTER is the live Value count
