@@ -14,7 +14,7 @@ Example:
 from __future__ import annotations
 
 from . import traffic
-from ._errors import CommError, MessageError, ObjectTypeError, SenderAborted
+from ._errors import CommError, MessageError, ObjectTypeError, PeerError, SenderAborted
 from ._group import ProcessGroup
 from ._work import Work
 from .clip import clip_grad_norm
@@ -58,7 +58,8 @@ from .process_group import (
 )
 
 __all__ = [
-    "CommError", "MessageError", "ObjectTypeError", "ProcessGroup", "SenderAborted", "Work",
+    "CommError", "MessageError", "ObjectTypeError", "PeerError", "ProcessGroup", "SenderAborted",
+    "Work",
     "all_gather", "all_gather_object", "all_gather_v",
     "all_reduce", "barrier", "gather_object", "irecv_array", "irecv_object", "isend_array",
     "isend_object", "recv_array", "recv_object", "send_array", "send_object",

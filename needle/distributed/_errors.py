@@ -15,6 +15,7 @@ PEER_REASONS = {
     "timeout": "never arrived",
     "refused": "could not be authenticated",
     "flood": "sent too many messages nobody received",
+    "failed": "failed",  # and told this rank so (a pipeline abort): its failure came first
 }
 
 

@@ -9,9 +9,10 @@ whole batch. Gradients accumulate into ``.grad`` as ``backward`` does: reset the
 steps (``optimizer.reset_grad()``).
 
 Failure: an exception on one rank makes it send an *abort* in place of every message it still
-owed, then re-raise. A peer waiting for one of those messages raises ``CommError`` naming the
-failed stage, rank and action, and passes the abort on, so the whole pipeline stops at once
-instead of waiting for timeouts; anything else still ends in the group's timeout.
+owed, then re-raise. A peer waiting for one of those messages raises ``PipelineAborted`` (a
+``PeerError`` blaming the rank that failed first) naming the failed stage, rank and action, and
+passes the abort on, so the whole pipeline stops at once instead of waiting for timeouts;
+anything else still ends in the group's timeout.
 
 Example (two thread ranks, a 2-layer model split in two, 1F1B with 4 micro-batches):
     >>> import numpy as np, needle.distributed as dist
@@ -38,7 +39,7 @@ import numpy as np
 
 from needle.autograd import Tensor, no_grad
 
-from .._errors import CommError, ShapeError
+from .._errors import CommError, PeerError, ShapeError
 from . import wire
 from .autograd_p2p import Link, LocalSlot, recv_forward, send_forward
 from .schedules import Action, Plan, ScheduleError, make_plan, with_communication
@@ -291,6 +292,13 @@ class PipelineSchedule:
         mb.split = mb.loss = mb.token = mb.x = None
 
     # ---- failure -----------------------------------------------------------------------
+    def _origin(self, exc: BaseException) -> int:
+        """The global rank whose failure stops the pipeline: a peer this rank's error blames
+        (an abort it passes on, a rank that is gone), else this rank itself."""
+        peer = getattr(exc, "peer", None)
+        return int(peer) if isinstance(exc, PeerError) and peer is not None else \
+            self.group.ranks[self.rank]
+
     def _abort(self, exc: BaseException) -> None:
         """Send an abort in place of every message this rank still owes (best effort)."""
         actions = self.plan.actions[self.rank]
@@ -313,7 +321,8 @@ class PipelineSchedule:
             direction = wire.FORWARD if a.kind == "SEND_F" else wire.BACKWARD
             try:
                 if link.local is None:
-                    wire.send_abort(self.group, text, link.peer, link.tag, direction)
+                    wire.send_abort(self.group, text, link.peer, link.tag, direction,
+                                    self._origin(exc))
             except Exception:  # noqa: BLE001 - the original error is what the user needs
                 pass
 
@@ -360,7 +369,8 @@ class PipelineSchedule:
                 link = self._link(a.stage, a.microbatch, towards_next=True)
                 if link.local is None:
                     try:
-                        wire.send_abort(self.group, text, link.peer, link.tag, wire.FORWARD)
+                        wire.send_abort(self.group, text, link.peer, link.tag, wire.FORWARD,
+                                        self._origin(exc))
                     except Exception:  # noqa: BLE001
                         pass
 

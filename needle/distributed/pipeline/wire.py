@@ -5,7 +5,10 @@ Each message is one ``needle.distributed`` array message (``p2p.isend_array`` /
 the shape from the message itself, which is what a pipeline needs: the last micro-batch may be
 shorter, a stage's output shape is not known in advance. An *abort* (``p2p.isend_abort``)
 carries a text instead: a failing stage sends it in place of every message it still owed, so
-that no peer waits for a tensor that will not come.
+that no peer waits for a tensor that will not come. The text starts with the global rank that
+failed first (``"1|pipeline: stage 1 (rank 1) failed ..."``), and a stage that passes an abort
+on keeps that rank: the receiver's :class:`PipelineAborted` is a ``PeerError`` blaming it, so
+the launcher reports the stages that gave up as consequences of that rank, not as causes.
 
 Sends are nonblocking; their Works go to the group's :class:`Outbox`, and ``flush`` waits
 for them (the payload buffers stay alive until then, as nonblocking MPI requires).
@@ -22,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from .. import p2p
-from .._errors import CommError, SenderAborted
+from .._errors import CommError, PeerError, SenderAborted, rewrap
 from .._group import ProcessGroup, resolve
 
 MAX_TAG = 1 << 25
@@ -30,8 +33,15 @@ FORWARD, BACKWARD = 0, 1
 _DIRECTION = {FORWARD: "activation", BACKWARD: "adjoint"}
 
 
-class PipelineAborted(CommError):
-    """A peer stage failed and told this rank instead of sending what it owed."""
+class PipelineAborted(PeerError):
+    """A peer stage failed and told this rank instead of sending what it owed.
+
+    ``peer`` is the global rank that failed first (``reason`` "failed"): the sender itself, or
+    the rank whose abort the sender passed on.
+    """
+
+    def __init__(self, message: str, peer: int, reason: str = "failed"):
+        super().__init__(message, peer, reason)
 
 
 class Outbox:
@@ -98,9 +108,19 @@ def send_array(pg: ProcessGroup, arr: np.ndarray, dst: int, tag: int, direction:
                                    timeout=timeout))
 
 
-def send_abort(pg: ProcessGroup, text: str, dst: int, tag: int, direction: int) -> None:
-    """Send an abort in place of the message (``dst``, ``tag``, ``direction``)."""
-    outbox(pg).add(p2p.isend_abort(text, dst, tag=_p2p_tag(tag, direction), group=pg))
+def send_abort(pg: ProcessGroup, text: str, dst: int, tag: int, direction: int,
+               origin: int) -> None:
+    """Send an abort in place of the message (``dst``, ``tag``, ``direction``); ``origin`` is
+    the global rank that failed first."""
+    outbox(pg).add(p2p.isend_abort(f"{origin}|{text}", dst, tag=_p2p_tag(tag, direction),
+                                   group=pg))
+
+
+def _aborted(pg: ProcessGroup, src: int, reason: str) -> PipelineAborted:
+    head, sep, text = reason.partition("|")
+    if sep and head.isdigit():
+        return PipelineAborted(text, int(head))
+    return PipelineAborted(reason, pg.ranks[src])  # an abort from outside the pipeline
 
 
 def recv_array(pg: ProcessGroup, src: int, tag: int, direction: int,
@@ -110,7 +130,7 @@ def recv_array(pg: ProcessGroup, src: int, tag: int, direction: int,
     try:
         return p2p.recv_array(src, tag=_p2p_tag(tag, direction), group=pg, timeout=timeout)
     except SenderAborted as exc:
-        raise PipelineAborted(exc.reason) from None
-    except CommError as exc:
-        raise CommError(f"pipeline: rank {pg.rank} receiving the {_DIRECTION[direction]} of "
-                        f"pipeline tag {tag} from {pg.describe(src)}: {exc}") from None
+        raise _aborted(pg, src, exc.reason) from None
+    except CommError as exc:  # a PeerError stays one: the launcher blames its peer
+        raise rewrap(exc, f"pipeline: rank {pg.rank} receiving the {_DIRECTION[direction]} of "
+                          f"pipeline tag {tag} from {pg.describe(src)}: {exc}") from None
