@@ -34,6 +34,7 @@ from training.config import (  # noqa: E402
 )
 from training.config import parse_args as _parse_args  # noqa: E402
 from training.data import load_data, load_digits_split, load_mnist_split  # noqa: E402
+from training.debugging import ReplicasDiverged  # noqa: E402
 from training.loop import run  # noqa: E402
 from training.models import build_model, build_optimizer  # noqa: E402
 from training.strategies import STRATEGIES  # noqa: E402
@@ -93,6 +94,7 @@ def _start_ranks(cfg: Config) -> tuple[int, int]:
 
 def main(argv=None) -> int:
     from needle import NeedleError
+    from needle.autograd import NonFiniteError
 
     try:
         cfg = parse_args(argv)
@@ -103,6 +105,14 @@ def main(argv=None) -> int:
                                  os.path.abspath(__file__))
         rank, world_size = _start_ranks(cfg)
         summary = train(cfg, rank=rank, world_size=world_size)
+    except ReplicasDiverged as exc:  # every rank knows: the first one says it
+        if exc.rank == 0:
+            print(f"train.py: error: {exc}", file=sys.stderr)
+        return 4
+    except NonFiniteError as exc:
+        print(f"train.py: error: non-finite value on rank {getattr(exc, 'rank', 0)} at step "
+              f"{getattr(exc, 'step', '?')}: {exc}", file=sys.stderr)
+        return 5
     except (UsageError, NeedleError) as exc:  # bad input: one line, no traceback
         print(f"train.py: error: {exc}", file=sys.stderr)
         return 2

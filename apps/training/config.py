@@ -51,6 +51,10 @@ class Config:
     freeze_worker: str | None = None  # "RANK@STEP"
     die_at_step: int | None = None
     die_after_micro_batches: int | None = None
+    flip_bit: str | None = None  # "RANK@STEP"
+    nan_at: str | None = None  # "RANK@STEP"
+    check_replicas: int | None = None  # every K steps (debugging.py)
+    detect_anomaly: bool = False  # the first op that makes a NaN/Inf stops the job
     save_every: int | None = None
     checkpoint_dir: str | None = None  # None: --resume's folder, else OUT/checkpoints
     keep_checkpoints: int = 3
@@ -137,6 +141,18 @@ def build_parser(strategies: dict) -> argparse.ArgumentParser:
     faults.add_argument("--die-after-micro-batches", type=int, default=None, metavar="M",
                         help="with --die-at-step N and --accumulate G > M: die after M "
                              "micro-batches of step N, in the middle of its accumulation")
+    faults.add_argument("--flip-bit", default=None, metavar="RANK@STEP",
+                        help="rank RANK flips the top mantissa bit of its first parameter's "
+                             "first element right after step STEP's update")
+    faults.add_argument("--nan-at", default=None, metavar="RANK@STEP",
+                        help="rank RANK adds log(0) to its model's output in step STEP")
+    debug = p.add_argument_group("debugging (docs/debugging.md)")
+    debug.add_argument("--check-replicas", type=int, default=None, metavar="K",
+                       help="every K steps, data-parallel replicas compare digests of their "
+                            "replicated state; a difference stops the job (ddp, zero)")
+    debug.add_argument("--detect-anomaly", action="store_true",
+                       help="stop at the first op (forward or backward) whose output holds a "
+                            "NaN or Inf, naming it, its source line, the step and the rank")
     ckpt = p.add_argument_group("checkpoints and exact resume")
     ckpt.add_argument("--save-every", type=int, default=None, metavar="K",
                       help="write a checkpoint every K optimizer steps")
@@ -205,7 +221,8 @@ def validate(cfg: Config, strategies: dict) -> None:
         if getattr(cfg, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got "
                              f"{getattr(cfg, name)}")
-    for name in ("max_steps", "die_at_step", "save_every", "keep_checkpoints", "verify_resume"):
+    for name in ("max_steps", "die_at_step", "save_every", "keep_checkpoints", "verify_resume",
+                 "check_replicas"):
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
@@ -217,6 +234,12 @@ def validate(cfg: Config, strategies: dict) -> None:
         raise UsageError(f"--resume: no such folder {cfg.resume}")
     if cfg.adopt_run and cfg.resume is None:
         raise UsageError("--adopt-run applies to the checkpoint --resume D loads, got no --resume")
+    if (cfg.flip_bit or cfg.nan_at) and cfg.strategy not in ("single", "ddp", "zero"):
+        raise UsageError(f"--flip-bit and --nan-at apply to --strategy single, ddp and zero, "
+                         f"got --strategy {cfg.strategy}")
+    if cfg.check_replicas is not None and cfg.strategy not in ("ddp", "zero"):
+        raise UsageError(f"--check-replicas compares data-parallel replicas: --strategy ddp or "
+                         f"zero, got --strategy {cfg.strategy}")
     if cfg.seed < 0:
         raise UsageError(f"--seed must be >= 0, got {cfg.seed}")
     if cfg.lr is not None and cfg.lr <= 0:

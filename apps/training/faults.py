@@ -10,6 +10,13 @@ kernel or is suspended by an operator, and only SIGKILL or SIGCONT from outside 
 parameter server dies once round N − 1 is applied, see :meth:`Faults.before_round`); with
 ``--die-after-micro-batches M`` it dies instead after M micro-batches of step N, in the middle
 of its gradient accumulation.
+
+Two faults corrupt numbers instead of processes, for the debugging tools (docs/debugging.md):
+``--flip-bit RANK@STEP`` makes rank RANK flip one bit (the top mantissa bit) of its first
+parameter's first element in place, right after step STEP's update, so its replica silently
+differs (``--check-replicas`` finds it); ``--nan-at RANK@STEP`` makes rank RANK add
+``log(0)`` (-inf) to its model's output during step STEP, so its loss and gradients become
+NaN (``--detect-anomaly`` names the log).
 """
 from __future__ import annotations
 
@@ -32,6 +39,8 @@ class Faults:
     freeze_step: int | None = None
     die_step: int | None = None
     die_micro: int | None = None  # die after this many micro-batches of die_step instead
+    flip: tuple[int, int] | None = None  # (rank, step) of --flip-bit
+    nan: tuple[int, int] | None = None  # (rank, step) of --nan-at
 
     def before_step(self, rank: int, step: int) -> None:
         """Apply the faults that concern ``rank`` before step ``step`` (1-based) runs."""
@@ -47,6 +56,19 @@ class Faults:
             _sigstop_self(f"--freeze-worker {rank}@{step}")
         if self.slow_rank == rank and self.slow_ms > 0:
             time.sleep(self.slow_ms / 1000.0)
+
+    def plant(self, rank: int, step: int, strategy) -> None:
+        """Before step ``step`` on ``rank``: ``--nan-at`` wraps the model's forward for it."""
+        if self.nan == (rank, step):
+            _plant_log_zero(strategy.model)
+
+    def after_step(self, rank: int, step: int, strategy) -> None:
+        """After step ``step`` (its update done) on ``rank``: undo ``--nan-at``'s wrapper,
+        apply ``--flip-bit``."""
+        if self.nan == (rank, step):
+            strategy.model.__dict__.pop("forward", None)
+        if self.flip == (rank, step):
+            _flip_bit(strategy.model, rank, step)
 
     def before_round(self, step: int) -> None:
         """A synchronous parameter server that has applied round ``step`` − 1 (and written
@@ -86,6 +108,40 @@ def _sigstop_self(reason: str) -> None:
     print(f"train.py: {reason}: continued (pid {os.getpid()})", file=sys.stderr, flush=True)
 
 
+def _plant_log_zero(model) -> None:
+    """Make ``model``'s forward add ``log(0)`` to its output (undone by deleting the instance
+    attribute; a model whose forward is already an instance attribute is not supported)."""
+    import needle as ndl
+
+    if "forward" in model.__dict__:
+        raise UsageError("--nan-at: the model's forward is already wrapped")
+    original = model.forward
+
+    def forward(*args, **kwargs):
+        out = original(*args, **kwargs)
+        zeros = ndl.init.zeros(*out.shape, device=out.device, dtype=out.dtype)
+        return out + ndl.log(zeros)  # the planted fault: log(0) = -inf
+
+    model.forward = forward
+
+
+def _flip_bit(model, rank: int, step: int) -> None:
+    """Flip the top mantissa bit of element 0 of ``model``'s first parameter, in place in its
+    buffer, and check that exactly that bit changed."""
+    import numpy as np
+
+    name, param = model.named_parameters()[0]
+    before = param.numpy().reshape(-1)[:1].copy()
+    bits = before.view(np.dtype(f"u{before.itemsize}"))
+    bit = np.finfo(before.dtype).nmant - 1
+    flipped = (bits ^ bits.dtype.type(1 << bit)).view(before.dtype)
+    param.realize_cached_data()[(0,) * len(param.shape)] = float(flipped[0])
+    after = param.numpy().reshape(-1)[:1]
+    assert (after.view(bits.dtype) ^ bits)[0] == 1 << bit, "the bit did not flip"
+    print(f"train.py: --flip-bit {rank}@{step}: flipped bit {bit} of {name}[0]: "
+          f"{float(before[0])!r} -> {float(after[0])!r}", file=sys.stderr, flush=True)
+
+
 def _rank_at_step(spec: str, flag: str) -> tuple[int, int]:
     """``RANK@STEP`` of ``flag`` as two integers, STEP >= 1."""
     rank, sep, step = spec.partition("@")
@@ -123,9 +179,15 @@ def parse_faults(cfg, world_size: int) -> Faults:
         kill_rank, kill_step = _rank_at_step(cfg.kill_worker, "--kill-worker")
     if getattr(cfg, "freeze_worker", None) is not None:
         freeze_rank, freeze_step = _rank_at_step(cfg.freeze_worker, "--freeze-worker")
+    flip = nan = None
+    if getattr(cfg, "flip_bit", None) is not None:
+        flip = _rank_at_step(cfg.flip_bit, "--flip-bit")
+    if getattr(cfg, "nan_at", None) is not None:
+        nan = _rank_at_step(cfg.nan_at, "--nan-at")
     for flag, rank in (("--slow-worker", slow_rank), ("--kill-worker", kill_rank),
-                       ("--freeze-worker", freeze_rank)):
+                       ("--freeze-worker", freeze_rank), ("--flip-bit", flip and flip[0]),
+                       ("--nan-at", nan and nan[0])):
         if rank is not None and not 0 <= rank < world_size:
             raise UsageError(f"{flag}: RANK must be in [0, {world_size}), got {rank}")
     return Faults(slow_rank, slow_ms, kill_rank, kill_step, freeze_rank, freeze_step,
-                  cfg.die_at_step, getattr(cfg, "die_after_micro_batches", None))
+                  cfg.die_at_step, getattr(cfg, "die_after_micro_batches", None), flip, nan)

@@ -15,6 +15,7 @@ import numpy as np
 
 from .checkpoints import Cursor, RunCheckpoints
 from .data import global_batches, load_data, replica_share, steps_per_epoch
+from .debugging import ReplicaCheck, anomaly_mode
 from .faults import parse_faults
 from .metrics import RunMetrics
 from .model_state import split_state
@@ -98,6 +99,7 @@ def run(cfg, strategy, rank: int = 0, world_size: int = 1) -> dict | None:
     _skip_to(cursor, strategy.start_step(), X.shape[0], cfg, replicas)
     history = History(**cursor.history) if cursor.history else History()
     metrics = RunMetrics(strategy.meters())
+    checks = ReplicaCheck(cfg.check_replicas, strategy, rank)
     metrics.start()
     started = time.perf_counter()
     max_steps = cfg.max_steps if cfg.max_steps is not None else math.inf
@@ -119,11 +121,15 @@ def run(cfg, strategy, rank: int = 0, world_size: int = 1) -> dict | None:
             metrics.before_step(Xs, ys)
             if ledger is not None:
                 ledger.start()
-            result = strategy.train_step(Xs, ys)
+            faults.plant(rank, step, strategy)
+            with anomaly_mode(cfg, rank, step):
+                result = strategy.train_step(Xs, ys)
+            faults.after_step(rank, step, strategy)
             cursor.steps += 1
             cursor.batch_index += 1
             metrics.after_step(last=cursor.batch_index >= len(batches)
                                or cursor.steps >= max_steps)
+            checks.after_step(step)
             if result is not None:
                 cursor.losses.append(result.loss)
                 stats.add(result)
@@ -156,6 +162,8 @@ def run(cfg, strategy, rank: int = 0, world_size: int = 1) -> dict | None:
     summary["state_sha256"] = state_digest
     summary["model_state"] = state
     summary["resume"] = checkpoints.report()
+    if checks.block() is not None:
+        summary["replica_checks"] = checks.block()
     return summary
 
 

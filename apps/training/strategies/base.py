@@ -328,6 +328,18 @@ class Strategy:
             return None
         return named_state(self.model, [p.numpy() for p in self.model.parameters()])
 
+    def replicated_state(self) -> tuple[list, list[str], str | None]:
+        """What data-parallel replicas hold identically (``--check-replicas``): ``(name,
+        array)`` pairs, the kinds compared, and what is not compared (None: nothing)."""
+        from ..debugging import named_arrays
+
+        named = {id(p): n for n, p in self.model.named_parameters()}
+        names = [named.get(id(p), f"parameter {i}") for i, p in enumerate(self.model.parameters())]
+        tensors = [(n, p.numpy()) for n, p in zip(names, self.model.parameters(), strict=True)]
+        tensors += named_arrays(self.optimizer.state_dict(), "optimizer", names)
+        tensors += named_arrays(self.scaler.state_dict(), "scaler")
+        return tensors, ["parameters", "optimizer state", "loss scaler"], None
+
     def collect_reports(self) -> None:
         """Anything the strategy itself gathers at the end of the run (called on every rank;
         may be collective). The meters' results are gathered by the metrics, not here."""

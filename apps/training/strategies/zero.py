@@ -32,6 +32,9 @@ class Zero(DataParallel):
         stage = cfg.extra.get("zero_stage", 2)
         if stage not in (1, 2, 3):
             raise UsageError(f"--zero-stage must be 1, 2 or 3, got {stage}")
+        if stage == 3 and cfg.check_replicas:
+            raise UsageError("--check-replicas compares replicated state, and --zero-stage 3 "
+                             "shards all of it (weights, gradients, optimizer state)")
         cls._validate_buckets(cfg)
 
     @property
@@ -72,6 +75,17 @@ class Zero(DataParallel):
         # each rank holds only its pieces of the reduced gradients: their squared sums are
         # added over the ranks (collective), so every rank clips by the whole model's norm
         return self.zero.clip_grad_norm(max_norm)
+
+    def replicated_state(self) -> tuple[list, list[str], str | None]:
+        from ..debugging import named_arrays
+
+        # stages 1-2 republish every whole weight from its owner's piece at each step, so a
+        # corrupted copy on another rank lasts until the next step: a check catches it only
+        # in that window (--check-replicas 1 sees every one)
+        tensors = [(e.name, e.param.numpy()) for e in self.zero.entries]
+        return (tensors + named_arrays(self.scaler.state_dict(), "scaler"),
+                ["parameters", "loss scaler"], "optimizer state and master weights (each rank "
+                "holds its own shard of them)")
 
     def evaluate(self, X, y):
         # collective in stage 3 (each module's weights are gathered): every rank evaluates

@@ -1,0 +1,108 @@
+"""apps/train.py's debugging tools on real processes (mpi and tcp): ``--check-replicas``
+catches a replica whose weight had one bit flipped, ``--detect-anomaly`` names the rank, the
+step, the op and the source line of a planted ``log(0)``; bad combinations are usage errors."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(REPO, "apps", "train.py")
+COMMON = ("--nproc", "2", "--model", "mlp", "--epochs", "1", "--max-steps", "10",
+          "--no-progress", "--seed", "1")
+
+
+def _run(*args, backend: str | None = None, timeout: int = 240):
+    env = dict(os.environ, MPLBACKEND="Agg", OMP_NUM_THREADS="1")
+    if backend is not None:
+        env["NEEDLE_DIST_BACKEND"] = backend
+    proc = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=REPO)
+    return proc, proc.stdout + proc.stderr
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", ["mpi", "tcp"])
+@pytest.mark.parametrize("strategy, every", [("ddp", 3), ("zero", 1)])
+def test_a_flipped_bit_on_rank_1_stops_the_job(tmp_path, backend, strategy, every):
+    proc, out = _run(*COMMON, "--strategy", strategy, "--flip-bit", "1@5", "--check-replicas",
+                     str(every), "--out", str(tmp_path), backend=backend)
+    assert proc.returncode == 4, out[-3000:]
+    assert "--flip-bit 1@5: flipped bit 22 of modules.0.weight[0]" in out
+    found = re.search(r"replicas diverged at step (\d+): rank 1 differs from rank 0 in "
+                      r"(\S+) ", out)
+    assert found, out[-3000:]
+    assert 5 <= int(found.group(1)) <= 5 + every
+    assert found.group(2) == "modules.0.weight"
+    assert out.count("replicas diverged") == 1  # one report for the job, not one per rank
+    assert not (tmp_path / "summary.json").exists()
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_equal_replicas_pass_and_the_summary_reports_the_cost(tmp_path):
+    proc, out = _run(*COMMON, "--check-replicas", "2", "--out", str(tmp_path))
+    assert proc.returncode == 0, out[-3000:]
+    block = json.loads((tmp_path / "summary.json").read_text())["replica_checks"]
+    assert block["every"] == 2 and block["checks"] == 5
+    assert block["seconds_per_check"] > 0 and block["bytes_digested"] > 0
+    assert block["compared"] == ["parameters", "optimizer state", "loss scaler"]
+    assert block["not_compared"] is None
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", ["mpi", "tcp"])
+def test_detect_anomaly_names_rank_step_op_and_line_once(tmp_path, backend):
+    proc, out = _run(*COMMON, "--nan-at", "1@7", "--detect-anomaly", "--out", str(tmp_path),
+                     backend=backend)
+    assert proc.returncode == 5, out[-3000:]
+    reports = re.findall(r"non-finite value on rank (\d+) at step (\d+): (\w+) produced (\S+) "
+                         r"in (\w+), from finite inputs, at (\S+):(\d+): (.*)", out)
+    assert len(reports) == 1, out[-3000:]  # once for the job: rank 0 never saw a NaN
+    rank, step, op, values, phase, path, line, source = reports[0]
+    assert (rank, step, op, values, phase) == ("1", "7", "Log", "-inf", "forward")
+    assert path.endswith("faults.py") and "ndl.log(zeros)" in source
+    assert int(line) > 0
+    assert "launch: rank 1 failed first" in out
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_without_detect_anomaly_the_nan_spreads_to_every_replica(tmp_path):
+    """What the flag prevents: rank 1's NaN is all-reduced into rank 0's gradients, and the
+    run ends 'successfully' with a NaN loss."""
+    proc, out = _run(*COMMON, "--nan-at", "1@7", "--out", str(tmp_path))
+    assert proc.returncode == 0, out[-3000:]
+    losses = json.loads((tmp_path / "summary.json").read_text())["losses"]
+    assert all(v == v for v in losses[:6]) and all(v != v for v in losses[7:])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--check-replicas", "2"], "--check-replicas compares data-parallel replicas"),
+    (["--nproc", "2", "--check-replicas", "0"], "--check-replicas must be positive"),
+    (["--nproc", "2", "--strategy", "zero", "--zero-stage", "3", "--check-replicas", "2"],
+     "--zero-stage 3 shards all of it"),
+    (["--nproc", "2", "--strategy", "pipeline", "--flip-bit", "1@2"],
+     "--flip-bit and --nan-at apply to"),
+    (["--nproc", "2", "--flip-bit", "2@2"], "--flip-bit: RANK must be in [0, 2)"),
+    (["--nan-at", "0"], "--nan-at expects RANK@STEP"),
+])
+def test_bad_debugging_options(args, message):
+    sys.path.insert(0, os.path.join(REPO, "apps"))
+    import train
+    from training.faults import parse_faults
+
+    with pytest.raises(train.UsageError, match=re.escape(message)):
+        cfg = train.parse_args(args)
+        parse_faults(cfg, cfg.nproc)
