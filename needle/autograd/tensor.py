@@ -19,7 +19,7 @@ import warnings
 
 import numpy
 
-from .._core.errors import DTypeError, GraphError, ShapeError
+from .._core.errors import AxisError, DTypeError, GraphError, ShapeError
 from ..backend_selection import BACKEND, NDArray, array_api, cpu, default_device
 from ..memory import categories as _mem_categories
 from . import engine
@@ -265,14 +265,83 @@ class Tensor(Value):
     def matmul(self, other):
         return _ops.MatMul()(self, other)
 
-    def sum(self, axes=None):
-        return _ops.Summation(axes)(self)
+    # sum/mean/max also take PyTorch's spelling, ``dim=`` and ``keepdim=`` (keywords only, so
+    # the course's positional ``sum(axes)`` keeps its meaning).
+    def sum(self, axes=None, keepdims=False, *, dim=None, keepdim=None):
+        axes, keepdims = _torch_axes("sum", axes, keepdims, dim, keepdim)
+        return _ops.summation(self, axes, keepdims)
 
-    def mean(self, axes=None, keepdims=False):
+    def mean(self, axes=None, keepdims=False, *, dim=None, keepdim=None):
+        axes, keepdims = _torch_axes("mean", axes, keepdims, dim, keepdim)
         return _ops.mean(self, axes, keepdims)
 
-    def max(self, axes=None, keepdims=False):
+    def max(self, axes=None, keepdims=False, *, dim=None, keepdim=None):
+        axes, keepdims = _torch_axes("max", axes, keepdims, dim, keepdim)
         return _ops.max(self, axes, keepdims)
+
+    # ----- PyTorch's reading habits: views of the shape and the value, nothing new -------
+    def item(self) -> float:
+        """The value of a one-element tensor (any shape) as a Python number.
+
+        Raises:
+            ShapeError: when the tensor holds more or fewer than one element.
+
+        Example:
+            >>> import needle as ndl
+            >>> loss = (ndl.Tensor([1.0, 2.0]) * 2).sum()
+            >>> loss.item(), float(loss)
+            (6.0, 6.0)
+        """
+        values = self.numpy()
+        if values.size != 1:
+            raise ShapeError(f"Tensor.item: expected a tensor with one element, got shape "
+                             f"{self.shape} ({values.size} elements)")
+        return values.reshape(()).item()
+
+    def __float__(self) -> float:
+        return float(self.item())
+
+    def __len__(self) -> int:
+        shape = self.shape
+        if not shape:
+            raise ShapeError("len(Tensor): expected at least one dimension, got shape ()")
+        return shape[0]
+
+    # A tensor stays truthy whatever it holds, as in the course framework: with __len__
+    # defined, Python would otherwise read `if tensor:` as "has rows".
+    def __bool__(self) -> bool:
+        return True
+
+    def numel(self) -> int:
+        """The number of elements (the product of the shape).
+
+        Example:
+            >>> import needle as ndl
+            >>> t = ndl.zeros(2, 3)
+            >>> t.numel(), t.size(), t.size(-1), t.dim(), len(t)
+            (6, (2, 3), 3, 2, 2)
+        """
+        return int(numpy.prod(self.shape, dtype=numpy.int64))
+
+    def size(self, dim: int | None = None):
+        """The shape (a tuple) or, given ``dim``, its length along ``dim`` (negative counts
+        from the end).
+
+        Raises:
+            AxisError: ``dim`` outside the tensor's dimensions.
+        """
+        shape = self.shape
+        if dim is None:
+            return shape
+        if isinstance(dim, bool) or not isinstance(dim, (int, numpy.integer)) \
+                or not -len(shape) <= dim < len(shape):
+            raise AxisError(f"Tensor.size: dim out of range, expected an int in "
+                            f"[{-len(shape)}, {len(shape) - 1}], got {dim!r}")
+        return shape[dim]
+
+    def dim(self) -> int:
+        """The number of dimensions (``ndim``)."""
+        return self.ndim
 
     def broadcast_to(self, shape):
         return _ops.BroadcastTo(shape)(self)
@@ -299,6 +368,22 @@ class Tensor(Value):
     def astype(self, dtype) -> Tensor:
         """This tensor converted to ``dtype`` (differentiable; a no-op when already so)."""
         return _ops.astype(self, dtype)
+
+
+def _torch_axes(op: str, axes, keepdims, dim, keepdim):
+    """``(axes, keepdims)`` from the course's ``axes``/NumPy's ``keepdims`` or PyTorch's
+    ``dim``/``keepdim``; giving both spellings of one argument is refused."""
+    if dim is not None:
+        if axes is not None:
+            raise AxisError(f"Tensor.{op}: axes given twice, expected axes= or dim=, got "
+                            f"axes={axes!r} and dim={dim!r}")
+        axes = tuple(dim) if isinstance(dim, list) else dim
+    if keepdim is not None:
+        if keepdims:
+            raise AxisError(f"Tensor.{op}: keepdims given twice, expected keepdims= or "
+                            f"keepdim=, got both")
+        keepdims = keepdim
+    return axes, bool(keepdims)
 
 
 def _operand(tensor, other):

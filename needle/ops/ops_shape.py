@@ -171,8 +171,13 @@ class Summation(TensorOp):
         return Tensor.make_const(A.broadcast_to(kept, shape))
 
 
-def summation(a, axes=None):
-    return Summation(axes)(a)
+def summation(a, axes=None, keepdims=False):
+    """Sum over ``axes`` (None: all); ``keepdims`` keeps each summed axis with length 1."""
+    out = Summation(axes)(a)
+    if not keepdims:
+        return out
+    shape = a.shape
+    return Reshape(_kept_shape(shape, A.normalize_axes(axes, len(shape), "summation")))(out)
 
 
 def mean(a, axes=None, keepdims=False):
