@@ -9,6 +9,7 @@ is the order the transport matches them in.
 """
 from __future__ import annotations
 
+import zlib
 from collections import defaultdict
 from typing import Any
 
@@ -16,6 +17,7 @@ import numpy as np
 
 from ._blame import CALL_CHECK, blame_left_behind, blame_on_timeout
 from ._errors import CommError, PeerError, rewrap
+from ._waits import record_timeout
 
 REDUCE = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum}
 _TAG_SIGNATURE, _TAG_RING, _TAG_TREE, _TAG_LINEAR, _TAG_BARRIER = 1, 2, 3, 4, 5
@@ -28,8 +30,10 @@ _SIGNATURE_BYTES = 192
 class Op:
     """What one collective call needs: its channel, name (for errors), timeout, group."""
 
-    def __init__(self, group: Any, name: str, timeout: float | None = None):
+    def __init__(self, group: Any, name: str, timeout: float | None = None, site: str = "?",
+                 seq: int = 0):
         self.group, self.name = group, name
+        self.site, self.seq = site, seq  # the user's call and its number on this group
         self.timeout = group.timeout if timeout is None else float(timeout)
         self.deadline = group.deadline(self.timeout)
         self.channel = group.coll
@@ -57,7 +61,11 @@ class Op:
             if culprit != peer:
                 message += (f", which was itself waiting: {self.group.describe(culprit)} never "
                             "arrived")
-            raise PeerError(message, self.channel.global_rank(culprit), "timeout")
+            graph = record_timeout(self.channel.global_rank(self.rank), self.name,
+                                   self.channel.global_rank(peer), what, self.seq, self.site)
+            raise PeerError(message + f" (collective {self.seq} at {self.site})" +
+                            (f"; {graph}" if graph else ""), self.channel.global_rank(culprit),
+                            "deadlock" if graph.startswith("deadlock") else "timeout")
 
     def isend(self, buf: np.ndarray, dst: int, tag: int) -> Any:
         req = self.channel.isend(buf, dst, tag)
@@ -79,10 +87,15 @@ class Op:
 
 def check_signature(op: Op, signature: str) -> None:
     """Ranks compare what they were asked to do with their left neighbour, so a rank that calls
-    a different collective, dtype or shape is reported instead of exchanging garbage."""
+    a different collective, dtype, shape or group is reported, naming both calls' source lines,
+    instead of exchanging garbage.
+
+    The message is ``what`` (compared) then NUL then ``seq site`` (carried for the error only:
+    ranks may call one collective from different lines), cut and padded to 192 bytes."""
     if op.size == 1 or not op.group.check_signatures:
         return
-    raw = signature.encode()[:_SIGNATURE_BYTES].ljust(_SIGNATURE_BYTES)
+    what = f"{signature} group={_group_name(op.group)}"
+    raw = f"{what}\0{op.seq} {op.site}".encode()[:_SIGNATURE_BYTES].ljust(_SIGNATURE_BYTES)
     mine = np.frombuffer(bytearray(raw), dtype=np.uint8)
     theirs = np.empty_like(mine)
     left, right = (op.rank - 1) % op.size, (op.rank + 1) % op.size
@@ -90,12 +103,26 @@ def check_signature(op: Op, signature: str) -> None:
     send = op.isend(mine, right, _TAG_SIGNATURE)
     op.wait(recv, left, CALL_CHECK)
     op.wait(send, right, "the call check (send)")
-    if theirs.tobytes() != mine.tobytes():
-        other = theirs.tobytes().decode(errors="replace").strip()
+    other = theirs.tobytes()
+    if other.partition(b"\0")[0] != raw.partition(b"\0")[0]:
+        their_what, _, tail = other.decode(errors="replace").partition("\0")
+        their_seq, _, their_site = tail.strip().partition(" ")
         raise CommError(
-            f"{op.name}: ranks called different collectives, expected {signature!r} "
-            f"(rank {op.rank}), got {other!r} ({op.group.describe(left)})"
-        )
+            f"{op.name}: ranks called different collectives, expected {what!r} (rank "
+            f"{op.rank}, collective {op.seq} at {op.site}), got {their_what.strip()!r} "
+            f"({op.group.describe(left)}, collective {their_seq or '?'} at "
+            f"{their_site or '?'})")
+
+
+def _group_name(group: Any) -> str:
+    """The group's ranks, short enough for the call check (cached on the group)."""
+    name = getattr(group, "_call_check_name", None)
+    if name is None:
+        ranks = list(group.ranks)
+        name = str(ranks).replace(" ", "") if len(ranks) <= 8 else \
+            f"{len(ranks)}ranks:{zlib.crc32(repr(ranks).encode()):08x}"
+        group._call_check_name = name
+    return name
 
 
 def _bounds(numel: int, parts: int) -> list[int]:

@@ -13,6 +13,7 @@ from needle._core.errors import CommError, DTypeError, GraphError, NeedleError, 
 PEER_REASONS = {
     "gone": "is gone",
     "timeout": "never arrived",
+    "deadlock": "is stuck in a deadlock",
     "refused": "could not be authenticated",
     "flood": "sent too many messages nobody received",
     "failed": "failed",  # and told this rank so (a pipeline abort): its failure came first

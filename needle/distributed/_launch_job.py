@@ -108,6 +108,7 @@ class Job:
         self.pumps: list[threading.Thread] = []
         self.outcomes: dict[int, Outcome] = {}
         self._pids: dict[int, int] = {}
+        self._asked: set[int] = set()  # ranks asked where they are (ask_where)
 
     # ----- starting ---------------------------------------------------------------------
     def start(self, cmd_tail: list[str], env: dict, mpiexec: list[str] | None,
@@ -205,6 +206,34 @@ class Job:
                            f"mpiexec exited with code {mpiexec.returncode}")
         # Records are written before the process ends: read them once more.
         return self._records(rank) or Outcome(rank, "vanished", code or 1, time.time(), detail)
+
+    def ask_where(self) -> None:
+        """Ask each running rank that timed-out ranks wait for but that itself waits in no
+        needle call where it is (SIGUSR1, forwarded by its supervisor): it writes
+        ``rank<k>.where``, which the verdict names ("it was at file:line")."""
+        from ._waits import follow, read_waits
+
+        records = read_waits(self.status_dir)
+        for rank in records:
+            end = follow(records, rank)[-1]
+            if end in records or end in self._asked or end not in self.ranks \
+                    or end in self.outcomes:
+                continue
+            self._asked.add(end)
+            pid = self.by_rank[end].pid if end in self.by_rank else self.pid_of(end)
+            if pid is not None:
+                try:
+                    os.kill(pid, signal.SIGUSR1)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+    def wait_graph(self) -> list[str]:
+        """The wait-for graph's verdict lines (deadlocks, ranks that never arrived)."""
+        from ._waits import explain, read_waits
+
+        seen = {r: w["site"] for r in self.ranks
+                if (w := read_record(self.status_dir, f"rank{r}.where")) and "site" in w}
+        return ["launch: " + line for line in explain(read_waits(self.status_dir), seen)]
 
     def processes_done(self) -> bool:
         return all(p.poll() is not None for p in self.procs)

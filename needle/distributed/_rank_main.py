@@ -11,9 +11,11 @@ from __future__ import annotations
 import io
 import os
 import runpy
+import signal
 import sys
 import time
 import traceback
+from typing import Any
 
 from ._run_rank import STATUS_DIR_ENV, write_record
 
@@ -84,9 +86,27 @@ def _exception_record(exc: BaseException) -> dict:
     return record
 
 
+def _tell_where(rank: int) -> None:
+    """On SIGUSR1 (the launcher asks a rank that others wait for), write ``rank<k>.where``:
+    the innermost frame outside needle.distributed that the script is executing."""
+    from ._waits import PACKAGE_DIR
+
+    def handler(_sig: int, frame: Any) -> None:
+        while frame is not None and frame.f_code.co_filename.startswith(PACKAGE_DIR):
+            frame = frame.f_back
+        if frame is not None:
+            site = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+            write_record(os.environ.get(STATUS_DIR_ENV), f"rank{rank}.where",
+                         {"rank": rank, "site": site, "time": time.time()})
+
+    if signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL:  # a script may install its own
+        signal.signal(signal.SIGUSR1, handler)
+
+
 def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
     os.environ["NEEDLE_LAUNCH_RANK"] = str(rank)
+    _tell_where(rank)
     if os.environ.get("NEEDLE_LAUNCH_PREFIX") == "1":
         sys.stdout = _Prefixed(sys.stdout, f"[rank {rank}] ")
         sys.stderr = _Prefixed(sys.stderr, f"[rank {rank}] ")

@@ -13,7 +13,7 @@ from typing import Any, Callable
 import numpy as np
 
 from . import _algorithms as alg
-from . import traffic
+from . import _waits, tracing, traffic
 from ._buffers import Borrowed, borrow, dtype_name
 from ._errors import CommError, ShapeError
 from ._group import ProcessGroup, resolve
@@ -53,9 +53,14 @@ def _sig(where: str, arr: np.ndarray, **extra: Any) -> str:
 def _launch(pg: ProcessGroup, where: str, body: Callable[[alg.Op], None], signature: str,
             timeout: float | None, async_op: bool,
             record: traffic.TrafficRecord | None = None) -> Work | None:
+    # the user's call site and the call's number, taken on the caller's thread: a timeout or
+    # a mismatch names them
+    site = _waits.call_site()
+    pg.collectives_issued = seq = getattr(pg, "collectives_issued", 0) + 1
+
     def run() -> None:
-        with traffic.counting(record):  # on whichever thread runs the collective
-            op = alg.Op(pg, where, timeout)
+        with traffic.counting(record), tracing.collective_span(where, pg, record):
+            op = alg.Op(pg, where, timeout, site, seq)
             alg.check_signature(op, signature)
             body(op)
 

@@ -178,6 +178,7 @@ def _watch(job: Job, signals: _Signals, deadline: float | None,
     failed_at = reported_at = finished_at = None
     while True:
         job.poll()
+        job.ask_where()
         if signals.received:
             return "interrupted"
         if job.done():
@@ -216,7 +217,7 @@ def _finish(job: Job, state: str, signals: _Signals, timeout: float | None,
         job.stop(signal.SIGTERM, STOP_GRACE)
         code = 124
         lines = [f"launch: timed out after {timeout:g} s; ranks {running} were still running "
-                 "and have been stopped"]
+                 "and have been stopped"] + job.wait_graph()
     elif state == "lingering":
         stuck = job.lingering()
         job.stop(signal.SIGTERM, STOP_GRACE)
@@ -240,6 +241,8 @@ def _finish(job: Job, state: str, signals: _Signals, timeout: float | None,
         if state == "failed":
             job.stop(signal.SIGTERM, STOP_GRACE)
         code, lines = verdict(job.outcomes)
+        if code:  # what the ranks that timed out waited for, first: the cause in one line
+            lines = job.wait_graph() + lines
         mpiexec_code = job.procs[0].returncode if job.backend == "mpi" and job.procs else 0
         if not code and mpiexec_code:
             code = mpiexec_code

@@ -17,11 +17,12 @@ headers count as overhead.
 """
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import numpy as np
 
-from . import traffic
+from . import _waits, tracing, traffic
 from ._buffers import borrow
 from ._errors import CommError, MessageError, PeerError, SenderAborted, rewrap
 from ._group import ProcessGroup, resolve
@@ -57,6 +58,12 @@ def _check(op: str, group: Any, peer: int, tag: int, what: str) -> ProcessGroup:
 def _waiter(pg: ProcessGroup, op: str, peer: int, tag: int, timeout: float | None):
     span = pg.timeout if timeout is None else float(timeout)
     deadline = pg.deadline(timeout)
+    # Taken now, on the caller's thread: what a timeout reports for the wait-for graph.
+    site = _waits.call_site()
+    key = ("send" if "send" in op else "recv", peer, tag)
+    seqs = _sequence(pg)
+    seqs[key] += 1
+    seq = seqs[key]
 
     def wait(req: Any, what: str, cancel: bool = True) -> None:
         try:
@@ -67,11 +74,23 @@ def _waiter(pg: ProcessGroup, op: str, peer: int, tag: int, timeout: float | Non
         if not done:
             if cancel:
                 req.cancel()
+            culprit = pg.p2p.global_rank(peer)
+            graph = _waits.record_timeout(pg.p2p.global_rank(pg.rank), key[0], culprit, tag,
+                                          seq, site)
             raise PeerError(f"{op}: rank {pg.rank} timed out after {span:g} s waiting for "
-                            f"{pg.describe(peer)} (tag {tag}, {what})",
-                            pg.p2p.global_rank(peer), "timeout")
+                            f"{pg.describe(peer)} (tag {tag}, {what}, call {seq} at {site})"
+                            + (f"; {graph}" if graph else ""), culprit,
+                            "deadlock" if graph.startswith("deadlock") else "timeout")
 
     return wait
+
+
+def _sequence(pg: ProcessGroup) -> Counter:
+    """How many sends/receives this rank started per (direction, peer, tag) on ``pg``."""
+    seqs = getattr(pg, "_p2p_seq", None)
+    if seqs is None:
+        seqs = pg._p2p_seq = Counter()
+    return seqs
 
 
 def _started(pg: ProcessGroup) -> dict:
@@ -116,7 +135,7 @@ def _isend(pg: ProcessGroup, op: str, kind: int, arr: np.ndarray, dst: int, tag:
     """Post the header and the payload ``arr`` (contiguous; not to be modified until done)."""
     wait = _waiter(pg, op, dst, tag, timeout)
     record = traffic.open_record(pg, "send", "p2p", arr.nbytes, (arr.nbytes, 0), "send: M")
-    with traffic.counting(record):
+    with traffic.counting(record), tracing.p2p_span("send", pg, dst, tag, arr.nbytes):
         reqs = [pg.p2p.isend(pack_header(arr, op, kind), dst, 2 * tag),
                 pg.p2p.isend(arr, dst, 2 * tag + 1)]
 
@@ -199,7 +218,7 @@ def recv(tensor: Any, src: int, group: Any = None, tag: int = 0,
     header = np.empty(HEADER_BYTES, np.uint8)
     record = traffic.open_record(pg, "recv", "p2p", buf.arr.nbytes, (0, buf.arr.nbytes),
                                  "recv: M")
-    with traffic.counting(record):
+    with traffic.counting(record), tracing.p2p_span("recv", pg, src, tag, buf.arr.nbytes):
         started = _started(pg).pop((src, tag), None)
         if started is not None:
             got, target = started[0], _await_payload(pg, wait, src, tag, *started)
@@ -305,9 +324,11 @@ class _Incoming:
 
     def complete(self, kind: int) -> np.ndarray:
         """Wait for the whole message; raise unless it is of ``kind``."""
-        self.wait(self.head, "header receive")
-        self._post_body()
-        self.wait(self.body, "payload receive")
+        with tracing.p2p_span("recv", self.pg, self.src, self.tag, 0) as args:
+            self.wait(self.head, "header receive")
+            self._post_body()
+            self.wait(self.body, "payload receive")
+            args["bytes"] = self.payload.nbytes
         assert self.header is not None and self.payload is not None
         if self.header.kind == ABORT:
             raise _aborted(self.pg, self.op, self.src, self.tag, self.payload)
