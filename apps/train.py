@@ -24,6 +24,7 @@ for _p in (_ROOT, os.path.join(_ROOT, "python")):  # run from this repo or a cou
     if os.path.isdir(os.path.join(_p, "needle")) and _p not in sys.path:
         sys.path.append(_p)
 
+from training import trace  # noqa: E402
 from training.config import (  # noqa: E402
     DATASETS,
     DEVICES,
@@ -60,10 +61,13 @@ def train(cfg: Config, *, rank: int = 0, world_size: int = 1) -> dict | None:
 
         cfg, plan = choose(cfg, rank, world_size)
     strategy = STRATEGIES[cfg.strategy](cfg, rank, world_size)
+    traced = trace.start(cfg, strategy)
     try:
         summary = run(cfg, strategy, rank, world_size)
     finally:
         strategy.close()
+    if traced:  # after the run: every rank's part is complete
+        trace.finish(summary, cfg)
     if summary is not None and plan is not None:
         summary["plan"] = plan.block(summary)
     return summary

@@ -21,6 +21,8 @@ import os
 import sys
 from dataclasses import asdict, dataclass, field
 
+from needle.distributed import tracing
+
 from .config import UsageError
 
 # Options that may differ between a run and its resumption (they do not change the math).
@@ -79,11 +81,13 @@ class RunCheckpoints:
             from .loop import ledger_path
 
             self.ledger.flush(ledger_path(self.cfg.rng_ledger, self.rank, self.world_size))
-        self._state(cursor).save(self.directory, cursor.steps, rank=self.rank,
-                                 world_size=self.world_size, keep=self.cfg.keep_checkpoints,
-                                 barrier=self._barrier(),
-                                 meta={"config": fingerprint(self.cfg),
-                                       "strategy": self.strategy.name}, run_id=self.run_id)
+        with tracing.span("checkpoint save", "checkpoint", step=cursor.steps):
+            self._state(cursor).save(self.directory, cursor.steps, rank=self.rank,
+                                     world_size=self.world_size,
+                                     keep=self.cfg.keep_checkpoints, barrier=self._barrier(),
+                                     meta={"config": fingerprint(self.cfg),
+                                           "strategy": self.strategy.name},
+                                     run_id=self.run_id)
 
     def restore(self) -> Cursor | None:
         """Load the newest complete checkpoint of ``--resume`` (None without ``--resume``).

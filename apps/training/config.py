@@ -55,6 +55,7 @@ class Config:
     nan_at: str | None = None  # "RANK@STEP"
     check_replicas: int | None = None  # every K steps (debugging.py)
     detect_anomaly: bool = False  # the first op that makes a NaN/Inf stops the job
+    trace: str | None = None  # the merged Chrome trace of every rank (trace.py)
     save_every: int | None = None
     checkpoint_dir: str | None = None  # None: --resume's folder, else OUT/checkpoints
     keep_checkpoints: int = 3
@@ -147,6 +148,9 @@ def build_parser(strategies: dict) -> argparse.ArgumentParser:
     faults.add_argument("--nan-at", default=None, metavar="RANK@STEP",
                         help="rank RANK adds log(0) to its model's output in step STEP")
     debug = p.add_argument_group("debugging (docs/debugging.md)")
+    debug.add_argument("--trace", default=None, metavar="FILE",
+                       help="write one Chrome trace of every rank (open in ui.perfetto.dev) "
+                            "and add critical_path to summary.json")
     debug.add_argument("--check-replicas", type=int, default=None, metavar="K",
                        help="every K steps, data-parallel replicas compare digests of their "
                             "replicated state; a difference stops the job (ddp, zero)")

@@ -13,6 +13,9 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from needle.distributed import tracing
+
+from . import trace
 from .checkpoints import Cursor, RunCheckpoints
 from .data import global_batches, load_data, replica_share, steps_per_epoch
 from .debugging import ReplicaCheck, anomaly_mode
@@ -111,20 +114,24 @@ def run(cfg, strategy, rank: int = 0, world_size: int = 1) -> dict | None:
         bar = _progress_bar(cfg, strategy, min(len(batches), max_steps - cursor.steps),
                             f"epoch {cursor.epoch}/{cfg.epochs}")
         while cursor.batch_index < len(batches) and cursor.steps < max_steps:
+            began = time.perf_counter()
             faults.before_step(rank, cursor.steps + 1)
             step = cursor.steps + 1
+            trace.fault_delay(faults, rank, began)
             strategy.on_micro_batch = lambda done, step=step: faults.after_micro_batch(step, done)
             share = replica_share(batches[cursor.batch_index], replicas, index)
             Xs, ys = X[share], y[share]
             if ledger is not None:  # the meters' predictions draw on copies, not the run's
                 ledger.stop()
-            metrics.before_step(Xs, ys)
+            with tracing.span("metrics", "metrics"):  # predictions, on copies of the model
+                metrics.before_step(Xs, ys)
             if ledger is not None:
                 ledger.start()
             faults.plant(rank, step, strategy)
             with anomaly_mode(cfg, rank, step):
                 result = strategy.train_step(Xs, ys)
             faults.after_step(rank, step, strategy)
+            trace.step_done(began, step)
             cursor.steps += 1
             cursor.batch_index += 1
             metrics.after_step(last=cursor.batch_index >= len(batches)

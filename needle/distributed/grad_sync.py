@@ -48,7 +48,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from . import traffic
+from . import tracing, traffic
 from ._buffers import borrow
 from ._errors import CommError, GraphError
 from ._group import resolve
@@ -394,6 +394,7 @@ class GradSync:
              "ready": b.ready_at, "launched": b.launched_at, "started": b.work.started_at,
              "done": b.work.finished_at} for b in self.buckets]
         self.timeline.append(step)
+        tracing.gradient_sync(step, self.owner)
         del self.timeline[:-100]  # bounded history
         del self.events[:-10000]
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from needle.distributed import tracing
+
 from .base import StepResult, Strategy, gathered_state_digest
 
 
@@ -168,9 +170,10 @@ class MeshStrategy(Strategy):
         loss, logits = self._forward_backward(X, y)
         if self.dp > 1:
             self._average_gradients(len(y))
-        if getattr(self.cfg, "clip_grad", None) is not None:
-            self.clip_gradients(self.cfg.clip_grad)
-        self.optimizer.step()
+        with tracing.span("optimizer", "compute"):
+            if getattr(self.cfg, "clip_grad", None) is not None:
+                self.clip_gradients(self.cfg.clip_grad)
+            self.optimizer.step()
         local = (0.0, 0, 0)
         if self._counts_loss:
             correct = int((logits.argmax(axis=1) == y.astype(np.int64)).sum())

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from needle.distributed import tracing
+
 
 @dataclass
 class StepResult:
@@ -218,11 +220,12 @@ class Strategy:
             Xb, yb = self._tensors(X[lo:hi], y[lo:hi])
             last = i == len(parts) - 1
             with nullcontext() if last or no_sync is None else no_sync():
-                with amp.autocast(enabled=self.mixed):
+                with amp.autocast(enabled=self.mixed), tracing.span("forward", "compute"):
                     logits = forward(Xb)
                     loss = self.loss_fn(logits, yb)
                 weighted = loss if len(parts) == 1 else loss * ((hi - lo) / n)
-                self.scaler.scale(weighted).backward()
+                with tracing.span("backward", "compute"):
+                    self.scaler.scale(weighted).backward()
             loss_sum += float(loss.numpy()) * (hi - lo)
             correct += int((logits.numpy().argmax(axis=1) == y[lo:hi].astype(np.int64)).sum())
             del logits, loss, weighted
@@ -254,14 +257,16 @@ class Strategy:
     def _update(self, after_backward=None) -> None:
         """(after_backward), gradient clipping, the scaled optimizer step."""
         if after_backward is not None:
-            after_backward()
-        if getattr(self.cfg, "clip_grad", None) is not None:
-            # PyTorch's order: unscale once, clip the true gradients, then a step that does
-            # not unscale again (GradScaler.step knows unscale_ ran; no-op in fp32)
-            self.scaler.unscale_(self.optimizer)
-            self.clip_gradients(self.cfg.clip_grad)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
+            with tracing.span("gradient sync", "communication"):
+                after_backward()
+        with tracing.span("optimizer", "compute"):
+            if getattr(self.cfg, "clip_grad", None) is not None:
+                # PyTorch's order: unscale once, clip the true gradients, then a step that
+                # does not unscale again (GradScaler.step knows unscale_ ran; no-op in fp32)
+                self.scaler.unscale_(self.optimizer)
+                self.clip_gradients(self.cfg.clip_grad)
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
 
     # ---- metrics -------------------------------------------------------------------------
     def meters(self) -> list:

@@ -39,6 +39,7 @@ import numpy as np
 
 from needle.autograd import Tensor, no_grad
 
+from .. import tracing
 from .._errors import CommError, PeerError, ShapeError
 from . import wire
 from .autograd_p2p import Link, LocalSlot, recv_forward, send_forward
@@ -220,8 +221,9 @@ class PipelineSchedule:
 
     def _timed(self, a: Action) -> None:
         start = time.perf_counter() - self._t0
-        getattr(self, "_do_" + a.kind)(a, self._mb.setdefault((a.stage, a.microbatch),
-                                                              _MicroBatch()))
+        with tracing.span(a.kind, "pipeline", stage=a.stage, microbatch=a.microbatch):
+            getattr(self, "_do_" + a.kind)(a, self._mb.setdefault((a.stage, a.microbatch),
+                                                                  _MicroBatch()))
         if self.record:
             end = time.perf_counter() - self._t0
             act = self._activation_bytes() if a.kind in ("F", "B", "W") else -1
