@@ -53,6 +53,7 @@ class Config:
     die_after_micro_batches: int | None = None
     flip_bit: str | None = None  # "RANK@STEP"
     nan_at: str | None = None  # "RANK@STEP"
+    skip_layer: str | None = None  # "RANK@STEP"
     check_replicas: int | None = None  # every K steps (debugging.py)
     detect_anomaly: bool = False  # the first op that makes a NaN/Inf stops the job
     trace: str | None = None  # the merged Chrome trace of every rank (trace.py)
@@ -147,6 +148,9 @@ def build_parser(strategies: dict) -> argparse.ArgumentParser:
                              "first element right after step STEP's update")
     faults.add_argument("--nan-at", default=None, metavar="RANK@STEP",
                         help="rank RANK adds log(0) to its model's output in step STEP")
+    faults.add_argument("--skip-layer", default=None, metavar="RANK@STEP",
+                        help="rank RANK detaches its first layer's output in step STEP: no "
+                             "gradient for that layer's parameters on that rank")
     debug = p.add_argument_group("debugging (docs/debugging.md)")
     debug.add_argument("--trace", default=None, metavar="FILE",
                        help="write one Chrome trace of every rank (open in ui.perfetto.dev) "
@@ -238,9 +242,10 @@ def validate(cfg: Config, strategies: dict) -> None:
         raise UsageError(f"--resume: no such folder {cfg.resume}")
     if cfg.adopt_run and cfg.resume is None:
         raise UsageError("--adopt-run applies to the checkpoint --resume D loads, got no --resume")
-    if (cfg.flip_bit or cfg.nan_at) and cfg.strategy not in ("single", "ddp", "zero"):
-        raise UsageError(f"--flip-bit and --nan-at apply to --strategy single, ddp and zero, "
-                         f"got --strategy {cfg.strategy}")
+    if (cfg.flip_bit or cfg.nan_at or cfg.skip_layer) and cfg.strategy not in (
+            "single", "ddp", "zero"):
+        raise UsageError(f"--flip-bit, --nan-at and --skip-layer apply to --strategy single, "
+                         f"ddp and zero, got --strategy {cfg.strategy}")
     if cfg.check_replicas is not None and cfg.strategy not in ("ddp", "zero"):
         raise UsageError(f"--check-replicas compares data-parallel replicas: --strategy ddp or "
                          f"zero, got --strategy {cfg.strategy}")

@@ -16,7 +16,9 @@ Two faults corrupt numbers instead of processes, for the debugging tools (docs/d
 parameter's first element in place, right after step STEP's update, so its replica silently
 differs (``--check-replicas`` finds it); ``--nan-at RANK@STEP`` makes rank RANK add
 ``log(0)`` (-inf) to its model's output during step STEP, so its loss and gradients become
-NaN (``--detect-anomaly`` names the log).
+NaN (``--detect-anomaly`` names the log); ``--skip-layer RANK@STEP`` makes rank RANK detach
+its first layer's output during step STEP, so its backward produces no gradient for that
+layer's parameters, as a rank whose code took another branch (the gradient sync names them).
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ class Faults:
     die_micro: int | None = None  # die after this many micro-batches of die_step instead
     flip: tuple[int, int] | None = None  # (rank, step) of --flip-bit
     nan: tuple[int, int] | None = None  # (rank, step) of --nan-at
+    skip: tuple[int, int] | None = None  # (rank, step) of --skip-layer
 
     def before_step(self, rank: int, step: int) -> None:
         """Apply the faults that concern ``rank`` before step ``step`` (1-based) runs."""
@@ -58,15 +61,20 @@ class Faults:
             time.sleep(self.slow_ms / 1000.0)
 
     def plant(self, rank: int, step: int, strategy) -> None:
-        """Before step ``step`` on ``rank``: ``--nan-at`` wraps the model's forward for it."""
+        """Before step ``step`` on ``rank``: ``--nan-at`` and ``--skip-layer`` wrap a forward
+        for it."""
         if self.nan == (rank, step):
-            _plant_log_zero(strategy.model)
+            _wrap_forward(strategy.model, "--nan-at", _add_log_zero)
+        if self.skip == (rank, step):
+            _wrap_forward(strategy.model.modules[0], "--skip-layer", lambda out: out.detach())
 
     def after_step(self, rank: int, step: int, strategy) -> None:
-        """After step ``step`` (its update done) on ``rank``: undo ``--nan-at``'s wrapper,
-        apply ``--flip-bit``."""
+        """After step ``step`` (its update done) on ``rank``: undo the wrappers, apply
+        ``--flip-bit``."""
         if self.nan == (rank, step):
             strategy.model.__dict__.pop("forward", None)
+        if self.skip == (rank, step):
+            strategy.model.modules[0].__dict__.pop("forward", None)
         if self.flip == (rank, step):
             _flip_bit(strategy.model, rank, step)
 
@@ -108,21 +116,20 @@ def _sigstop_self(reason: str) -> None:
     print(f"train.py: {reason}: continued (pid {os.getpid()})", file=sys.stderr, flush=True)
 
 
-def _plant_log_zero(model) -> None:
-    """Make ``model``'s forward add ``log(0)`` to its output (undone by deleting the instance
-    attribute; a model whose forward is already an instance attribute is not supported)."""
+def _add_log_zero(out):
     import needle as ndl
 
-    if "forward" in model.__dict__:
-        raise UsageError("--nan-at: the model's forward is already wrapped")
-    original = model.forward
+    zeros = ndl.init.zeros(*out.shape, device=out.device, dtype=out.dtype)
+    return out + ndl.log(zeros)  # the planted fault: log(0) = -inf
 
-    def forward(*args, **kwargs):
-        out = original(*args, **kwargs)
-        zeros = ndl.init.zeros(*out.shape, device=out.device, dtype=out.dtype)
-        return out + ndl.log(zeros)  # the planted fault: log(0) = -inf
 
-    model.forward = forward
+def _wrap_forward(module, flag: str, after) -> None:
+    """Make ``module``'s forward return ``after(output)`` (undone by deleting the instance
+    attribute; a module whose forward is already an instance attribute is not supported)."""
+    if "forward" in module.__dict__:
+        raise UsageError(f"{flag}: the forward of {type(module).__name__} is already wrapped")
+    original = module.forward
+    module.forward = lambda *args, **kwargs: after(original(*args, **kwargs))
 
 
 def _flip_bit(model, rank: int, step: int) -> None:
@@ -179,15 +186,17 @@ def parse_faults(cfg, world_size: int) -> Faults:
         kill_rank, kill_step = _rank_at_step(cfg.kill_worker, "--kill-worker")
     if getattr(cfg, "freeze_worker", None) is not None:
         freeze_rank, freeze_step = _rank_at_step(cfg.freeze_worker, "--freeze-worker")
-    flip = nan = None
+    flip = nan = skip = None
     if getattr(cfg, "flip_bit", None) is not None:
         flip = _rank_at_step(cfg.flip_bit, "--flip-bit")
     if getattr(cfg, "nan_at", None) is not None:
         nan = _rank_at_step(cfg.nan_at, "--nan-at")
+    if getattr(cfg, "skip_layer", None) is not None:
+        skip = _rank_at_step(cfg.skip_layer, "--skip-layer")
     for flag, rank in (("--slow-worker", slow_rank), ("--kill-worker", kill_rank),
                        ("--freeze-worker", freeze_rank), ("--flip-bit", flip and flip[0]),
-                       ("--nan-at", nan and nan[0])):
+                       ("--nan-at", nan and nan[0]), ("--skip-layer", skip and skip[0])):
         if rank is not None and not 0 <= rank < world_size:
             raise UsageError(f"{flag}: RANK must be in [0, {world_size}), got {rank}")
     return Faults(slow_rank, slow_ms, kill_rank, kill_step, freeze_rank, freeze_step,
-                  cfg.die_at_step, getattr(cfg, "die_after_micro_batches", None), flip, nan)
+                  cfg.die_at_step, getattr(cfg, "die_after_micro_batches", None), flip, nan, skip)

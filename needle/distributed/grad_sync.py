@@ -52,6 +52,7 @@ from . import tracing, traffic
 from ._buffers import borrow
 from ._errors import CommError, GraphError
 from ._group import resolve
+from ._ready_check import check_ready
 from .collectives import all_gather, all_reduce
 from .flat_layout import FlatLayout
 
@@ -333,18 +334,13 @@ class GradSync:
             bucket.work = self.hook.launch(bucket)
             self._next += 1
 
-    def _fill_unused(self) -> None:
+    def _fill_unused(self) -> list[int]:
         missing = [i for i in range(len(self.params)) if i not in self._fired]
-        if missing and not self.find_unused_parameters:
-            names = ", ".join(self.describe(i) for i in missing[:8])
-            raise GraphError(
-                f"{self.owner}: rank {self.group.rank}: {len(missing)} parameter(s) got no "
-                f"gradient in this backward, expected all {len(self.params)}: {names} "
-                "(unused in forward? pass find_unused_parameters=True)")
         for i in missing:
             self._fired.add(i)
             self._pack(i, np.zeros(int(np.prod(self.params[i].shape)), self._where[i][0].dtype),
                        time.perf_counter())
+        return missing
 
     def sync_now(self) -> None:
         """Synchronize the gradients the parameters hold now (no hooks: a step that ran many
@@ -363,8 +359,9 @@ class GradSync:
         if not self._sync or not self._fired:
             return False
         self._step["finish_called"] = time.perf_counter()
-        self._fill_unused()
+        missing = self._fill_unused()
         self._launch_ready()
+        check_ready(self, missing)  # zeros filled even so: every rank launched every bucket
         total = self.counts[1] if self.reduction == "sum" and self.counts else 1.0
         for bucket in self.buckets:
             bucket.work.wait()

@@ -71,7 +71,7 @@ def test_detect_anomaly_names_rank_step_op_and_line_once(tmp_path, backend):
     assert len(reports) == 1, out[-3000:]  # once for the job: rank 0 never saw a NaN
     rank, step, op, values, phase, path, line, source = reports[0]
     assert (rank, step, op, values, phase) == ("1", "7", "Log", "-inf", "forward")
-    assert path.endswith("faults.py") and "ndl.log(zeros)" in source
+    assert path.endswith("faults.py") and "return out + ndl.log(zeros)" in source
     assert int(line) > 0
     assert "launch: rank 1 failed first" in out
 
@@ -94,7 +94,7 @@ def test_without_detect_anomaly_the_nan_spreads_to_every_replica(tmp_path):
     (["--nproc", "2", "--strategy", "zero", "--zero-stage", "3", "--check-replicas", "2"],
      "--zero-stage 3 shards all of it"),
     (["--nproc", "2", "--strategy", "pipeline", "--flip-bit", "1@2"],
-     "--flip-bit and --nan-at apply to"),
+     "--flip-bit, --nan-at and --skip-layer apply to"),
     (["--nproc", "2", "--flip-bit", "2@2"], "--flip-bit: RANK must be in [0, 2)"),
     (["--nan-at", "0"], "--nan-at expects RANK@STEP"),
 ])
@@ -106,3 +106,55 @@ def test_bad_debugging_options(args, message):
     with pytest.raises(train.UsageError, match=re.escape(message)):
         cfg = train.parse_args(args)
         parse_faults(cfg, cfg.nproc)
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", ["mpi", "tcp"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero"])
+def test_a_rank_that_skipped_a_layer_is_named_on_every_rank(tmp_path, backend, strategy):
+    """Rank 1's backward of step 4 gives no gradient for the first layer: both ranks stop
+    with the same error naming rank 1's missing parameters (not rank 0 blaming rank 1 for
+    never arriving at a collective)."""
+    proc, out = _run(*COMMON, "--strategy", strategy, "--skip-layer", "1@4",
+                     "--out", str(tmp_path), backend=backend)
+    assert proc.returncode == 2, out[-3000:]
+    named = (r"rank 1 produced no gradient for 'modules\.0\.weight' \(shape \(64, 100\)\), "
+             r"'modules\.0\.bias' \(shape \(1, 100\)\); rank 0 did")
+    for rank in (0, 1):
+        assert re.search(rf"\[rank {rank}\] train\.py: error: \w+: the ranks' backwards "
+                         rf"produced gradients for different parameters.*{named}", out), \
+            out[-3000:]
+    assert "call check" not in out
+
+
+def _doc_commands() -> list[tuple[str, int, str]]:
+    """(command, exit status, the error line's text up to its first '(') of each console
+    block of docs/debugging.md that runs apps/train.py."""
+    with open(os.path.join(REPO, "docs", "debugging.md")) as f:
+        blocks = re.findall(r"```console\n(.*?)```", f.read(), re.S)
+    out = []
+    for block in blocks:
+        lines = block.splitlines()
+        command = lines[0][2:]
+        status = int(lines[lines.index("$ echo $?") + 1])
+        errors = [line.split("train.py: error: ", 1)[1].split("(")[0].split("...")[0]
+                  for line in lines if "train.py: error: " in line]
+        out.append((command, status, errors[0] if errors else ""))
+    return out
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_walk_through_in_docs_debugging_runs_as_written(tmp_path):
+    commands = _doc_commands()
+    assert len(commands) == 4
+    for i, (command, status, error) in enumerate(commands):
+        args = command.split()
+        assert args[:2] == ["python", "apps/train.py"], command
+        args[args.index("--out") + 1] = str(tmp_path / str(i))
+        proc, out = _run(*args[2:])
+        assert proc.returncode == status, (command, out[-3000:])
+        assert error in out, (command, error, out[-3000:])
