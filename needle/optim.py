@@ -44,10 +44,12 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 
 import numpy as np
 
-from ._core.errors import SerializationError, ShapeError
+from . import lr_scheduler
+from ._core.errors import OptimizerError, SerializationError, ShapeError
 from ._core.versions import BUFFER_LOGS
 from ._core.versions import note_write as _note_write
 from .autograd import Tensor
@@ -56,11 +58,17 @@ from .autograd.tensor import replace_data
 from .autograd.versions import note_replaced
 from .backend_ndarray import NDArray
 from .backend_ndarray import ewise_program as _program
+from .lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR, StepLR
 from .memory import attribute as _attribute
 from .memory import framework_category as _framework_category
 from .memory.observers import phase as _phase
 
-__all__ = ["Optimizer", "SGD", "Adam", "clip_grad_norm"]
+__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "clip_grad_norm", "lr_scheduler", "StepLR",
+           "CosineAnnealingLR", "LinearLR", "SequentialLR"]
+
+# PyTorch's spelling, ``from needle.optim.lr_scheduler import StepLR``, although this module
+# is not a package: the import system finds a submodule in sys.modules first.
+sys.modules[__name__ + ".lr_scheduler"] = lr_scheduler
 
 
 def _array(t: Tensor):
@@ -125,6 +133,67 @@ def _attributed_step(step):
     return wrapper
 
 
+def _is_number(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float, np.number))
+
+
+def _betas(owner: str, beta1, beta2, betas) -> tuple:
+    """``(β1, β2)`` from ``beta1``/``beta2`` or PyTorch's ``betas`` pair (not both)."""
+    if betas is None:
+        return beta1, beta2
+    if (beta1, beta2) != (0.9, 0.999):
+        raise OptimizerError(f"{owner}: betas given twice, expected betas= or beta1=/beta2=, "
+                          f"got betas={betas!r} and beta1={beta1!r}, beta2={beta2!r}")
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise OptimizerError(f"{owner}: betas must be a pair, expected (beta1, beta2), "
+                          f"got {betas!r}")
+    return betas[0], betas[1]
+
+
+def _group_hyper(name: str) -> property:
+    """``opt.<name>``: the first parameter group's value; setting it sets every group's."""
+    def get(self):
+        return self.param_groups[0][name]
+
+    def put(self, value):
+        for group in self.param_groups:
+            group[name] = value
+    return property(get, put, doc=f"``{name}`` of the parameter groups (see param_groups)")
+
+
+def _param_groups(owner: str, params, defaults: dict, hyper: tuple) -> list:
+    """PyTorch-style groups from ``params`` (Tensors, or dicts with ``"params"``): each a
+    dict holding its ``"params"`` list and every hyper-parameter, the group's own over
+    ``defaults``; ``betas`` in a group is split into ``beta1``/``beta2``."""
+    params = list(params)
+    if not params or not all(isinstance(g, dict) for g in params):
+        if any(isinstance(g, dict) for g in params):
+            raise OptimizerError(f"{owner}: params mixes tensors and parameter groups, expected "
+                              f"all tensors or all dicts, got {[type(g).__name__ for g in params]}")
+        params = [{"params": params}]
+    groups, seen = [], set()
+    for given in params:
+        if "params" not in given:
+            raise OptimizerError(f"{owner}: a parameter group has no 'params', expected a dict "
+                              f"with 'params', got keys {sorted(given)}")
+        group = {**defaults, **given}
+        group["params"] = list(given["params"])
+        if "betas" in given:
+            group["beta1"], group["beta2"] = _betas(owner, 0.9, 0.999, group.pop("betas"))
+        for name in hyper:
+            if not _is_number(group.get(name)):
+                raise OptimizerError(f"{owner}: hyper-parameter {name!r} of group {len(groups)} "
+                                  f"is not a number, expected int or float, got "
+                                  f"{group.get(name)!r}")
+            group[name] = float(group[name])
+        if seen & {id(p) for p in group["params"]}:
+            raise OptimizerError(f"{owner}: a parameter is in two groups, expected each in one, "
+                              f"got a repeat in group {len(groups)}")
+        seen |= {id(p) for p in group["params"]}
+        groups.append(group)
+    return groups
+
+
 class Optimizer:
     """Base class: holds ``params``; ``step()`` updates them, ``reset_grad()`` clears grads.
 
@@ -145,15 +214,27 @@ class Optimizer:
     grad_scale: float | None = None
     # ids of the arrays _install gave parameters during the current step (else None)
     _fresh: set | None = None
-    _plan = None  # the last plain step's launches (_PlainPlan), or None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         if "step" in cls.__dict__:
             cls.step = _attributed_step(cls.__dict__["step"])
+        for name in cls._hyper:
+            if not isinstance(getattr(cls, name, None), property):
+                setattr(cls, name, _group_hyper(name))
 
-    def __init__(self, params):
-        self.params = list(params)
+    def __init__(self, params, defaults: dict | None = None):
+        """``params``: Tensors, or dicts each holding ``"params"`` and hyper-parameters of
+        its own (PyTorch's parameter groups); ``defaults``: the hyper-parameters of every
+        group that does not set them."""
+        self.param_groups = _param_groups(type(self).__name__, params, defaults or {},
+                                          self._hyper)
+        # One group: the group's list is ``params`` itself, so code that appends to
+        # ``opt.params`` (as the course's did) still reaches the step.
+        groups = self.param_groups
+        self.params = groups[0]["params"] if len(groups) == 1 else \
+            [p for g in groups for p in g["params"]]
+        self._plans: dict = {}  # group index -> its last plain step's launches (_PlainPlan)
         for name in self._slots:
             setattr(self, name, {})
         self.master: dict = {}  # float16 parameter -> its float32 master array
@@ -252,20 +333,21 @@ class Optimizer:
         :meth:`_plain_fused_steps`); else it runs now and installs new arrays."""
         return False
 
-    def _plain_fused_steps(self, scalars: list) -> list:
-        """:meth:`_fused_step` in place, batched, for every parameter with a gradient when
-        the fast path applies (not compiling, no gradient scale, no float16 masters); returns
-        the parameters left for the general path (all of them when it does not apply)."""
+    def _plain_fused_steps(self, scalars: list, params: list, group: int = 0) -> list:
+        """:meth:`_fused_step` in place, batched, for every parameter of ``params`` (the
+        ``group``-th parameter group) with a gradient when the fast path applies (not
+        compiling, no gradient scale, no float16 masters); returns the parameters left for
+        the general path (all of them when it does not apply)."""
         if compiling() or self.grad_scale is not None or self.master:
-            return self.params
-        plan = self._plan
-        if plan is not None and plan.run(self, scalars):
+            return params
+        plan = self._plans.get(group)
+        if plan is not None and plan.run(self, scalars, params):
             return []
-        self._plan = None
+        self._plans.pop(group, None)
         rest: list = []
         done: list = []
         batch = _program.Batch(scalars, record=True)
-        for p in self.params:
+        for p in params:
             grad = p.grad
             if grad is None:
                 continue
@@ -276,7 +358,7 @@ class Optimizer:
                 rest.append(p)  # mixed dtypes, views, a backend without the kernel
         batch.run()
         if not rest:
-            self._plan = _PlainPlan.of(self, scalars, batch.added)
+            self._plans[group] = _PlainPlan.of(self, scalars, batch.added, params)
         _noted_in_place(done, self._fresh)
         return rest
 
@@ -363,8 +445,11 @@ class Optimizer:
         index = {id(p): i for i, p in enumerate(self.params)}
         state = {name: {index[id(p)]: _to_numpy(v) for p, v in getattr(self, name).items()
                         if id(p) in index} for name in (*self._slots, "master")}
-        return {"type": type(self).__name__, "hyper": {h: getattr(self, h) for h in self._hyper},
-                "state": state, "extra": self._extra_state()}
+        out = {"type": type(self).__name__, "hyper": {h: getattr(self, h) for h in self._hyper},
+               "state": state, "extra": self._extra_state()}
+        if len(self.param_groups) > 1:  # one group's hyper-parameters are "hyper" itself
+            out["groups"] = [{h: g[h] for h in self._hyper} for g in self.param_groups]
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what :meth:`state_dict` gave (same parameter list, same order). Everything
@@ -379,6 +464,8 @@ class Optimizer:
         _check_optimizer_state(self, state)
         for name, value in state["hyper"].items():
             setattr(self, name, value)
+        for group, saved in zip(self.param_groups, state.get("groups", ()), strict=False):
+            group.update(saved)
         for name in self._slots:
             setattr(self, name, {self.params[int(i)]: _from_numpy(v, self.params[int(i)])
                                  for i, v in state["state"][name].items()})
@@ -442,6 +529,14 @@ def _check_optimizer_state(opt: Optimizer, state) -> None:
     if len({tuple(covered[name]) for name in opt._slots}) > 1:
         raise fail("slots cover different parameters", "the same in every slot",
                    {name: covered[name] for name in opt._slots})
+    groups = state.get("groups", [hyper] * len(opt.param_groups))
+    if not isinstance(groups, list) or len(groups) != len(opt.param_groups) or not all(
+            isinstance(g, dict) and sorted(g) == sorted(opt._hyper) and all(
+                _is_number(v) for v in g.values()) for g in groups):
+        raise fail("parameter groups differ", f"{len(opt.param_groups)} groups of "
+                   f"{sorted(opt._hyper)}", repr(groups)[:200])
+
+
 
 
 def _noted_in_place(params, fresh) -> None:
@@ -476,13 +571,14 @@ class _PlainPlan:
     __slots__ = ("key", "entries", "program", "mod")
 
     @classmethod
-    def of(cls, opt, scalars, added):
+    def of(cls, opt, scalars, added, params):
         """The plan of the step that just ran ``added`` (the Batch's record: one
-        ``(program, ins, outs)`` per parameter with a gradient, in order), or None."""
+        ``(program, ins, outs)`` per parameter of ``params`` with a gradient, in order), or
+        None."""
         entries = []
         launched = iter(added)
         programs, devices = set(), set()
-        for p in opt.params:
+        for p in params:
             if p.grad is None:
                 entries.append((p, None))
                 continue
@@ -505,9 +601,9 @@ class _PlainPlan:
         plan.program, plan.mod = programs.pop(), devices.pop().mod
         return plan
 
-    def run(self, opt, scalars) -> bool:
-        """Run the step from the plan; False (nothing run) when it no longer holds."""
-        params = opt.params
+    def run(self, opt, scalars, params) -> bool:
+        """Run the step of ``params`` from the plan; False (nothing run) when it no longer
+        holds."""
         if len(params) != len(self.entries) or opt._plain_key(scalars) != self.key:
             return False
         launches = []
@@ -545,15 +641,16 @@ class SGD(Optimizer):
     _hyper = ("lr", "momentum", "weight_decay")
 
     def __init__(self, params, lr=0.01, momentum=0.0, weight_decay=0.0):
-        super().__init__(params)
-        self.lr = float(lr)
-        self.momentum = float(momentum)
-        self.weight_decay = float(weight_decay)
+        super().__init__(params, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay})
 
     def step(self) -> None:
-        lr, mom, wd = float(self.lr), float(self.momentum), float(self.weight_decay)
+        for index, group in enumerate(self.param_groups):
+            self._step_group(index, group)
+
+    def _step_group(self, index: int, group: dict) -> None:
+        lr, mom, wd = float(group["lr"]), float(group["momentum"]), float(group["weight_decay"])
         scalars = [lr, wd, mom, 1 - mom]
-        rest = self._plain_fused_steps(scalars)
+        rest = self._plain_fused_steps(scalars, group["params"], index)
         for p, theta, g in self._grads(rest):
             if self._fused_step(p, theta, g, scalars):
                 continue
@@ -638,7 +735,7 @@ def _adam_m_program(first: bool, decay: bool) -> _program.Program:
 
 
 @functools.lru_cache(maxsize=None)
-def _adam_v_theta_program(first: bool, decay: bool) -> _program.Program:
+def _adam_v_theta_program(first: bool, decay: bool, decoupled: bool = False) -> _program.Program:
     """Inputs ``θ, g, m (the new one) (, v)``; outputs the new v and the new θ."""
     prog = _program.Program(3 if first else 4)
     g = _decayed_reg(prog, decay, 0)
@@ -651,13 +748,14 @@ def _adam_v_theta_program(first: bool, decay: bool) -> _program.Program:
         v = prog.binary("add", vb, gv)
         prog.free(vb, gv)
     prog.store(v)
-    _store_adam_theta(prog, 2, v)
+    _store_adam_theta(prog, 2, v, decoupled=decoupled)
     return prog
 
 
-def _store_adam_theta(prog, m: int, v: int, *dead: int) -> None:
+def _store_adam_theta(prog, m: int, v: int, *dead: int, decoupled: bool = False) -> None:
     """Store ``θ − (m / c1 · lr) / ((v / c2) ** 0.5 + eps)`` (θ in register 0) from the new
-    moments in registers ``m`` and ``v``; ``dead``: more registers free once m is read."""
+    moments in registers ``m`` and ``v``; ``dead``: more registers free once m is read.
+    ``decoupled`` (AdamW): θ is first scaled by scalar 9, ``1 − lr·wd``."""
     m_c1 = prog.scalar("div", m, 5)
     step = prog.scalar("mul", m_c1, 6)  # m / c1 · lr
     v_c2 = prog.scalar("div", v, 7)
@@ -667,11 +765,12 @@ def _store_adam_theta(prog, m: int, v: int, *dead: int) -> None:
     prog.free(v_c2, root)
     ratio = prog.binary("div", step, denom)
     prog.free(step, denom)
-    prog.store(prog.binary("sub", 0, ratio))
+    theta = prog.scalar("mul", 0, 9) if decoupled else 0
+    prog.store(prog.binary("sub", theta, ratio))
 
 
 @functools.lru_cache(maxsize=None)
-def _adam_program(first: bool, decay: bool) -> _program.Program:
+def _adam_program(first: bool, decay: bool, decoupled: bool = False) -> _program.Program:
     """The in-place update (Adam's fast path) in one pass, the arithmetic of
     :func:`_adam_m_program` then :func:`_adam_v_theta_program`: inputs ``θ, g (, m, v)``;
     outputs the new m, the new v and the new θ (each may be its input's buffer: every read of
@@ -692,7 +791,7 @@ def _adam_program(first: bool, decay: bool) -> _program.Program:
         v, gv = prog.binary("add", vb, v), v
         prog.free(vb, gv)
     prog.store(v)
-    _store_adam_theta(prog, m, v, m)
+    _store_adam_theta(prog, m, v, m, decoupled=decoupled)
     return prog
 
 
@@ -700,29 +799,49 @@ class Adam(Optimizer):
     """Adam with bias correction and L2 weight decay (added to the gradient).
 
     ``m ← β1·m + (1−β1)·g``; ``v ← β2·v + (1−β2)·g²``; ``θ ← θ − lr·m̂/(√v̂ + eps)`` with
-    ``m̂ = m/(1−β1^t)``, ``v̂ = v/(1−β2^t)``; ``t`` counts ``step()`` calls.
+    ``m̂ = m/(1−β1^t)``, ``v̂ = v/(1−β2^t)``; ``t`` counts ``step()`` calls. ``betas=(β1, β2)``
+    is PyTorch's spelling of ``beta1``, ``beta2`` (give one or the other).
+
+    Example:
+        >>> import numpy as np, needle as ndl
+        >>> p = ndl.Tensor(np.ones(2, "float32")); p.grad = ndl.Tensor(np.ones(2, "float32"))
+        >>> opt = ndl.optim.Adam([p], lr=0.1, betas=(0.8, 0.99)); opt.step()
+        >>> opt.beta1, opt.beta2, [round(x, 4) for x in p.numpy().tolist()]
+        (0.8, 0.99, [0.9, 0.9])
     """
 
     _slots = ("m", "v")
     _hyper = ("lr", "beta1", "beta2", "eps", "weight_decay")
+    _decoupled = False  # AdamW: weight decay shrinks θ instead of joining the gradient
 
-    def __init__(self, params, lr=0.01, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0):
-        super().__init__(params)
-        self.lr = float(lr)
-        self.beta1 = float(beta1)
-        self.beta2 = float(beta2)
-        self.eps = float(eps)
-        self.weight_decay = float(weight_decay)
+    def __init__(self, params, lr=0.01, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                 *, betas=None):
+        beta1, beta2 = _betas(type(self).__name__, beta1, beta2, betas)
+        super().__init__(params, {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps,
+                                  "weight_decay": weight_decay})
         self.t = 0
 
     def step(self) -> None:
         # the counter and its bias corrections through replayed(): a compiled step replaying
         # as a kernel program advances them too, instead of reusing the traced step's numbers
-        c1, c2 = replayed(self._advance, self)
-        b1, b2, wd = float(self.beta1), float(self.beta2), float(self.weight_decay)
-        lr, eps = float(self.lr), float(self.eps)
-        scalars = [wd, b1, 1 - b1, b2, 1 - b2, c1, lr, c2, eps]
-        rest = self._plain_fused_steps(scalars)
+        corrections = replayed(self._advance, self)
+        for index, group in enumerate(self.param_groups):
+            self._step_group(index, group, *corrections[2 * index:2 * index + 2])
+
+    def _scalars(self, group: dict, c1: float, c2: float) -> list:
+        """``[wd, β1, 1 − β1, β2, 1 − β2, c1, lr, c2, eps]`` (the programs' registers);
+        decoupled decay: wd 0 and ``1 − lr·wd`` appended (θ's factor)."""
+        b1, b2, wd = float(group["beta1"]), float(group["beta2"]), float(group["weight_decay"])
+        lr, eps = float(group["lr"]), float(group["eps"])
+        scalars = [0.0 if self._decoupled else wd, b1, 1 - b1, b2, 1 - b2, c1, lr, c2, eps]
+        return scalars + [1 - lr * wd] if self._decoupled and wd else scalars
+
+    def _step_group(self, index: int, group: dict, c1: float, c2: float) -> None:
+        scalars = self._scalars(group, c1, c2)
+        wd, lr, eps = scalars[0], scalars[6], scalars[8]
+        keep = scalars[9] if len(scalars) > 9 else None
+        b1, b2 = scalars[1], scalars[3]
+        rest = self._plain_fused_steps(scalars, group["params"], index)
         for p, theta, g in self._grads(rest):
             if self._fused_step(p, theta, g, scalars):
                 continue
@@ -735,10 +854,11 @@ class Adam(Optimizer):
             self.m[p] = _state(m)
             v = (g * g) * (1 - b2) if v is None else v * b2 + (g * g) * (1 - b2)
             self.v[p] = _state(v)
-            self._assign(p, theta, (m / c1 * lr) / ((v / c2) ** 0.5 + eps))
+            self._assign(p, theta if keep is None else theta * keep,
+                         (m / c1 * lr) / ((v / c2) ** 0.5 + eps))
 
     def _plain_key(self, scalars: list) -> tuple:
-        return (bool(scalars[0]),)  # weight decay
+        return bool(scalars[0]), len(scalars) > 9  # weight decay: coupled, decoupled
 
     def _plain_states(self, p: Tensor, scalars: list) -> tuple:
         return ("m", self.m.get(p)), ("v", self.v.get(p))
@@ -755,11 +875,11 @@ class Adam(Optimizer):
         if (v is None) != first or (not plain and compiling()) \
                 or not _program.available((theta, g) if first else (theta, g, m, v)):
             return False
-        decay = bool(scalars[0])
+        decay, decoupled = bool(scalars[0]), len(scalars) > 9
         if plain:
             outs = [self._new_state(theta, m, True), self._new_state(theta, v, True), theta]
-            batch.add(_adam_program(first, decay), (theta, g) if first else (theta, g, m, v),
-                      outs)
+            batch.add(_adam_program(first, decay, decoupled),
+                      (theta, g) if first else (theta, g, m, v), outs)
             self.m[p], self.v[p] = outs[0], outs[1]
             return True
         new_m = self._new_state(theta)
@@ -767,7 +887,7 @@ class Adam(Optimizer):
                      scalars, [new_m])
         self.m[p] = m = new_m  # the old m is freed before the new v is made
         outs = [self._new_state(theta), self._new_theta(p, theta)]
-        _program.run(_adam_v_theta_program(first, decay),
+        _program.run(_adam_v_theta_program(first, decay, decoupled),
                      (theta, g, m) if first else (theta, g, m, v), scalars, outs)
         self.v[p] = outs[0]
         v = None
@@ -775,15 +895,37 @@ class Adam(Optimizer):
         return True
 
     def _advance(self) -> tuple:
-        """One more step: ``t += 1``, and the bias corrections ``(1 − β1^t, 1 − β2^t)``."""
+        """One more step: ``t += 1``, and the bias corrections ``(1 − β1^t, 1 − β2^t)`` of
+        each parameter group in turn (one flat tuple)."""
         self.t += 1
-        return 1 - float(self.beta1) ** self.t, 1 - float(self.beta2) ** self.t
+        return tuple(1 - float(g[beta]) ** self.t for g in self.param_groups
+                     for beta in ("beta1", "beta2"))
 
     def _extra_state(self) -> dict:
         return {"t": self.t}
 
     def _load_extra_state(self, extra: dict) -> None:
         self.t = int(extra.get("t", 0))
+
+
+class AdamW(Adam):
+    """Adam with decoupled weight decay (Loshchilov & Hutter): each step first shrinks θ by
+    ``1 − lr·wd``, then takes Adam's step with the gradient alone,
+    ``θ ← θ·(1 − lr·wd) − lr·m̂/(√v̂ + eps)``. Defaults are PyTorch's (``lr=1e-3``,
+    ``weight_decay=1e-2``); ``betas`` or ``beta1``/``beta2`` as for :class:`Adam`.
+
+    Example:
+        >>> import numpy as np, needle as ndl
+        >>> p = ndl.Tensor(np.ones(2, "float32")); p.grad = ndl.Tensor(np.zeros(2, "float32"))
+        >>> ndl.optim.AdamW([p], lr=0.1, weight_decay=0.5).step(); p.numpy().tolist()
+        [0.949999988079071, 0.949999988079071]
+    """
+
+    _decoupled = True
+
+    def __init__(self, params, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2,
+                 *, betas=None):
+        super().__init__(params, lr, beta1, beta2, eps, weight_decay, betas=betas)
 
 
 def clip_grad_norm(params, max_norm=0.25, *, reduce=None, counted=None) -> float:

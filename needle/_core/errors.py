@@ -15,7 +15,7 @@ from __future__ import annotations
 __all__ = ["NeedleError", "ShapeError", "DTypeError", "DeviceError", "AxisError",
            "IndexOutOfRange", "BackendUnavailable", "GraphError", "ReleasedDataError",
            "CommError", "CheckpointError", "RNGStateError", "MemoryArgumentError",
-           "MemoryPlanError", "OutOfMemoryError", "CompileError"]
+           "MemoryPlanError", "OutOfMemoryError", "CompileError", "OptimizerError"]
 
 
 class NeedleError(Exception):
@@ -107,6 +107,10 @@ class OutOfMemoryError(NeedleError, MemoryError):
 
 class CompileError(NeedleError, RuntimeError):
     """``needle.compile`` cannot capture a step (data-dependent Python, bad arguments)."""
+
+
+class OptimizerError(NeedleError, ValueError):
+    """A bad optimizer or learning-rate scheduler argument (hyper-parameter, parameter group)."""
 
 
 class SerializationError(NeedleError, ValueError):

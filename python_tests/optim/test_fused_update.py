@@ -23,6 +23,12 @@ RULES = {
     "momentum_wd": lambda ps: optim.SGD(ps, lr=0.07, momentum=0.5, weight_decay=0.1),
     "adam": lambda ps: optim.Adam(ps, lr=0.05, beta1=0.8, beta2=0.95),
     "adam_wd": lambda ps: optim.Adam(ps, lr=0.01, weight_decay=0.01),
+    "adamw": lambda ps: optim.AdamW(ps, lr=0.01, weight_decay=0.1),
+    # parameter groups: each group's own scalars, its own plan
+    "adamw_groups": lambda ps: optim.AdamW([{"params": ps[:1], "lr": 0.03, "betas": (0.8, 0.9)},
+                                            {"params": ps[1:], "weight_decay": 0.0}]),
+    "momentum_groups": lambda ps: optim.SGD([{"params": ps[:1], "lr": 0.2}, {"params": ps[1:]}],
+                                            lr=0.05, momentum=0.9),
 }
 
 
