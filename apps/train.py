@@ -99,6 +99,7 @@ def _start_ranks(cfg: Config) -> tuple[int, int]:
 def main(argv=None) -> int:
     from needle import NeedleError
     from needle.autograd import NonFiniteError
+    from needle.distributed import PeerError
 
     try:
         cfg = parse_args(argv)
@@ -117,6 +118,8 @@ def main(argv=None) -> int:
         print(f"train.py: error: non-finite value on rank {getattr(exc, 'rank', 0)} at step "
               f"{getattr(exc, 'step', '?')}: {exc}", file=sys.stderr)
         return 5
+    except PeerError:
+        raise  # another rank failed first: the launcher must see whom this error blames
     except (UsageError, NeedleError) as exc:  # bad input: one line, no traceback
         print(f"train.py: error: {exc}", file=sys.stderr)
         return 2
