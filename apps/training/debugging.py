@@ -153,11 +153,11 @@ class ReplicaCheck:
         if message is not None:
             raise ReplicasDiverged(message, self.rank)
 
-    def block(self) -> dict | None:
-        """``summary.json``'s ``replica_checks`` (None without ``--check-replicas``)."""
+    def blocks(self) -> dict:
+        """``summary.json``'s ``replica_checks`` (nothing without ``--check-replicas``)."""
         if not self.every:
-            return None
-        return {"every": self.every, "checks": self.checks,
+            return {}
+        return {"replica_checks": {"every": self.every, "checks": self.checks,
                 "seconds_per_check": self.seconds / self.checks if self.checks else None,
                 "bytes_digested": self.bytes,
-                "compared": self.compared, "not_compared": self.not_compared}
+                "compared": self.compared, "not_compared": self.not_compared}}

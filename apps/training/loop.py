@@ -86,6 +86,7 @@ def _progress_bar(cfg, strategy, total: int, desc: str):
                 disable=not cfg.progress)
 
 
+# long: the step loop; every rank's collectives (meters, checks, saves) in one visible order
 def run(cfg, strategy, rank: int = 0, world_size: int = 1) -> dict | None:
     """Train as ``cfg`` says with ``strategy``; the summary on the reporting rank, else None."""
     device = device_by_name(cfg.device)
@@ -169,8 +170,7 @@ def run(cfg, strategy, rank: int = 0, world_size: int = 1) -> dict | None:
     summary["state_sha256"] = state_digest
     summary["model_state"] = state
     summary["resume"] = checkpoints.report()
-    if checks.block() is not None:
-        summary["replica_checks"] = checks.block()
+    summary.update(checks.blocks())
     return summary
 
 
