@@ -44,6 +44,7 @@ import numpy as np
 from ._core.errors import SerializationError
 from .autograd import Tensor
 from .backend_ndarray import NDArray, device_by_name
+from .safetensors_io import is_safetensors_path, load_safetensors, save_safetensors
 
 __all__ = ["save", "load", "FORMAT_VERSION", "atomic_write_bytes"]
 
@@ -163,11 +164,24 @@ def _create_temporary(directory: str, name: str) -> tuple[int, str]:
 
 
 def save(obj: Any, path: str) -> None:
-    """Save ``obj`` (tensors, arrays, numbers, strings and containers of them) to ``path``.
+    """Save ``obj`` (tensors, arrays, numbers, strings and containers of them) to ``path``;
+    a path ending in ``.safetensors`` gets that format instead (a flat dict of arrays, see
+    :mod:`needle.safetensors_io`).
+
+    A model (anything with ``state_dict()``) is refused, not pickled as PyTorch would: the
+    format never runs code, so it could not rebuild the object. Save
+    ``model.state_dict()`` and load it back with ``model.load_state_dict(ndl.load(path))``.
 
     Raises:
         SerializationError: for a value of a type the format does not hold (named by path).
     """
+    if is_safetensors_path(path):
+        return save_safetensors(obj, path)
+    if hasattr(obj, "state_dict") and callable(obj.state_dict):
+        raise SerializationError(
+            f"save: got a {type(obj).__name__} object, expected its state: save "
+            f"{type(obj).__name__}.state_dict() with ndl.save(obj.state_dict(), path) and "
+            f"restore it with obj.load_state_dict(ndl.load(path))")
     writer = _Writer()
     root = writer.encode(obj, "obj")
     index = {"format": "needle", "version": FORMAT_VERSION, "root": root, "arrays": writer.meta}
@@ -408,6 +422,7 @@ def _read_index(path: str, zf: zipfile.ZipFile, entries: dict, budget: int) -> t
 
 def load(path: str, device=None, *, max_bytes: int | None = None) -> Any:
     """Load what :func:`save` wrote; Tensors go to ``device`` (default: their saved device).
+    A ``.safetensors`` path gives its arrays by name (NumPy; Tensors on ``device`` if given).
 
     Only a regular file is read. Before anything is inflated, every entry's declared size is
     checked against the dtype and shape the index gives it, and their total against
@@ -419,6 +434,8 @@ def load(path: str, device=None, *, max_bytes: int | None = None) -> Any:
         SerializationError: for a missing, truncated, corrupted, oversized or foreign file,
             one that is not a regular file, or one written by a newer format version.
     """
+    if is_safetensors_path(path):
+        return load_safetensors(path, device)
     with _open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
         try:

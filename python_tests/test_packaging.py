@@ -8,7 +8,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OPTIONAL = ("mpi4py", "mpich", "zmq", "matplotlib", "tqdm", "sklearn", "torch")
+OPTIONAL = ("mpi4py", "mpich", "zmq", "matplotlib", "tqdm", "sklearn", "torch", "safetensors")
 
 
 def _pyproject() -> dict:
@@ -28,6 +28,8 @@ def test_core_depends_on_numpy_only_and_extras_carry_the_rest():
     assert _names(extras["distributed"]) == {"mpi4py", "mpich", "pyzmq"}
     assert _names(extras["apps"]) == {"matplotlib", "tqdm", "scikit-learn"}
     assert "needle[distributed,apps]" in extras["test"]
+    assert _names(extras["safetensors"]) == {"safetensors"}
+    assert "needle[safetensors]" in extras["test"]
 
 
 BLOCKER = f"""

@@ -12,3 +12,4 @@ from .nn_attention import *  # noqa: F401,F403
 from .nn_basic import *  # noqa: F401,F403
 from .nn_conv import *  # noqa: F401,F403
 from .nn_sequence import *  # noqa: F401,F403
+from .torch_layout import *  # noqa: F401,F403
