@@ -25,6 +25,7 @@ from . import nn
 from . import optim
 from . import amp
 from . import random
+from .random import manual_seed
 from .checkpoint import checkpoint, checkpoint_sequential, plan_checkpoints
 from .serialization import save, load
 from .compiler import compile

@@ -42,7 +42,7 @@ import numpy as np
 from ._core.errors import DeviceError, RNGStateError
 from ._core.handles import Callbacks, RemovableHandle
 
-__all__ = ["seed", "get_state", "set_state", "fork_rng", "rand", "randn", "randint",
+__all__ = ["seed", "manual_seed", "get_state", "set_state", "fork_rng", "rand", "randn", "randint",
            "permutation", "register_stream", "unregister_stream", "stream_for",
            "observe_draws", "add_draw_observer", "add_state_observer", "RNGState",
            "NumpyGlobalStream", "HOST", "host_mt19937", "draw_through_numpy"]
@@ -165,6 +165,25 @@ def seed(n: int, device=None) -> None:
         return
     for stream in _all_streams().values():
         stream.seed(n)
+
+
+def manual_seed(n: int) -> None:
+    """PyTorch's spelling of :func:`seed` for every stream (``ndl.manual_seed``): NumPy's
+    global generator included, so weight init, dropout and shuffling all follow it.
+
+    Raises:
+        RNGStateError: ``n`` not an int in ``[0, 2**32)`` (what NumPy's generator takes).
+
+    Example:
+        >>> import needle as ndl
+        >>> ndl.manual_seed(7); a = ndl.init.rand(2); ndl.manual_seed(7)
+        >>> bool((a.numpy() == ndl.init.rand(2).numpy()).all())
+        True
+    """
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n < 2 ** 32:
+        raise RNGStateError(f"manual_seed: seed out of range, expected an int in [0, 2**32), "
+                            f"got {n!r}")
+    seed(int(n))
 
 
 def get_state(device=None):

@@ -100,3 +100,25 @@ def test_course_sum_is_unchanged():
     t = ndl.Tensor(np.arange(6, dtype=np.float32).reshape(2, 3))
     assert t.sum().shape == () and t.sum(axes=(1,)).shape == (2,)
     assert t.sum(1).numpy().tolist() == [3.0, 12.0]
+
+
+def test_manual_seed_decides_every_draw():
+    from needle import nn
+    from needle._core.errors import RNGStateError
+
+    def draws():
+        layer = nn.Linear(3, 2)
+        mask = nn.Dropout(0.5)(ndl.Tensor(np.ones((4, 4), np.float32))).numpy()
+        return layer.weight.numpy(), mask, np.random.permutation(5)
+
+    ndl.manual_seed(123)
+    first = draws()
+    np.random.seed(0)  # anything in between
+    ndl.manual_seed(123)
+    for a, b in zip(first, draws(), strict=True):
+        np.testing.assert_array_equal(a, b)
+    ndl.manual_seed(124)
+    assert not np.array_equal(first[0], draws()[0])
+    for bad in (-1, 2 ** 32, 1.5, "1", True):
+        with pytest.raises(RNGStateError, match=r"manual_seed: seed out of range"):
+            ndl.manual_seed(bad)
