@@ -15,7 +15,8 @@ from __future__ import annotations
 __all__ = ["NeedleError", "ShapeError", "DTypeError", "DeviceError", "AxisError",
            "IndexOutOfRange", "BackendUnavailable", "GraphError", "ReleasedDataError",
            "CommError", "CheckpointError", "RNGStateError", "MemoryArgumentError",
-           "MemoryPlanError", "OutOfMemoryError", "CompileError", "OptimizerError"]
+           "MemoryPlanError", "OutOfMemoryError", "CompileError", "OptimizerError",
+           "SerializationError"]
 
 
 class NeedleError(Exception):
