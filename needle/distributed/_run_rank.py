@@ -64,11 +64,10 @@ def write_record(status_dir: str | None, name: str, record: dict) -> None:
     that does not exist here (a rank on another host) is not an error."""
     if not status_dir:
         return
-    path = os.path.join(status_dir, name)
+    from needle.serialization import atomic_write_bytes  # a random, exclusive temporary
+
     try:
-        with open(path + ".tmp", "w") as f:
-            json.dump(record, f)
-        os.replace(path + ".tmp", path)
+        atomic_write_bytes(os.path.join(status_dir, name), json.dumps(record).encode())
     except OSError:
         pass
 

@@ -69,10 +69,10 @@ def _write_addresses(table: list[str]) -> None:
     path = _addresses_path()
     if path is None:
         return
+    from needle.serialization import atomic_write_bytes  # a random, exclusive temporary
+
     try:
-        with open(path + f".tmp{os.getpid()}", "w") as f:
-            json.dump(table, f)
-        os.replace(path + f".tmp{os.getpid()}", path)
+        atomic_write_bytes(path, json.dumps(table).encode())
     except OSError:
         pass
 
