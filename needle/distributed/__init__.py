@@ -13,7 +13,7 @@ Example:
 """
 from __future__ import annotations
 
-from . import traffic
+from . import tracing, traffic
 from ._errors import CommError, MessageError, ObjectTypeError, PeerError, SenderAborted
 from ._group import ProcessGroup
 from ._work import Work
@@ -56,8 +56,10 @@ from .process_group import (
     new_group,
     spawn_threads,
 )
+from .tracing import trace
 
 __all__ = [
+    "trace", "tracing",
     "CommError", "MessageError", "ObjectTypeError", "PeerError", "ProcessGroup", "SenderAborted",
     "Work",
     "all_gather", "all_gather_object", "all_gather_v",
