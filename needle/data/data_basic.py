@@ -23,6 +23,7 @@ import numpy as np
 from .. import random as _random
 from .._core.errors import NeedleError, ShapeError
 from ..autograd import Tensor
+from .workers import WorkerPool, fetch
 
 __all__ = ["Dataset", "DataLoader"]
 
@@ -68,16 +69,30 @@ class DataLoader:
         drop_last: skip a final short batch.
         device, dtype: where the batch Tensors are created (default: the default device and
             the course's dtype coercion).
+        num_workers: processes that fetch batches ahead (0: fetch in this process). The
+            batches and their order are those of ``num_workers=0``, and so is the resume
+            position (see :mod:`needle.data.workers`); the dataset must pickle. Call
+            :meth:`close` (or let the loader go) to stop them.
+        collate_fn: ``collate_fn(list of dataset[i]) -> array or tuple of arrays`` makes
+            each batch from its items, as PyTorch's does (default: ``dataset[indices]``).
 
     Raises:
-        NeedleError: for a batch size below 1, or ``shuffle=True`` together with a sampler.
+        NeedleError: for a batch size below 1, a negative ``num_workers``, or
+            ``shuffle=True`` together with a sampler.
     """
 
     def __init__(self, dataset: Dataset, batch_size: int = 1, shuffle: bool = False, *,
-                 sampler=None, drop_last: bool = False, device=None, dtype=None):
+                 sampler=None, drop_last: bool = False, device=None, dtype=None,
+                 num_workers: int = 0, collate_fn=None):
         if int(batch_size) < 1:
             raise NeedleError(
                 f"DataLoader: batch_size must be positive, expected >= 1, got {batch_size}")
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise NeedleError(f"DataLoader: num_workers must be an int >= 0, got "
+                              f"{num_workers!r}")
+        self.num_workers, self.collate_fn = num_workers, collate_fn
+        self._pool: WorkerPool | None = None
+        self._passes = 0  # passes started: seeds the workers' random transforms
         if sampler is not None and shuffle:
             raise NeedleError("DataLoader: shuffle and sampler exclude each other, expected "
                               "shuffle=False with a sampler (the sampler decides the order), "
@@ -119,6 +134,7 @@ class DataLoader:
         self.ordering = _split_batches(order, self.batch_size)
         self._batch_index = 0
         self._started = True
+        self._passes += 1
         return self
 
     def __next__(self) -> tuple:
@@ -128,20 +144,27 @@ class DataLoader:
         if self.drop_last and len(indices) < self.batch_size:
             self._batch_index = len(self.ordering)
             raise StopIteration
+        if self.num_workers:
+            if self._pool is None:
+                self._pool = WorkerPool(self.dataset, self.collate_fn, self.num_workers)
+            batch = self._pool.get(self.ordering, self._batch_index, self._passes)
+        else:
+            batch = fetch(self.dataset, self.collate_fn, indices)
         self._batch_index += 1
         return tuple(Tensor(a, device=self.device, dtype=self.dtype, requires_grad=False)
-                     for a in self._fetch(indices))
+                     for a in batch)
 
-    def _fetch(self, indices: np.ndarray) -> tuple:
+    def close(self) -> None:
+        """Stop the worker processes (a later batch starts them again)."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+    def __del__(self):
         try:
-            batch = self.dataset[indices]
-        except (TypeError, IndexError, ValueError):
-            # A dataset that only understands integer indices: fetch and stack per item.
-            items = [self.dataset[int(i)] for i in indices]
-            items = [it if isinstance(it, tuple) else (it,) for it in items]
-            return tuple(np.stack([np.asarray(it[k]) for it in items])
-                         for k in range(len(items[0])))
-        return batch if isinstance(batch, tuple) else (batch,)
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown: the processes end with it
+            pass
 
     # ---- resumable position ------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -156,7 +179,8 @@ class DataLoader:
         """
         order = np.concatenate(self.ordering) if self.ordering else np.zeros(0, np.int64)
         return {"order": order.astype(np.int64), "batch_index": self._batch_index,
-                "batch_size": self.batch_size, "in_pass": self._started}
+                "batch_size": self.batch_size, "in_pass": self._started,
+                "passes": self._passes}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a position: the next ``iter()`` continues that pass where it stopped.
@@ -174,3 +198,6 @@ class DataLoader:
         self._batch_index = int(state["batch_index"])
         self._started = bool(state.get("in_pass", True))
         self._resume_pending = self._started
+        self._passes = int(state.get("passes", self._passes))
+        if self._pool is not None:
+            self._pool.restart_at(self._batch_index)
