@@ -78,38 +78,60 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds "(default: X)" where it says something: not after a help that names its default
+    already, not for None, and not for a flag (its default is "off")."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if ("default" in text or action.default in (None, False, argparse.SUPPRESS)
+                or action.nargs == 0):
+            return text
+        return super()._get_help_string(action)
+
+
+def _one_of(values) -> str:
+    """A metavar that lists the accepted values, as argparse's own choices would."""
+    return "{" + ",".join(values) + "}"
+
+
 # long: one flat list of the common options, each with its help, reads as the --help page
 def build_parser(strategies: dict) -> argparse.ArgumentParser:
     """The parser with the common options and every registered strategy's options."""
     d = Config()
     p = _Parser(prog="train.py", description="Train a model end to end and report held-out "
-                "accuracy and throughput.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--data", default=d.data, help=f"one of {DATASETS}")
+                "accuracy and throughput.", formatter_class=_HelpFormatter)
+    p.add_argument("--data", default=d.data, metavar=_one_of(DATASETS), help="the dataset")
     p.add_argument("--data-dir", default=None, help="folder with the MNIST IDX .gz files")
-    p.add_argument("--model", default=d.model, help=f"one of {MODELS}")
-    p.add_argument("--epochs", type=int, default=d.epochs)
+    p.add_argument("--model", default=d.model, metavar=_one_of(MODELS), help="the model")
+    p.add_argument("--epochs", type=int, default=d.epochs,
+                   help="passes over the training data")
     p.add_argument("--max-steps", type=int, default=None,
                    help="stop after this many optimizer steps (default: run all epochs)")
     p.add_argument("--batch-size", type=int, default=d.batch_size,
                    help="examples per optimizer step, summed over data-parallel replicas")
-    p.add_argument("--optimizer", default=d.optimizer, help=f"one of {OPTIMIZERS}")
+    p.add_argument("--optimizer", default=d.optimizer, metavar=_one_of(OPTIMIZERS),
+                   help="the optimizer")
     p.add_argument("--lr", type=float, default=None,
                    help="learning rate (default: " + ", ".join(
                        f"{k} {v}" for k, v in DEFAULT_LR.items()) + ")")
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay,
+                   help="L2 weight decay the optimizer adds to each gradient")
     p.add_argument("--hidden", type=int, default=d.hidden, help="hidden width of MLP models")
-    p.add_argument("--device", default=None, help=f"one of {DEVICES} (default: cpu if built)")
+    p.add_argument("--device", default=None, metavar=_one_of(DEVICES),
+                   help="where tensors live (default: cpu if built, else cpu_numpy)")
     p.add_argument("--out", default=d.out, help="output folder for summary.json and the plot")
     p.add_argument("--seed", type=int, default=d.seed, help="makes runs repeatable")
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bars (per-epoch lines are still printed)")
     p.add_argument("--nproc", type=int, default=d.nproc,
                    help="ranks started through needle.distributed.launch")
-    p.add_argument("--strategy", default=None,
-                   help=f"one of {tuple(strategies)} (default: single for --nproc 1, else ddp)")
-    p.add_argument("--precision", default=d.precision,
-                   help=f"one of {PRECISIONS}: fp16-mixed = float16 parameters, autocast, "
-                        "loss scaling, float32 master weights (single, ddp, zero)")
+    p.add_argument("--strategy", default=None, metavar=_one_of(strategies),
+                   help="how the ranks share the work (default: single for --nproc 1, else "
+                        "ddp)")
+    p.add_argument("--precision", default=d.precision, metavar=_one_of(PRECISIONS),
+                   help="fp16-mixed = float16 parameters, autocast, loss scaling, float32 "
+                        "master weights (single, ddp, zero)")
     p.add_argument("--accumulate", type=int, default=d.accumulate, metavar="G",
                    help="micro-batches per optimizer step, gradients accumulated with "
                         "weights n_i / n (single, ddp, zero)")

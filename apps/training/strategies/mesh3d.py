@@ -30,8 +30,11 @@ class Mesh3D(MeshStrategy):
         if cfg.nproc == 1:
             cfg.nproc = dp * tp * pp  # --nproc left at its default: start the whole mesh
         if cfg.nproc != dp * tp * pp or cfg.nproc < 2:
+            n = cfg.nproc
+            hint = (f"with --nproc {n} set one of --dp {n}, --tp {n}, --pp {n}, or a product "
+                    f"of them equal to {n}" if n >= 2 else "set --nproc 2 or more")
             raise UsageError(f"--strategy 3d needs --nproc = dp x tp x pp >= 2, expected "
-                             f"{dp * tp * pp}, got --nproc {cfg.nproc}")
+                             f"{dp * tp * pp}, got --nproc {n}: {hint}")
         _check_pipeline_arguments(cfg, pp)
 
     def mesh_shape(self) -> tuple[int, int, int]:
