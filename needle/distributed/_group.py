@@ -62,6 +62,12 @@ class ProcessGroup:
         # Payload bytes this rank's collectives sent, by algorithm family ("ring", "tree",
         # "linear", "barrier", "check"): measured traffic, e.g. per training step.
         self.bytes_sent: Counter = Counter()
+        # call numbers a timeout or a mismatch names (collectives.py, p2p.py): collectives
+        # issued, point-to-point calls per (direction, peer, tag), and the messages whose
+        # header a timed-out recv took (their payload is the next recv's)
+        self.collectives_issued = 0
+        self._p2p_seq: Counter = Counter()
+        self._p2p_started: dict = {}
         self.closed = False
         self._comm_thread: CommThread | None = None
         self._lock = threading.Lock()

@@ -33,7 +33,7 @@ GRACE = 2.0  # seconds to wait for the other records of a cycle: they time out t
 
 def call_site(depth: int = 2) -> str:
     """``file:line`` of the innermost frame outside needle.distributed (the user's call)."""
-    frame = sys._getframe(depth)
+    frame: Any = sys._getframe(depth)
     while frame is not None and frame.f_code.co_filename.startswith(PACKAGE_DIR):
         frame = frame.f_back
     if frame is None:
@@ -66,7 +66,7 @@ def record_timeout(rank: int, op: str, peer: int, tag: Any, seq: int, site: str)
 
 def read_waits(status_dir: str, ranks: Any = None) -> dict[int, dict]:
     """Every ``rank<k>.wait`` record in ``status_dir`` (of ``ranks``, default all)."""
-    out = {}
+    out: dict[int, dict] = {}
     try:
         names = os.listdir(status_dir)
     except OSError:

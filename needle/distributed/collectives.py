@@ -56,7 +56,7 @@ def _launch(pg: ProcessGroup, where: str, body: Callable[[alg.Op], None], signat
     # the user's call site and the call's number, taken on the caller's thread: a timeout or
     # a mismatch names them
     site = _waits.call_site()
-    pg.collectives_issued = seq = getattr(pg, "collectives_issued", 0) + 1
+    pg.collectives_issued = seq = pg.collectives_issued + 1
 
     def run() -> None:
         with traffic.counting(record), tracing.collective_span(where, pg, record):

@@ -87,20 +87,14 @@ def _waiter(pg: ProcessGroup, op: str, peer: int, tag: int, timeout: float | Non
 
 def _sequence(pg: ProcessGroup) -> Counter:
     """How many sends/receives this rank started per (direction, peer, tag) on ``pg``."""
-    seqs = getattr(pg, "_p2p_seq", None)
-    if seqs is None:
-        seqs = pg._p2p_seq = Counter()
-    return seqs
+    return pg._p2p_seq
 
 
 def _started(pg: ProcessGroup) -> dict:
     """Messages whose header a timed-out ``recv`` took, by (src, tag): (header, buffer,
     payload receive). Their payload belongs to the next ``recv`` on that (src, tag), which
     would otherwise wait for a header that never comes."""
-    started = getattr(pg, "_p2p_started", None)
-    if started is None:
-        started = pg._p2p_started = {}
-    return started
+    return pg._p2p_started
 
 
 def _await_payload(pg: ProcessGroup, wait: Any, src: int, tag: int, got: Header,
@@ -328,8 +322,8 @@ class _Incoming:
             self.wait(self.head, "header receive")
             self._post_body()
             self.wait(self.body, "payload receive")
+            assert self.header is not None and self.payload is not None
             args["bytes"] = self.payload.nbytes
-        assert self.header is not None and self.payload is not None
         if self.header.kind == ABORT:
             raise _aborted(self.pg, self.op, self.src, self.tag, self.payload)
         if self.header.kind != kind:

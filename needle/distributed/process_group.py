@@ -197,7 +197,8 @@ def _root_cause(errors: list[tuple[int, BaseException]]) -> tuple[int, BaseExcep
     """The failure the others follow from: the first (in time) that is not a PeerError,
     since a PeerError says another rank is at fault; else the first."""
     causes = [e for e in errors if not isinstance(e[1], PeerError)]
-    return (causes or errors or [None])[0]
+    first = causes or errors
+    return first[0] if first else None
 
 
 def spawn_threads(fn: Callable[..., Any], world_size: int, *args: Any,
