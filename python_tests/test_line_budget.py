@@ -30,12 +30,12 @@ SKIP_DIRS = {"__pycache__"}
 # comment). Raising a limit is a deliberate edit, made with the change that needs it.
 LIMITS: dict[str, int] = {
     "apps": 1530,  # 1449
-    "apps/training": 3050,  # 2901: the step peak predicted before the step; --memory-budget
-    "apps/training/strategies": 1630,  # 1546
+    "apps/training": 3560,  # 3398: --check-replicas, --detect-anomaly, --trace, fault flags
+    "apps/training/strategies": 1770,  # 1694: replicated state, trace spans, ps peaks
     "needle": 50,  # 39 (needle/__init__.py)
     "needle/_core": 460,  # 432
     "needle/amp.py": 370,  # 351
-    "needle/autograd": 2220,  # 2111
+    "needle/autograd": 2470,  # 2353: detect_anomaly, the PyTorch reading habits
     "needle/backend_ndarray": 4130,  # 3933
     "needle/backend_ndarray/_cuda": 500,  # 475
     "needle/backend_ndarray/cuda_kernels": 1270,  # 1205
@@ -43,22 +43,24 @@ LIMITS: dict[str, int] = {
     "needle/backend_selection.py": 40,  # 37
     "needle/checkpoint": 1680,  # 1594: recompute overhead R/(F+B) per policy
     "needle/compiler": 2530,  # 2409: an arena that never exceeds the eager peak (arena.py)
-    "needle/data": 380,  # 359
-    "needle/data/datasets": 420,  # 394
-    "needle/distributed": 6750,  # 6426
+    "needle/data": 500,  # 472: DataLoader worker processes, collate_fn
+    "needle/data/datasets": 460,  # 438: loaders check headers before reading
+    "needle/distributed": 8250,  # 7859: tracing, critical path, wait-for graph, ready sets
     "needle/distributed/pipeline": 2400,  # 2277: calibrated simulator (link, receive, wake costs)
     "needle/distributed/ps": 1400,  # 1325
     "needle/distributed/tensor_parallel": 730,  # 689
     "needle/distributed/zero": 990,  # 937
     "needle/init": 220,  # 208
+    "needle/lr_scheduler.py": 240,  # 227: StepLR, CosineAnnealingLR, LinearLR, SequentialLR
     "needle/memory": 5700,  # 5421: activations and kernel scratch predicted by a shape-only trace
-    "needle/nn": 940,  # 888
+    "needle/nn": 1045,  # 996: PyTorch state-dict layout
     "needle/ops": 3070,  # 2921
-    "needle/optim.py": 840,  # 800
-    "needle/plan": 1320,  # 1250: python -m needle.plan, the cluster-scale what-if
-    "needle/random.py": 400,  # 379
-    "needle/serialization.py": 290,  # 274
-    "needle/train_state": 590,  # 558
+    "needle/optim.py": 1020,  # 972: AdamW, betas, param_groups, state checks
+    "needle/plan": 1415,  # 1348: the gradient sync term, profiled pipelined steps
+    "needle/random.py": 420,  # 398: manual_seed
+    "needle/safetensors_io.py": 120,  # 114
+    "needle/serialization.py": 475,  # 451: bounded loads, safe writes, .safetensors
+    "needle/train_state": 820,  # 778: run identity, path checks, all-or-nothing loads
 }
 
 LONG_FUNCTION = 80  # lines, from the ``def`` line to the body's last line
@@ -74,8 +76,12 @@ LONG_SCAN_ROOTS = ("needle", "apps", "bench", "python_tests")
 # traffic model) is not gradient sync and counts under the zero package's limit instead.
 GRADIENT_MACHINERY = ("needle/distributed/ddp.py", "needle/distributed/zero/data_parallel.py",
                       "needle/distributed/zero/layout.py", "needle/distributed/flat_layout.py",
-                      "needle/distributed/mesh.py", "needle/distributed/grad_sync.py")
-GRADIENT_BUDGET = 1045  # lines, all of them together, strictly below
+                      "needle/distributed/mesh.py", "needle/distributed/grad_sync.py",
+                      "needle/distributed/_ready_check.py")
+# lines, all of them together, strictly below: 1044 for the one engine, then the ranks'
+# gradient-ready comparison (_ready_check.py, 73) and ZeRO-1's accumulation over synced
+# backwards (13) made 1130
+GRADIENT_BUDGET = 1140
 
 
 # ---- the checks ---------------------------------------------------------------------------
@@ -271,7 +277,7 @@ def test_a_long_function_without_a_reason_fails(tmp_path):
 
 def test_the_real_tree_fails_a_tiny_function_limit():
     problems = unexplained_long_functions(ROOT, ALLOWED_LONG, roots=("apps",), limit=30)
-    assert any("apps/training/loop.py::run" in p for p in problems)
+    assert any("apps/train.py::main" in p for p in problems)  # 52 lines, no marker
 
 
 def test_the_gradient_budget_fails_when_exceeded(tmp_path):
@@ -281,7 +287,7 @@ def test_the_gradient_budget_fails_when_exceeded(tmp_path):
     (folder / "grad_sync.py").write_text("b\n" * 500)
     assert gradient_machinery_lines(tmp_path) == {"needle/distributed/ddp.py": 600,
                                                   "needle/distributed/grad_sync.py": 500}
-    problem = gradient_over_budget(tmp_path)
+    problem = gradient_over_budget(tmp_path, budget=1045)
     assert problem is not None and "1100 lines" in problem and "budget of 1045" in problem
     assert gradient_over_budget(tmp_path, budget=1101) is None
     assert gradient_over_budget(ROOT, budget=1) is not None  # the real files are read
