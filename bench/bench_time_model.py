@@ -50,7 +50,7 @@ SCHEDULES = ("gpipe", "1f1b", "zero-bubble", "interleaved")
 MICROBATCHES, BATCH, IN_FEATURES, CLASSES, HIDDEN = 4, 64, 64, 10, 100
 # the profiled pipelined step: the run's micro-batch size, half its micro-batches (the
 # prediction simulates m = MICROBATCHES from the actions measured at m = CAL_MICROBATCHES)
-CAL_MICROBATCHES, CAL_STEPS = 2, 16
+CAL_MICROBATCHES, CAL_STEPS, CAL_WARMUP = 2, 40, 10
 
 
 def app_model(device=None):
@@ -116,7 +116,7 @@ def profile_pipelined(rank: int, p: int) -> dict | None:
         params = [q for k in mine for q in pieces[k].parameters()]
         got = profile_schedule(schedule, x if rank == 0 else None,
                                y if rank == p - 1 else None, CAL_STEPS,
-                               app_optimizer(params))
+                               app_optimizer(params), warmup=CAL_WARMUP)
         out[name] = got
     return out if rank == 0 else None
 
@@ -356,7 +356,7 @@ def rounds_table(rows: list[dict], key: str) -> str:
         meas = [r["measured"]["step_s"] for r in rs]
         ratios = [m / q for m, q in zip(meas, pred, strict=True)]
         diff = [r["measured"]["bubble"] - r["predicted"]["bubble"] for r in rs
-                if "bubble" in r["measured"]]
+                if "bubble" in r["measured"] and "bubble" in r["predicted"]]
         lines.append(f"{name:12} {p:5d} {np.median(pred) * 1e3:12.2f} "
                      f"{np.median(meas) * 1e3:7.2f} {np.median(ratios):6.2f} "
                      f"{min(ratios):5.2f}-{max(ratios):<5.2f} "

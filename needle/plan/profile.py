@@ -143,23 +143,26 @@ def profile_stage(module: Any, x: np.ndarray, *, first: bool, last: bool,
 
 
 def profile_schedule(schedule: Any, inputs: Any, targets: Any, steps: int = 12,
-                     optimizer: Any = None) -> dict | None:
+                     optimizer: Any = None, warmup: int = 1) -> dict | None:
     """The simulator's inputs measured inside ``steps`` pipelined steps of ``schedule`` (a
     :class:`~needle.distributed.pipeline.PipelineSchedule` built with ``record=True``), after
-    one warm-up step: every action's cost as the runtime runs it, with the other ranks'
-    messages arriving and the other micro-batches in flight (an action costs more there than
-    repeated alone: `profile_stage`), and the messages' costs. Collective over the pipeline
-    group; rank 0 gets :attr:`PipelineReport.inputs` plus ``"microbatches"`` (the profiled
-    step's m; a prediction may simulate another m with the same inputs), the others None.
+    ``warmup`` steps that are dropped (the first steps allocate and fill caches): every
+    action's cost as the runtime runs it, with the other ranks' messages arriving and the
+    other micro-batches in flight (an action costs more there than repeated alone:
+    `profile_stage`), and the messages' costs. Collective over the pipeline group; rank 0
+    gets :attr:`PipelineReport.inputs` plus ``"microbatches"`` (the profiled step's m; a
+    prediction may simulate another m with the same inputs), the others None.
     ``optimizer``: stepped after each step (and its gradients reset before), as in training.
     """
-    for _ in range(steps + 1):
+    for k in range(warmup + steps):
+        if k == warmup:
+            schedule.history.clear()
         if optimizer is not None:
             optimizer.reset_grad()
         schedule.step(inputs, targets)
         if optimizer is not None:
             optimizer.step()
-    report = schedule.report(root=0, skip_first=True)
+    report = schedule.report(root=0, skip_first=False)
     if report is None:
         return None
     return {**report.inputs, "microbatches": schedule.num_microbatches}

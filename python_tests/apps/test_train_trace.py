@@ -125,3 +125,28 @@ def test_pipeline_trace_and_its_heavy_stage(tmp_path, backend, layers, heavy) ->
         assert r["ts"] + r["dur"] + slack >= send["ts"], (send, r, slack)
     compute = _seconds_by_rank(summary["critical_path"], {"forward", "backward"})
     assert compute[heavy] > compute[1 - heavy], summary["critical_path"]
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.timeout(450)
+def test_parameter_server_trace_has_pushes_pulls_and_staleness(tmp_path) -> None:
+    """Asynchronous parameter server, one server and two workers: each worker's track has a
+    pull and a push per step; the server's has one update per gradient it applied, and each
+    push it received carries the staleness it was applied with."""
+    summary, rows = _train(tmp_path, "--strategy", "ps", "--servers", "1",
+                           "--ps-mode", "async", backend="tcp")
+    tracks = by_rank(rows)
+    server = next(t for name, t in tracks.items() if "server" in name)
+    workers = [t for name, t in tracks.items() if "worker" in name]
+    assert len(workers) == 2
+    for track in workers:
+        names = Counter(r["name"] for r in _outside_metrics(track))
+        assert names["ps pull"] == STEPS and names["ps push"] == STEPS, names
+    updates = [r for r in server if r["name"] == "ps update"]
+    received = [r for r in server if r["name"] == "ps push received"]
+    assert len(updates) == summary["ps"]["updates_applied"] == 2 * STEPS
+    assert len(received) == 2 * STEPS
+    histogram = Counter(r["args"]["staleness"] for r in received)
+    assert sum(histogram.values()) == 2 * STEPS
+    assert {int(k): v for k, v in summary["ps"]["staleness_histogram"].items()} == histogram

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import p2p
+from .. import p2p, tracing
 from .._errors import CommError, rewrap
 from . import wire
 
@@ -294,6 +294,8 @@ class ServerRole:
         if self.mode in ("sync", "backup"):
             late = version != self.version or w.index in self.round
             full = self.mode == "backup" and len(self.round) >= self._needed()
+            tracing.instant("ps push received", "ps", worker=w.rank, version=version,
+                            dropped=bool(late or full))
             if late or full:
                 self.dropped += 1
             else:
@@ -302,6 +304,8 @@ class ServerRole:
             self._maybe_complete_round()
             return
         staleness = max(clock_before - version, 0)
+        tracing.instant("ps push received", "ps", worker=w.rank, version=version,
+                        staleness=staleness)
         self.staleness[staleness] += 1
         self.delay[pending_delay] += 1
         self._apply([(1, grads)])
@@ -334,6 +338,11 @@ class ServerRole:
         """One optimizer step with sum_w n_w g_w / sum_w n_w over ``contributions`` (worker
         order), in DDP's arithmetic: each gradient times its weight n_w / sum n in its own
         dtype, then summed, so a sync round of two workers is bitwise DDP's step."""
+        with tracing.span("ps update", "ps", gradients=len(contributions),
+                          update=self.updates + 1):
+            self._apply_now(contributions)
+
+    def _apply_now(self, contributions: list[tuple[int, list[np.ndarray]]]) -> None:
         from needle.autograd import Tensor
 
         total = sum(n for n, _ in contributions)

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import p2p
+from .. import p2p, tracing
 from .._buffers import borrow
 from .._errors import CommError, PeerError
 from .._transport import poll_until
@@ -194,8 +194,10 @@ class WorkerRole:
                 self._recover(exc, "pull")
 
     def _pull(self) -> int:
-        replies = self._request(wire.request(wire.PULL, self.clock), with_weights=True,
-                                op="pull")
+        with tracing.span("ps pull", "ps", clock=self.clock) as args:
+            replies = self._request(wire.request(wire.PULL, self.clock), with_weights=True,
+                                    op="pull")
+            args["versions"] = [r["version"] for r in replies]
         self.versions = [r["version"] for r in replies]
         self.updates_seen = [r["updates"] for r in replies]
         self.pulls += 1
@@ -210,6 +212,10 @@ class WorkerRole:
             return Work.completed()
 
     def _push(self, examples: int, loss_sum: float, correct: int) -> Work:
+        with tracing.span("ps push", "ps", clock=self.clock, versions=list(self.versions)):
+            return self._push_now(examples, loss_sum, correct)
+
+    def _push_now(self, examples: int, loss_sum: float, correct: int) -> Work:
         self._reap("push")
         reqs = []
         for k, shard in enumerate(self.ps.shards):
