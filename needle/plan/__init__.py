@@ -33,8 +33,8 @@ from .model import (
     traffic,
     years,
 )
-from .profile import profile_optimizer, profile_stage, time_calls
+from .profile import profile_optimizer, profile_schedule, profile_stage, time_calls
 
 __all__ = ["Model", "Layer", "Layout", "Device", "Link", "Noise", "Prediction", "PlanError",
            "predict", "memory", "traffic", "iteration_time", "time_to_train", "years",
-           "profile_stage", "profile_optimizer", "time_calls"]
+           "profile_stage", "profile_schedule", "profile_optimizer", "time_calls"]

@@ -7,7 +7,6 @@ import os
 import shutil
 
 import pytest
-
 import train  # noqa: E402 - apps/ is on sys.path (conftest)
 from test_train_main import _quiet  # the main job's own helpers
 from training.summary import write_outputs
