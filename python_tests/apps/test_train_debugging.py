@@ -129,32 +129,41 @@ def test_a_rank_that_skipped_a_layer_is_named_on_every_rank(tmp_path, backend, s
     assert "call check" not in out
 
 
-def _doc_commands() -> list[tuple[str, int, str]]:
-    """(command, exit status, the error line's text up to its first '(') of each console
-    block of docs/debugging.md that runs apps/train.py."""
+def _doc_blocks() -> list[list[str]]:
+    """The lines of each console block of docs/debugging.md."""
     with open(os.path.join(REPO, "docs", "debugging.md")) as f:
-        blocks = re.findall(r"```console\n(.*?)```", f.read(), re.S)
-    out = []
-    for block in blocks:
-        lines = block.splitlines()
-        command = lines[0][2:]
-        status = int(lines[lines.index("$ echo $?") + 1])
-        errors = [line.split("train.py: error: ", 1)[1].split("(")[0].split("...")[0]
-                  for line in lines if "train.py: error: " in line]
-        out.append((command, status, errors[0] if errors else ""))
-    return out
+        return [b.splitlines() for b in re.findall(r"```console\n(.*?)```", f.read(), re.S)]
 
 
 @pytest.mark.mpi
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_the_walk_through_in_docs_debugging_runs_as_written(tmp_path):
-    commands = _doc_commands()
-    assert len(commands) == 4
-    for i, (command, status, error) in enumerate(commands):
+    """Every console block of the guide, run as written (its output folder moved into the
+    test's): the training command's exit status (``$ echo $?``, else 0) and error line, and a
+    ``python -c`` that prints the critical path prints first the rank and phase the guide
+    shows."""
+    blocks = _doc_blocks()
+    assert len(blocks) == 6
+    for i, lines in enumerate(blocks):
+        command = lines[0][2:]
         args = command.split()
         assert args[:2] == ["python", "apps/train.py"], command
-        args[args.index("--out") + 1] = str(tmp_path / str(i))
+        folder = args[args.index("--out") + 1]
+        moved = str(tmp_path / str(i))
+        args = [a.replace(folder, moved) for a in args]
         proc, out = _run(*args[2:])
+        status = int(lines[lines.index("$ echo $?") + 1]) if "$ echo $?" in lines else 0
         assert proc.returncode == status, (command, out[-3000:])
-        assert error in out, (command, error, out[-3000:])
+        errors = [line.split("train.py: error: ", 1)[1].split("(")[0].split("...")[0]
+                  for line in lines if "train.py: error: " in line]
+        assert not errors or errors[0] in out, (command, errors, out[-3000:])
+        for k, line in enumerate(lines):
+            if not line.startswith("$ python -c"):
+                continue
+            code = line[len("$ python -c "):].strip("\"'").replace(folder, moved)
+            got = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                                 text=True, timeout=60, cwd=REPO)
+            want = re.search(r"'rank': (\d+), 'phase': '([^']+)'", lines[k + 1])
+            first = re.search(r"'rank': (\d+), 'phase': '([^']+)'", got.stdout)
+            assert want and first and first.groups() == want.groups(), (line, got.stdout)
