@@ -135,6 +135,19 @@ def _doc_blocks() -> list[list[str]]:
         return [b.splitlines() for b in re.findall(r"```console\n(.*?)```", f.read(), re.S)]
 
 
+def _check_launcher_block(lines: list[str], args: list[str]) -> None:
+    """A launcher command of the guide: its exit status and its first ``launch:`` line, as
+    the guide prints them."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, *args[1:]], capture_output=True, text=True,
+                          timeout=240, env=env, cwd=REPO)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == int(lines[lines.index("$ echo $?") + 1]), out[-3000:]
+    want = next(line for line in lines if line.startswith("launch: "))
+    got = next(line for line in out.splitlines() if line.startswith("launch: "))
+    assert got == want, (got, want)
+
+
 @pytest.mark.mpi
 @pytest.mark.slow
 @pytest.mark.timeout(900)
@@ -144,10 +157,13 @@ def test_the_walk_through_in_docs_debugging_runs_as_written(tmp_path):
     ``python -c`` that prints the critical path prints first the rank and phase the guide
     shows."""
     blocks = _doc_blocks()
-    assert len(blocks) == 6
+    assert len(blocks) == 7
     for i, lines in enumerate(blocks):
         command = lines[0][2:]
         args = command.split()
+        if args[:3] == ["python", "-m", "needle.distributed.launch"]:
+            _check_launcher_block(lines, args)
+            continue
         assert args[:2] == ["python", "apps/train.py"], command
         folder = args[args.index("--out") + 1]
         moved = str(tmp_path / str(i))
