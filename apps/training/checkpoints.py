@@ -21,8 +21,7 @@ import os
 import sys
 from dataclasses import asdict, dataclass, field
 
-from needle.distributed import tracing
-
+from . import trace
 from .config import UsageError
 
 # Options that may differ between a run and its resumption (they do not change the math).
@@ -81,13 +80,21 @@ class RunCheckpoints:
             from .loop import ledger_path
 
             self.ledger.flush(ledger_path(self.cfg.rng_ledger, self.rank, self.world_size))
-        with tracing.span("checkpoint save", "checkpoint", step=cursor.steps):
-            self._state(cursor).save(self.directory, cursor.steps, rank=self.rank,
+        with trace.span("checkpoint save", "checkpoint", step=cursor.steps):
+            path = self._state(cursor).save(self.directory, cursor.steps, rank=self.rank,
                                      world_size=self.world_size,
                                      keep=self.cfg.keep_checkpoints, barrier=self._barrier(),
                                      meta={"config": fingerprint(self.cfg),
                                            "strategy": self.strategy.name},
                                      run_id=self.run_id)
+        if self.speaks:
+            print(f"saved checkpoint step {cursor.steps} → {path}", flush=True)
+
+    @property
+    def speaks(self) -> bool:
+        """Whether this rank announces saves and resumes: the first rank that saves (a
+        parameter server's servers save nothing; its first worker speaks)."""
+        return self.rank == getattr(self.strategy, "servers", 0)
 
     def restore(self) -> Cursor | None:
         """Load the newest complete checkpoint of ``--resume`` (None without ``--resume``).
@@ -241,3 +248,21 @@ class RunCheckpoints:
             detail = ", ".join(f"--{k.replace('_', '-')} {saved.get(k)!r} -> {now.get(k)!r}"
                                for k in differ)
             raise UsageError(f"--resume: options differ from the saved run: {detail}")
+
+
+def interrupted_line(cfg, steps: int | None) -> str:
+    """The one line a run stopped by Ctrl-C prints: where it stood and how to go on."""
+    from needle.train_state import latest_checkpoint_report
+
+    at = "interrupted before the first step" if steps is None else f"interrupted at step {steps}"
+    directory = cfg.checkpoint_dir or cfg.resume or os.path.join(cfg.out, "checkpoints")
+    newest = None
+    if (cfg.save_every or cfg.resume) and os.path.isdir(directory):
+        try:
+            newest, _ = latest_checkpoint_report(directory)
+        except Exception:  # noqa: BLE001 - an unreadable folder: say nothing was found
+            newest = None
+    if newest is None:
+        return f"{at}; no checkpoint was saved"
+    step = int(os.path.basename(newest.rstrip(os.sep)).rsplit("-", 1)[-1])
+    return f"{at}; newest checkpoint step {step}; continue with --resume {directory}"

@@ -8,12 +8,11 @@ rank keeps the history and returns the summary (other ranks return None).
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
-
-from needle.distributed import tracing
 
 from . import trace
 from .checkpoints import Cursor, RunCheckpoints
@@ -24,6 +23,46 @@ from .metrics import RunMetrics
 from .model_state import split_state
 from .models import build_model, build_optimizer, device_by_name
 from .summary import build_summary
+
+
+class Interrupted(Exception):
+    """Ctrl-C (SIGINT) stopped the step loop after ``steps`` steps on this rank."""
+
+    def __init__(self, steps: int):
+        super().__init__(f"interrupted at step {steps}")
+        self.steps = steps
+
+
+class _Stop:
+    """SIGINT: inside the step loop it asks the loop to stop at the next step boundary (every
+    rank stops between the same collectives, no interrupt lands in the middle of one);
+    elsewhere, or asked twice, it raises KeyboardInterrupt."""
+
+    asked = False
+    soft = False
+
+    @classmethod
+    def handler(cls, _sig, _frame) -> None:
+        again, cls.asked = cls.asked, True
+        if again or not cls.soft:
+            raise KeyboardInterrupt
+
+
+def install_interrupt_handler() -> None:
+    """Route SIGINT through :class:`_Stop` (main thread only)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _Stop.handler)
+
+
+def interrupt_asked() -> bool:
+    return _Stop.asked
+
+
+class NothingToTrain(Exception):
+    """``--resume`` loaded a checkpoint that is already at or past the run's last step."""
 
 
 @dataclass
@@ -86,7 +125,6 @@ def _progress_bar(cfg, strategy, total: int, desc: str):
                 disable=not cfg.progress)
 
 
-# long: the step loop; every rank's collectives (meters, checks, saves) in one visible order
 def run(cfg, strategy, rank: int = 0, world_size: int = 1) -> dict | None:
     """Train as ``cfg`` says with ``strategy``; the summary on the reporting rank, else None."""
     device = device_by_name(cfg.device)
@@ -102,11 +140,33 @@ def run(cfg, strategy, rank: int = 0, world_size: int = 1) -> dict | None:
     replicas, index = strategy.data_shard()
     _skip_to(cursor, strategy.start_step(), X.shape[0], cfg, replicas)
     history = History(**cursor.history) if cursor.history else History()
+    _announce_resume(cfg, checkpoints, cursor, X.shape[0], replicas)
     metrics = RunMetrics(strategy.meters())
     checks = ReplicaCheck(cfg.check_replicas, strategy, rank)
     metrics.start()
     started = time.perf_counter()
     max_steps = cfg.max_steps if cfg.max_steps is not None else math.inf
+    _Stop.soft = True
+    try:
+        _steps(cfg, strategy, rank, cursor, history, metrics, checks, checkpoints, faults,
+               ledger, (X, y, Xt, yt), replicas, index, max_steps)
+    except Exception:
+        if _Stop.asked:  # a peer that stopped first ends a collective here
+            raise Interrupted(cursor.steps) from None
+        raise
+    except KeyboardInterrupt:
+        raise Interrupted(cursor.steps) from None
+    finally:
+        _Stop.soft = False
+    wall = time.perf_counter() - started
+    return _finish(cfg, strategy, device, history, cursor, wall, metrics, ledger, rank,
+                   world_size, checkpoints, checks, X.shape[0], Xt.shape[0])
+
+
+# long: the step loop itself, one visible order of every rank's collectives
+def _steps(cfg, strategy, rank, cursor, history, metrics, checks, checkpoints, faults, ledger,
+           data, replicas: int, index: int, max_steps) -> None:
+    X, y, Xt, yt = data
     while cursor.epoch <= cfg.epochs and cursor.steps < max_steps:
         stats = _Epoch(**cursor.epoch_stats) if cursor.epoch_stats else _Epoch()
         epoch_start = time.perf_counter()
@@ -114,7 +174,10 @@ def run(cfg, strategy, rank: int = 0, world_size: int = 1) -> dict | None:
                    if len(b) >= replicas]  # every replica needs at least one example
         bar = _progress_bar(cfg, strategy, min(len(batches), max_steps - cursor.steps),
                             f"epoch {cursor.epoch}/{cfg.epochs}")
+        ran = 0  # steps of this epoch run here (a resume may start at its very end)
         while cursor.batch_index < len(batches) and cursor.steps < max_steps:
+            if _Stop.asked:
+                raise Interrupted(cursor.steps)
             began = time.perf_counter()
             faults.before_step(rank, cursor.steps + 1)
             step = cursor.steps + 1
@@ -124,7 +187,7 @@ def run(cfg, strategy, rank: int = 0, world_size: int = 1) -> dict | None:
             Xs, ys = X[share], y[share]
             if ledger is not None:  # the meters' predictions draw on copies, not the run's
                 ledger.stop()
-            with tracing.span("metrics", "metrics"):  # predictions, on copies of the model
+            with trace.span("metrics", "metrics"):  # predictions, on copies of the model
                 metrics.before_step(Xs, ys)
             if ledger is not None:
                 ledger.start()
@@ -135,6 +198,7 @@ def run(cfg, strategy, rank: int = 0, world_size: int = 1) -> dict | None:
             trace.step_done(began, step)
             cursor.steps += 1
             cursor.batch_index += 1
+            ran += 1
             metrics.after_step(last=cursor.batch_index >= len(batches)
                                or cursor.steps >= max_steps)
             checks.after_step(step)
@@ -149,10 +213,15 @@ def run(cfg, strategy, rank: int = 0, world_size: int = 1) -> dict | None:
         evaluated = strategy.evaluate(Xt, yt)
         if strategy.is_reporter and stats.seen:
             rate = stats.seen / max(time.perf_counter() - epoch_start, 1e-9)
-            _record_epoch(history, cursor.epoch, stats, evaluated, rate)
+            # an epoch whose steps all ran before the checkpoint completes the history
+            # quietly: this run did not train it
+            _record_epoch(history, cursor.epoch, stats, evaluated, rate, show=ran > 0)
         if cursor.batch_index >= len(batches):
             cursor.epoch, cursor.batch_index, cursor.epoch_stats = cursor.epoch + 1, 0, None
-    wall = time.perf_counter() - started
+
+
+def _finish(cfg, strategy, device, history, cursor, wall, metrics, ledger, rank, world_size,
+            checkpoints, checks, n_train: int, n_test: int) -> dict | None:
     state = strategy.model_state()  # collective where the model is sharded
     state_digest = strategy.state_sha256()
     strategy.collect_reports()
@@ -164,8 +233,8 @@ def run(cfg, strategy, rank: int = 0, world_size: int = 1) -> dict | None:
         return None
     params, buffers = split_state(strategy.template, state)
     summary = build_summary(cfg, strategy, device, history, cursor.losses, cursor.steps, wall,
-                            params, X.shape[0], Xt.shape[0],
-                            steps_per_epoch(X.shape[0], cfg.batch_size), buffers)
+                            params, n_train, n_test,
+                            steps_per_epoch(n_train, cfg.batch_size), buffers)
     summary.update(metrics.summary_blocks())
     summary["state_sha256"] = state_digest
     summary["model_state"] = state
@@ -199,12 +268,39 @@ def _start_ledger(cfg, rank: int):
     return RNGLedger(rank).start()
 
 
-def _record_epoch(history: History, epoch: int, stats: _Epoch, evaluated, rate: float) -> None:
+def _total_steps(n: int, cfg, replicas: int) -> int:
+    """The steps the whole run takes: ``--epochs`` of batches, capped by ``--max-steps``."""
+    total = sum(len([b for b in global_batches(n, cfg.batch_size, cfg.seed, epoch)
+                     if len(b) >= replicas]) for epoch in range(1, cfg.epochs + 1))
+    return total if cfg.max_steps is None else min(total, cfg.max_steps)
+
+
+def _announce_resume(cfg, checkpoints, cursor, n: int, replicas: int) -> None:
+    """After ``--resume``: say where the run continues from, or stop when nothing is left."""
+    report = checkpoints.report()
+    if report is None:
+        return
+    total = _total_steps(n, cfg, replicas)
+    if cursor.steps > total:  # at the end exactly, the run reports what it holds
+        limit = f"--max-steps {cfg.max_steps}" if cfg.max_steps is not None and \
+            cfg.max_steps <= total else f"--epochs {cfg.epochs}"
+        if checkpoints.speaks:
+            print(f"resume: {report['path']} is at step {cursor.steps}; {limit} ends at step "
+                  f"{total}: nothing left to train", file=sys.stderr, flush=True)
+        raise NothingToTrain(report["path"])
+    if checkpoints.speaks:
+        print(f"resumed from {report['path']} ({cursor.steps} of {total} steps done)",
+              flush=True)
+
+
+def _record_epoch(history: History, epoch: int, stats: _Epoch, evaluated, rate: float,
+                  show: bool = True) -> None:
     test_loss, test_acc = evaluated
     for key, value in (("epoch", epoch), ("train_loss", stats.loss_sum / stats.seen),
                        ("train_acc", stats.correct / stats.seen), ("test_loss", test_loss),
                        ("test_acc", test_acc), ("examples_per_s", rate)):
         getattr(history, key).append(value)
-    print(f"epoch {epoch:3d}  loss {history.train_loss[-1]:.4f}  "
-          f"train acc {history.train_acc[-1]:.4f}  held-out acc {test_acc:.4f}  "
-          f"{rate:,.0f} examples/s", flush=True)
+    if show:
+        print(f"epoch {epoch:3d}  loss {history.train_loss[-1]:.4f}  "
+              f"train acc {history.train_acc[-1]:.4f}  held-out acc {test_acc:.4f}  "
+              f"{rate:,.0f} examples/s", flush=True)

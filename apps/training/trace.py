@@ -10,8 +10,19 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import nullcontext
 
 from needle.distributed import tracing
+
+# whether this run records: a single-process run without --trace makes no call into
+# needle.distributed at all (its steps never depend on the distributed layer)
+_ON = False
+_NULL = nullcontext({})
+
+
+def span(name: str, cat: str, **args):
+    """``tracing.span`` while this run records, else a no-op context (no call made)."""
+    return tracing.span(name, cat, **args) if _ON else _NULL
 
 
 def start(cfg, strategy) -> bool:
@@ -23,13 +34,19 @@ def start(cfg, strategy) -> bool:
     role = None
     if cfg.strategy == "ps":
         role = "server" if strategy.serving else "worker"
+    global _ON
     tracing.start(os.path.abspath(path), role=role)
+    _ON = True
     return True
 
 
 def finish(summary: dict | None, cfg) -> None:
     """Stop recording; on rank 0 write the merged trace and add ``critical_path`` and
     ``trace`` to ``summary``."""
+    global _ON
+    if not _ON:
+        return
+    _ON = False
     merged = tracing.stop()
     if merged is None or summary is None:
         return
@@ -47,11 +64,12 @@ def finish(summary: dict | None, cfg) -> None:
 
 def fault_delay(faults, rank: int, began: float) -> None:
     """The sleep of ``--slow-worker`` on its rank, as a span: it stands for slow compute."""
-    if tracing.enabled() and faults.slow_rank == rank and faults.slow_ms > 0:
+    if _ON and faults.slow_rank == rank and faults.slow_ms > 0:
         tracing.complete("slow-worker", "compute", began, time.perf_counter(),
                          ms=faults.slow_ms)
 
 
 def step_done(began: float, step: int) -> None:
     """Step ``step`` of the loop ran from ``began`` (``time.perf_counter``) to now."""
-    tracing.complete("step", "step", began, time.perf_counter(), step=step)
+    if _ON:
+        tracing.complete("step", "step", began, time.perf_counter(), step=step)

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from needle.distributed import tracing
-
+from .. import trace
 from .base import StepResult, Strategy, gathered_state_digest
 
 
@@ -170,7 +169,7 @@ class MeshStrategy(Strategy):
         loss, logits = self._forward_backward(X, y)
         if self.dp > 1:
             self._average_gradients(len(y))
-        with tracing.span("optimizer", "compute"):
+        with trace.span("optimizer", "compute"):
             if getattr(self.cfg, "clip_grad", None) is not None:
                 self.clip_gradients(self.cfg.clip_grad)
             self.optimizer.step()

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from needle.distributed import tracing
+from .. import trace
 
 
 @dataclass
@@ -220,11 +220,11 @@ class Strategy:
             Xb, yb = self._tensors(X[lo:hi], y[lo:hi])
             last = i == len(parts) - 1
             with nullcontext() if last or no_sync is None else no_sync():
-                with amp.autocast(enabled=self.mixed), tracing.span("forward", "compute"):
+                with amp.autocast(enabled=self.mixed), trace.span("forward", "compute"):
                     logits = forward(Xb)
                     loss = self.loss_fn(logits, yb)
                 weighted = loss if len(parts) == 1 else loss * ((hi - lo) / n)
-                with tracing.span("backward", "compute"):
+                with trace.span("backward", "compute"):
                     self.scaler.scale(weighted).backward()
             loss_sum += float(loss.numpy()) * (hi - lo)
             correct += int((logits.numpy().argmax(axis=1) == y[lo:hi].astype(np.int64)).sum())
@@ -257,9 +257,9 @@ class Strategy:
     def _update(self, after_backward=None) -> None:
         """(after_backward), gradient clipping, the scaled optimizer step."""
         if after_backward is not None:
-            with tracing.span("gradient sync", "communication"):
+            with trace.span("gradient sync", "communication"):
                 after_backward()
-        with tracing.span("optimizer", "compute"):
+        with trace.span("optimizer", "compute"):
             if getattr(self.cfg, "clip_grad", None) is not None:
                 # PyTorch's order: unscale once, clip the true gradients, then a step that
                 # does not unscale again (GradScaler.step knows unscale_ ran; no-op in fp32)
