@@ -13,8 +13,11 @@ Example:
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import sys
+import tempfile
 
 _APPS = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_APPS)
@@ -25,6 +28,7 @@ for _p in (_ROOT, os.path.join(_ROOT, "python")):  # run from this repo or a cou
         sys.path.append(_p)
 
 from training import trace  # noqa: E402
+from training.checkpoints import interrupted_line  # noqa: E402
 from training.config import (  # noqa: E402
     DATASETS,
     DEVICES,
@@ -36,7 +40,13 @@ from training.config import (  # noqa: E402
 from training.config import parse_args as _parse_args  # noqa: E402
 from training.data import load_data, load_digits_split, load_mnist_split  # noqa: E402
 from training.debugging import ReplicasDiverged  # noqa: E402
-from training.loop import run  # noqa: E402
+from training.loop import (  # noqa: E402
+    Interrupted,
+    NothingToTrain,
+    install_interrupt_handler,
+    interrupt_asked,
+    run,
+)
 from training.models import build_model, build_optimizer  # noqa: E402
 from training.strategies import STRATEGIES  # noqa: E402
 from training.summary import params_sha256, write_outputs  # noqa: E402
@@ -64,8 +74,14 @@ def train(cfg: Config, *, rank: int = 0, world_size: int = 1) -> dict | None:
     traced = trace.start(cfg, strategy)
     try:
         summary = run(cfg, strategy, rank, world_size)
-    finally:
+    except Interrupted:  # the other ranks stop too: closing may find them gone
+        with contextlib.suppress(Exception):
+            strategy.close()
+        raise
+    except BaseException:
         strategy.close()
+        raise
+    strategy.close()
     if traced:  # after the run: every rank's part is complete
         trace.finish(summary, cfg)
     if summary is not None and plan is not None:
@@ -83,10 +99,15 @@ def _start_ranks(cfg: Config) -> tuple[int, int]:
     from needle.distributed.launch import relaunch
 
     ranks = cls.ranks(cfg)
-    # returns only inside a rank
     # the parameter server runs on tcp by default: it survives dead and restarted workers
     backend = os.environ.get("NEEDLE_DIST_BACKEND") or ("tcp" if cfg.strategy == "ps" else None)
-    relaunch(ranks, backend, restart_workers=(cfg.extra or {}).get("restart_workers", 0))
+    with _interrupt_steps() as steps_file:
+        try:  # returns only inside a rank
+            relaunch(ranks, backend, restart_workers=(cfg.extra or {}).get("restart_workers", 0))
+        except SystemExit as exc:
+            if exc.code in (130, 143):  # the ranks were stopped by SIGINT or SIGTERM
+                print(interrupted_line(cfg, _read_steps(steps_file)), file=sys.stderr)
+            raise
     import needle.distributed as dist
 
     dist.init_process_group(timeout=300)
@@ -96,11 +117,59 @@ def _start_ranks(cfg: Config) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+_STEPS_ENV = "NEEDLE_TRAIN_INTERRUPT_STEPS"
+
+
+@contextlib.contextmanager
+def _interrupt_steps():
+    """In the user's process: a file the ranks' first speaker writes its step count to when
+    interrupted (``_STEPS_ENV`` names it), removed afterwards. Inside a rank: that name."""
+    if _STEPS_ENV in os.environ:
+        yield os.environ[_STEPS_ENV]
+        return
+    folder = tempfile.mkdtemp(prefix="needle-train-")
+    os.environ[_STEPS_ENV] = os.path.join(folder, "steps")
+    try:
+        yield os.environ[_STEPS_ENV]
+    finally:
+        del os.environ[_STEPS_ENV]
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _read_steps(path: str) -> int | None:
+    """The step count of the lowest rank that left one (a parameter server's servers don't)."""
+    folder, name = os.path.split(path)
+    ranks = sorted(int(f.rsplit(".", 1)[1]) for f in os.listdir(folder)
+                   if f.startswith(name + ".") and f.rsplit(".", 1)[1].isdigit())
+    for rank in ranks:
+        try:
+            with open(f"{path}.{rank}") as f:
+                return int(f.read())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def _interrupted(cfg, steps: int | None, rank: int, world_size: int) -> int:
+    """Ctrl-C: one line from the user's process (a rank leaves it the step count)."""
+    if cfg is None:
+        print("interrupted", file=sys.stderr)
+    elif world_size == 1:
+        print(interrupted_line(cfg, steps), file=sys.stderr)
+    elif steps is not None and _STEPS_ENV in os.environ:
+        with open(f"{os.environ[_STEPS_ENV]}.{rank}", "w") as f:
+            f.write(str(steps))
+    return 130
+
+
+
 def main(argv=None) -> int:
     from needle import NeedleError
     from needle.autograd import NonFiniteError
     from needle.distributed import PeerError
 
+    install_interrupt_handler()
+    cfg, rank, world_size = None, 0, 1
     try:
         cfg = parse_args(argv)
         if cfg.verify_resume is not None:
@@ -110,6 +179,10 @@ def main(argv=None) -> int:
                                  os.path.abspath(__file__))
         rank, world_size = _start_ranks(cfg)
         summary = train(cfg, rank=rank, world_size=world_size)
+    except (Interrupted, KeyboardInterrupt) as exc:
+        return _interrupted(cfg, getattr(exc, "steps", None), rank, world_size)
+    except NothingToTrain:  # the rank that announces resumes said so
+        return 0
     except ReplicasDiverged as exc:  # every rank knows: the first one says it
         if exc.rank == 0:
             print(f"train.py: error: {exc}", file=sys.stderr)
@@ -119,6 +192,8 @@ def main(argv=None) -> int:
               f"{getattr(exc, 'step', '?')}: {exc}", file=sys.stderr)
         return 5
     except PeerError:
+        if interrupt_asked():  # stopped with the others: the user's process says so
+            return 130
         raise  # another rank failed first: the launcher must see whom this error blames
     except (UsageError, NeedleError) as exc:  # bad input: one line, no traceback
         print(f"train.py: error: {exc}", file=sys.stderr)

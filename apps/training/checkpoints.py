@@ -254,7 +254,8 @@ def interrupted_line(cfg, steps: int | None) -> str:
     """The one line a run stopped by Ctrl-C prints: where it stood and how to go on."""
     from needle.train_state import latest_checkpoint_report
 
-    at = "interrupted before the first step" if steps is None else f"interrupted at step {steps}"
+    # steps is None when no rank could say (mpiexec may kill ranks before they can)
+    at = "interrupted" if steps is None else f"interrupted at step {steps}"
     directory = cfg.checkpoint_dir or cfg.resume or os.path.join(cfg.out, "checkpoints")
     newest = None
     if (cfg.save_every or cfg.resume) and os.path.isdir(directory):
