@@ -86,9 +86,15 @@ def write_outputs(summary: dict, out_dir: str) -> tuple[str, str]:
     per_epoch = summary.get("steps_per_epoch") or 1
     ax_loss.plot([e * per_epoch for e in h["epoch"]], h["test_loss"], "o-", label="held-out")
     ax_loss.set(xlabel="optimizer step", ylabel="softmax loss", title="loss")
-    ax_acc.plot(h["epoch"], h["train_acc"], label="train")
-    ax_acc.plot(h["epoch"], h["test_acc"], label="held-out")
+    # markers: a history of one epoch (a parameter server's, a short run) is still visible
+    ax_acc.plot(h["epoch"], h["train_acc"], "o-", label="train")
+    ax_acc.plot(h["epoch"], h["test_acc"], "o-", label="held-out")
     ax_acc.set(xlabel="epoch", ylabel="accuracy", title="accuracy")
+    from matplotlib.ticker import MaxNLocator
+
+    ax_acc.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))  # whole epochs
+    if h["epoch"]:  # half an epoch of margin: a single epoch gets a whole-number tick too
+        ax_acc.set_xlim(min(h["epoch"]) - 0.5, max(h["epoch"]) + 0.5)
     for ax in (ax_loss, ax_acc):
         ax.legend()
         ax.grid(alpha=0.3)
