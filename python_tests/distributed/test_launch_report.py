@@ -1,7 +1,7 @@
 """The launcher's decisions as units: how each rank ended, whom to blame, which exit code."""
 from __future__ import annotations
 
-import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -74,13 +74,20 @@ def test_records_are_written_atomically(tmp_path: Path, monkeypatch) -> None:
     write_record(str(tmp_path), "rank0.json", {"kind": "exit", "code": 0})
     assert read_record(str(tmp_path), "rank0.json") == {"kind": "exit", "code": 0}
 
-    def broken(obj, f):
-        f.write('{"kind": "ex')
+    import needle.serialization as serialization
+
+    real_fsync = os.fsync
+
+    def broken(fd):  # the bytes are half on disk when the disk fills
+        os.write(fd, b'{"kind": "ex')
+        real_fsync(fd)
         raise OSError("disk full")
 
-    monkeypatch.setattr(json, "dump", broken)
+    monkeypatch.setattr(serialization.os, "fsync", broken)
     write_record(str(tmp_path), "rank1.json", {"kind": "exit", "code": 0})
+    monkeypatch.undo()
     assert not (tmp_path / "rank1.json").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.json"]  # no temporary left
     (tmp_path / "rank2.json").write_text('{"kind": "ex')  # a torn file from elsewhere
     assert read_record(str(tmp_path), "rank2.json") is None
 

@@ -28,6 +28,7 @@ def test_context_termination_that_never_returns_is_abandoned_with_a_warning(caps
     transport = TcpTransport.__new__(TcpTransport)
     transport.rank, transport.SHUTDOWN_GRACE = 3, 0.2
     transport._thread, transport._monitors, transport.push, transport.zap = None, {}, {}, None
+    transport.rendezvous = None
     transport.ctx = _StuckContext()
     try:
         transport._teardown()
@@ -57,6 +58,7 @@ _REAL_SHUTDOWN = textwrap.dedent("""
     import time, zmq
     from needle.distributed._tcp_transport import TcpTransport
     t = TcpTransport.__new__(TcpTransport)
+    t.rendezvous = None
     t.ctx = zmq.Context()
     peer = t.ctx.socket(zmq.PULL)
     port = peer.bind_to_random_port("tcp://127.0.0.1")
