@@ -36,6 +36,7 @@ from training.config import (  # noqa: E402
     OPTIMIZERS,
     Config,
     UsageError,
+    refuse_outside_launcher,
 )
 from training.config import parse_args as _parse_args  # noqa: E402
 from training.data import load_data, load_digits_split, load_mnist_split  # noqa: E402
@@ -171,6 +172,8 @@ def main(argv=None) -> int:
     install_interrupt_handler()
     cfg, rank, world_size = None, 0, 1
     try:
+        if refuse_outside_launcher():  # raises on the outside job's first process
+            return 2
         cfg = parse_args(argv)
         if cfg.verify_resume is not None:
             from training.verify_resume import verify_resume

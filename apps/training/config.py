@@ -207,6 +207,18 @@ def build_parser(strategies: dict) -> argparse.ArgumentParser:
     return p
 
 
+def refuse_outside_launcher() -> bool:
+    """Started as 1 of N > 1 by mpiexec, not needle: raise on the first, True on the others."""
+    env, size = os.environ, max(int(os.environ.get(n, "").strip() or 1) for n in (
+        "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS"))
+    if size <= 1 or env.get("NEEDLE_LAUNCH_STATUS_DIR"):
+        return False
+    if any(env.get(n, "0") != "0" for n in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")):
+        return True
+    raise UsageError(f"started by an outside launcher as one of {size} processes: use "
+                     f"`python apps/train.py --nproc {size}` (needle starts the ranks itself)")
+
+
 def parse_args(argv, strategies: dict) -> Config:
     """Command line → :class:`Config` (raises :class:`UsageError` on bad values)."""
     namespace = vars(build_parser(strategies).parse_args(argv))
@@ -275,6 +287,10 @@ def validate(cfg: Config, strategies: dict) -> None:
         raise UsageError(f"--seed must be >= 0, got {cfg.seed}")
     if cfg.lr is not None and cfg.lr <= 0:
         raise UsageError(f"--lr must be positive, got {cfg.lr}")
+    if (cfg.extra or {}).get("compile") and cfg.strategy != "single":
+        raise UsageError(f"--compile runs the single-process step; with --nproc {cfg.nproc} "
+                         f"--strategy {cfg.strategy} it is not supported yet: use --compile "
+                         f"with --nproc 1 (--strategy single)")
     _validate_memory_options(cfg, strategies)
     if cfg.data == "mnist":
         if cfg.data_dir is None:

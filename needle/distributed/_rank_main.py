@@ -1,9 +1,10 @@
 """Runs one rank's script for the launcher: prefixes its output, records how the script ended.
 
-``python -m needle.distributed._rank_main script.py args`` (started by the ``_run_rank``
-supervisor). Before interpreter shutdown (so before the process group says goodbye to its
-peers) it writes ``$NEEDLE_LAUNCH_STATUS_DIR/rank<k>.json``: the exit code, and for an
-exception its type, message, traceback and, when a peer caused it (a ``PeerError``), that peer.
+``python -m needle.distributed._rank_main script.py args`` (or ``-m module args``; started by
+the ``_run_rank`` supervisor). Before interpreter shutdown (so before the process group says
+goodbye to its peers) it writes ``$NEEDLE_LAUNCH_STATUS_DIR/rank<k>.json``: the exit code, and
+for an exception its type, message, traceback and, when a peer caused it (a ``PeerError``),
+that peer.
 The launcher reads it to tell the rank that failed first from those that failed because of it.
 """
 from __future__ import annotations
@@ -110,12 +111,17 @@ def main() -> None:
     if os.environ.get("NEEDLE_LAUNCH_PREFIX") == "1":
         sys.stdout = _Prefixed(sys.stdout, f"[rank {rank}] ")
         sys.stderr = _Prefixed(sys.stderr, f"[rank {rank}] ")
+    module = sys.argv[2] if sys.argv[1] == "-m" else None
     script = sys.argv[1]
-    sys.argv = sys.argv[1:]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    sys.argv = sys.argv[2:] if module else sys.argv[1:]
+    # what ``python -m`` / ``python script.py`` put first on sys.path
+    sys.path.insert(0, os.getcwd() if module else os.path.dirname(os.path.abspath(script)))
     record: dict = {"kind": "exit", "code": 0}
     try:
-        runpy.run_path(script, run_name="__main__")
+        if module:  # sys.argv[0] becomes the module's file, as under python -m
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
         record["code"] = _exit_code(exc)
     except BaseException as exc:  # noqa: BLE001 - report any failure of the user's script

@@ -1,5 +1,6 @@
 """Start the ranks of a script: ``python -m needle.distributed.launch -n 4 [--backend mpi|tcp]
-[--timeout S] script.py args``.
+[--timeout S] script.py args`` (or ``-m module args``: each rank runs the module as
+``python -m`` does).
 
 mpi runs ``mpiexec`` (the one installed next to this Python by the ``mpich`` wheel, else the
 one on PATH), with ``--hostfile FILE`` handed to it for many machines; tcp starts the ranks as
@@ -256,8 +257,10 @@ def _finish(job: Job, state: str, signals: _Signals, timeout: float | None,
 
 def run(nproc: int, script: str, args: list[str] | None = None, backend: str = "mpi",
         timeout: float | None = None, nodes: Nodes | None = None,
-        restart_workers: int = 0, finish_grace: float | None = None) -> int:
+        restart_workers: int = 0, finish_grace: float | None = None,
+        module: bool = False) -> int:
     """Run ``script`` on ``nproc`` ranks and return the job's exit code (0 when all succeed).
+    With ``module`` true, ``script`` names a module each rank runs as ``python -m`` does.
 
     ``finish_grace``: seconds an expendable rank may stay alive once every rank that is not
     expendable has ended without failing, before it is stopped and named (None:
@@ -284,7 +287,8 @@ def run(nproc: int, script: str, args: list[str] | None = None, backend: str = "
                            "-n", str(nproc)]
             rank_env = {r: {"RANK": str(r), "LOCAL_RANK": str(i)}
                         for i, r in enumerate(nodes.ranks())}
-            job.start([script, *(args or [])], env, mpiexec, rank_env)
+            job.start([*(["-m"] if module else []), script, *(args or [])], env, mpiexec,
+                      rank_env)
             deadline = None if timeout is None else time.monotonic() + timeout
             state = _watch(job, signals, deadline, grace)
             return _finish(job, state, signals, timeout, grace)
@@ -331,10 +335,14 @@ def relaunch(nproc: int, backend: str | None = None, timeout: float | None = Non
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m needle.distributed.launch",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("-n", "--nproc", "--nproc-per-node", type=int, required=True,
-                   help="ranks to start (on this node, with --nnodes)")
-    p.add_argument("--backend", choices=["mpi", "tcp"], default="mpi")
-    p.add_argument("--timeout", type=float, default=None, help="seconds for the whole job")
+    p.add_argument("-n", "--nproc", "--nproc-per-node", "--nproc_per_node", type=int,
+                   required=True, help="ranks to start (on this node, with --nnodes)")
+    p.add_argument("--backend", choices=["mpi", "tcp"], default="mpi",
+                   help="how the ranks start and talk: mpi (mpiexec) or tcp (default: mpi)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds for the whole job, then exit 124 (default: none, no limit)")
+    p.add_argument("-m", "--module", action="store_true",
+                   help="SCRIPT is a module name: every rank runs it as 'python -m' does")
     p.add_argument("--hostfile", default=None,
                    help="mpi: hosts for mpiexec (Hydra format: one 'host[:slots]' a line)")
     p.add_argument("--nnodes", type=int, default=1, help="tcp: machines in the job")
@@ -354,7 +362,7 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"seconds an expendable rank may stay alive once every rank that is "
                         f"not expendable has ended without failing; then it is stopped and "
                         f"named (default: ${FINISH_GRACE_ENV}, else {FINISH_GRACE:g})")
-    p.add_argument("script")
+    p.add_argument("script", metavar="SCRIPT", help="the script (or, with -m, module) to run")
     p.add_argument("args", nargs=argparse.REMAINDER)
     return p
 
@@ -387,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     return run(opts.nproc, opts.script, opts.args, opts.backend, opts.timeout, nodes,
-               restart_workers=opts.restart_workers, finish_grace=opts.finish_grace)
+               restart_workers=opts.restart_workers, finish_grace=opts.finish_grace,
+               module=opts.module)
 
 
 if __name__ == "__main__":

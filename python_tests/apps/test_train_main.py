@@ -185,6 +185,33 @@ def test_compile_refuses_what_it_does_not_run():
         train.parse_args(["--compile", "--accumulate", "2"])
 
 
+@pytest.mark.parametrize("args", [["--nproc", "2"], ["--nproc", "2", "--strategy", "zero"],
+                                  ["--strategy", "tp", "--nproc", "2"]])
+def test_compile_refuses_strategies_of_several_ranks(args):
+    """Only the single strategy traces its step: elsewhere --compile was silently eager."""
+    with pytest.raises(train.UsageError, match=r"--compile runs the single-process step; "
+                                               r"with --nproc 2 --strategy \w+ .*not supported "
+                                               r"yet: use --compile with --nproc 1"):
+        train.parse_args(["--compile", *args])
+
+
+def test_outside_launcher_is_refused_in_one_line(tmp_path):
+    """``mpiexec -n 2 python apps/train.py``: each process would train alone into one
+    folder. The first says why in one line and writes nothing; the others exit quietly."""
+    env = dict(os.environ, MPLBACKEND="Agg", OMP_NUM_THREADS="1", PMI_SIZE="2", PMI_RANK="0")
+    env.pop("NEEDLE_LAUNCH_STATUS_DIR", None)
+    out = tmp_path / "run"
+    args = [sys.executable, SCRIPT, "--max-steps", "1", "--no-progress", "--out", str(out)]
+    first = subprocess.run(args, capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    assert first.returncode == 2, first.stdout + first.stderr
+    assert first.stderr.strip().splitlines() == [
+        "train.py: error: started by an outside launcher as one of 2 processes: use "
+        "`python apps/train.py --nproc 2` (needle starts the ranks itself)"]
+    second = subprocess.run(args, capture_output=True, text=True, timeout=120,
+                            env={**env, "PMI_RANK": "1"}, cwd=REPO)
+    assert (second.returncode, second.stderr) == (2, "") and not out.exists()
+
+
 def test_params_sha256_covers_every_byte():
     p = [np.zeros((2, 3), np.float32), np.ones(4, np.float32)]
     q = [x.copy() for x in p]

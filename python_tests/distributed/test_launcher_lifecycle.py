@@ -174,6 +174,29 @@ def test_every_backend_sets_rank_variables(tmp_path: Path, backend: str) -> None
         assert reports[rank]["sum"] == 3.0
 
 
+@pytest.mark.parametrize("backend", ["mpi", "tcp"])
+def test_module_runs_on_every_rank(tmp_path: Path, backend: str) -> None:
+    """``--nproc_per_node 2 -m module args``: each rank runs the module as ``python -m`` does
+    (found on PYTHONPATH, as ``__main__``, with its arguments), and the ranks form one job."""
+    env = _env(tmp_path)
+    env["PYTHONPATH"] = os.pathsep.join((str(SCRIPTS), env["PYTHONPATH"]))
+    out = _launch(env, "--nproc_per_node", "2", "--backend", backend, "-m", "env_report",
+                  "--flag", "x")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr
+    reports = _reports(out.stdout)
+    assert sorted(reports) == [0, 1] and all(r["sum"] == 3.0 for r in reports.values())
+    assert all(r["argv"] == ["--flag", "x"] and r["name"] == "__main__"
+               for r in reports.values()), reports
+
+
+def test_help_shows_the_defaults() -> None:
+    out = subprocess.run([sys.executable, "-m", "needle.distributed.launch", "--help"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    text = " ".join(out.stdout.split())  # argparse wraps lines where it likes
+    assert out.returncode == 0 and "--nproc_per_node" in text and "-m, --module" in text
+    assert "(default: mpi)" in text and "(default: none, no limit)" in text
+
+
 def test_mpi_hostfile_is_handed_to_mpiexec(tmp_path: Path) -> None:
     """A hostfile naming this host twice runs both ranks here; one naming a host that does
     not exist makes mpiexec fail, so the file really reaches it."""

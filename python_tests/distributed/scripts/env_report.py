@@ -1,9 +1,10 @@
 """Prints the torchrun-style variables a rank sees (before and after joining), its receive
-address (tcp) and an all_reduce of [rank + 1]."""
+address (tcp), an all_reduce of [rank + 1] and its arguments (run as a script or a module)."""
 from __future__ import annotations
 
 import json
 import os
+import sys
 
 import numpy as np
 
@@ -17,5 +18,6 @@ x = np.array([dist.get_rank() + 1.0])
 dist.all_reduce(x)
 print("REPORT", json.dumps({"before": before, "after": after, "rank": dist.get_rank(),
                             "size": dist.get_world_size(), "sum": float(x[0]),
-                            "address": getattr(pg.transport, "address", None)}), flush=True)
+                            "address": getattr(pg.transport, "address", None),
+                            "argv": sys.argv[1:], "name": __name__}), flush=True)
 dist.destroy_process_group()
