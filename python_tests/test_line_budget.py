@@ -29,8 +29,9 @@ SKIP_DIRS = {"__pycache__"}
 # package -> the most lines its own source files may hold (the count when set, in the
 # comment). Raising a limit is a deliberate edit, made with the change that needs it.
 LIMITS: dict[str, int] = {
-    "apps": 1530,  # 1449
-    "apps/training": 3560,  # 3398: --check-replicas, --detect-anomaly, --trace, fault flags
+    "apps": 1650,  # 1572: one line on Ctrl-C, refusing an outside launcher
+    "apps/training": 3680,  # 3560: --check-replicas, --detect-anomaly, --trace, fault flags,
+    # checkpoint messages, --calibration, the help formatter
     "apps/training/strategies": 1770,  # 1694: replicated state, trace spans, ps peaks
     "needle": 50,  # 39 (needle/__init__.py)
     "needle/_core": 460,  # 432
