@@ -47,8 +47,11 @@ class Request:
         """Wait until done; return False if ``deadline`` (time.monotonic) passed first."""
         return poll_until(self.test, deadline)
 
-    def cancel(self) -> None:
-        """Give up on the request (after a timeout)."""
+    def cancel(self) -> bool:
+        """Give up on the request (after a timeout); True when it had completed after all
+        (its message arrived between the deadline and the cancel: the caller must take it,
+        or it is lost to the next receive)."""
+        return False
 
 
 def poll_until(test: Callable[[], bool], deadline: float) -> bool:
@@ -131,8 +134,8 @@ class MailboxRecv(Request):
                 self.box.cond.wait(min(left, 0.5))
         return self.test()
 
-    def cancel(self) -> None:
-        self.box.cancel(self)
+    def cancel(self) -> bool:
+        return self.box.cancel(self)
 
 
 class DoneRequest(Request):
@@ -260,11 +263,14 @@ class Mailbox:
         with self.cond:
             return self._gone.get(src)
 
-    def cancel(self, req: MailboxRecv) -> None:
+    def cancel(self, req: MailboxRecv) -> bool:
+        """Withdraw a posted receive; True when a message had already landed in it."""
         with self.cond:
             posted = self._posted.get(req.key)
             if posted and req in posted:
                 posted.remove(req)
+                return False
+            return req.done
 
 
 class MailboxChannel(Channel):

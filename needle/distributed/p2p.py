@@ -72,8 +72,8 @@ def _waiter(pg: ProcessGroup, op: str, peer: int, tag: int, timeout: float | Non
             raise rewrap(exc, f"{op}: rank {pg.rank} failed {what} with {pg.describe(peer)} "
                               f"(tag {tag}): {exc}") from None
         if not done:
-            if cancel:
-                req.cancel()
+            if cancel and req.cancel():
+                return  # it landed as the deadline passed: taken, not lost to the next call
             culprit = pg.p2p.global_rank(peer)
             graph = _waits.record_timeout(pg.p2p.global_rank(pg.rank), key[0], culprit, tag,
                                           seq, site)

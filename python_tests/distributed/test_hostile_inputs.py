@@ -23,7 +23,7 @@ def launch(n: int, backend: str, script: str, *args: str, timeout: float = 90.0
 @pytest.mark.mpi
 @pytest.mark.timeout(240)
 def test_recv_retried_after_a_timeout_mid_message_completes() -> None:
-    """The header of a message arrives, its payload 3 s later: the first recv (1 s) times out
+    """The header of a message arrives, its payload 6 s later: the first recv (2 s) times out
     waiting for the payload, the retry gets the whole message instead of waiting for a header
     that never comes."""
     out = launch(2, "tcp", "recv_retry.py")
@@ -155,3 +155,21 @@ def test_failed_mpi_job_leaves_no_shared_memory_files(how: str) -> None:
     assert files, out.stdout[-3000:]
     left = sorted(f for f in files if os.path.exists(f))
     assert not left, (left, out.stderr[-2000:])
+
+
+def test_a_receive_that_completes_as_it_is_cancelled_keeps_its_message():
+    """A message can land between a receive's deadline and its cancel: cancel says so, and
+    the message is the caller's (a withdrawn receive says it took nothing, and the next
+    receive on the key gets the next message)."""
+    from needle.distributed._transport import Mailbox
+
+    box = Mailbox()
+    late = box.post(np.zeros(2, np.float32), ("c", 1, 0))
+    assert not late.wait(time.monotonic() + 0.01)  # the deadline passes
+    box.deliver(("c", 1, 0), np.array([1.0, 2.0], np.float32))  # ... then the message lands
+    assert late.cancel() is True and late.buf.tolist() == [1.0, 2.0]
+    idle = box.post(np.zeros(2, np.float32), ("c", 1, 0))
+    assert idle.cancel() is False  # withdrawn before anything came
+    box.deliver(("c", 1, 0), np.array([3.0, 4.0], np.float32))
+    nxt = box.post(np.zeros(2, np.float32), ("c", 1, 0))
+    assert nxt.wait(time.monotonic() + 5) and nxt.buf.tolist() == [3.0, 4.0]
