@@ -33,7 +33,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -79,12 +78,9 @@ def calibrate_worker(out: str, repeats: int, stages: bool) -> None:
     model = app_model()
     cal = calibrate_job(model, IN_FEATURES, CLASSES, app_optimizer(model.parameters()),
                         repeats=repeats)
-    profiled = profile_stages(dist.get_rank(), dist.get_world_size(), repeats) if stages \
-        else None
     pipelined = profile_pipelined(dist.get_rank(), dist.get_world_size()) if stages else None
     if cal is not None:
         cal.reference["model"] = "MLP-ResNet (apps/training, --model mlp_resnet), Adam"
-        cal.reference["pipeline"] = profiled
         cal.reference["pipelined"] = pipelined
         cal.save(out)
 
@@ -118,42 +114,6 @@ def profile_pipelined(rank: int, p: int) -> dict | None:
                                y if rank == p - 1 else None, CAL_STEPS,
                                app_optimizer(params), warmup=CAL_WARMUP)
         out[name] = got
-    return out if rank == 0 else None
-
-
-def profile_stages(rank: int, p: int, repeats: int) -> dict | None:
-    """Every rank profiles its own stages of each split, all ranks at once; rank 0 gets
-    ``{"v1": {"F": [...], "B": [...], "W": [...], "bytes": [...]}, "v1-split": ..., "v2": ...}``."""
-    import needle.distributed as dist
-    from needle import nn
-    from needle.autograd import Tensor, no_grad
-    from needle.distributed import pipeline
-    from needle.plan.profile import profile_stage
-
-    rows = BATCH // MICROBATCHES
-    rng = np.random.RandomState(0)
-    x = rng.randn(rows, IN_FEATURES).astype(np.float32)
-    y = rng.randint(0, CLASSES, rows).astype(np.uint8)
-    out = {}
-    for key, v, split in (("v1", 1, False), ("v1-split", 1, True), ("v2", 2, False)):
-        full = app_model()
-        chunks = p * v
-        pieces = pipeline.split_sequential(full, chunks,
-                                           pipeline.parameter_costs(list(full.modules)))
-        inputs = [x]
-        with no_grad():
-            for piece in pieces[:-1]:
-                inputs.append(piece(Tensor(inputs[-1])).numpy())
-        dist.barrier()
-        mine = {k: profile_stage(pieces[k], inputs[k], first=k == 0, last=k == chunks - 1,
-                                 loss_fn=nn.SoftmaxLoss(), target=y, scale=1 / MICROBATCHES,
-                                 split_backward=split, repeats=repeats)
-                for k in range(rank, chunks, p)}
-        every = dist.all_gather_object({str(k): v_ for k, v_ in mine.items()})
-        merged = {int(k): v_ for d in every for k, v_ in d.items()}
-        out[key] = {kind: [merged[k][kind] for k in range(chunks)]
-                    for kind in ("F", "B", "W", "SEND", "RECV")}
-        out[key]["bytes"] = [int(a.nbytes) for a in inputs[1:]]
     return out if rank == 0 else None
 
 
@@ -226,9 +186,7 @@ def predict_pipeline(cal: Calibration, schedule: str, draws: int, collectives) -
     from needle.distributed.pipeline import make_plan
     from needle.distributed.pipeline.simulator import expected, simulate
 
-    inputs = dict((cal.reference.get("pipelined") or {}).get(schedule) or {})
-    if not inputs:
-        return predict_pipeline_isolated(cal, schedule, draws, collectives)
+    inputs = dict(cal.reference["pipelined"][schedule])
     inputs.pop("microbatches")
     v = 2 if schedule == "interleaved" else 1
     plan = make_plan(schedule, 2, MICROBATCHES, v if v > 1 else None)
@@ -241,45 +199,6 @@ def predict_pipeline(cal: Calibration, schedule: str, draws: int, collectives) -
     return {"bubble": noisy.bubble_fraction, "makespan_s": noisy.makespan,
             "step_s": noisy.makespan + others, "bubble_means": plain.bubble_fraction,
             "makespan_means_s": plain.makespan, "step_means_s": plain.makespan + others}
-
-
-def predict_pipeline_isolated(cal: Calibration, schedule: str, draws: int,
-                              collectives) -> dict:
-    """The schedule from each stage profiled alone (needle.plan.profile_stage)."""
-    key = "v2" if schedule == "interleaved" else "v1-split" if schedule == "zero-bubble" \
-        else "v1"
-    prof = cal.reference["pipeline"][key]
-    # each stage's median, scaled by the compute noise pooled over every profile: 30 samples
-    # of one stage are too few to carry its own mean on a loaded machine
-    ratios = stage_ratios(cal) + cal.noise.compute
-    samples = {k: [[float(np.median(x)) * r for r in ratios] for x in prof[k]]
-               for k in ("F", "B", "W")}
-    # the link as the runtime sees it: the probe's transport plus the runtime's own part of
-    # a send and a receive (the differentiable send and receive, profiled)
-    extra = {k: float(np.mean([x for xs in prof[k] for x in xs] or [0.0]))
-             for k in ("SEND", "RECV")}
-    link = replace(cal.link, send_fixed=cal.link.send_fixed + extra["SEND"],
-                   recv_fixed=cal.link.recv_fixed + extra["RECV"])
-    model = Model.from_module(app_model(), IN_FEATURES)
-    layout = layout_of("pipeline", 2, schedule)
-    same = dict(collectives=collectives, stage_samples=samples, adjoint_in_backward=True)
-    noisy = predict(model, layout, cal.device, link, BATCH, noise=cal.noise, draws=draws,
-                    **same)
-    plain = predict(model, layout, cal.device, link, BATCH, **same)
-    return {"bubble": noisy.bubble, "makespan_s": noisy.parts["pipeline"], "step_s": noisy.step,
-            "bubble_means": plain.bubble, "makespan_means_s": plain.parts["pipeline"],
-            "step_means_s": plain.step}
-
-
-def stage_ratios(cal: Calibration) -> list[float]:
-    """Every profiled stage sample over its stage's median."""
-    out = []
-    for prof in (cal.reference.get("pipeline") or {}).values():
-        for kind in ("F", "B", "W"):
-            for xs in prof[kind]:
-                m = float(np.median(xs))
-                out += [x / m for x in xs] if m > 0 else []
-    return out
 
 
 def predict_step(cal: Calibration, strategy: str, p: int, draws: int, collectives) -> dict:
