@@ -25,28 +25,23 @@ import threading
 import time
 from pathlib import Path
 
+from ._launch_output import RankOutput
 from ._launch_report import Outcome, outcome_from_records, read_record
-from ._rank_main import prefix_lines
 
 SUPERVISOR = str(Path(__file__).with_name("_run_rank.py"))
 
 
-def _pump(stream, prefix: str) -> None:
-    """Copy a rank's output to ours, each line (or carriage-return piece) prefixed."""
+def _pump(stream, output: RankOutput, prefix: str) -> None:
+    """Copy a rank's output (or mpiexec's) to ``output``, each line prefixed with ``prefix``."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    pending = ""
+    into = output.stream(prefix)
     fd = stream.fileno()
     while True:
         chunk = os.read(fd, 65536)
         if not chunk:
             break
-        out, pending = prefix_lines(pending + decoder.decode(chunk), prefix)
-        if out:
-            sys.stdout.write(out)
-            sys.stdout.flush()
-    if pending:
-        sys.stdout.write(prefix + pending + "\n")
-        sys.stdout.flush()
+        into.feed(decoder.decode(chunk))
+    into.close()
 
 
 def descendants(roots: list[int]) -> list[int]:
@@ -109,6 +104,7 @@ class Job:
         self.outcomes: dict[int, Outcome] = {}
         self._pids: dict[int, int] = {}
         self._asked: set[int] = set()  # ranks asked where they are (ask_where)
+        self.output = RankOutput()
 
     # ----- starting ---------------------------------------------------------------------
     def start(self, cmd_tail: list[str], env: dict, mpiexec: list[str] | None,
@@ -153,7 +149,8 @@ class Job:
 
     def _add(self, proc: subprocess.Popen, prefix: str) -> None:
         self.procs.append(proc)
-        pump = threading.Thread(target=_pump, args=(proc.stdout, prefix), daemon=True)
+        pump = threading.Thread(target=_pump, args=(proc.stdout, self.output, prefix),
+                                daemon=True)
         pump.start()
         self.pumps.append(pump)
 

@@ -22,51 +22,46 @@ from ._run_rank import STATUS_DIR_ENV, write_record
 
 
 class _Prefixed(io.TextIOBase):
-    """Writes whole lines, each prefixed, in one write: output of ranks never mixes mid-line.
+    """Writes whole pieces, each prefixed and ended, in one write: output of ranks that share
+    mpiexec's pipe never mixes mid-line.
 
-    A carriage return ends a line too (it is passed on), so a progress bar redraws in place.
+    A line ends with a newline. Text ended by a carriage return, or still unfinished when the
+    stream is flushed (a progress bar's current frame), is written as a *frame*: prefixed and
+    ended by a carriage return, so that the launcher redraws it in place on a terminal. A
+    newline right after a frame repeats that frame as a line: the bar's final state.
     """
 
     def __init__(self, raw: io.TextIOBase, prefix: str):
         self.raw, self.prefix, self.pending = raw, prefix, ""
+        self.shown = False  # ``pending`` was already written as a frame
 
     def write(self, text: str) -> int:
-        out, self.pending = prefix_lines(self.pending + text, self.prefix)
+        from ._launch_output import split_pieces
+
+        shown = self.pending.rstrip("\r") if self.shown else None
+        pieces, rest = split_pieces(self.pending + text)
+        out = []
+        for i, (body, end) in enumerate(pieces):
+            if end == "\n":
+                out.append(f"{self.prefix}{body}\n")
+            elif body and not (i == 0 and body == shown):  # a frame not written yet
+                out.append(f"{self.prefix}{body}\r")
+        self.shown = self.shown and not pieces and rest == self.pending
+        self.pending = rest
         if out:
-            self.raw.write(out)
+            self.raw.write("".join(out))
             self.raw.flush()
         return len(text)
 
     def flush(self) -> None:
-        if self.pending:
-            self.raw.write(f"{self.prefix}{self.pending}\n")
-            self.pending = ""
+        frame = self.pending.rstrip("\r")
+        if frame and not self.shown:
+            self.raw.write(f"{self.prefix}{frame}\r")
+            self.shown = True
         self.raw.flush()
 
     def isatty(self) -> bool:
         return False
-
-
-def prefix_lines(text: str, prefix: str) -> tuple[str, str]:
-    """Split ``text`` after each newline or carriage return, prefix every complete piece;
-    return (what to write now, the incomplete rest).
-
-    A bare carriage return (how progress bars begin each redraw) gets no prefix of its own:
-    the redrawn line that follows carries it, so a log shows one prefix per bar, not two.
-
-    Example:
-        >>> prefix_lines("a\\nb\\rc", "> ")
-        ('> a\\n> b\\r', 'c')
-        >>> prefix_lines("\\rbar 1\\rbar 2", "> ")
-        ('\\r> bar 1\\r', 'bar 2')
-    """
-    out, start = [], 0
-    for i, ch in enumerate(text):
-        if ch in "\n\r":
-            piece = text[start:i + 1]
-            out.append(piece if piece == "\r" else prefix + piece)
-            start = i + 1
-    return "".join(out), text[start:]
 
 
 def _exit_code(exc: SystemExit) -> int:

@@ -6,7 +6,10 @@ mpi runs ``mpiexec`` (the one installed next to this Python by the ``mpich`` whe
 one on PATH), with ``--hostfile FILE`` handed to it for many machines; tcp starts the ranks as
 Python processes, torchrun-style: ``--nnodes N --node-rank R --master-addr A --master-port P``
 starts this node's ``-n`` ranks of an N-node job. Every rank sees RANK, LOCAL_RANK, WORLD_SIZE
-and LOCAL_WORLD_SIZE. Output lines are prefixed ``[rank k]``.
+and LOCAL_WORLD_SIZE. Output lines are prefixed ``[rank k]``. A progress bar (text redrawn
+after carriage returns) redraws in place when the launcher's stdout is a terminal; in a file or
+a pipe only each bar's last frame is kept. Progress prints on rank 0 only, unless
+``--progress-ranks all`` (or a list such as ``0,1``; ``$NEEDLE_PROGRESS_RANKS``).
 
 The launcher owns its ranks. When one fails it names the rank that failed first and how (exit
 code, signal, or exception with that rank's traceback), says which ranks failed only because of
@@ -47,6 +50,7 @@ from ._launch_job import Job
 from ._launch_report import verdict
 from ._run_rank import STATUS_DIR_ENV
 from ._tcp_security import AUTH_ENV, JOB_ENV, SECRET_ENV, check_secret
+from .progress import COLUMNS_ENV, PROGRESS_RANKS_ENV, shows_progress
 
 FAILURE_GRACE = 3.0  # seconds to let the other ranks report after the first failure
 STOP_GRACE = 5.0     # seconds between the first signal and SIGKILL when stopping
@@ -112,6 +116,8 @@ def _job_env(backend: str, nodes: Nodes, status_dir: str) -> dict:
     here = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
     env["NEEDLE_DIST_BACKEND"] = backend
+    if sys.stdout.isatty():  # progress bars fit the terminal they are redrawn on
+        env[COLUMNS_ENV] = str(shutil.get_terminal_size().columns)
     if backend == "mpi":
         env["NEEDLE_LAUNCH_PREFIX"] = "1"
         return env
@@ -362,6 +368,9 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"seconds an expendable rank may stay alive once every rank that is "
                         f"not expendable has ended without failing; then it is stopped and "
                         f"named (default: ${FINISH_GRACE_ENV}, else {FINISH_GRACE:g})")
+    p.add_argument("--progress-ranks", default=None, metavar="RANKS",
+                   help=f"ranks whose progress (needle.distributed.progress) prints: 'all' or "
+                        f"a list like '0,1' (default: ${PROGRESS_RANKS_ENV}, else 0)")
     p.add_argument("script", metavar="SCRIPT", help="the script (or, with -m, module) to run")
     p.add_argument("args", nargs=argparse.REMAINDER)
     return p
@@ -375,6 +384,12 @@ def main(argv: list[str] | None = None) -> int:
     if opts.backend == "tcp" and opts.hostfile:
         parser.error("--hostfile is for --backend mpi; with tcp start one launcher per node "
                      "with --nnodes/--node-rank")
+    if opts.progress_ranks is not None:
+        os.environ[PROGRESS_RANKS_ENV] = opts.progress_ranks
+        try:
+            shows_progress(0)
+        except ValueError as exc:
+            parser.error(str(exc))
     if opts.secret_file:
         os.environ[SECRET_ENV] = Path(opts.secret_file).read_text().strip()
     if opts.backend == "tcp" and opts.nnodes > 1 and not os.environ.get(SECRET_ENV):

@@ -1,9 +1,11 @@
-"""Progress output for launched jobs: rank 0 draws a progress bar, the other ranks log plain
-lines now and then, and summaries are printed once (by rank 0) with or without bars.
+"""Progress output for launched jobs: rank 0 draws a progress bar, the other ranks stay quiet
+(or, when ``$NEEDLE_PROGRESS_RANKS`` names them, log plain lines now and then), and summaries
+are printed once (by rank 0) with or without bars.
 
 The rank comes from ``RANK`` (set by needle's launcher under every backend), so this works
-before and without ``init_process_group``. Under the launcher a bar still redraws in place:
-the launcher passes carriage returns through, each piece prefixed with ``[rank 0]``.
+before and without ``init_process_group``. Under the launcher a bar still redraws in place on
+a terminal, prefixed with ``[rank 0]``; when the launcher's output is a file or a pipe, only
+each bar's last frame is kept.
 
 Example (in a training script; ``--no-progress`` gives ``enabled=False``):
     >>> bar = progress_bar(total=3, desc="train", enabled=False)
@@ -19,9 +21,18 @@ import os
 import sys
 from typing import Any, Iterable, Iterator, TextIO
 
+from .._core.errors import NeedleError
 from .._core.job_env import RANK_VARS
 
-__all__ = ["PlainProgress", "progress_bar", "rank_from_env"]
+__all__ = ["PlainProgress", "ProgressSettingError", "progress_bar", "rank_from_env",
+           "shows_progress"]
+
+PROGRESS_RANKS_ENV = "NEEDLE_PROGRESS_RANKS"  # which ranks print progress: "0", "all", "0,1"
+COLUMNS_ENV = "NEEDLE_LAUNCH_COLUMNS"  # the width of the launcher's terminal, when it has one
+
+
+class ProgressSettingError(NeedleError, ValueError):
+    """``$NEEDLE_PROGRESS_RANKS`` holds something other than ``all`` or a list of ranks."""
 
 
 def rank_from_env() -> int:
@@ -99,6 +110,30 @@ class PlainProgress:
         self.close()
 
 
+def _columns() -> int:
+    """The bar's width: the launcher's terminal less the ``[rank k]`` prefix, at most 100."""
+    text = os.environ.get(COLUMNS_ENV, "")
+    return min(100, max(40, int(text) - 12)) if text.isdigit() else 100
+
+
+def shows_progress(rank: int) -> bool:
+    """Whether ``rank`` prints progress: rank 0 only, unless ``$NEEDLE_PROGRESS_RANKS`` (the
+    launcher's ``--progress-ranks``) says ``all`` or lists ranks (``0,1``).
+
+    Example:
+        >>> shows_progress(0), shows_progress(1)
+        (True, False)
+    """
+    text = os.environ.get(PROGRESS_RANKS_ENV, "0").strip()
+    if text == "all":
+        return True
+    try:
+        return rank in {int(r) for r in text.split(",") if r.strip()}
+    except ValueError:
+        raise ProgressSettingError(f"progress: bad ${PROGRESS_RANKS_ENV}, expected 'all' or "
+                                   f"ranks like '0,1', got {text!r}") from None
+
+
 class _RankZeroBar:
     """A tqdm bar whose ``write`` takes ``all_ranks`` like PlainProgress and prints above the
     bar; everything else is the tqdm's."""
@@ -112,7 +147,7 @@ class _RankZeroBar:
         # disable=False: under the launcher stderr is a pipe, and tqdm would otherwise guess
         # that nobody watches; mininterval keeps the pipe from flooding.
         self.bar = tqdm(iterable, total=total, desc=desc, file=file or sys.stderr,
-                        disable=False, mininterval=0.5, ncols=100)
+                        disable=False, mininterval=0.5, ncols=_columns())
 
     def write(self, message: str, all_ranks: bool = False) -> None:
         self._tqdm.write(message, file=self._out)
@@ -134,7 +169,8 @@ def progress_bar(iterable: Iterable | None = None, total: int | None = None, des
                  enabled: bool = True, rank: int | None = None, lines: int = 10,
                  file: TextIO | None = None) -> Any:
     """A tqdm bar on rank 0 when ``enabled``; a :class:`PlainProgress` everywhere else (plain
-    lines on other ranks when ``enabled``, only ``write`` output when not).
+    lines on other ranks when ``enabled`` and :func:`shows_progress` names them, only
+    ``write`` output when not).
 
     Args:
         iterable, total, desc: as for tqdm.
@@ -144,6 +180,7 @@ def progress_bar(iterable: Iterable | None = None, total: int | None = None, des
         file: where to write (default: bars to stderr, lines to stdout).
     """
     rank = rank_from_env() if rank is None else rank
+    enabled = enabled and shows_progress(rank)
     if rank == 0 and enabled:
         return _RankZeroBar(iterable, total, desc, file)
     return PlainProgress(iterable, total, desc, rank, enabled, lines, file)

@@ -8,7 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from needle.distributed.progress import PlainProgress, progress_bar, rank_from_env
+from needle.distributed.progress import (
+    PlainProgress,
+    ProgressSettingError,
+    progress_bar,
+    rank_from_env,
+)
 
 SCRIPTS = Path(__file__).parent / "scripts"
 ROOT = Path(__file__).parents[2]
@@ -32,7 +37,20 @@ def test_rank_zero_draws_a_bar() -> None:
     assert "epoch 0: loss 0.050\n" in text
 
 
-def test_other_ranks_log_plain_lines() -> None:
+def test_other_ranks_are_quiet_by_default() -> None:
+    bar, text = _run(1, True)
+    assert isinstance(bar, PlainProgress) and text == ""
+
+
+def test_a_bad_progress_ranks_setting_is_refused(monkeypatch) -> None:
+    monkeypatch.setenv("NEEDLE_PROGRESS_RANKS", "first")
+    with pytest.raises(ProgressSettingError, match="expected 'all' or ranks like '0,1', got "
+                                                    "'first'"):
+        progress_bar(total=2, rank=1)
+
+
+def test_other_ranks_log_plain_lines_when_asked(monkeypatch) -> None:
+    monkeypatch.setenv("NEEDLE_PROGRESS_RANKS", "0,1")
     bar, text = _run(1, True)
     assert isinstance(bar, PlainProgress) and "\r" not in text
     lines = text.splitlines()
@@ -51,6 +69,7 @@ def test_without_progress_only_summaries_print() -> None:
 
 def test_wraps_an_iterable_and_reads_the_rank_from_the_environment(monkeypatch) -> None:
     monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("NEEDLE_PROGRESS_RANKS", "all")
     assert rank_from_env() == 2
     out = io.StringIO()
     bar = progress_bar(range(4), desc="eval", lines=2, file=out)
@@ -62,17 +81,24 @@ def test_wraps_an_iterable_and_reads_the_rank_from_the_environment(monkeypatch) 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("backend", ["mpi", "tcp"])
 def test_under_the_launcher_only_rank_zero_draws(backend: str) -> None:
+    """To a pipe: the bar's last frame only, one line; rank 1's lines with --progress-ranks
+    (tcp), none without (mpi). The terminal's side: test_launch_output.py."""
+    shown = ["--progress-ranks", "all"] if backend == "tcp" else []
     cmd = [sys.executable, "-m", "needle.distributed.launch", "-n", "2", "--backend", backend,
-           "--timeout", "120", str(SCRIPTS / "progress_demo.py")]
+           *shown, "--timeout", "120", str(SCRIPTS / "progress_demo.py")]
     out = subprocess.run(cmd, capture_output=True, timeout=150, cwd=ROOT)
     text = out.stdout.decode()
     assert out.returncode == 0, text[-3000:] + out.stderr.decode()[-2000:]
-    pieces = text.replace("\r", "\n").splitlines()
+    assert "\r" not in text
+    pieces = text.splitlines()
     rank0 = [p for p in pieces if p.startswith("[rank 0]")]
     rank1 = [p for p in pieces if p.startswith("[rank 1]")]
-    assert "\r[rank 0] " in text  # the bar redraws in place, each piece prefixed
-    assert any("%|" in p for p in rank0)  # a tqdm bar
+    assert len(rank0) == 2 and "[rank 0] epoch summary: loss 0.12" in rank0
+    assert "100%|" in rank0[1 - rank0.index("[rank 0] epoch summary: loss 0.12")]
     assert not any("%|" in p for p in rank1)  # rank 1 draws no bar
-    assert "[rank 1] steps: 8/8 (100%) loss=0.12" in rank1
-    assert "[rank 0] epoch summary: loss 0.12" in rank0
-    assert not any("summary" in p for p in rank1)
+    if shown:
+        assert rank1 == ["[rank 1] steps: 2/8 (25%) loss=0.50", "[rank 1] steps: 4/8 (50%) "
+                         "loss=0.25", "[rank 1] steps: 6/8 (75%) loss=0.17",
+                         "[rank 1] steps: 8/8 (100%) loss=0.12"]
+    else:
+        assert rank1 == []
