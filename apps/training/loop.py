@@ -301,6 +301,13 @@ def _record_epoch(history: History, epoch: int, stats: _Epoch, evaluated, rate: 
                        ("test_acc", test_acc), ("examples_per_s", rate)):
         getattr(history, key).append(value)
     if show:
-        print(f"epoch {epoch:3d}  loss {history.train_loss[-1]:.4f}  "
-              f"train acc {history.train_acc[-1]:.4f}  held-out acc {test_acc:.4f}  "
-              f"{rate:,.0f} examples/s", flush=True)
+        print_epoch(epoch, history.train_loss[-1], history.train_acc[-1], test_acc, rate)
+
+
+def print_epoch(epoch: int, loss: float, train_acc: float, test_acc: float | None,
+                rate: float) -> None:
+    """The line each trained epoch prints (every strategy: the rank that has the numbers);
+    ``test_acc`` None where no rank holds the whole model until the end."""
+    held_out = "" if test_acc is None else f"held-out acc {test_acc:.4f}  "
+    print(f"epoch {epoch:3d}  loss {loss:.4f}  train acc {train_acc:.4f}  {held_out}"
+          f"{rate:,.0f} examples/s", flush=True)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -91,3 +92,20 @@ def test_ctrl_c_says_where_to_continue(tmp_path):
     assert int(steps.split()[-1]) >= int(newest.split()[-1]) >= 2
     assert lines[0].endswith(f"; continue with --resume {ckpt}")
     assert (ckpt / f"step-{int(newest.split()[-1]):08d}" / "manifest.json").exists()
+
+
+EPOCH_LINE = re.compile(r"^\[rank 0\] epoch +(\d+)  loss \d+\.\d{4}  train acc \d\.\d{4}  "
+                        r"held-out acc \d\.\d{4}  [\d,]+ examples/s$")
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("strategy", [
+    ("--strategy", "ps", "--nproc", "2", "--epochs", "2"),  # six steps: 3 an epoch
+    ("--strategy", "3d", "--nproc", "2", "--tp", "2", "--epochs", "1", "--max-steps", "2")])
+def test_every_strategy_prints_its_epochs(tmp_path, strategy):
+    proc = _train("--batch-size", "500", *strategy, "--out", str(tmp_path), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    epochs = [m.group(1) for ln in proc.stdout.splitlines() if (m := EPOCH_LINE.match(ln))]
+    assert epochs == (["1", "2"] if "ps" in strategy else ["1"]), proc.stdout[-3000:]

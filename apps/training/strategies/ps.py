@@ -244,8 +244,17 @@ class ParameterServerStrategy(Strategy):
         faults = parse_faults(self.cfg, self.world_size)
         faults.before_round(self.ps.server.updates + 1)
 
+        epochs = None
+        if self.rank == 0:  # server 0 hears every worker's loss: it prints the epochs
+            epochs = _EpochLines(self.cfg, X.shape[0], self.world_size - self.servers,
+                                 self.ps.server.global_clock(),
+                                 (lambda: self._local_evaluate(Xt, yt)[1])
+                                 if self.servers == 1 else None)
+
         def on_update(updates: int) -> None:
             # on the serving thread, round `updates` applied and closed: a sync boundary
+            if epochs is not None:
+                epochs.after(self.ps.server)
             if evaluating and updates % eval_every == 0:
                 _, acc = self._local_evaluate(Xt, yt)
                 timeline.append([time.perf_counter() - self.started, updates, acc])
@@ -258,6 +267,8 @@ class ParameterServerStrategy(Strategy):
             faults.before_round(updates + 1)
 
         stats = self.ps.serve(on_update=on_update)
+        if epochs is not None:
+            epochs.after(self.ps.server, final=True)
         wall = time.perf_counter() - self.started
         role = self.ps.server
         digest = self._servers_digest()
@@ -366,6 +377,43 @@ def _memory_block(stats: dict, servers: int) -> dict:
                      "predicted": "computed before the step (apps/training/peak.py, "
                                   "predict_ps_worker)"},
             "servers": "not in per_rank: a server runs no step"}
+
+
+class _EpochLines:
+    """Server 0's per-epoch lines, as the other strategies print them: loss and accuracy of
+    the gradients the workers pushed in the epoch, held-out accuracy of the served model (one
+    server holds all of it; with more, the model is whole only at the end), examples/s."""
+
+    def __init__(self, cfg, n_train: int, workers: int, clock: int, evaluate):
+        from ..data import global_batches
+
+        self.ends, total = [], 0  # the worker clock at which each epoch ends
+        for epoch in range(1, cfg.epochs + 1):
+            total += len([b for b in global_batches(n_train, cfg.batch_size, cfg.seed, epoch)
+                          if len(b) >= workers])
+            self.ends.append(total)
+        # a resumed run does not print the epochs its checkpoint had finished
+        self.epoch = 1 + sum(end <= clock for end in self.ends)
+        self.evaluate, self.since = evaluate, time.perf_counter()
+
+    def after(self, role, final: bool = False) -> None:
+        """Print each epoch the workers' clocks have passed (``final``: and the epoch a
+        ``--max-steps`` run stopped in)."""
+        from ..loop import print_epoch
+
+        clock = role.global_clock()
+        while self.epoch <= len(self.ends) and (final or clock >= self.ends[self.epoch - 1]):
+            low = self.ends[self.epoch - 2] if self.epoch > 1 else 0
+            entries = [e for e in role.loss_log if low < e[1] <= self.ends[self.epoch - 1]]
+            examples = sum(e[2] for e in entries)
+            if not examples:
+                return
+            now = time.perf_counter()
+            print_epoch(self.epoch, sum(e[3] for e in entries) / examples,
+                        sum(e[4] for e in entries) / examples,
+                        self.evaluate() if self.evaluate else None,
+                        examples / max(now - self.since, 1e-9))
+            self.epoch, self.since = self.epoch + 1, now
 
 
 def _losses(log) -> tuple[list[float], int, float, int]:
