@@ -16,6 +16,7 @@ from __future__ import annotations
 from . import tracing, traffic
 from ._errors import CommError, MessageError, ObjectTypeError, PeerError, SenderAborted
 from ._group import ProcessGroup
+from ._nccl import NcclUnavailable
 from ._work import Work
 from .clip import clip_grad_norm
 from .collectives import (
@@ -60,7 +61,8 @@ from .tracing import trace
 
 __all__ = [
     "trace", "tracing",
-    "CommError", "MessageError", "ObjectTypeError", "PeerError", "ProcessGroup", "SenderAborted",
+    "CommError", "MessageError", "NcclUnavailable", "ObjectTypeError", "PeerError",
+    "ProcessGroup", "SenderAborted",
     "Work",
     "all_gather", "all_gather_object", "all_gather_v",
     "all_reduce", "barrier", "gather_object", "irecv_array", "irecv_object", "isend_array",

@@ -3,7 +3,8 @@
 Each call validates its arguments on the calling thread, then runs (inline, or on the group's
 communication thread when ``async_op=True``) needle's own algorithm from ``_algorithms`` or,
 with ``algorithm="native"``, the transport's collective: ``MPI_Iallreduce`` and friends on mpi,
-a shared-memory reduction on thread; tcp has no native collectives.
+a shared-memory reduction on thread; tcp has no native collectives. On an ``nccl`` group,
+``cuda()`` tensors skip all of that: they go from their device buffers into NCCL (``_nccl``).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any, Callable
 import numpy as np
 
 from . import _algorithms as alg
-from . import _waits, tracing, traffic
+from . import _nccl, _waits, tracing, traffic
 from ._buffers import Borrowed, borrow, dtype_name
 from ._errors import CommError, ShapeError
 from ._group import ProcessGroup, resolve
@@ -94,6 +95,10 @@ def all_reduce(tensor: Any, op: str = "sum", group: Any = None, async_op: bool =
     pg = resolve(group, "all_reduce")
     _op_name(op, "all_reduce")
     native = _native(pg, "all_reduce", algorithm, ("ring",))
+    dev = _nccl.route(pg, tensor)
+    if dev is not None:
+        return _launch(pg, "all_reduce", _nccl.all_reduce(pg, dev[0], op),
+                       _nccl.signature("all_reduce", dev[0], op=op), timeout, async_op)
     buf = borrow(tensor, "all_reduce")
     a = buf.arr
     seg = None if bounds is None else _check_bounds("all_reduce", bounds, a.size, pg.size)
@@ -124,6 +129,10 @@ def broadcast(tensor: Any, src: int = 0, group: Any = None, async_op: bool = Fal
     pg = resolve(group, "broadcast")
     pg.check_peer("broadcast", src, "src")
     native = _native(pg, "broadcast", algorithm, ("tree",))
+    dev = _nccl.route(pg, tensor)
+    if dev is not None:
+        return _launch(pg, "broadcast", _nccl.broadcast(pg, dev[0], src),
+                       _nccl.signature("broadcast", dev[0], src=src), timeout, async_op)
     buf = borrow(tensor, "broadcast")
     record = traffic.open_record(
         pg, "broadcast", algorithm, buf.arr.nbytes,
@@ -149,6 +158,10 @@ def reduce(tensor: Any, dst: int = 0, op: str = "sum", group: Any = None,
     pg = resolve(group, "reduce")
     pg.check_peer("reduce", dst, "dst")
     _op_name(op, "reduce")
+    dev = _nccl.route(pg, tensor)
+    if dev is not None:
+        return _launch(pg, "reduce", _nccl.reduce(pg, dev[0], dst, op),
+                       _nccl.signature("reduce", dev[0], dst=dst, op=op), timeout, async_op)
     buf = borrow(tensor, "reduce")
     record = traffic.open_record(
         pg, "reduce", "tree", buf.arr.nbytes,
@@ -182,10 +195,27 @@ def _borrow_list(where: str, what: str, items: Any, like: np.ndarray, size: int,
     return bufs
 
 
+def _check_list(where: str, what: str, dev: list[_nccl.DeviceBuffer], size: int) -> None:
+    """``dev`` = [the tensor, then the list's entries]: one entry per rank, each like it."""
+    like, items = dev[0], dev[1:]
+    if len(items) != size:
+        raise ShapeError(f"{where}: {what} must hold one entry per rank, expected {size}, "
+                         f"got {len(items)}")
+    for i, b in enumerate(items):
+        if b.shape != like.shape or b.dtype != like.dtype:
+            raise ShapeError(f"{where}: {what}[{i}] must match the tensor, expected "
+                             f"{like.dtype} {like.shape}, got {b.dtype} {b.shape}")
+
+
 def all_gather(tensor_list: list, tensor: Any, group: Any = None, async_op: bool = False,
                timeout: float | None = None) -> Work | None:
     """Fill ``tensor_list[r]`` with rank r's ``tensor`` on every rank (ring all-gather)."""
     pg = resolve(group, "all_gather")
+    dev = _nccl.route(pg, tensor, *(tensor_list or ()))
+    if dev is not None:
+        _check_list("all_gather", "tensor_list", dev, pg.size)
+        return _launch(pg, "all_gather", _nccl.all_gather(pg, dev[1:], dev[0]),
+                       _nccl.signature("all_gather", dev[0]), timeout, async_op)
     mine = borrow(tensor, "all_gather", readonly=True)
     outs = _borrow_list("all_gather", "tensor_list", tensor_list, mine.arr, pg.size, False)
     whole = pg.size * mine.arr.size
@@ -212,6 +242,11 @@ def reduce_scatter(output: Any, input_list: list, op: str = "sum", group: Any = 
     """``output`` on rank r becomes the reduction over ranks of ``input_list[r]`` (ring)."""
     pg = resolve(group, "reduce_scatter")
     _op_name(op, "reduce_scatter")
+    dev = _nccl.route(pg, output, *(input_list or ()))
+    if dev is not None:
+        _check_list("reduce_scatter", "input_list", dev, pg.size)
+        return _launch(pg, "reduce_scatter", _nccl.reduce_scatter(pg, dev[0], dev[1:], op),
+                       _nccl.signature("reduce_scatter", dev[0], op=op), timeout, async_op)
     out = borrow(output, "reduce_scatter")
     ins = _borrow_list("reduce_scatter", "input_list", input_list, out.arr, pg.size, True)
     whole = pg.size * out.arr.size
@@ -272,6 +307,13 @@ def reduce_scatter_v(flat: Any, bounds: list[int] | None = None, op: str = "sum"
     """
     pg = resolve(group, "reduce_scatter_v")
     _op_name(op, "reduce_scatter_v")
+    dev = _nccl.route(pg, flat)
+    if dev is not None:
+        seg = _check_bounds("reduce_scatter_v", bounds, dev[0].count, pg.size)
+        return _launch(pg, "reduce_scatter_v", _nccl.reduce_scatter_v(pg, dev[0], seg, op),
+                       _nccl.signature("reduce_scatter_v", dev[0], op=op,
+                                       bounds=zlib.crc32(repr(seg).encode())),
+                       timeout, async_op)
     buf = borrow(flat, "reduce_scatter_v")
     seg = _check_bounds("reduce_scatter_v", bounds, buf.arr.size, pg.size)
 
@@ -300,6 +342,13 @@ def all_gather_v(flat: Any, bounds: list[int] | None = None, group: Any = None,
         [[7.0, 7.0, 7.0], [7.0, 7.0, 7.0]]
     """
     pg = resolve(group, "all_gather_v")
+    dev = _nccl.route(pg, flat)
+    if dev is not None:
+        seg = _check_bounds("all_gather_v", bounds, dev[0].count, pg.size)
+        return _launch(pg, "all_gather_v", _nccl.all_gather_v(pg, dev[0], seg),
+                       _nccl.signature("all_gather_v", dev[0],
+                                       bounds=zlib.crc32(repr(seg).encode())),
+                       timeout, async_op)
     buf = borrow(flat, "all_gather_v")
     seg = _check_bounds("all_gather_v", bounds, buf.arr.size, pg.size)
 

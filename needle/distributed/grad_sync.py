@@ -48,7 +48,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from . import tracing, traffic
+from . import _device_buckets, tracing, traffic
 from ._buffers import borrow
 from ._errors import CommError, GraphError
 from ._group import resolve
@@ -65,13 +65,19 @@ class Bucket:
         self.index, self.dtype, self.members, self.group = index, dtype, members, group
         self.layout = FlatLayout(sizes, world_size)
         self.flat: Any = None  # allocated at the first pack (ZeRO releases it after each step)
+        self.device: Any = None  # set: the buffer is an NDArray there (_device_buckets)
         self.work: Any = None
         self.pending = len(members)
         self.ready_at: float | None = None
         self.launched_at: float | None = None
 
-    def pack(self, j: int, grad: np.ndarray, weight: float) -> None:
+    def pack(self, j: int, grad: Any, weight: float) -> None:
         """Member j's gradient (flat), times ``weight`` in its dtype, into every segment."""
+        if self.device is not None:
+            if self.flat is None:
+                self.flat = _device_buckets.empty(self.layout.numel, self.dtype, self.device)
+            _device_buckets.pack(self.layout, self.flat, j, grad, weight)
+            return
         if self.flat is None:
             self.flat = np.empty(self.layout.numel, dtype=self.dtype)
         b, grad = self.layout.pieces[j], grad.reshape(-1)
@@ -111,7 +117,10 @@ class BucketHook:
 
 class AllReduceHook(BucketHook):
     """Sum every bucket on every rank (ring over the bucket's segments, or the transport's
-    own all-reduce) and write each parameter's result into ``p.grad``."""
+    own all-reduce) and write each parameter's result into ``p.grad``. On an ``nccl`` group
+    with ``cuda()`` parameters the buckets stay on the device (``device_buckets``)."""
+
+    device_buckets = True
 
     def __init__(self, algorithm: str = "ring", label: str = "ddp gradients",
                  steps: bool = True):
@@ -140,7 +149,9 @@ class AllReduceHook(BucketHook):
 
         # always a fresh Tensor, never written in place: the engine may hand one gradient
         # Tensor to several leaves (``a + b`` gives both the same out_grad)
-        for i, full in zip(bucket.members, bucket.layout.unpack_all(bucket.flat), strict=True):
+        fulls = bucket.layout.unpack_all(bucket.flat) if bucket.device is None else \
+            _device_buckets.unpack_all(bucket.layout, bucket.flat)
+        for i, full in zip(bucket.members, fulls, strict=True):
             p = params[i]
             p.grad = Tensor(full.reshape(p.shape), device=p.device, dtype=bucket.dtype,
                             requires_grad=False)
@@ -217,6 +228,10 @@ class GradSync:
                    self.group.size, self.fast if self.fast and b >= n - priority else self.group)
             for b, (dtype, members) in enumerate(self.plan)]
         self._where = {m: (b, j) for b in self.buckets for j, m in enumerate(b.members)}
+        self.device = _device_buckets.on_device(self.group, self.params) \
+            if getattr(hook, "device_buckets", False) else None
+        for b in self.buckets:
+            b.device = self.device
         self._handles: list = []
         self._sync = True
         self.counts: tuple[float, float] | None = None  # (this rank's, all ranks') examples
@@ -311,11 +326,14 @@ class GradSync:
         self._fired.add(i)
         self._step.setdefault("first_hook", now)
         self._step["last_hook"] = now
-        grad = self.hook.gradient(i, p, borrow(p.grad, self.owner, readonly=True).arr)
+        if self.device is not None:  # device buckets: the hook's gradient is the whole one
+            grad = p.grad.realize_cached_data()
+        else:
+            grad = self.hook.gradient(i, p, borrow(p.grad, self.owner, readonly=True).arr)
         self._pack(i, grad, now)
         self.hook.packed(i, p)
 
-    def _pack(self, i: int, grad: np.ndarray, now: float) -> None:
+    def _pack(self, i: int, grad: Any, now: float) -> None:
         bucket, j = self._where[i]
         bucket.pack(j, grad, self.weight)
         self.events.append(("ready", i, now))
@@ -338,8 +356,10 @@ class GradSync:
         missing = [i for i in range(len(self.params)) if i not in self._fired]
         for i in missing:
             self._fired.add(i)
-            self._pack(i, np.zeros(int(np.prod(self.params[i].shape)), self._where[i][0].dtype),
-                       time.perf_counter())
+            numel, dtype = int(np.prod(self.params[i].shape)), self._where[i][0].dtype
+            zeros = np.zeros(numel, dtype) if self.device is None else \
+                _device_buckets.zeros(numel, dtype, self.device)
+            self._pack(i, zeros, time.perf_counter())
         return missing
 
     def sync_now(self) -> None:
@@ -366,7 +386,8 @@ class GradSync:
         for bucket in self.buckets:
             bucket.work.wait()
             if total != 1.0:
-                bucket.flat /= bucket.flat.dtype.type(total)
+                bucket.flat /= float(total) if self.device is not None else \
+                    bucket.flat.dtype.type(total)
             self.hook.finish(bucket, self.params)
         self._record()
         self._reset()

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _waits, tracing, traffic
+from . import _nccl, _nccl_p2p, _waits, tracing, traffic
 from ._buffers import borrow
 from ._errors import CommError, MessageError, PeerError, SenderAborted, rewrap
 from ._group import ProcessGroup, resolve
@@ -160,6 +160,9 @@ def isend(tensor: Any, dst: int, group: Any = None, tag: int = 0,
         [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
     """
     pg = _check("isend", group, dst, tag, "dst")
+    dev = _nccl.route(pg, tensor)
+    if dev is not None:  # an nccl group: the payload leaves from the device buffer
+        return _nccl_p2p.isend(pg, dev[0], dst, tag, timeout)
     arr = borrow(tensor, "isend", readonly=True).arr
     return _isend(pg, "send", ARRAY, arr, dst, tag, timeout)
 
@@ -171,6 +174,11 @@ def send(tensor: Any, dst: int, group: Any = None, tag: int = 0,
     Raises:
         CommError: on timeout (naming this rank, ``dst`` and the tag) or if ``dst`` left.
     """
+    pg = _check("send", group, dst, tag, "dst")
+    dev = _nccl.route(pg, tensor)
+    if dev is not None:  # queued on the stream; the next NCCL wait checks it
+        _nccl_p2p.isend(pg, dev[0], dst, tag, timeout, blocking=True)
+        return
     isend(tensor, dst, group, tag, timeout).wait()
 
 
@@ -207,6 +215,10 @@ def recv(tensor: Any, src: int, group: Any = None, tag: int = 0,
         SenderAborted: the sender sent its reason for failing instead (``isend_abort``).
     """
     pg = _check("recv", group, src, tag, "src")
+    dev = _nccl.route(pg, tensor)
+    if dev is not None:
+        _nccl_p2p.irecv(pg, dev[0], src, tag, timeout, "recv").wait()
+        return
     buf = borrow(tensor, "recv")
     wait = _waiter(pg, "recv", src, tag, timeout)
     header = np.empty(HEADER_BYTES, np.uint8)
@@ -240,6 +252,9 @@ def irecv(tensor: Any, src: int, group: Any = None, tag: int = 0,
     matched, so a mismatched message never touches ``tensor``.
     """
     pg = _check("irecv", group, src, tag, "src")
+    dev = _nccl.route(pg, tensor)
+    if dev is not None:
+        return _nccl_p2p.irecv(pg, dev[0], src, tag, timeout, "irecv")
     buf = borrow(tensor, "irecv")
     wait = _waiter(pg, "irecv", src, tag, timeout)
     header = np.empty(HEADER_BYTES, np.uint8)

@@ -7,18 +7,23 @@ import threading
 import time
 from typing import Any, Callable
 
-from . import _group
+from . import _group, _nccl
 from ._errors import CommError, PeerError
 from ._group import DEFAULT_TIMEOUT, NonMemberGroup, ProcessGroup, current_state
 from ._run_rank import rank_environment
 
-BACKENDS = ("mpi", "tcp", "thread")
+BACKENDS = ("mpi", "tcp", "thread", "nccl")
 
 
 def _default_backend() -> str:
-    """mpi under mpiexec, tcp under needle's tcp launcher, else mpi (a singleton world)."""
+    """$NEEDLE_DIST_BACKEND, else the host transport the process was started for."""
     if "NEEDLE_DIST_BACKEND" in os.environ:
         return os.environ["NEEDLE_DIST_BACKEND"]
+    return _started_by()
+
+
+def _started_by() -> str:
+    """mpi under mpiexec, tcp under needle's tcp launcher, else mpi (a singleton world)."""
     if "PMI_RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ:
         return "mpi"
     if "RANK" in os.environ and "MASTER_PORT" in os.environ:
@@ -101,10 +106,17 @@ def init_process_group(backend: str | None = None, timeout: float = DEFAULT_TIME
         backend: "mpi" (start with mpiexec or the launcher), "tcp" (reads RANK, WORLD_SIZE,
             MASTER_ADDR, MASTER_PORT and the job secret NEEDLE_DIST_SECRET, which the
             launcher sets; see docs/distributed.md), "thread" (ranks are threads; see
-            spawn_threads). None picks mpi under mpiexec and tcp when RANK/MASTER_PORT are set.
+            spawn_threads), "nccl" (cuda() tensors through NCCL, everything else through a
+            host transport: $NEEDLE_DIST_NCCL_HOST, else mpi or tcp as None picks; "thread"
+            when ``world`` is given). None picks $NEEDLE_DIST_BACKEND, else mpi under
+            mpiexec and tcp when RANK/MASTER_PORT are set.
             Under mpi and tcp, RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE are set in
             ``os.environ`` when missing.
         timeout: seconds any blocking call of this group may wait before raising CommError.
+
+    Raises:
+        NcclUnavailable: backend "nccl" where no rank has CuPy with NCCL and a GPU (a job
+            where only some ranks have one keeps the host path for every tensor).
 
     Example:
         >>> import needle.distributed as dist
@@ -119,12 +131,21 @@ def init_process_group(backend: str | None = None, timeout: float = DEFAULT_TIME
         raise CommError("init_process_group: already initialized, expected one call per "
                         "process (call destroy_process_group first)")
     timeout = check_timeout("init_process_group", timeout)
-    transport = _transport(backend, rank, world_size, timeout, world)
-    if backend != "thread":
+    host = backend
+    if backend == "nccl":
+        host = "thread" if world is not None else _nccl.host_backend(_started_by)
+    transport = _transport(host, rank, world_size, timeout, world)
+    if host != "thread":
         _export_rank_environment(transport)
     ranks = list(range(transport.size))
     group = ProcessGroup(transport, transport.channels(2, ranks), timeout)
-    _group.set_state(_group._State(transport, group), thread_local=backend == "thread")
+    _group.set_state(_group._State(transport, group), thread_local=host == "thread")
+    if backend == "nccl":
+        try:
+            _nccl.attach(group, required=True)
+        except BaseException:
+            destroy_process_group()
+            raise
     return group
 
 
@@ -150,8 +171,9 @@ def get_world_size(group: Any = None) -> int:
 
 
 def get_backend(group: Any = None) -> str:
-    """"mpi", "tcp" or "thread"."""
-    return _group.resolve(group, "get_backend").backend
+    """"mpi", "tcp", "thread", or "nccl" for a group whose cuda() tensors use NCCL."""
+    pg = _group.resolve(group, "get_backend")
+    return "nccl" if getattr(pg, "nccl", None) is not None else pg.backend
 
 
 def new_group(ranks: list[int] | None = None, timeout: float | None = None) -> Any:
@@ -172,6 +194,8 @@ def new_group(ranks: list[int] | None = None, timeout: float | None = None) -> A
                          state.world.timeout if timeout is None else timeout,
                          traffic=state.world.traffic)
     state.groups.append(group)
+    if getattr(state.world, "nccl", None) is not None:
+        _nccl.attach(group, required=False)
     return group
 
 
@@ -182,12 +206,19 @@ def destroy_process_group(group: Any = None) -> None:
         return
     if group is not None:
         if isinstance(group, ProcessGroup):
-            group.destroy()
+            _destroy(group)
         return
     for g in state.groups:
-        g.destroy()
+        _destroy(g)
     state.transport.close()
     _group.set_state(None, thread_local=state.transport.backend == "thread")
+
+
+def _destroy(group: ProcessGroup) -> None:
+    group.destroy()
+    comm = getattr(group, "nccl", None)
+    if comm is not None:
+        comm.destroy()
 
 
 _SPAWN_GRACE = 5.0  # seconds past the timeout before spawn_threads gives up on a rank
@@ -202,9 +233,10 @@ def _root_cause(errors: list[tuple[int, BaseException]]) -> tuple[int, BaseExcep
 
 
 def spawn_threads(fn: Callable[..., Any], world_size: int, *args: Any,
-                  timeout: float = 60.0) -> list[Any]:
+                  timeout: float = 60.0, backend: str = "thread") -> list[Any]:
     """Run ``fn(rank, *args)`` on ``world_size`` threads, each the rank of a thread-backend
-    group, and return their results in rank order.
+    group (``backend="nccl"``: an nccl group over the thread transport), and return their
+    results in rank order.
 
     Raises:
         the failure the others follow from: the first that is not a PeerError (a PeerError
@@ -219,13 +251,16 @@ def spawn_threads(fn: Callable[..., Any], world_size: int, *args: Any,
     from ._thread_transport import ThreadWorld
 
     timeout = check_timeout("spawn_threads", timeout)
+    if backend not in ("thread", "nccl"):
+        raise CommError(f"spawn_threads: unknown backend, expected 'thread' or 'nccl', got "
+                        f"{backend!r}")
     world = ThreadWorld(world_size)
     results: list[Any] = [None] * world_size
     errors: list[tuple[int, BaseException]] = []
 
     def main(rank: int) -> None:
         try:
-            init_process_group("thread", timeout=timeout, rank=rank, world=world)
+            init_process_group(backend, timeout=timeout, rank=rank, world=world)
             results[rank] = fn(rank, *args)
         except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
             errors.append((rank, exc))

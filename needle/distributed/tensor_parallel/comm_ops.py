@@ -29,6 +29,7 @@ import numpy as np
 
 from needle.autograd import Tensor, TensorOp
 
+from .. import _nccl
 from .._buffers import to_device, to_host
 from .._errors import ShapeError
 from .._group import ProcessGroup, resolve
@@ -59,6 +60,11 @@ class ReduceFromParallel(TensorOp):
         self.group = group
 
     def compute(self, a):
+        if _nccl.route(self.group, a) is not None:  # on the device, through NCCL
+            out = a.compact()
+            out = _device_copy(out) if out is a else out
+            all_reduce(out, op="sum", group=self.group)
+            return out
         host = to_host(a)
         all_reduce(host, op="sum", group=self.group)
         return to_device(host, like=a)
@@ -76,6 +82,8 @@ class GatherFromParallel(TensorOp):
         self.group = group
 
     def compute(self, a):
+        if _nccl.route(self.group, a) is not None:
+            return _device_gather(a, self.group)
         host = to_host(a)
         parts = [np.empty_like(host) for _ in range(self.group.size)]
         all_gather(parts, host, group=self.group)
@@ -94,16 +102,41 @@ class ScatterToParallel(TensorOp):
         self.group = group
 
     def compute(self, a):
-        host = to_host(a)
         size, rank = self.group.size, self.group.rank
-        if host.shape[-1] % size:
+        if a.shape[-1] % size:
             raise ShapeError(f"scatter_to_parallel: last dimension must divide among {size} "
-                             f"ranks, expected a multiple of {size}, got shape {host.shape}")
-        width = host.shape[-1] // size
+                             f"ranks, expected a multiple of {size}, got shape {a.shape}")
+        width = a.shape[-1] // size
+        if _nccl.route(self.group, a) is not None:  # a device copy of this rank's slice
+            return _device_copy(a[(slice(None),) * (a.ndim - 1) +
+                                  (slice(rank * width, (rank + 1) * width),)])
+        host = to_host(a)
         return to_device(host[..., rank * width:(rank + 1) * width], like=a)
 
     def gradient(self, out_grad, node):
         return GatherFromParallel(self.group)(out_grad)
+
+
+def _device_copy(a: Any) -> Any:
+    """A new compact NDArray on ``a``'s device holding ``a`` (a device copy)."""
+    from needle.backend_ndarray.ndarray import NDArray
+
+    out = NDArray.make(a.shape, device=a.device, dtype=a.dtype)
+    out[tuple(slice(None) for _ in a.shape)] = a
+    return out
+
+
+def _device_gather(a: Any, group: ProcessGroup) -> Any:
+    """Every rank's ``a`` side by side along the last axis, gathered by NCCL on the device."""
+    from needle.backend_ndarray.ndarray import NDArray
+
+    parts = [NDArray.make(a.shape, device=a.device, dtype=a.dtype) for _ in range(group.size)]
+    all_gather(parts, a, group=group)
+    width = a.shape[-1]
+    out = NDArray.make(a.shape[:-1] + (width * group.size,), device=a.device, dtype=a.dtype)
+    for r, part in enumerate(parts):
+        out[(slice(None),) * (a.ndim - 1) + (slice(r * width, (r + 1) * width),)] = part
+    return out
 
 
 def _op(cls: type, x: Tensor, group: Any, name: str) -> Tensor:

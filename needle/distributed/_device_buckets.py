@@ -1,0 +1,64 @@
+"""GradSync buckets in device memory, for groups whose collectives run on the device (an
+``nccl`` group with ``cuda()`` parameters): gradients are packed into the bucket and unpacked
+from it with device copies, so a DDP step moves no gradient through host memory.
+
+The layout is the host buckets' own rank-major :class:`FlatLayout`, so every bucket, hook and
+bound means the same thing on both paths.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .flat_layout import FlatLayout
+
+
+def on_device(group: Any, params: list) -> Any:
+    """The device the buckets live on: the parameters' when ``group`` runs its collectives
+    there (NCCL) and every parameter is on that one device; None for host buckets."""
+    if getattr(group, "nccl", None) is None or not params:
+        return None
+    device = params[0].device
+    if getattr(device, "name", None) != "cuda" or any(p.device != device for p in params):
+        return None
+    return device
+
+
+def empty(numel: int, dtype: str, device: Any) -> Any:
+    from needle.backend_ndarray.ndarray import NDArray
+
+    return NDArray.make((numel,), device=device, dtype=dtype)
+
+
+def zeros(numel: int, dtype: str, device: Any) -> Any:
+    out = empty(numel, dtype, device)
+    out.fill(0)
+    return out
+
+
+def pack(layout: FlatLayout, flat: Any, j: int, grad: Any, weight: float) -> None:
+    """Member j's gradient (an NDArray), times ``weight``, into every rank's segment."""
+    b, grad = layout.pieces[j], grad.compact().reshape((layout.sizes[j],))
+    for r in range(layout.world_size):
+        if b[r + 1] == b[r]:
+            continue
+        at = layout.offsets[r][j]
+        piece = grad[b[r]:b[r + 1]]
+        flat[at:at + b[r + 1] - b[r]] = piece if weight == 1.0 else piece * weight
+
+
+def unpack_all(layout: FlatLayout, flat: Any) -> list:
+    """Each member's full (flattened) gradient from a bucket whose every segment is filled:
+    a view of ``flat`` when the member is one piece, else a gathered copy."""
+    out = []
+    for j, b in enumerate(layout.pieces):
+        pieces = [(layout.offsets[r][j], b[r], b[r + 1]) for r in range(layout.world_size)
+                  if b[r + 1] > b[r]]
+        if len(pieces) == 1:
+            at, lo, hi = pieces[0]
+            out.append(flat[at:at + hi - lo])
+            continue
+        full = empty(layout.sizes[j], flat.dtype, flat.device)
+        for at, lo, hi in pieces:
+            full[lo:hi] = flat[at:at + hi - lo]
+        out.append(full)
+    return out

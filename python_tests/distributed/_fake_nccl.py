@@ -1,0 +1,232 @@
+"""A stand-in for ``cupy.cuda.nccl`` (plus the streams and events it needs) for the CUDA
+emulator, where device memory is host memory.
+
+Every call is recorded (``FakeNccl.calls``: kind, rank, count, dtype, op, root or peer, the
+stream handle, and whether it was inside groupStart/groupEnd). Calls are asynchronous as in
+NCCL: a collective completes when the last rank of the communicator has issued it, and that
+rank computes it for everyone, reading and writing the buffers through their addresses. An
+event recorded on a stream is done once every NCCL call issued on that stream before it is.
+
+Reductions fold the ranks in order, in the buffer's dtype: ``((x0 op x1) op x2) ...``; the
+average divides that sum by the rank count. (Real NCCL chooses ring or tree orders at run
+time, so tests compare it with a float64 reference within tolerance, and fake ranks with each
+other bitwise.)
+"""
+from __future__ import annotations
+
+import ctypes
+import itertools
+import threading
+from collections import defaultdict
+
+import numpy as np
+
+DTYPES = {6: np.float16, 7: np.float32, 8: np.float64}
+SUM, PROD, MAX, MIN, AVG = 0, 1, 2, 3, 4
+_FOLD = {SUM: np.add, AVG: np.add, MAX: np.maximum, MIN: np.minimum, PROD: np.multiply}
+
+
+def _view(ptr: int, count: int, dtype: int) -> np.ndarray:
+    np_dtype = np.dtype(DTYPES[dtype])
+    raw = (ctypes.c_char * max(count * np_dtype.itemsize, 1)).from_address(ptr)
+    return np.frombuffer(raw, dtype=np_dtype, count=count)
+
+
+class FakeStream:
+    """A stream handle; ``with stream:`` makes it the thread's current stream."""
+
+    _ids = itertools.count(0x1000, 0x10)
+    _local = threading.local()
+
+    def __init__(self, null: bool = False):
+        self.ptr = 0 if null else next(self._ids)
+
+    def __enter__(self):
+        stack = self._local.__dict__.setdefault("stack", [])
+        stack.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._local.stack.pop()
+
+
+NULL_STREAM = FakeStream(null=True)
+
+
+def get_current_stream() -> FakeStream:
+    stack = FakeStream._local.__dict__.get("stack")
+    return stack[-1] if stack else NULL_STREAM
+
+
+class _Pending:
+    """One NCCL operation of one rank, waiting for its peers."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+
+class FakeEvent:
+    def __init__(self, block: bool = False, disable_timing: bool = False):
+        self._after: list[_Pending] = []
+
+    def record(self, stream: FakeStream) -> None:
+        self._after = list(FakeNccl.current.issued[stream.ptr])
+
+    @property
+    def done(self) -> bool:
+        with FakeNccl.current.lock:
+            return all(p.done for p in self._after)
+
+
+class FakeCommunicator:
+    def __init__(self, fake: "FakeNccl", ndev: int, unique_id: tuple, rank: int):
+        self.fake, self.size, self.rank = fake, ndev, rank
+        self.key = tuple(unique_id)
+        self.seq = 0
+        self.pair_seq: dict = defaultdict(int)
+        self.error: str | None = None
+        self.aborted = False
+        with fake.lock:
+            fake.members[self.key][rank] = self
+
+    # ---- collectives ------------------------------------------------------------------
+    def allReduce(self, send, recv, count, dtype, op, stream):  # noqa: N802 - CuPy's names
+        self._collective("allReduce", send, recv, count, dtype, op, -1, stream)
+
+    def reduce(self, send, recv, count, dtype, op, root, stream):
+        self._collective("reduce", send, recv, count, dtype, op, root, stream)
+
+    def broadcast(self, send, recv, count, dtype, root, stream):
+        self._collective("broadcast", send, recv, count, dtype, -1, root, stream)
+
+    def send(self, buf, count, dtype, peer, stream):
+        self._p2p("send", buf, count, dtype, peer, stream, (self.rank, peer))
+
+    def recv(self, buf, count, dtype, peer, stream):
+        self._p2p("recv", buf, count, dtype, peer, stream, (peer, self.rank))
+
+    def check_async_error(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"fake NCCL: {self.error}")
+
+    def abort(self) -> None:
+        self.aborted = True
+        self.fake.log("abort", self.rank)
+
+    def destroy(self) -> None:
+        self.fake.log("destroy", self.rank)
+
+    # ---- matching ---------------------------------------------------------------------
+    def _collective(self, kind, send, recv, count, dtype, op, root, stream) -> None:
+        self.fake.log(kind, self.rank, count=count, dtype=dtype, op=op, root=root,
+                      stream=stream)
+        with self.fake.lock:
+            self.seq += 1
+            slot = self.fake.slots[(self.key, "coll", self.seq)]
+            slot[self.rank] = (kind, send, recv, count, dtype, op, root, self._pend(stream))
+            if len(slot) == self.size:
+                self._run(slot)
+
+    def _p2p(self, kind, buf, count, dtype, peer, stream, pair) -> None:
+        self.fake.log(kind, self.rank, count=count, dtype=dtype, peer=peer, stream=stream)
+        with self.fake.lock:
+            self.pair_seq[(kind, peer)] += 1
+            slot = self.fake.slots[(self.key, pair, self.pair_seq[(kind, peer)])]
+            slot[kind] = (buf, count, dtype, self._pend(stream))
+            if len(slot) == 2:
+                (sbuf, scount, sdt, spend), (rbuf, rcount, rdt, rpend) = slot["send"], slot["recv"]
+                if (scount, sdt) != (rcount, rdt):
+                    self._fail(f"send/recv mismatch {scount}x{sdt} vs {rcount}x{rdt}")
+                else:
+                    _view(rbuf, rcount, rdt)[:] = _view(sbuf, scount, sdt)
+                spend.done = rpend.done = True
+
+    def _pend(self, stream: int) -> _Pending:
+        pending = _Pending()
+        self.fake.issued[stream].append(pending)
+        return pending
+
+    def _fail(self, why: str) -> None:
+        for member in self.fake.members[self.key].values():
+            member.error = why
+
+    def _run(self, slot: dict) -> None:
+        first = slot[0]
+        if any(v[0] != first[0] or v[3:7] != first[3:7] for v in slot.values()):
+            self._fail(f"ranks issued different calls: {sorted(slot.items())}")
+        else:
+            kind, count, dtype, op, root = first[0], first[3], first[4], first[5], first[6]
+            ranks = range(self.size)
+            if kind == "broadcast":
+                value = _view(slot[root][1], count, dtype).copy()
+                for r in ranks:
+                    _view(slot[r][2], count, dtype)[:] = value
+            else:
+                acc = _view(slot[0][1], count, dtype).copy()
+                for r in ranks[1:]:
+                    acc = _FOLD[op](acc, _view(slot[r][1], count, dtype))
+                if op == AVG:
+                    acc = acc / acc.dtype.type(self.size)
+                for r in ranks if kind == "allReduce" else [root]:
+                    _view(slot[r][2], count, dtype)[:] = acc
+        for v in slot.values():
+            v[7].done = True
+
+
+class FakeNccl:
+    """The module: constants, unique ids, communicators, groups; ``calls`` is the log."""
+
+    current: "FakeNccl"
+    NCCL_FLOAT16, NCCL_FLOAT32, NCCL_FLOAT64 = 6, 7, 8
+    NCCL_SUM, NCCL_PROD, NCCL_MAX, NCCL_MIN, NCCL_AVG = SUM, PROD, MAX, MIN, AVG
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.calls: list[dict] = []
+        self.members: dict = defaultdict(dict)
+        self.slots: dict = defaultdict(dict)
+        self.issued: dict = defaultdict(list)
+        self._ids = itertools.count(1)
+        self._group = threading.local()
+        FakeNccl.current = self
+
+    def log(self, kind: str, rank: int, **fields) -> None:
+        with self.lock:
+            self.calls.append(dict(kind=kind, rank=rank,
+                                   grouped=getattr(self._group, "depth", 0) > 0, **fields))
+
+    def get_unique_id(self) -> tuple:
+        return (next(self._ids),) + (0,) * 127
+
+    def NcclCommunicator(self, ndev, unique_id, rank):  # noqa: N802 - CuPy's name
+        return FakeCommunicator(self, ndev, unique_id, rank)
+
+    def groupStart(self) -> None:  # noqa: N802
+        self._group.depth = getattr(self._group, "depth", 0) + 1
+
+    def groupEnd(self) -> None:  # noqa: N802
+        self._group.depth -= 1
+
+    def of(self, kind: str, rank: int | None = None) -> list[dict]:
+        return [c for c in self.calls if c["kind"] == kind and rank in (None, c["rank"])]
+
+
+_NAMES = ("nccl", "Stream", "Event", "get_current_stream")
+
+
+def install(fake_cupy) -> FakeNccl:
+    """Put a fresh fake NCCL, streams (current per thread, as in CuPy: the ranks of a test
+    are threads) and events on the emulator's ``cupy.cuda``; :func:`uninstall` puts back
+    what was there."""
+    fake = FakeNccl()
+    cuda = fake_cupy.cuda
+    fake.saved = {n: cuda.__dict__[n] for n in _NAMES if n in cuda.__dict__}
+    cuda.nccl, cuda.Stream, cuda.Event = fake, FakeStream, FakeEvent
+    cuda.get_current_stream = get_current_stream
+    return fake
+
+
+def uninstall(fake_cupy, fake: FakeNccl) -> None:
+    for name in _NAMES:
+        fake_cupy.cuda.__dict__.pop(name, None)
+    fake_cupy.cuda.__dict__.update(fake.saved)
