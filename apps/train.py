@@ -101,7 +101,8 @@ def _start_ranks(cfg: Config) -> tuple[int, int]:
 
     ranks = cls.ranks(cfg)
     # the parameter server runs on tcp by default: it survives dead and restarted workers
-    backend = os.environ.get("NEEDLE_DIST_BACKEND") or ("tcp" if cfg.strategy == "ps" else None)
+    backend = cfg.backend or os.environ.get("NEEDLE_DIST_BACKEND") or (
+        "tcp" if cfg.strategy == "ps" else None)
     with _interrupt_steps() as steps_file:
         try:  # returns only inside a rank
             relaunch(ranks, backend, restart_workers=(cfg.extra or {}).get("restart_workers", 0))
@@ -111,7 +112,8 @@ def _start_ranks(cfg: Config) -> tuple[int, int]:
             raise
     import needle.distributed as dist
 
-    dist.init_process_group(timeout=300)
+    # nccl also with --nproc 1 (no launcher): a one-rank NCCL group over a singleton host group
+    dist.init_process_group("nccl" if cfg.backend == "nccl" else None, timeout=300)
     if dist.get_world_size() != ranks:
         raise UsageError(f"--strategy {cfg.strategy} --nproc {cfg.nproc} needs {ranks} ranks "
                          f"but the process group has {dist.get_world_size()}")

@@ -14,6 +14,7 @@ MODELS = ("mlp_resnet", "mlp", "cnn")
 DATASETS = ("digits", "mnist")
 OPTIMIZERS = ("adam", "sgd")
 DEVICES = ("cpu", "cpu_numpy", "cuda")
+BACKENDS = ("mpi", "tcp", "nccl")  # how the ranks talk (needle.distributed.launch --backend)
 PRECISIONS = ("fp32", "fp16-mixed")
 # Each optimizer's own learning rate: Adam's 0.003 left SGD below chance (0.08 after 2 epochs).
 DEFAULT_LR = {"adam": 0.003, "sgd": 0.1}
@@ -42,6 +43,7 @@ class Config:
     seed: int = 0
     progress: bool = True
     nproc: int = 1
+    backend: str | None = None  # None: $NEEDLE_DIST_BACKEND, else the strategy's default
     strategy: str | None = None  # None: "single" for one process, "ddp" for more
     precision: str = "fp32"
     accumulate: int = 1
@@ -126,6 +128,10 @@ def build_parser(strategies: dict) -> argparse.ArgumentParser:
                    help="no progress bars (per-epoch lines are still printed)")
     p.add_argument("--nproc", type=int, default=d.nproc,
                    help="ranks started through needle.distributed.launch")
+    p.add_argument("--backend", default=None, metavar=_one_of(BACKENDS),
+                   help="how the ranks communicate: mpi, tcp, or nccl (cuda() tensors through "
+                        "NCCL, the rest over tcp; with --device cuda) (default: "
+                        "$NEEDLE_DIST_BACKEND, else mpi, tcp for ps)")
     p.add_argument("--strategy", default=None, metavar=_one_of(strategies),
                    help="how the ranks share the work (default: single for --nproc 1, else "
                         "ddp)")
@@ -245,6 +251,8 @@ def validate(cfg: Config, strategies: dict) -> None:
     if cfg.device is not None:
         _choice("--device", cfg.device, DEVICES)
     _choice("--precision", cfg.precision, PRECISIONS)
+    if cfg.backend is not None:
+        _choice("--backend", cfg.backend, BACKENDS)
     if cfg.clip_grad is not None and not 0 < cfg.clip_grad < float("inf"):
         raise UsageError(f"--clip-grad must be a positive number, got {cfg.clip_grad}")
     if cfg.accumulate < 1:

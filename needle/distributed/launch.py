@@ -1,11 +1,13 @@
-"""Start the ranks of a script: ``python -m needle.distributed.launch -n 4 [--backend mpi|tcp]
+"""Start the ranks of a script: ``python -m needle.distributed.launch -n 4 [--backend mpi|tcp|nccl]
 [--timeout S] script.py args`` (or ``-m module args``: each rank runs the module as
 ``python -m`` does).
 
 mpi runs ``mpiexec`` (the one installed next to this Python by the ``mpich`` wheel, else the
 one on PATH), with ``--hostfile FILE`` handed to it for many machines; tcp starts the ranks as
 Python processes, torchrun-style: ``--nnodes N --node-rank R --master-addr A --master-port P``
-starts this node's ``-n`` ranks of an N-node job. Every rank sees RANK, LOCAL_RANK, WORLD_SIZE
+starts this node's ``-n`` ranks of an N-node job; nccl starts them as tcp does (or as
+``$NEEDLE_DIST_NCCL_HOST`` says) and their ``init_process_group()`` makes NCCL groups for
+``cuda()`` tensors. Every rank sees RANK, LOCAL_RANK, WORLD_SIZE
 and LOCAL_WORLD_SIZE. Output lines are prefixed ``[rank k]``. A progress bar (text redrawn
 after carriage returns) redraws in place when the launcher's stdout is a terminal; in a file or
 a pipe only each bar's last frame is kept. Progress prints on rank 0 only, unless
@@ -48,6 +50,7 @@ from needle._core.errors import CommError, NeedleError
 
 from ._launch_job import Job
 from ._launch_report import verdict
+from ._nccl import HOST_ENV as NCCL_HOST_ENV
 from ._run_rank import STATUS_DIR_ENV
 from ._tcp_security import AUTH_ENV, JOB_ENV, SECRET_ENV, check_secret
 from .progress import COLUMNS_ENV, PROGRESS_RANKS_ENV, shows_progress
@@ -276,8 +279,10 @@ def run(nproc: int, script: str, args: list[str] | None = None, backend: str = "
     Example (not run here: it starts processes):
         code = run(2, "train.py", ["--epochs", "1"], backend="tcp", timeout=600)
     """
-    if backend not in ("mpi", "tcp"):
-        raise ValueError(f"launch: unknown backend, expected 'mpi' or 'tcp', got {backend!r}")
+    if backend not in ("mpi", "tcp", "nccl"):
+        raise ValueError(f"launch: unknown backend, expected 'mpi', 'tcp' or 'nccl', got "
+                         f"{backend!r}")
+    nccl, backend = backend == "nccl", _host_of(backend)
     if timeout is not None and not timeout > 0:  # also refuses NaN
         raise ValueError(f"launch: bad --timeout, expected seconds > 0, got {timeout!r}")
     nodes = nodes or Nodes(nproc)
@@ -287,6 +292,8 @@ def run(nproc: int, script: str, args: list[str] | None = None, backend: str = "
     try:
         with _Signals() as signals:
             env = _job_env(backend, nodes, status_dir)
+            if nccl:  # the ranks' groups: NCCL for cuda() tensors over this host transport
+                env.update({"NEEDLE_DIST_BACKEND": "nccl", NCCL_HOST_ENV: backend})
             mpiexec = None
             if backend == "mpi":
                 mpiexec = [find_mpiexec(), *(["-f", nodes.hostfile] if nodes.hostfile else []),
@@ -304,6 +311,11 @@ def run(nproc: int, script: str, args: list[str] | None = None, backend: str = "
         job.join_pumps()
         _remove_shm_files(status_dir)
         shutil.rmtree(status_dir, ignore_errors=True)
+
+
+def _host_of(backend: str) -> str:
+    """The transport the ranks start and talk on: nccl's is $NEEDLE_DIST_NCCL_HOST, else tcp."""
+    return (os.environ.get(NCCL_HOST_ENV) or "tcp") if backend == "nccl" else backend
 
 
 def _remove_shm_files(status_dir: str) -> None:
@@ -343,8 +355,10 @@ def _parser() -> argparse.ArgumentParser:
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("-n", "--nproc", "--nproc-per-node", "--nproc_per_node", type=int,
                    required=True, help="ranks to start (on this node, with --nnodes)")
-    p.add_argument("--backend", choices=["mpi", "tcp"], default="mpi",
-                   help="how the ranks start and talk: mpi (mpiexec) or tcp (default: mpi)")
+    p.add_argument("--backend", choices=["mpi", "tcp", "nccl"], default="mpi",
+                   help="how the ranks start and talk: mpi (mpiexec), tcp, or nccl (cuda() "
+                        "tensors through NCCL, the rest over tcp or $NEEDLE_DIST_NCCL_HOST) "
+                        "(default: mpi)")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds for the whole job, then exit 124 (default: none, no limit)")
     p.add_argument("-m", "--module", action="store_true",
@@ -379,9 +393,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     opts = parser.parse_args(argv)
-    if opts.backend == "mpi" and opts.nnodes > 1:
+    host = _host_of(opts.backend)
+    if host == "mpi" and opts.nnodes > 1:
         parser.error("--nnodes is for --backend tcp; with mpi give --hostfile and the total -n")
-    if opts.backend == "tcp" and opts.hostfile:
+    if host == "tcp" and opts.hostfile:
         parser.error("--hostfile is for --backend mpi; with tcp start one launcher per node "
                      "with --nnodes/--node-rank")
     if opts.progress_ranks is not None:
@@ -392,13 +407,13 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(str(exc))
     if opts.secret_file:
         os.environ[SECRET_ENV] = Path(opts.secret_file).read_text().strip()
-    if opts.backend == "tcp" and opts.nnodes > 1 and not os.environ.get(SECRET_ENV):
+    if host == "tcp" and opts.nnodes > 1 and not os.environ.get(SECRET_ENV):
         parser.error(f"--nnodes > 1 needs the job secret, expected {SECRET_ENV} (the same on "
                      "every node) or --secret-file, got neither")
     if opts.timeout is not None and not opts.timeout > 0:
         parser.error(f"bad --timeout, expected seconds > 0, got {opts.timeout:g}")
     secret = os.environ.get(SECRET_ENV)
-    if opts.backend == "tcp" and secret and os.environ.get(AUTH_ENV, "curve") == "curve":
+    if host == "tcp" and secret and os.environ.get(AUTH_ENV, "curve") == "curve":
         try:
             check_secret("launch", secret)
         except CommError as exc:
