@@ -1,10 +1,11 @@
 """``python -m needle.memory``: memory tools on the command line.
 
-* ``profile [--device D] [--out DIR] [--no-html] SCRIPT [ARGS...]`` runs your script as
-  ``__main__`` (``sys.argv`` = ``[SCRIPT, *ARGS]``; options go before the script, as
-  ``python -m cProfile`` takes them) inside :func:`needle.memory.profile` and writes
-  ``DIR/memory.json``, ``DIR/memory.png`` and ``DIR/memory.html`` (default DIR:
-  ``memory_profile``); it prints the peak, the categories and the largest tensors at the peak.
+* ``profile [--device D] [--out DIR] [--no-html] [--plot-x event|time] SCRIPT [ARGS...]``
+  runs your script as ``__main__`` (``sys.argv`` = ``[SCRIPT, *ARGS]``; options go before the
+  script, as ``python -m cProfile`` takes them) inside :func:`needle.memory.profile` and
+  writes ``DIR/memory.json``, ``DIR/memory.png`` (x: allocator events in op order, or with
+  ``--plot-x time`` seconds) and ``DIR/memory.html`` (default DIR: ``memory_profile``); it
+  prints the peak, the categories and the largest tensors at the peak.
 * ``report [--plot PNG] SCRIPT [ARGS...]`` runs the script inside :func:`needle.memory.record`
   and prints, per device used, peak and current bytes per category and the allocation counts.
 * subcommands that layers above register (``checkpoint-report``, from ``needle.checkpoint``).
@@ -23,6 +24,7 @@ import argparse
 import runpy
 import sys
 
+from ._text import columns, line_label, op_label, shape_label
 from .categories import CATEGORIES
 from .registry import _allocators_for, reset_peak
 from .timeline import plot_timeline, record
@@ -53,6 +55,9 @@ def parse(argv):
     pro.add_argument("--out", default="memory_profile", help="output folder (default: "
                      "%(default)s)")
     pro.add_argument("--no-html", action="store_true", help="skip memory.html")
+    pro.add_argument("--plot-x", choices=["event", "time"], default="event",
+                     help="memory.png's x axis: allocator events in op order, or seconds "
+                          "since the script started (default: %(default)s)")
     pro.add_argument("script", help="a Python file, run as __main__")
     pro.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     rep = sub.add_parser("report", help="run a script and report its memory per category")
@@ -115,28 +120,35 @@ def _profile_summary(report: dict) -> str:
             continue
         peak = dev["peak"]
         lines.append(f"device {name}: peak {dev['peak_bytes'] / mib:.2f} MiB at op "
-                     f"{peak['op']} ({peak['phase']}), final {dev['final_bytes'] / mib:.2f} MiB, "
-                     f"{dev['events']} events")
-        lines.append(f"  {'category':<15} {'peak MiB':>10} {'final MiB':>10}")
-        for cat, row in dev["by_category"].items():
-            lines.append(f"  {cat:<15} {row['peak'] / mib:10.3f} {row['final'] / mib:10.3f}")
-        for phase, row in dev["phases"].items():
-            lines.append(f"  phase {phase:<9} peak {row['peak_bytes'] / mib:.3f} MiB at "
-                         f"{row['op']} ({row['line']})")
+                     f"{op_label(peak['op'], peak['phase'])} ({peak['phase']}), final "
+                     f"{dev['final_bytes'] / mib:.2f} MiB, {dev['events']} events")
+        rows = [["category", "peak MiB", "final MiB"]]
+        rows += [[cat, f"{row['peak'] / mib:.3f}", f"{row['final'] / mib:.3f}"]
+                 for cat, row in dev["by_category"].items()]
+        lines += columns(rows, right=[1, 2], indent="  ")
+        rows = [["phase", "peak MiB", "op", "line"]]
+        rows += [[phase, f"{row['peak_bytes'] / mib:.3f}", op_label(row["op"], phase),
+                  line_label(row["line"], phase)] for phase, row in dev["phases"].items()]
+        lines += columns(rows, right=[1], indent="  ")
         lines.append("  largest tensors at the peak:")
-        for e in peak["live"][:5]:
-            lines.append(f"    {e['bytes']:>12,} B {e['category']:<14} {e['shape']} "
-                         f"{e['op']} {e['line'] or e['user_line'] or ''}")
+        rows = [["bytes", "category", "shape", "op", "line"]]
+        rows += [[f"{e['bytes']:,}", e["category"], shape_label(e["shape"]),
+                  op_label(e["op"], e["phase"]), line_label(e["line"] or e["user_line"],
+                                                            e["phase"])]
+                 for e in peak["live"][:5]]
+        lines += columns(rows, right=[0], indent="    ")
     return "\n".join(lines)
 
 
-def profile_script(script: str, args: list, out: str, device=None, html: bool = True) -> int:
-    """Run ``script`` with ``args`` under :func:`needle.memory.profile`; save into ``out``."""
+def profile_script(script: str, args: list, out: str, device=None, html: bool = True,
+                   x_axis: str = "event") -> int:
+    """Run ``script`` with ``args`` under :func:`needle.memory.profile`; save into ``out``
+    (``x_axis``: the plot's, ``"event"`` or ``"time"``)."""
     from .profiler import profile
 
     with profile(device) as prof:
         code = _run_script(script, args)
-    paths = prof.save(out, html=html, title=f"{script}: memory profile")
+    paths = prof.save(out, html=html, title=f"{script}: memory profile", x_axis=x_axis)
     print(f"\nneedle memory profile: {script}")
     print(_profile_summary(prof.report()))
     print("wrote " + ", ".join(p for k, p in paths.items() if k != "pngs"))
@@ -153,7 +165,8 @@ def main(argv=None) -> int:
         return 2
     args = parse(argv)
     if args.command == "profile":
-        return profile_script(args.script, args.args, args.out, args.device, not args.no_html)
+        return profile_script(args.script, args.args, args.out, args.device, not args.no_html,
+                              args.plot_x)
     if args.command in _COMMANDS:
         from needle._core.errors import NeedleError
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ._text import columns, line_label, op_label, shape_label
 from .planner import plan as _plan
 from .profiler import profile
 
@@ -65,21 +66,26 @@ class Explanation:
                  self.planned_bytes - self.liveness_bytes)]
 
     def __str__(self) -> str:
-        lines = [f"explain on {self.device}: peak at event {self.peak_event} ({self.peak_op}, "
-                 f"{self.peak_phase})",
-                 f"  measured peak (allocated blocks)   {self.measured_peak_bytes:>14,} B",
-                 f"  measured peak (requested bytes)    {self.measured_requested_bytes:>14,} B",
-                 f"  liveness peak (from lifetimes)     {self.liveness_bytes:>14,} B",
-                 f"  planned: {self.before_bytes:,} B alive throughout + arena "
-                 f"{self.arena_bytes:,} B = {self.planned_bytes:,} B"]
-        lines += [f"  {name}: {value:,} B" for name, value in self.gaps()]
+        lines = [f"explain on {self.device}: peak at event {self.peak_event} "
+                 f"({op_label(self.peak_op, self.peak_phase)}, {self.peak_phase})"]
+        figures = [("measured peak (allocated blocks)", self.measured_peak_bytes),
+                   ("measured peak (requested bytes)", self.measured_requested_bytes),
+                   ("liveness peak (from lifetimes)", self.liveness_bytes),
+                   ("planned: alive throughout", self.before_bytes),
+                   ("planned: arena", self.arena_bytes),
+                   ("planned: total", self.planned_bytes), *self.gaps()]
+        lines += columns([[name, f"{value:,} B"] for name, value in figures], right=[1],
+                         indent="  ")
         lines.append("  lifetimes overlapping at the peak:")
+        rows = [["requested", "category", "shape", "op", "line", "lifetime", "freed by"]]
         for row in self.overlapping:
-            life = (f"events {row['start']}..{row['end']}" if row["start"] is not None
-                    else f"alive before ..{row['end']}")
-            lines.append(f"    {row['requested']:>12,} B {row['category']:<14} "
-                         f"{row['shape']} {row['op']} ({row['line']}) {life}, freed by "
-                         f"{row['freed_by']}")
+            before = row["start"] is None
+            life = f"before..{row['end']}" if before else f"events {row['start']}..{row['end']}"
+            rows.append([f"{row['requested']:,} B", row["category"], shape_label(row["shape"]),
+                         op_label(row["op"], "before" if before else None),
+                         line_label(row["line"], "before" if before else None), life,
+                         row["freed_by"] or "(alive at the end)"])
+        lines += columns(rows, right=[0], indent="    ")
         return "\n".join(lines)
 
 

@@ -39,9 +39,12 @@ import os
 
 import numpy as np
 
+from ._errors import MemoryArgumentError
+from ._text import op_label
 from .categories import CATEGORIES
 
-__all__ = ["build_report", "save_report", "plot_report", "html_report", "MAX_POINTS"]
+__all__ = ["build_report", "save_report", "plot_report", "html_report", "MAX_POINTS",
+           "X_AXES"]
 
 MAX_POINTS = 4000  # timeline points kept in the JSON and the plot
 TOP = 3            # contributors named at the peak of the plot
@@ -131,7 +134,7 @@ def _by_op(live: list) -> list[dict]:
     """The live set grouped by (op that made it, category), largest first."""
     groups: dict = {}
     for e in live:
-        key = (e["op"] or "(no op)", e["category"])
+        key = (op_label(e["op"], e["phase"]), e["category"])
         g = groups.setdefault(key, {"op": key[0], "category": key[1], "bytes": 0, "tensors": 0,
                                     "line": e["line"] or e["user_line"]})
         g["bytes"] += e["bytes"]
@@ -204,44 +207,73 @@ def _label(group: dict) -> str:
             f"({group['tensors']} tensors){where}")
 
 
-def plot_report(dev: dict, path, title: str | None = None) -> str:
-    """Draw one device's timeline (``dev`` from :func:`build_report`) into a PNG."""
+X_AXES = ("event", "time")  # what a profile plot's x axis counts
+
+
+def _check_x_axis(x_axis: str) -> None:
+    if x_axis not in X_AXES:
+        raise MemoryArgumentError(f"memory plot: unknown x axis, expected one of "
+                                f"{', '.join(X_AXES)}, got {x_axis!r}")
+
+
+def plot_report(dev: dict, path, title: str | None = None, x_axis: str = "event") -> str:
+    """Draw one device's timeline (``dev`` from :func:`build_report`) into a PNG.
+
+    ``x_axis``: ``"event"`` (allocator events in op order, ticks named by the op running) or
+    ``"time"`` (seconds since the profile opened: where the time went, not only the bytes).
+
+    Raises:
+        MemoryArgumentError: for another ``x_axis``.
+    """
+    _check_x_axis(x_axis)
     import matplotlib
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
     tl = dev["timeline"]
-    x = np.asarray(tl["x"])
+    events = np.asarray(tl["x"])
+    seconds = np.asarray(tl["time_s"], dtype=np.float64)
+
+    def at(index):  # an event index (or array of them) on the chosen axis
+        return np.interp(index, events, seconds) if x_axis == "time" else index
+
+    x = at(events)
     fig, ax = plt.subplots(figsize=(12, 5.5))
     try:
         for band in tl["bands"]:
             color = _BAND.get(band["phase"])
             if color:
-                ax.axvspan(band["start"], band["end"], color=color, zorder=0, linewidth=0)
+                ax.axvspan(at(band["start"]), at(band["end"]), color=color, zorder=0,
+                           linewidth=0)
         ax.stackplot(x, *[np.asarray(tl["series"][c]) / 2**20 for c in CATEGORIES],
                      labels=CATEGORIES, colors=[_COLORS[c] for c in CATEGORIES], step="post",
                      zorder=1)
         peak = tl["peak"]
-        ax.axvline(peak["x"], color="black", linestyle="--", linewidth=1, zorder=2)
+        peak_x = at(peak["x"])
+        ax.axvline(peak_x, color="black", linestyle="--", linewidth=1, zorder=2)
         text = "\n".join([f"peak {peak['bytes'] / 2**20:.2f} MiB"]
                          + [_label(t) for t in peak["top"]])
-        left = peak["x"] > 0.6 * max(int(x[-1]), 1)  # keep the note inside the axes
-        ax.annotate(text, (peak["x"], peak["bytes"] / 2**20), xytext=(-8 if left else 8, -8),
+        right_end = float(max(x[-1], 1e-9 if x_axis == "time" else 1))
+        left = peak_x > 0.6 * right_end  # keep the note inside the axes
+        ax.annotate(text, (peak_x, peak["bytes"] / 2**20), xytext=(-8 if left else 8, -8),
                     textcoords="offset points", fontsize=7, va="top",
                     ha="right" if left else "left",
                     bbox={"boxstyle": "round", "fc": "white", "alpha": 0.85}, zorder=3)
-        ticks = np.linspace(0, len(x) - 1, num=min(14, len(x))).astype(int)
-        ax.set_xticks(x[ticks])
-        ax.set_xticklabels([tl["ops"][i] for i in ticks], rotation=60, ha="right",
-                           fontsize=7)
+        if x_axis == "event":
+            ticks = np.linspace(0, len(x) - 1, num=min(14, len(x))).astype(int)
+            ax.set_xticks(x[ticks])
+            ax.set_xticklabels([tl["ops"][i] for i in ticks], rotation=60, ha="right",
+                               fontsize=7)
+            ax.set_xlabel(tl["x_label"] + ", labelled with the op running")
+        else:
+            ax.set_xlabel("seconds since the profile opened")
         for phase, color in _BAND.items():
             if color and any(b["phase"] == phase for b in tl["bands"]):
                 ax.fill_between([], [], color=color, label=f"{phase} phase")
-        ax.set_xlabel(tl["x_label"] + ", labelled with the op running")
         ax.set_ylabel(tl["y_label"].replace("bytes", "MiB"))
         ax.set_title(title or f"needle memory profile: {dev['device']}")
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
-        ax.set_xlim(0, max(int(x[-1]), 1))
+        ax.set_xlim(0, right_end)
         fig.tight_layout()
         fig.savefig(str(path), format="png", dpi=110)
     finally:
@@ -289,9 +321,12 @@ def html_report(report: dict, pngs: dict, title: str) -> str:
     return "\n".join(parts)
 
 
-def save_report(prof, directory, *, html: bool = True, title: str | None = None) -> dict:
+def save_report(prof, directory, *, html: bool = True, title: str | None = None,
+                x_axis: str = "event") -> dict:
     """Write ``memory.json``, ``memory.png`` (one per device past the first:
-    ``memory.<device>.png``) and ``memory.html`` into ``directory``; returns the paths."""
+    ``memory.<device>.png``; ``x_axis`` as for :func:`plot_report`) and ``memory.html`` into
+    ``directory``; returns the paths."""
+    _check_x_axis(x_axis)
     os.makedirs(directory, exist_ok=True)
     report = build_report(prof)
     paths = {"json": os.path.join(directory, "memory.json")}
@@ -301,7 +336,7 @@ def save_report(prof, directory, *, html: bool = True, title: str | None = None)
     used = [n for n, d in report["devices"].items() if d["events"]] or list(report["devices"])
     for k, name in enumerate(used):
         png = os.path.join(directory, "memory.png" if k == 0 else f"memory.{name}.png")
-        pngs[name] = plot_report(report["devices"][name], png, title)
+        pngs[name] = plot_report(report["devices"][name], png, title, x_axis)
     paths.update({"png": pngs[used[0]]} if used else {}, pngs=pngs)
     if html:
         paths["html"] = os.path.join(directory, "memory.html")

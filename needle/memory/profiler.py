@@ -327,12 +327,14 @@ class Profile(Observer):
 
         return build_report(self)
 
-    def save(self, directory, *, html: bool = True, title: str | None = None) -> dict:
+    def save(self, directory, *, html: bool = True, title: str | None = None,
+             x_axis: str = "event") -> dict:
         """Write ``memory.json``, ``memory.png`` (and ``memory.html``) into ``directory``;
-        returns their paths by name."""
+        returns their paths by name. ``x_axis``: the plot's x, ``"event"`` (allocator events
+        in op order) or ``"time"`` (seconds since the profile opened)."""
         from .profile_report import save_report
 
-        return save_report(self, directory, html=html, title=title)
+        return save_report(self, directory, html=html, title=title, x_axis=x_axis)
 
 
 def profile(device=None) -> Profile:
