@@ -228,6 +228,15 @@ class NcclComm:
         self.aborted = self.aborted or "destroyed"
 
 
+def _use_local_gpu(cupy: Any) -> None:
+    """On a machine with several GPUs, rank LOCAL_RANK takes GPU LOCAL_RANK (mod their count):
+    NCCL refuses two ranks of one communicator on one GPU."""
+    local = os.environ.get("LOCAL_RANK")
+    count = int(cupy.cuda.runtime.getDeviceCount())
+    if local is not None and local.isdigit() and count > 1:
+        cupy.cuda.Device(int(local) % count).use()
+
+
 def attach(group: Any, required: bool) -> None:
     """Give ``group`` an NCCL communicator when every member has a GPU (``group.nccl``);
     a mixed CPU/GPU group keeps the host path. Every member must call it.
@@ -256,6 +265,7 @@ def attach(group: Any, required: bool) -> None:
         ident[1:1 + len(made)] = made
     broadcast(ident, src=0, group=group)
     unique_id = tuple(int(x) for x in ident[1:1 + int(ident[0])])
+    _use_local_gpu(cupy)
     comm = nccl.NcclCommunicator(group.size, unique_id, group.rank)
     group.nccl = NcclComm(group, cupy, nccl, comm)
 

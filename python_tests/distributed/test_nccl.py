@@ -285,3 +285,46 @@ def test_tensor_parallel_mlp_on_the_device(nccl):
         np.testing.assert_allclose(got[0], y.numpy(), rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(got[1], x.grad.numpy(), rtol=1e-5, atol=1e-6)
     assert fake.of("allReduce")  # the row-parallel sum and the input gradient's
+
+
+def test_a_subgroup_of_an_nccl_world_gets_its_own_communicator(nccl):
+    dev, fake = nccl
+
+    def job(rank):
+        sub = dist.new_group([0, 1])
+        t = _on(dev, [rank + 1.0])
+        dist.all_reduce(t, group=sub)
+        return [t, dist.get_backend(sub)]
+
+    ((_, r0), (_, r1)), copies = _run(fake, job)
+    assert copies == 0 and r0[1] == r1[1] == "nccl"
+    assert r0[0].tolist() == r1[0].tolist() == [3.0]
+    assert len(fake.members) == 2  # the world's communicator and the subgroup's
+
+
+def test_zero_runs_on_an_nccl_group_and_equals_the_host_run(nccl):
+    """ZeRO's shards still pass through host buffers on an nccl group; its broadcasts of
+    cuda() parameters use NCCL, and the run equals the thread backend's."""
+    from needle import optim
+
+    dev, fake = nccl
+    x = np.random.default_rng(1).standard_normal((4, 3)).astype(np.float32)
+
+    def job(rank):
+        with _BUILD:
+            np.random.seed(0)
+            model = nn.Sequential(nn.Linear(3, 4, device=dev), nn.ReLU(),
+                                  nn.Linear(4, 2, device=dev))
+        zero = dist.ZeroDataParallel(model, optimizer=lambda ps: optim.SGD(ps, lr=0.5),
+                                     stage=2)
+        part = Tensor(x[rank * 2:(rank + 1) * 2], device=dev, requires_grad=False)
+        zero(part).sum().backward()
+        zero.step()
+        return zero.full_parameters()
+
+    on_nccl = dist.spawn_threads(job, 2, backend="nccl", timeout=30)
+    on_threads = dist.spawn_threads(job, 2, timeout=30)
+    assert len(fake.of("broadcast", 0)) == 4
+    for got, want in zip(on_nccl, on_threads, strict=True):
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(g, w)
