@@ -241,6 +241,7 @@ def ewise_cast(a: Array, out: Array) -> None:
 # ---- reductions --------------------------------------------------------------------------
 def _reduce(op: str):
     small = L.KernelSpec(_RD, f"reduce_small_{op}", ("a", "a", "i64", "i64"))
+    warp = L.KernelSpec(_RD, f"reduce_warp_{op}", ("a", "a", "i64", "i64"), "rows")
     block = L.KernelSpec(_RD, f"reduce_block_{op}", ("a", "a", "i64", "i64", "i64"), "rows")
     partial = L.KernelSpec(_RD, f"reduce_partial_{op}", ("a", "acc", "i64", "i64", "i64"),
                            "rows")
@@ -256,11 +257,13 @@ def _reduce(op: str):
         plan = L.plan_reduce(rows, reduce_size, runtime.num_sms(runtime.device_id()))
         if plan.kind == "small":
             runtime.launch(small, dtype, rows, a, out, rows, reduce_size)
+        elif plan.kind == "warp":
+            runtime.launch(warp, dtype, plan.blocks, a, out, rows, reduce_size)
         elif plan.kind == "block":
             runtime.launch(block, dtype, rows, a, out, rows, reduce_size, 1)
         else:
             work = Array(rows * plan.chunks, L.ACC_DTYPE[dtype])
-            runtime.launch(partial, dtype, rows * plan.chunks, a, work, rows, reduce_size,
+            runtime.launch(partial, dtype, plan.blocks, a, work, rows, reduce_size,
                            plan.chunks)
             runtime.launch(final, dtype, rows, work, out, rows, plan.chunks)
 
@@ -270,14 +273,20 @@ def _reduce(op: str):
 
 reduce_sum, reduce_max, reduce_min = _reduce("sum"), _reduce("max"), _reduce("min")
 
-# "indexed": a (m x n) is not sized by the launch (n threads); the extents are checked below
-_SUM_LEADING = L.KernelSpec(_RD, "reduce_sum_leading", ("a", "a", "i64", "i64"),
-                            grid="indexed")
+# (a, out, m, n, lanes, chunks, width); "rows": the grid is the plan's block count
+_LEADING = ("i64",) * 5
+_SUM_LEADING = L.KernelSpec(_RD, "reduce_sum_leading", ("a", "a") + _LEADING, "rows")
+_SUM_LEADING_PARTIAL = L.KernelSpec(_RD, "reduce_sum_leading_partial", ("a", "acc") + _LEADING,
+                                    "rows")
+_SUM_LEADING_FINAL = L.KernelSpec(_RD, "reduce_sum_leading_final", ("acc", "a") + _LEADING,
+                                  "rows")
 
 
 def reduce_sum_leading(a: Array, out: Array, m: int, n: int) -> None:
-    """``out (n)`` = the ``m`` rows of ``a (m, n)`` added up, rows in order, in the element
-    type (float for float16)."""
+    """``out (n)`` = the ``m`` rows of ``a (m, n)`` added up in the compute type (float for
+    float16). Up to 256 rows, each column row by row in order (bitwise the NumPy and C++
+    backends); more rows are shared among threads and blocks whose partials are combined in
+    a fixed order (the same bits run to run). Read at the device's bandwidth."""
     m, n = int(m), int(n)
     if m < 0 or n < 0:
         raise ShapeError(f"reduce_sum_leading: dimensions must be >= 0, got m={m}, n={n}")
@@ -285,8 +294,21 @@ def reduce_sum_leading(a: Array, out: Array, m: int, n: int) -> None:
     L.check_extent("reduce_sum_leading", "out", out, n)
     if n and a.ptr() == out.ptr():
         raise ValueError("reduce_sum_leading: out must not share memory with a")
-    if n:
-        runtime.launch(_SUM_LEADING, out.dtype, n, a, out, m, n)
+    if not n:
+        return
+    dtype = out.dtype
+    plan = L.plan_reduce_leading(m, n, a.itemsize, a.ptr(),
+                                 runtime.num_sms(runtime.device_id()))
+    if plan.chunks == 1:
+        runtime.launch(_SUM_LEADING, dtype, plan.blocks, a, out, m, n, plan.lanes, 1,
+                       plan.width)
+        return
+    work = Array(plan.chunks * n, L.ACC_DTYPE[dtype])
+    runtime.launch(_SUM_LEADING_PARTIAL, dtype, plan.blocks, a, work, m, n, plan.lanes,
+                   plan.chunks, plan.width)
+    final = L.plan_reduce_leading(plan.chunks, n, work.itemsize, work.ptr(), 1, split=False)
+    runtime.launch(_SUM_LEADING_FINAL, dtype, final.blocks, work, out, plan.chunks, n,
+                   final.lanes, 1, final.width)
 
 
 # ---- matmul ------------------------------------------------------------------------------

@@ -36,9 +36,10 @@ def backend(emulated):
 
 
 def test_reduction_plans_take_every_path(backend):
-    """The reduce shapes of cuda_checks cover the small, block and split kernels."""
+    """The reduce shapes of cuda_checks cover the small, warp and split kernels (the block
+    kernel: test_cuda_reductions.py)."""
     plans = {L.plan_reduce(r, s, 2).kind for r, s in ((7, 5), (40, 100), (2, 100_000))}
-    assert plans == {"small", "block", "split"}
+    assert plans == {"small", "warp", "split"}
 
 
 def test_kernels_compiled_once_per_source(backend, emulated):

@@ -149,7 +149,8 @@ def test_pack_view_layout_and_limit():
 
 
 @pytest.mark.parametrize("rows,size,sms,kind", [
-    (1000, 32, 132, "small"), (1000, 33, 132, "block"), (528, 10**6, 132, "block"),
+    (1000, 32, 132, "small"), (1000, 33, 132, "warp"), (1000, 1025, 132, "block"),
+    (528, 10**6, 132, "block"),
     (1, 10**8, 132, "split"), (4, 5000, 132, "split"), (1, 4000, 132, "block")])
 def test_reduce_plan(rows, size, sms, kind):
     plan = L.plan_reduce(rows, size, sms)

@@ -33,8 +33,20 @@ MAX_GRID_Y = 65535
 PACK = 4
 # Rows of at most this many elements are reduced by one thread each (reduce_small_*).
 SMALL_REDUCE = 32
+# Rows of at most this many elements are reduced by one warp each (reduce_warp_*).
+WARP_REDUCE = 1024
+WARPS_PER_BLOCK = THREADS_PER_BLOCK // 32
 # Each block of a split reduction gets at least this many elements.
 MIN_CHUNK = THREADS_PER_BLOCK * 16
+# Split reductions aim at this many blocks per SM: 1,024 threads, each with four 16-byte
+# loads in flight, cover the memory latency of an H100/H200.
+BLOCKS_PER_SM = 4
+# Column reductions of at most this many rows add every column in row order (one thread per
+# column group); of at least SPLIT_LEADING elements they may take a second pass over a
+# workspace; each row lane of a chunk walks at least MIN_LEADING_ROWS rows.
+ORDERED_ROWS = 256
+SPLIT_LEADING = 1 << 20
+MIN_LEADING_ROWS = 16
 
 SUFFIX = {"float32": "f32", "float64": "f64", "float16": "f16"}
 # The type kernels compute in; reduction workspaces hold it.
@@ -160,26 +172,106 @@ def pack_view(shape, strides, offset, op: str = "strided") -> np.ndarray:
 
 @dataclass(frozen=True)
 class ReducePlan:
-    """How to reduce ``rows`` rows of ``reduce_size``: kernel kind and chunks per row."""
+    """How to reduce ``rows`` rows of ``reduce_size``: kernel kind and chunks per row.
 
-    kind: str  # "small" | "block" | "split"
+    ``blocks``: the first launch's grid (the work it spreads over the GPU); ``launches``: 2
+    when a second pass combines the chunks' partials.
+    """
+
+    kind: str  # "small" | "warp" | "block" | "split"
     chunks: int = 1
+    blocks: int = 1
+
+    @property
+    def launches(self) -> int:
+        return 2 if self.kind == "split" else 1
 
 
 def plan_reduce(rows: int, reduce_size: int, num_sms: int) -> ReducePlan:
-    """Pick the reduction kernels (see cuda_kernels/reduce.cu).
+    """Pick the row-reduction kernels (see cuda_kernels/reduce.cu).
 
-    Short rows: one thread per row. Enough long rows to fill the GPU: one block per row.
-    Few long rows: split each row into chunks so that about 4 blocks per SM are busy, then
-    reduce the chunks' partials (two launches).
+    Short rows: one thread per row. Rows up to :data:`WARP_REDUCE`: one warp per row. Enough
+    long rows to fill the GPU: one block per row. Few long rows: split each row into chunks
+    so that about :data:`BLOCKS_PER_SM` blocks per SM are busy, then reduce the chunks'
+    partials (two launches).
     """
+    rows, reduce_size = int(rows), int(reduce_size)
     if reduce_size <= SMALL_REDUCE:
-        return ReducePlan("small")
-    target_blocks = 4 * max(1, num_sms)
+        return ReducePlan("small", 1, grid_1d(rows))
+    if reduce_size <= WARP_REDUCE:
+        return ReducePlan("warp", 1, -(-rows // WARPS_PER_BLOCK))
+    target_blocks = BLOCKS_PER_SM * max(1, num_sms)
     if rows >= target_blocks:
-        return ReducePlan("block")
+        return ReducePlan("block", 1, rows)
     chunks = min(-(-target_blocks // rows), -(-reduce_size // MIN_CHUNK))
-    return ReducePlan("split", chunks) if chunks > 1 else ReducePlan("block")
+    if chunks > 1:
+        return ReducePlan("split", chunks, rows * chunks)
+    return ReducePlan("block", 1, rows)
+
+
+@dataclass(frozen=True)
+class LeadingPlan:
+    """How to reduce an (m, n) array over its rows (see cuda_kernels/reduce.cu).
+
+    ``width`` elements per load, ``lanes`` threads per row (the block's other threads walk
+    other rows), ``chunks`` row ranges on different blocks, ``col_blocks`` blocks across the
+    columns of one range. ``ordered``: every column is added row by row in order (what the
+    NumPy and C++ backends do).
+    """
+
+    width: int
+    lanes: int
+    chunks: int
+    col_blocks: int
+
+    @property
+    def blocks(self) -> int:
+        return self.chunks * self.col_blocks
+
+    @property
+    def launches(self) -> int:
+        return 2 if self.chunks > 1 else 1
+
+    @property
+    def ordered(self) -> bool:
+        return self.lanes == THREADS_PER_BLOCK and self.chunks == 1
+
+
+def _load_width(n: int, itemsize: int, address: int) -> int:
+    """The widest load (elements, at most 16 bytes) that every row start of an (m, n) array
+    at ``address`` is aligned to."""
+    width = max(1, 16 // itemsize)
+    while width > 1 and (n % width or address % (width * itemsize)):
+        width //= 2
+    return width
+
+
+def plan_reduce_leading(m: int, n: int, itemsize: int, address: int, num_sms: int,
+                        split: bool = True) -> LeadingPlan:
+    """Pick the column-reduction launch for an (m, n) array of ``itemsize``-byte elements at
+    device ``address``.
+
+    Up to :data:`ORDERED_ROWS` rows (a batch's bias gradient), or with ``split=False``: one
+    thread per ``width`` columns adds its rows in order, bitwise the other backends. More
+    rows: a block's threads share the columns (``lanes``, a power of two) and walk different
+    rows, so a few columns still fill a block; and when the array holds at least
+    :data:`SPLIT_LEADING` elements and too few blocks would run, the rows are cut into
+    ``chunks`` so that about :data:`BLOCKS_PER_SM` blocks per SM are busy (two launches).
+    """
+    m, n = int(m), int(n)
+    width = _load_width(n, itemsize, int(address))
+    groups = max(1, n // width)
+    if not split or m <= ORDERED_ROWS:
+        return LeadingPlan(width, THREADS_PER_BLOCK, 1, -(-groups // THREADS_PER_BLOCK))
+    lanes = min(THREADS_PER_BLOCK, 1 << (groups - 1).bit_length())
+    col_blocks = -(-groups // lanes)
+    row_lanes = THREADS_PER_BLOCK // lanes
+    chunks = 1
+    if m * n >= SPLIT_LEADING:
+        target_blocks = BLOCKS_PER_SM * max(1, num_sms)
+        chunks = max(1, min(-(-target_blocks // col_blocks),
+                            m // (row_lanes * MIN_LEADING_ROWS)))
+    return LeadingPlan(width, lanes, chunks, col_blocks)
 
 
 def _expected_dtype(kind: str, dtype: str) -> str | None:
