@@ -328,3 +328,22 @@ def test_zero_runs_on_an_nccl_group_and_equals_the_host_run(nccl):
     for got, want in zip(on_nccl, on_threads, strict=True):
         for g, w in zip(got, want, strict=True):
             np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_device_checks_pass_on_the_emulator(emulated_cuda, monkeypatch, world):
+    """The body scripts/check_nccl.py runs on GPUs (every collective in three dtypes,
+    send/recv, DDP), here on thread ranks with the fake NCCL."""
+    from needle.backend_ndarray import ndarray_backend_cuda as backend
+    from needle.backend_ndarray._cuda import runtime
+
+    from . import _nccl_checks
+
+    fake = _fake_nccl.install(runtime._cupy)
+    monkeypatch.setattr(backend, "to_numpy", _nccl_checks.counted(backend.to_numpy))
+    try:
+        dist.spawn_threads(lambda rank: _nccl_checks.run_checks(
+            emulated_cuda, rank, world, _BUILD), world, backend="nccl", timeout=60)
+    finally:
+        _fake_nccl.uninstall(runtime._cupy, fake)
+    assert fake.of("allReduce", 0) and fake.of("reduce", 0) and fake.of("broadcast", 0)
