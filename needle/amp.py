@@ -1,11 +1,12 @@
 """Mixed precision: ``autocast`` (per-op dtype rules), ``GradScaler`` (dynamic loss scaling)
-and ``cast_parameters`` (float16 working weights). The rule table and the recipe are in
-docs/amp.md.
+and ``cast_parameters`` (float16 or bfloat16 working weights). The rule table and the recipe
+are in docs/amp.md.
 
-Inside ``autocast(dtype="float16")`` every op looks up its rule before it runs
-(:data:`RULES`, by op class):
+Inside ``autocast(dtype="float16")`` (or ``"bfloat16"``) every op looks up its rule before it
+runs (:data:`RULES`, by op class):
 
-* ``lower``: matrix products and convolutions run in float16 (float32 arguments are cast);
+* ``lower``: matrix products and convolutions run in the low precision (float32 arguments
+  are cast);
 * ``float32``: reductions, ``exp``/``log``/powers/``sqrt`` (hence softmax, log-softmax, the
   loss and normalisation statistics, which are built from them) run in float32;
 * ``promote`` (every other op: elementwise, shape, indexing): runs in its arguments' dtype,
@@ -16,8 +17,10 @@ A cast is an op (``Cast``) whose gradient casts back, so gradients reach every t
 own dtype. ``GradScaler`` multiplies the loss by ``scale`` so that small float16 gradients do
 not flush to zero, checks the gradients for Inf/NaN before each step, skips the step and
 halves the scale when it finds one, and doubles the scale after ``growth_interval`` good steps.
-Optimizers keep float32 master weights for float16 parameters (``needle.optim``), and divide
-the gradients by the scale in float32 as they read them.
+Optimizers keep float32 master weights for float16 and bfloat16 parameters (``needle.optim``),
+and divide the gradients by the scale in float32 as they read them. bfloat16 has float32's
+exponent range, so its gradients need no loss scaling: a ``GradScaler`` is allowed with it but
+not needed (``GradScaler(enabled=False)`` keeps one code path).
 
 Example:
     >>> import numpy as np, needle as ndl
@@ -60,6 +63,7 @@ __all__ = ["autocast", "GradScaler", "cast_parameters", "RULES", "rule_of", "is_
 
 LOWER, FLOAT32, PROMOTE = "lower", "float32", "promote"
 _WIDTH = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+_LOW = ("float16", "bfloat16")
 
 RULES: dict[type, str] = {
     # products: the float16 work
@@ -137,11 +141,11 @@ class autocast:  # noqa: N801 - lowercase like the PyTorch name users expect
     decorator. Call ``backward()`` inside or outside: gradients keep each tensor's dtype.
 
     Args:
-        dtype: the low precision, ``"float16"``.
+        dtype: the low precision, ``"float16"`` or ``"bfloat16"``.
         enabled: False makes the region a plain one.
 
     Raises:
-        NeedleError: for a dtype other than float16.
+        NeedleError: for another dtype.
 
     Example:
         >>> import numpy as np, needle as ndl
@@ -149,11 +153,14 @@ class autocast:  # noqa: N801 - lowercase like the PyTorch name users expect
         >>> with ndl.amp.autocast():
         ...     str((a @ ndl.Tensor(np.ones((3, 2)))).dtype), str(a.sum().dtype)
         ('float16', 'float32')
+        >>> with ndl.amp.autocast(dtype="bfloat16"):
+        ...     str((a @ ndl.Tensor(np.ones((3, 2)))).dtype)
+        'bfloat16'
     """
 
     def __init__(self, dtype: str = "float16", enabled: bool = True):
-        if str(dtype) != "float16":
-            raise NeedleError(f"autocast: unsupported low precision, expected 'float16', "
+        if str(dtype) not in _LOW:
+            raise NeedleError(f"autocast: unsupported low precision, expected one of {_LOW}, "
                               f"got {dtype!r}")
         self.dtype, self.enabled = str(dtype), bool(enabled)
         self._saved: list = []
@@ -185,7 +192,7 @@ def cast_parameters(module: Any, dtype: str = "float16") -> Any:
     such as BatchNorm's running statistics stay float32. Returns ``module``.
 
     Build the optimizer after this call (or load its state): its float32 master copies are
-    made from the parameters' float16 values.
+    made from the parameters' float16 (or bfloat16) values.
 
     Example:
         >>> import numpy as np
@@ -203,7 +210,8 @@ def cast_parameters(module: Any, dtype: str = "float16") -> Any:
 
 
 class GradScaler:
-    """Dynamic loss scaling for float16 gradients.
+    """Dynamic loss scaling for float16 gradients (bfloat16 ones need none; a scaler still
+    works with them).
 
     ``scale(loss)`` multiplies the loss by the current scale; ``step(optimizer)`` checks every
     gradient for Inf/NaN and either skips the step (weights and optimizer state untouched) or
@@ -259,10 +267,10 @@ class GradScaler:
         return self.enabled
 
     def scale(self, loss: Tensor) -> Tensor:
-        """``loss * scale`` in float32 (a float16 loss is cast up first)."""
+        """``loss * scale`` in float32 (a float16 or bfloat16 loss is cast up first)."""
         if not self.enabled:
             return loss
-        if str(loss.dtype) == "float16":
+        if str(loss.dtype) in _LOW:
             loss = Cast("float32")(loss)
         return loss * self._scale
 

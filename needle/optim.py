@@ -83,8 +83,8 @@ def _grad(p: Tensor, theta, grad_scale):
     return g if grad_scale is None else g * (1.0 / float(grad_scale))
 
 
-def _is_half(array) -> bool:
-    return str(array.dtype) == "float16"
+def _is_half(array) -> bool:  # float16 or bfloat16: updated through a float32 master
+    return str(array.dtype) in ("float16", "bfloat16")
 
 
 def _state(array):
@@ -99,7 +99,7 @@ def _to_numpy(array) -> np.ndarray:
 
 def _from_numpy(value, like: Tensor):
     # state of a float16 parameter (moments, momentum) lives in float32, beside its master
-    dtype = "float32" if str(like.dtype) == "float16" else like.dtype
+    dtype = "float32" if _is_half(like) else like.dtype
     return Tensor(np.asarray(value), device=like.device, dtype=dtype,
                   requires_grad=False).realize_cached_data()
 

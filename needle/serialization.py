@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from ._core.dtypes import numpy_dtype
 from ._core.errors import SerializationError
 from .autograd import Tensor
 from .backend_ndarray import NDArray, device_by_name
@@ -50,6 +51,8 @@ __all__ = ["save", "load", "FORMAT_VERSION", "atomic_write_bytes"]
 
 FORMAT_VERSION = 1
 _INDEX = "needle.json"
+
+_BFLOAT16 = numpy_dtype("bfloat16")
 
 
 # ---- saving ---------------------------------------------------------------------------------
@@ -64,7 +67,10 @@ class _Writer:
         name = f"arrays/{len(self.arrays)}.npy"
         buf = io.BytesIO()
         a = a if a.flags.c_contiguous else a.copy(order="C")  # keeps 0-d arrays 0-d
-        np.lib.format.write_array(buf, a, allow_pickle=False)
+        # .npy has no bfloat16 (it would read back as raw 'V2'): its bits go as uint16, and
+        # the index's dtype says how to view them
+        np.lib.format.write_array(buf, a.view(np.uint16) if a.dtype == _BFLOAT16 else a,
+                                  allow_pickle=False)
         payload = buf.getvalue()
         self.arrays[name] = payload
         self.meta[name] = {"dtype": str(a.dtype), "shape": list(a.shape),
@@ -226,6 +232,8 @@ class _Reader:
             array = np.lib.format.read_array(io.BytesIO(payload), allow_pickle=False)
         except ValueError as exc:
             raise self.fail(f"array entry {name} is not a plain .npy array ({exc})") from None
+        if info["dtype"] == "bfloat16" and array.dtype == np.uint16:
+            array = array.view(_BFLOAT16)
         if str(array.dtype) != info["dtype"] or list(array.shape) != info["shape"]:
             raise self.fail(f"array entry {name} differs from its index, expected "
                             f"{info['dtype']} {info['shape']}, got {array.dtype} "

@@ -63,9 +63,10 @@ inline PyObject* adopt(Array* owned) {
 // One interned str per dtype, indexed by DType (leaked on purpose: no GIL at exit). Read on
 // every NDArray op (dtype checks) and matched by pointer on every allocation.
 inline PyObject* const* dtype_names() {
-  static PyObject* const names[3] = {PyUnicode_InternFromString(dtype_name(DType::f32)),
+  static PyObject* const names[4] = {PyUnicode_InternFromString(dtype_name(DType::f32)),
                                      PyUnicode_InternFromString(dtype_name(DType::f64)),
-                                     PyUnicode_InternFromString(dtype_name(DType::f16))};
+                                     PyUnicode_InternFromString(dtype_name(DType::f16)),
+                                     PyUnicode_InternFromString(dtype_name(DType::bf16))};
   return names;
 }
 
@@ -75,6 +76,7 @@ inline DType dtype_of(PyObject* dtype) {
   if (dtype == names[0]) return DType::f32;
   if (dtype == names[1]) return DType::f64;
   if (dtype == names[2]) return DType::f16;
+  if (dtype == names[3]) return DType::bf16;
   py::handle h(dtype);
   if (py::isinstance<py::str>(h)) return parse_dtype(h.cast<std::string>());
   return parse_dtype(py::str(py::dtype::from_args(py::reinterpret_borrow<py::object>(h))
@@ -187,8 +189,8 @@ inline void init_array_type(py::module_& m, void (*translate)(std::exception_ptr
   g_translate = translate;
   static PyGetSetDef getset[] = {
       {"size", get_size, nullptr, "Number of elements.", nullptr},
-      {"dtype", get_dtype, nullptr, "Element type name ('float32', 'float64', 'float16').",
-       nullptr},
+      {"dtype", get_dtype, nullptr,
+       "Element type name ('float32', 'float64', 'float16', 'bfloat16').", nullptr},
       {"itemsize", get_itemsize, nullptr, "Bytes per element.", nullptr},
       {"category", get_category, set_category,
        "Memory category the buffer is charged to; assigning moves its bytes (a retag).",

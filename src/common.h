@@ -1,4 +1,4 @@
-// Shared definitions of the C++ CPU backend: dtypes, float16 conversion, threading.
+// Shared definitions of the C++ CPU backend: dtypes, float16/bfloat16 conversion, threading.
 #pragma once
 
 #include <cstddef>
@@ -13,7 +13,7 @@
 
 namespace needle {
 
-enum class DType : int { f32 = 0, f64 = 1, f16 = 2 };
+enum class DType : int { f32 = 0, f64 = 1, f16 = 2, bf16 = 3 };
 
 // ---- limits and the errors of the entry points' checks --------------------------------------
 
@@ -49,23 +49,35 @@ static inline bool add_overflows(std::int64_t a, std::int64_t b, std::int64_t* o
 // The helpers below are `static inline`: kernels_avx2.cc compiles them with AVX2 enabled, and
 // with plain `inline` the linker could keep that copy for the baseline code as well.
 
-// float16 is stored as its 16 raw bits; kernels convert to float32, compute and round back.
+// float16 and bfloat16 are stored as their 16 raw bits; kernels convert to float32, compute
+// and round back.
 using half_bits = std::uint16_t;
+using bf16_bits = std::uint16_t;
+
+// The two-byte dtypes, computed in float32.
+static inline bool is_low_precision(DType t) { return t == DType::f16 || t == DType::bf16; }
 
 static inline std::size_t itemsize(DType t) {
   return t == DType::f64 ? 8 : (t == DType::f32 ? 4 : 2);
 }
 
 static inline const char* dtype_name(DType t) {
-  return t == DType::f64 ? "float64" : (t == DType::f32 ? "float32" : "float16");
+  switch (t) {
+    case DType::f64: return "float64";
+    case DType::f32: return "float32";
+    case DType::f16: return "float16";
+    case DType::bf16: return "bfloat16";
+  }
+  return "unknown";
 }
 
 static inline DType parse_dtype(const std::string& name) {
   if (name == "float32") return DType::f32;
   if (name == "float64") return DType::f64;
   if (name == "float16") return DType::f16;
-  throw std::invalid_argument("Array: unknown dtype, expected float32, float64 or float16, got " +
-                              name);
+  if (name == "bfloat16") return DType::bf16;
+  throw std::invalid_argument(
+      "Array: unknown dtype, expected float32, float64, float16 or bfloat16, got " + name);
 }
 
 // ---- float16 <-> float conversion (IEEE binary16, round to nearest even) -------------------
@@ -91,34 +103,61 @@ static inline float half_to_float(half_bits h) {
   return f;
 }
 
-// Rounds a double straight to binary16 (no intermediate float, so no double rounding).
-static inline half_bits double_to_half(double d) {
+// Rounds a double straight to a two-byte binary format with `Frac` fraction bits and exponent
+// bias `Bias` (binary16: 10, 15; bfloat16: 7, 127), to nearest even, with no intermediate
+// float and so no double rounding. NaN stays a quiet NaN of the same sign.
+template <int Frac, int Bias>
+static inline std::uint16_t double_to_small(double d) {
+  constexpr std::uint32_t inf = std::uint32_t(2 * Bias + 1) << Frac;
+  constexpr int emin = 1 - Bias;  // exponent of the smallest normal
   std::uint64_t bits;
   std::memcpy(&bits, &d, 8);
-  const half_bits sign = half_bits((bits >> 48) & 0x8000u);
+  const std::uint16_t sign = std::uint16_t((bits >> 48) & 0x8000u);
   const int exp = int((bits >> 52) & 0x7ff);
   const std::uint64_t mant = bits & 0xfffffffffffffull;
-  if (exp == 0x7ff) return sign | (mant ? 0x7e00u : 0x7c00u);
+  if (exp == 0x7ff) return std::uint16_t(sign | (mant ? inf | (1u << (Frac - 1)) : inf));
   const int e = exp - 1023;  // unbiased exponent
-  if (e > 15) return sign | 0x7c00u;
+  if (e > Bias) return std::uint16_t(sign | inf);
   // Significand with the implicit bit, then the number of low bits to drop so that the
-  // result has 10 fraction bits (more for subnormal halves, whose exponent is fixed at -14).
+  // result has Frac fraction bits (more for subnormals, whose exponent is fixed at emin).
   const std::uint64_t sig = mant | (std::uint64_t(exp != 0) << 52);
-  int shift = 42 + (e < -14 ? (-14 - e) : 0);
-  if (shift > 53 + 10) return sign;  // far below the smallest subnormal: rounds to zero
+  const int shift = 52 - Frac + (e < emin ? (emin - e) : 0);
+  if (shift > 53 + Frac) return sign;  // far below the smallest subnormal: rounds to zero
   std::uint64_t kept = sig >> shift;
   const std::uint64_t rem = sig & ((std::uint64_t(1) << shift) - 1);
   const std::uint64_t halfway = std::uint64_t(1) << (shift - 1);
   if (rem > halfway || (rem == halfway && (kept & 1))) ++kept;
-  // For normals `kept` carries the implicit bit at 1<<10; adding the biased exponent - 1
+  // For normals `kept` carries the implicit bit at 1<<Frac; adding the biased exponent - 1
   // places it correctly, and a mantissa carry rolls into the exponent as IEEE requires.
   std::uint32_t out = std::uint32_t(kept);
-  if (e >= -14) out += std::uint32_t(e + 14) << 10;
-  if (out >= 0x7c00u) out = 0x7c00u;
-  return half_bits(sign | out);
+  if (e >= emin) out += std::uint32_t(e - emin) << Frac;
+  if (out >= inf) out = inf;
+  return std::uint16_t(sign | out);
 }
 
+static inline half_bits double_to_half(double d) { return double_to_small<10, 15>(d); }
 static inline half_bits float_to_half(float f) { return double_to_half(double(f)); }
+
+// ---- bfloat16 <-> float conversion (the top half of a float32, round to nearest even) --------
+
+static inline float bf16_to_float(bf16_bits h) {
+  const std::uint32_t bits = std::uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+static inline bf16_bits float_to_bf16(float f) {
+  std::uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return bf16_bits((bits >> 16) | 0x0040u);  // quiet
+  // adding 0x7fff plus the lowest kept bit carries exactly when the dropped half rounds up
+  // (ties to even); a carry out of the largest finite value lands on infinity
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return bf16_bits(bits >> 16);
+}
+
+static inline bf16_bits double_to_bf16(double d) { return double_to_small<7, 127>(d); }
 
 // ---- threading --------------------------------------------------------------------------
 

@@ -2,8 +2,9 @@
 // `namespace needle::<isa>`, so every helper here exists once per instruction set and the
 // linker can never mix an AVX2 copy into the baseline path.
 //
-// float32 and float64 run the loops directly; float16 is converted block by block into
-// float32 scratch on the stack, computed in float32 and rounded back (round to nearest even).
+// float32 and float64 run the loops directly; float16 and bfloat16 are converted block by
+// block into float32 scratch on the stack, computed in float32 and rounded back (round to
+// nearest even).
 
 // ---- bit casts and float16 blocks ----------------------------------------------------------
 
@@ -35,19 +36,42 @@ inline void store_half(const float* src, half_bits* dst, std::size_t n) {
 #endif
 }
 
+// bfloat16 is the top half of a float32: widening is a shift, narrowing rounds to nearest even
+// (float_to_bf16); plain loops the compiler vectorises.
+inline void load_bf16(const bf16_bits* src, float* dst, std::size_t n) {
+#pragma omp simd
+  for (std::size_t i = 0; i < n; ++i)
+    dst[i] = bits_float(std::int32_t(std::uint32_t(src[i]) << 16));
+}
+
+inline void store_bf16(const float* src, bf16_bits* dst, std::size_t n) {
+#pragma omp simd
+  for (std::size_t i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i]);
+}
+
+// Widens n two-byte elements of dtype t (float16 or bfloat16) to float32, and back.
+inline void load_small(DType t, const std::uint16_t* src, float* dst, std::size_t n) {
+  if (t == DType::bf16) load_bf16(src, dst, n); else load_half(src, dst, n);
+}
+inline void store_small(DType t, const float* src, std::uint16_t* dst, std::size_t n) {
+  if (t == DType::bf16) store_bf16(src, dst, n); else store_half(src, dst, n);
+}
+
 // Elements per float16 scratch block: three blocks of floats stay well inside L1.
 constexpr std::size_t kHalfBlock = 512;
 
-// Runs `body(float* const* in, float* out, n)` over float16 arrays block by block.
+// Runs `body(float* const* in, float* out, n)` over float16 or bfloat16 (t) arrays block by
+// block.
 template <int NIn, class Body>
-void half_blocks(const half_bits* const* in, half_bits* out, std::size_t n, Body&& body) {
+void half_blocks(DType t, const half_bits* const* in, half_bits* out, std::size_t n,
+                 Body&& body) {
   alignas(64) float buf[NIn + 1][kHalfBlock];
   for (std::size_t s = 0; s < n; s += kHalfBlock) {
     const std::size_t len = n - s < kHalfBlock ? n - s : kHalfBlock;
     float* ins[NIn > 0 ? NIn : 1];
-    for (int k = 0; k < NIn; ++k) { load_half(in[k] + s, buf[k], len); ins[k] = buf[k]; }
+    for (int k = 0; k < NIn; ++k) { load_small(t, in[k] + s, buf[k], len); ins[k] = buf[k]; }
     body(static_cast<float* const*>(ins), buf[NIn], len);
-    store_half(buf[NIn], out + s, len);
+    store_small(t, buf[NIn], out + s, len);
   }
 }
 
@@ -350,7 +374,7 @@ void run_binary(DType t, const void* a, const void* b, void* out, std::size_t n)
     } else {
       const half_bits* in[2] = {static_cast<const half_bits*>(a) + s,
                                 static_cast<const half_bits*>(b) + s};
-      half_blocks<2>(in, static_cast<half_bits*>(out) + s, e - s,
+      half_blocks<2>(t, in, static_cast<half_bits*>(out) + s, e - s,
                      [](float* const* x, float* o, std::size_t len) {
                        bin_loop<OP>(x[0], x[1], o, len);
                      });
@@ -361,8 +385,9 @@ void run_binary(DType t, const void* a, const void* b, void* out, std::size_t n)
 template <BinOp OP>
 void run_scalar(bool reversed, DType t, const void* a, double val, void* out, std::size_t n) {
   const std::size_t th = OP == BinOp::power ? kParallelMinHeavyElements : kParallelMinElements;
-  // NumPy treats a Python scalar as the array's dtype: round it to float16 first.
-  const float vh = half_to_float(double_to_half(val));
+  // NumPy treats a Python scalar as the array's dtype: round it to float16/bfloat16 first.
+  const float vh = t == DType::bf16 ? bf16_to_float(double_to_bf16(val))
+                                    : half_to_float(double_to_half(val));
   parallel_range(n, th, [&](std::size_t s, std::size_t e) {
     if (t == DType::f32) {
       scalar_loop<OP>(static_cast<const float*>(a) + s, float(val),
@@ -372,7 +397,7 @@ void run_scalar(bool reversed, DType t, const void* a, double val, void* out, st
                       e - s, reversed);
     } else {
       const half_bits* in[1] = {static_cast<const half_bits*>(a) + s};
-      half_blocks<1>(in, static_cast<half_bits*>(out) + s, e - s,
+      half_blocks<1>(t, in, static_cast<half_bits*>(out) + s, e - s,
                      [&](float* const* x, float* o, std::size_t len) {
                        scalar_loop<OP>(x[0], vh, o, len, reversed);
                      });
@@ -390,7 +415,7 @@ void run_unary(DType t, const void* a, void* out, std::size_t n) {
       un_loop<OP>(static_cast<const double*>(a) + s, static_cast<double*>(out) + s, e - s);
     } else {
       const half_bits* in[1] = {static_cast<const half_bits*>(a) + s};
-      half_blocks<1>(in, static_cast<half_bits*>(out) + s, e - s,
+      half_blocks<1>(t, in, static_cast<half_bits*>(out) + s, e - s,
                      [](float* const* x, float* o, std::size_t len) {
                        un_loop<OP>(x[0], o, len);
                      });
@@ -455,13 +480,30 @@ void cast_range(DType from, const void* a, DType to, void* out, std::size_t s, s
   half_bits* oh = static_cast<half_bits*>(out) + s;
   if (from == DType::f32 && to == DType::f64) return cast_loop(af, od, n);
   if (from == DType::f64 && to == DType::f32) return cast_loop(ad, of, n);
-  if (from == DType::f16 && to == DType::f32) return load_half(ah, of, n);
-  if (from == DType::f32 && to == DType::f16) return store_half(af, oh, n);
+  if (is_low_precision(from) && to == DType::f32) return load_small(from, ah, of, n);
+  if (from == DType::f32 && is_low_precision(to)) return store_small(to, af, oh, n);
+  if (is_low_precision(from) && is_low_precision(to)) {  // through float32: exact widening
+    alignas(64) float buf[kHalfBlock];
+    for (std::size_t i = 0; i < n; i += kHalfBlock) {
+      const std::size_t len = n - i < kHalfBlock ? n - i : kHalfBlock;
+      load_small(from, ah + i, buf, len);
+      store_small(to, buf, oh + i, len);
+    }
+    return;
+  }
   if (from == DType::f16 && to == DType::f64) {
     for (std::size_t i = 0; i < n; ++i) od[i] = double(half_to_float(ah[i]));
     return;
   }
-  // float64 -> float16 rounds directly (through float32 it could round twice).
+  if (from == DType::bf16 && to == DType::f64) {
+    for (std::size_t i = 0; i < n; ++i) od[i] = double(bf16_to_float(ah[i]));
+    return;
+  }
+  // float64 -> float16/bfloat16 rounds directly (through float32 it could round twice).
+  if (to == DType::bf16) {
+    for (std::size_t i = 0; i < n; ++i) oh[i] = double_to_bf16(ad[i]);
+    return;
+  }
   for (std::size_t i = 0; i < n; ++i) oh[i] = double_to_half(ad[i]);
 }
 

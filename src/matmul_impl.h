@@ -580,15 +580,15 @@ void matmul(DType t, const void* a, const void* b, void* out, std::size_t m, std
     return gemm(static_cast<const double*>(a), ni, 1, static_cast<const double*>(b), pi, 1,
                 static_cast<double*>(out), m, n, p);
   }
-  // float16: widen both operands, multiply in float32, round the result once.
+  // float16 / bfloat16: widen both operands, multiply in float32, round the result once.
   float* af = static_cast<float*>(needle_alloc((m * n + n * p + m * p) * sizeof(float)));
   float* bf = af + m * n;
   float* cf = bf + n * p;
   try {
-    cast(DType::f16, a, DType::f32, af, m * n);
-    cast(DType::f16, b, DType::f32, bf, n * p);
+    cast(t, a, DType::f32, af, m * n);
+    cast(t, b, DType::f32, bf, n * p);
     gemm(af, std::ptrdiff_t(n), 1, bf, std::ptrdiff_t(p), 1, cf, m, n, p);
-    cast(DType::f32, cf, DType::f16, out, m * p);
+    cast(DType::f32, cf, t, out, m * p);
   } catch (...) {
     needle_free(af);
     throw;
@@ -596,7 +596,8 @@ void matmul(DType t, const void* a, const void* b, void* out, std::size_t m, std
   needle_free(af);
 }
 
-// out(m x p) = A @ B for strided float32/float64 operands (see gemm); float16 callers compact.
+// out(m x p) = A @ B for strided float32/float64 operands (see gemm); float16 and bfloat16
+// callers compact.
 void matmul_strided(DType t, const void* a, std::ptrdiff_t ars, std::ptrdiff_t acs,
                     const void* b, std::ptrdiff_t brs, std::ptrdiff_t bcs, void* out,
                     std::size_t m, std::size_t n, std::size_t p) {
@@ -608,5 +609,6 @@ void matmul_strided(DType t, const void* a, std::ptrdiff_t ars, std::ptrdiff_t a
     return gemm(static_cast<const double*>(a), ars, acs, static_cast<const double*>(b), brs,
                 bcs, static_cast<double*>(out), m, n, p);
   }
-  throw std::invalid_argument("matmul_strided: expected float32 or float64, got float16");
+  throw std::invalid_argument(std::string("matmul_strided: expected float32 or float64, got ") +
+                              dtype_name(t));
 }

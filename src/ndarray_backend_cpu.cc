@@ -81,12 +81,15 @@ View make_view(Dims shape, Dims strides, std::int64_t offset) {
   return View{std::move(shape), std::move(strides), offset};
 }
 
-// Raw bytes of `val` in dtype t (float16 rounded to nearest even).
+// Raw bytes of `val` in dtype t (float16 and bfloat16 rounded to nearest even).
 std::uint64_t scalar_bits(DType t, double val) {
   std::uint64_t bits = 0;
   if (t == DType::f64) std::memcpy(&bits, &val, 8);
   else if (t == DType::f32) { const float f = float(val); std::memcpy(&bits, &f, 4); }
-  else { const half_bits h = double_to_half(val); std::memcpy(&bits, &h, 2); }
+  else {
+    const std::uint16_t h = t == DType::bf16 ? double_to_bf16(val) : double_to_half(val);
+    std::memcpy(&bits, &h, 2);
+  }
   return bits;
 }
 
@@ -311,8 +314,9 @@ void matmul_strided(const Array& a, const Array& b, Array& out, std::int64_t m, 
                         std::to_string(m) + ", n=" + std::to_string(n) + ", p=" +
                         std::to_string(p));
   }
-  if (out.dtype() == DType::f16) {
-    throw std::invalid_argument(std::string(op) + ": expected float32 or float64, got float16");
+  if (is_low_precision(out.dtype())) {
+    throw std::invalid_argument(std::string(op) + ": expected float32 or float64, got " +
+                                dtype_name(out.dtype()));
   }
   big_enough(op, "a", a, strided_extent(op, "a", m, n, a_offset, ars, acs));
   big_enough(op, "b", b, strided_extent(op, "b", n, p, b_offset, brs, bcs));

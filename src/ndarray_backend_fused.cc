@@ -23,8 +23,9 @@ namespace needle {
 namespace {
 
 void check_float(const char* op, const Array& a) {
-  if (a.dtype() == DType::f16) {
-    throw std::invalid_argument(std::string(op) + ": expected float32 or float64, got float16");
+  if (is_low_precision(a.dtype())) {
+    throw std::invalid_argument(std::string(op) + ": expected float32 or float64, got " +
+                                dtype_name(a.dtype()));
   }
 }
 

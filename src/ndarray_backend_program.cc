@@ -137,7 +137,7 @@ Launch check_launch(const std::vector<const Array*>& ins, const std::vector<Arra
   Launch launch;
   launch.n = n;
   const DType t = launch.t = outs[0]->dtype();
-  if (t == DType::f16) bad("expected float32 or float64, got float16");
+  if (is_low_precision(t)) bad(std::string("expected float32 or float64, got ") + dtype_name(t));
   if (ins.size() > 64 || outs.size() > 64) bad("expected at most 64 inputs and 64 outputs");
   for (std::size_t i = 0; i < ins.size(); ++i) {
     const Array* a = ins[i];

@@ -113,11 +113,11 @@ inline double combine(double acc, double x) {
 template <RedOp OP>
 double reduce_span(DType t, const void* a, std::size_t s, std::size_t e) {
   double acc = reduce_init<OP>();
-  if (t == DType::f16) {
+  if (is_low_precision(t)) {
     alignas(64) float buf[kHalfBlock];
     for (std::size_t i = s; i < e; i += kHalfBlock) {
       const std::size_t len = e - i < kHalfBlock ? e - i : kHalfBlock;
-      load_half(static_cast<const half_bits*>(a) + i, buf, len);
+      load_small(t, static_cast<const std::uint16_t*>(a) + i, buf, len);
       acc = combine<OP>(acc, OP == RedOp::sum ? block_sum(buf, len)
                                                : block_extreme<OP>(buf, len, float(acc)));
     }
@@ -148,6 +148,7 @@ double reduce_span(DType t, const void* a, std::size_t s, std::size_t e) {
 inline void store_value(DType t, void* out, std::size_t i, double v) {
   if (t == DType::f32) static_cast<float*>(out)[i] = float(v);
   else if (t == DType::f64) static_cast<double*>(out)[i] = v;
+  else if (t == DType::bf16) static_cast<bf16_bits*>(out)[i] = double_to_bf16(v);
   else static_cast<half_bits*>(out)[i] = double_to_half(v);
 }
 
@@ -206,18 +207,24 @@ constexpr std::size_t kSumCols = 32;
 constexpr std::size_t kSumChunk = 256;
 constexpr std::size_t kSumStream = 256;
 
+// bfloat16 elements as a type of their own (half_bits and bf16_bits are both uint16_t).
+struct Bf16 { bf16_bits bits; };
+
 template <class T> struct SumAcc { using type = T; };
 template <> struct SumAcc<half_bits> { using type = float; };
+template <> struct SumAcc<Bf16> { using type = float; };
 
 template <class T>
 inline typename SumAcc<T>::type sum_load(T v) {
   if constexpr (std::is_same_v<T, half_bits>) return half_to_float(v);
+  else if constexpr (std::is_same_v<T, Bf16>) return bf16_to_float(v.bits);
   else return v;
 }
 
 template <class T>
 inline T sum_store(typename SumAcc<T>::type v) {
   if constexpr (std::is_same_v<T, half_bits>) return float_to_half(v);
+  else if constexpr (std::is_same_v<T, Bf16>) return Bf16{float_to_bf16(v)};
   else return v;
 }
 
@@ -274,6 +281,8 @@ void sum_leading(DType t, const void* a, void* out, std::size_t m, std::size_t n
     run_sum_leading(static_cast<const float*>(a), static_cast<float*>(out), m, n);
   } else if (t == DType::f64) {
     run_sum_leading(static_cast<const double*>(a), static_cast<double*>(out), m, n);
+  } else if (t == DType::bf16) {
+    run_sum_leading(static_cast<const Bf16*>(a), static_cast<Bf16*>(out), m, n);
   } else {
     run_sum_leading(static_cast<const half_bits*>(a), static_cast<half_bits*>(out), m, n);
   }

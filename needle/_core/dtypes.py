@@ -1,8 +1,9 @@
 """dtype names, their NumPy equivalents and the promotion rule.
 
 needle names dtypes by string. As the course framework does, it coerces every dtype it
-does not store (bool, ints, ``None``) to ``"float32"``; ``"float64"`` and ``"float16"`` are
-kept when asked for explicitly.
+does not store (bool, ints, ``None``) to ``"float32"``; ``"float64"``, ``"float16"`` and
+``"bfloat16"`` are kept when asked for explicitly. ``"bfloat16"`` is NumPy's through the
+``ml_dtypes`` package (``np.dtype("bfloat16")`` once it is imported).
 
 Promotion rule: elementwise ops between arrays of *different* dtypes raise
 :class:`DTypeError` (convert explicitly with ``.astype``). Python and NumPy scalars are
@@ -14,11 +15,14 @@ Example:
 """
 from __future__ import annotations
 
+import ml_dtypes  # noqa: F401 - registers np.dtype("bfloat16")
 import numpy as np
 
 from .errors import DTypeError
 
-SUPPORTED_DTYPES = ("float32", "float64", "float16")
+SUPPORTED_DTYPES = ("float32", "float64", "float16", "bfloat16")
+# the two-byte dtypes that store their values and compute in float32
+LOW_PRECISION = ("float16", "bfloat16")
 DEFAULT_DTYPE = "float32"
 
 

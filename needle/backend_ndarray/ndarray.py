@@ -21,7 +21,7 @@ import operator
 
 import numpy as np
 
-from .._core.dtypes import canonical_dtype, numpy_dtype
+from .._core.dtypes import LOW_PRECISION, canonical_dtype, numpy_dtype
 from .._core.errors import AxisError, DTypeError, OutOfMemoryError, ShapeError
 from .._core.versions import note_write as _note_write
 from .devices import (
@@ -88,6 +88,9 @@ def _compact_strides(shape: tuple) -> tuple:
     return _layout(shape)[1]
 
 
+_BFLOAT16 = numpy_dtype("bfloat16")
+
+
 class NDArray:
     """An n-dimensional strided view of a flat buffer on a device.
 
@@ -95,8 +98,9 @@ class NDArray:
         other: an NDArray (copied, moved to ``device``), a NumPy array, or anything
             ``np.array`` accepts.
         device: target device (default: :func:`default_device`).
-        dtype: ``"float32"`` (default), ``"float64"`` or ``"float16"``; other dtypes
-            (bool, ints) are coerced to float32 as the course does.
+        dtype: ``"float32"`` (default), ``"float64"``, ``"float16"`` or ``"bfloat16"``; other
+            dtypes (bool, ints) are coerced to float32 as the course does. ``None`` makes
+            float32, except from a NumPy ``bfloat16`` array, whose dtype is kept.
 
     Example:
         >>> from needle.backend_ndarray import NDArray, cpu_numpy
@@ -120,6 +124,8 @@ class NDArray:
                 return
             other = other.numpy()
         device = default_device() if device is None else check_enabled(device, "NDArray")
+        if dtype is None and getattr(other, "dtype", None) == _BFLOAT16:
+            dtype = "bfloat16"  # only asked for on purpose (ml_dtypes): kept, not coerced
         dtype = canonical_dtype(dtype, "NDArray")
         # np.asarray, not ascontiguousarray: the latter turns a 0-d array into shape (1,).
         src = numpy_data(other, numpy_dtype(dtype), "NDArray")
@@ -643,8 +649,8 @@ class NDArray:
             return out  # nothing to compute: operands are neither read nor compacted
         strided = getattr(self._device.mod, "matmul_strided", None)
         (ars, acs), (brs, bcs) = self._strides, other._strides
-        if (strided is not None and dtype != "float16" and ars >= 0 and acs >= 0 and brs >= 0
-                and bcs >= 0):
+        if (strided is not None and dtype not in LOW_PRECISION and ars >= 0 and acs >= 0
+                and brs >= 0 and bcs >= 0):
             # the kernel packs straight from the views: no compact copy of a transposed or
             # sliced operand (every matmul backward multiplies by a transpose)
             strided(self._handle, other._handle, out._handle, m, n, p, self._offset, ars, acs,

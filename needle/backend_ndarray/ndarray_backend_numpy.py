@@ -14,6 +14,7 @@ import math
 
 import numpy as np
 
+from .._core.dtypes import numpy_dtype
 from .._core.errors import DTypeError, ShapeError
 from .ndarray_limits import check_alloc, check_view
 
@@ -23,6 +24,9 @@ _ALIGNMENT = 256
 # Installed by needle.memory (layer L2) at import: an object with ``allocate(nbytes)``
 # returning a block with ``view(dtype, count)`` and ``release()``. L1 never imports L2.
 _ALLOCATOR = None
+# bfloat16 (ml_dtypes) ufuncs compute each element in float32 and round once, as the kernels
+# do; its sums and products would round every partial result, so those widen explicitly.
+_BF16 = numpy_dtype("bfloat16")
 
 
 def set_allocator(allocator) -> None:
@@ -208,7 +212,7 @@ ewise_sign = _unary(np.sign)
 
 
 def ewise_sigmoid(a: Array, out: Array) -> None:
-    x = a.array.astype(np.float64) if a.array.dtype == np.float16 else a.array
+    x = a.array.astype(np.float64) if a.array.dtype in (np.float16, _BF16) else a.array
     # Split by sign so neither branch overflows exp.
     e = np.exp(-np.abs(x))
     out.array[:] = np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
@@ -228,8 +232,14 @@ def matmul(a: Array, b: Array, out: Array, m: int, n: int, p: int) -> None:
     _need_matmul("matmul", a, b, out, m, n, p)
     _need(a, m * n, "matmul", "a")
     _need(b, n * p, "matmul", "b")
-    out.array[: m * p] = (a.array[: m * n].reshape(m, n)
-                          @ b.array[: n * p].reshape(n, p)).reshape(-1)
+    out.array[: m * p] = _product(a.array[: m * n].reshape(m, n),
+                                  b.array[: n * p].reshape(n, p)).reshape(-1)
+
+
+def _product(left: np.ndarray, right: np.ndarray) -> np.ndarray:
+    if left.dtype == _BF16:  # widen, multiply in float32, round the result once
+        return (left.astype(np.float32) @ right.astype(np.float32)).astype(_BF16)
+    return left @ right
 
 
 def matmul_strided(a: Array, b: Array, out: Array, m: int, n: int, p: int,
@@ -241,7 +251,7 @@ def matmul_strided(a: Array, b: Array, out: Array, m: int, n: int, p: int,
     if m and p:
         left = _view(a, (m, n), (ars, acs), a_offset, "matmul_strided")
         right = _view(b, (n, p), (brs, bcs), b_offset, "matmul_strided")
-        out.array[: m * p] = (left @ right).reshape(-1)
+        out.array[: m * p] = _product(left, right).reshape(-1)
 
 
 def _blocks(a: Array, out: Array, reduce_size: int) -> np.ndarray:
@@ -253,12 +263,13 @@ def _blocks(a: Array, out: Array, reduce_size: int) -> np.ndarray:
 
 
 def reduce_sum(a: Array, out: Array, reduce_size: int) -> None:
-    out.array[:] = _blocks(a, out, reduce_size).sum(axis=1)
+    blocks = _blocks(a, out, reduce_size)
+    out.array[:] = blocks.sum(axis=1, dtype=np.float32 if blocks.dtype == _BF16 else None)
 
 
 def reduce_sum_leading(a: Array, out: Array, m: int, n: int) -> None:
     """out (n) = the m rows of a (m x n) added up, rows in order, in the element type (float32
-    for float16), as the C++ and CUDA kernels add them."""
+    for float16 and bfloat16), as the C++ and CUDA kernels add them."""
     if min(m, n) < 0:
         raise ShapeError(f"reduce_sum_leading: dimensions must be >= 0, got m={m}, n={n}")
     _need(a, m * n, "reduce_sum_leading", "a")
@@ -267,7 +278,7 @@ def reduce_sum_leading(a: Array, out: Array, m: int, n: int) -> None:
     if n and a is out:
         raise ValueError("reduce_sum_leading: out must not share memory with a")
     rows = a.array[:m * n].reshape(m, n)
-    total = np.zeros(n, np.float32 if rows.dtype == np.float16 else rows.dtype)
+    total = np.zeros(n, np.float32 if rows.dtype in (np.float16, _BF16) else rows.dtype)
     for row in rows:  # one row at a time: the kernels' order (NumPy's own sum over axis 0
         total += row  # pairs them up when the columns are one apart, n = 1)
     out.array[:n] = total

@@ -301,8 +301,8 @@ def ewise_program(ins, outs, code, scalars, n) -> None:
     if not outs:
         raise ValueError("ewise_program: expected at least one output")
     dtype = outs[0].array.dtype
-    if dtype == np.float16:
-        raise ValueError("ewise_program: expected float32 or float64, got float16")
+    if dtype not in (np.float32, np.float64):
+        raise ValueError(f"ewise_program: expected float32 or float64, got {dtype.name}")
     for arr in (*ins, *outs):
         if arr.array.dtype != dtype or arr.array.size < n:
             raise ValueError(f"ewise_program: every input and output must be {dtype} with at "

@@ -40,6 +40,7 @@ While a compiled step runs, reading tensor values on the host (``loss.numpy()``)
 """
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 
 from needle._core.errors import CompileError
@@ -65,7 +66,7 @@ MAX_RERECORDS = 8
 class _Entry:
     __slots__ = ("calls", "graph", "plan", "divergences", "eager", "last_divergence",
                  "eager_peak_bytes", "program", "candidate", "python_reason", "rerecords",
-                 "arena")
+                 "arena", "cuda_graph", "graph_reason")
 
     def __init__(self):
         self.calls = 0
@@ -80,10 +81,16 @@ class _Entry:
         self.python_reason = None  # why replays run the step's Python, or None
         self.rerecords = 0  # programs dropped because the step's state changed between calls
         self.arena = None  # the ArenaChoice of the plan (needle.compiler.arena)
+        self.cuda_graph = None  # the program captured as a CUDA graph (.graph), if it is
+        self.graph_reason = None  # why the program replays without one
 
     def forget_plan(self) -> None:
         self.plan = self.graph = self.program = self.candidate = None
         self.python_reason = None  # the next trace records and decides afresh
+        self.forget_program()
+
+    def forget_program(self) -> None:
+        self.cuda_graph = self.graph_reason = None
 
 
 class CompiledStep:
@@ -93,7 +100,7 @@ class CompiledStep:
 
     def __init__(self, fn, *, max_cache: int = 8, warmup: int = 1, max_retraces: int = 2,
                  device=None, kernels: bool = True, fusion: bool = True, native: bool = True,
-                 arena: str = "bounded"):
+                 arena: str = "bounded", graphs: bool | None = None):
         if not callable(fn):
             raise CompileError(f"compile: expected a callable step, got {fn!r}")
         if arena not in POLICIES:
@@ -113,9 +120,14 @@ class CompiledStep:
         self.fusion = fusion
         self.native = native
         self.arena = arena
+        if graphs is not None and not isinstance(graphs, bool):
+            raise CompileError(f"compile: bad graphs, expected None, True or False, got "
+                               f"{graphs!r}")
+        self.graphs = graphs
         self._cache: OrderedDict[tuple, _Entry] = OrderedDict()
         self._counts = {"calls": 0, "traces": 0, "replays": 0, "kernel_replays": 0,
-                        "divergences": 0, "evictions": 0, "eager_calls": 0}
+                        "graph_replays": 0, "captures": 0, "divergences": 0, "evictions": 0,
+                        "eager_calls": 0}
         self._last = None
         self.__wrapped__ = fn
         self.__doc__ = getattr(fn, "__doc__", None)
@@ -242,6 +254,7 @@ class CompiledStep:
         plan; a step whose state keeps changing gives up on programs after
         ``MAX_RERECORDS`` such changes and keeps its Python replays."""
         entry.program = entry.candidate = None
+        entry.forget_program()
         entry.rerecords += 1
         entry.last_divergence = reason
         if entry.rerecords > MAX_RERECORDS:
@@ -250,11 +263,37 @@ class CompiledStep:
 
     def _run_program(self, entry: _Entry, handles: list, tensors: list, args):
         program = entry.program
+        replay = entry.cuda_graph
+        if replay is None and entry.graph_reason is None and self.graphs is not False:
+            replay = self._capture(entry)
+        if replay is not None:
+            result = replay.run(handles, tensors)
+            self._counts["kernel_replays"] += 1
+            self._counts["graph_replays"] += 1
+            self._counts["replays"] += 1
+            return result
         made, divergence = run_plan(entry.plan, *args, strict=False,
                                     fn=lambda *a: program.execute(handles, tensors))
         result = program.finish(made, tensors)
         self._counts["kernel_replays"] += 1
         return self._count(entry, result, divergence)
+
+    def _capture(self, entry: _Entry):
+        """Capture the entry's program as a CUDA graph once (:mod:`.graph`); None, with
+        ``entry.graph_reason`` set, where it cannot be (warned once when ``graphs=True``
+        asked for one)."""
+        from .graph import capture
+
+        captured = capture(entry.program)
+        if isinstance(captured, str):
+            entry.graph_reason = captured
+            if self.graphs:
+                warnings.warn(f"{self._name}: replays without a CUDA graph: {captured}",
+                              RuntimeWarning, stacklevel=4)
+            return None
+        entry.cuda_graph = captured
+        self._counts["captures"] += 1
+        return captured
 
     def _trace(self, entry: _Entry, call, args, kwargs):
         box = []
@@ -272,7 +311,8 @@ class CompiledStep:
 
     # ---- introspection ------------------------------------------------------------------
     def stats(self) -> dict:
-        """Counts: calls, traces, replays, divergences, evictions, eager_calls; cache_size and
+        """Counts: calls, traces, replays (kernel_replays among them, graph_replays among
+        those), captures (of CUDA graphs), divergences, evictions, eager_calls; cache_size and
         eager_signatures (entries that gave up planning)."""
         out = dict(self._counts)
         out["cache_size"] = len(self._cache)
@@ -322,7 +362,8 @@ def _mode(entry: _Entry, kernels: bool) -> dict:
     if entry.program is not None:
         return {"mode": "kernels", "kernels": entry.program.n_kernels,
                 "fused_runs": entry.program.fused_runs,
-                "runner": "C++" if entry.program.native is not None else "Python"}
+                "runner": "C++" if entry.program.native is not None else "Python",
+                "graph": entry.cuda_graph is not None, "graph_reason": entry.graph_reason}
     if entry.plan is None:
         return {"mode": "warm-up"}
     if not kernels or entry.python_reason is not None:
@@ -366,7 +407,7 @@ def _device_of(args, kwargs):
 
 def compile(fn=None, *, max_cache: int = 8, warmup: int = 1, max_retraces: int = 2,
             device=None, kernels: bool = True, fusion: bool = True, native: bool = True,
-            arena: str = "bounded"):
+            arena: str = "bounded", graphs: bool | None = None):
     """Capture ``fn`` (a training or inference step) once per call signature and replay it
     with its intermediate buffers in one planned arena (those that keep a replay within the
     eager call's peak memory).
@@ -382,6 +423,13 @@ def compile(fn=None, *, max_cache: int = 8, warmup: int = 1, max_retraces: int =
     ``cpu()`` it runs from C++ (``native``; False keeps the generated Python function).
     ``arena="bounded"`` keeps a replay's peak memory within the eager call's; ``"all"`` puts
     every intermediate in the arena (:mod:`needle.compiler.arena`).
+    On ``cuda()`` a kernel program is captured once as a CUDA graph and each call launches
+    it (``graphs=None``, the default, or True; False: never): inputs are copied into the
+    graph's fixed buffers, parameters and optimizer state updated in place, the result
+    copied out; gradients stay in the graph's buffers, overwritten by the next call
+    (:mod:`needle.compiler.graph`). Where a graph cannot hold the step the program replays
+    without one and ``replay_mode()["graph_reason"]`` says why (a warning too with
+    ``graphs=True``).
     ``replay_mode()`` says which, or why a step keeps running its Python.
 
     Example:
@@ -399,7 +447,7 @@ def compile(fn=None, *, max_cache: int = 8, warmup: int = 1, max_retraces: int =
         return lambda f: CompiledStep(f, max_cache=max_cache, warmup=warmup,
                                       max_retraces=max_retraces, device=device,
                                       kernels=kernels, fusion=fusion, native=native,
-                                      arena=arena)
+                                      arena=arena, graphs=graphs)
     return CompiledStep(fn, max_cache=max_cache, warmup=warmup, max_retraces=max_retraces,
                         device=device, kernels=kernels, fusion=fusion, native=native,
-                        arena=arena)
+                        arena=arena, graphs=graphs)

@@ -178,6 +178,7 @@ class KernelProgram:
         self.source = None
         self.n_kernels = 0
         self.fused_runs = 0
+        self.ops_run: list | None = None
         self.prepared = False
 
     def bind(self, args: tuple, kwargs: dict):
@@ -278,6 +279,7 @@ class KernelProgram:
             ops = fuse(ops, sizes, set(made) | set(self._external_slots), kernel, overlaps,
                        pooled)
         self.fused_runs = sum(isinstance(op, FusedCall) for op in ops)
+        self.ops_run = ops  # what the runner runs (a CUDA graph captures the same: .graph)
         mod = self.device.mod
         self.native = build_kernel_list(ops, self._external_slots, set(made), mod,
                                         lambda op: random_fill(op, mod)) if native else None

@@ -36,7 +36,7 @@ def _draw(device, kind: str, shape: tuple, dtype):
     # float16 is asked for; np mode keeps NumPy's float64 and casts when the Tensor is made.
     if not _ND:
         return getattr(_random, kind)(*shape)
-    dtype = dtype if dtype in ("float64", "float16") else "float32"
+    dtype = dtype if dtype in ("float64", "float16", "bfloat16") else "float32"
     if kind == "rand":  # the same numbers, made by the device's kernel where it has one
         return draws.rand(device, shape, dtype, host_stream=True)
     return NDArray(_random.randn(*shape), device=device, dtype=dtype)

@@ -35,8 +35,8 @@ def optimizer_kind(optimizer: Any) -> str:
 
 
 def precision_of(params: list) -> str:
-    """``mixed`` when the parameters are float16, else ``fp32``."""
-    return "mixed" if any(str(p.dtype) == "float16" for p in params) else "fp32"
+    """``mixed`` when the parameters are float16 or bfloat16, else ``fp32``."""
+    return "mixed" if any(str(p.dtype) in ("float16", "bfloat16") for p in params) else "fp32"
 
 
 def measured(device: Any, baseline: dict | None = None) -> dict[str, dict[str, int]]:

@@ -41,7 +41,7 @@ GEMM_BLOCKING = {
     "baseline": {"float32": (4, 8, 256, 96, 2048, False, 0),
                  "float64": (4, 8, 256, 96, 2048, False, 0)},
 }
-_ITEM = {"float16": 2, "float32": 4, "float64": 8}
+_ITEM = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 _DIRECT_B_BYTES = 256 << 10       # use_direct_b: a B this small is read in place
 _DIRECT_B_FEW_ROWS_BYTES, _DIRECT_B_FEW_ROWS = 1 << 20, 256
 _PRIVATE_PACK_BYTES, _PACK_ALL_BYTES = 64 << 10, 512 << 10
@@ -82,7 +82,7 @@ class CppScratch:
     # ---- what a product asks for ----------------------------------------------------------
     def requests(self, name, dtype, m, n, p, a_strides, b_strides) -> list:
         """``[(thread, slot, bytes)]`` the packing buffers a product asks for, in order."""
-        if dtype == "float16":  # widened to compact float32 first
+        if dtype in ("float16", "bfloat16"):  # widened to compact float32 first
             dtype, a_strides, b_strides = "float32", (n, 1), (p, 1)
         mr, nr, kc, mc, nc, direct, max_panels = GEMM_BLOCKING[self.isa][dtype]
         item = _ITEM[dtype]
@@ -151,10 +151,10 @@ class CppScratch:
         elements = m * n + n * p + m * p
         transients = []  # needle_alloc'd for the length of the call, freed in reverse
         if name == "matmul_tiled":
-            if dtype != "float16" and 2.0 * m * n * p < 1e6:
+            if dtype not in ("float16", "bfloat16") and 2.0 * m * n * p < 1e6:
                 return  # small tiled products loop over the tiles in place
             transients.append(alloc.allocate(elements * _ITEM[dtype], category="workspace"))
-        if dtype == "float16":  # widened to float32, multiplied, rounded back
+        if dtype in ("float16", "bfloat16"):  # widened to float32, multiplied, rounded back
             transients.append(alloc.allocate(elements * 4, category="workspace"))
         for thread, slot, nbytes in self.requests(name, dtype, m, n, p, *strides):
             self._get(name, (thread, slot), int(nbytes * scale), alloc)

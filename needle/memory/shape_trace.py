@@ -62,8 +62,8 @@ from .trace import TracedGraph, _Tracer
 __all__ = ["ShapeArray", "ShapeBackend", "SavedBuffer", "StepPrediction", "predict_step",
            "run_step"]
 
-_ITEMSIZE = {"float16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8, "bool": 1,
-             "uint8": 1}
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8,
+             "bool": 1, "uint8": 1}
 
 
 def _no_memory(nbytes: int):

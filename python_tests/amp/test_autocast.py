@@ -125,5 +125,5 @@ def test_regions_nest_and_are_thread_local():
 
 
 def test_bad_dtype_is_refused():
-    with pytest.raises(NeedleError, match="expected 'float16', got 'int8'"):
+    with pytest.raises(NeedleError, match=r"expected one of \('float16', 'bfloat16'\), got 'int8'"):
         amp.autocast(dtype="int8")

@@ -159,8 +159,12 @@ class _Function:
         cargs = [_c_arg(a) for a in args]
         pointers = (ctypes.c_void_p * len(cargs))(*[ctypes.addressof(c) for c in cargs])
         self.launches.append((tuple(grid[:2]), tuple(block)))
-        self._fn(pointers, ctypes.c_uint(grid[0]), ctypes.c_uint(grid[1]),
-                 ctypes.c_uint(block[0]))
+        run = (self._fn, pointers, ctypes.c_uint(grid[0]), ctypes.c_uint(grid[1]),
+               ctypes.c_uint(block[0]), cargs)  # cargs: the arguments, by value, as captured
+        if _captured(lambda: run[0](*run[1:5])):
+            return
+        COUNTS["kernels"] += 1
+        run[0](*run[1:5])
 
 
 class _RawModule:
@@ -212,12 +216,15 @@ class _DeviceArray:
         self._view, self._keep = _view, memptr
 
     def get(self) -> np.ndarray:
+        _refuse_in_capture("a device-to-host copy")
         return self._view.copy()
 
     def copy(self) -> "_DeviceArray":
+        _refuse_in_capture("an allocating copy")
         return _DeviceArray(None, None, _view=self._view.copy())
 
     def set(self, src) -> None:
+        _refuse_in_capture("a copy from pageable host memory")
         self._view[...] = src
 
     def reshape(self, *shape):
@@ -228,7 +235,13 @@ class _DeviceArray:
         return _DeviceArray(None, None, self._keep, _view=self._view.T)
 
     def __setitem__(self, key, value) -> None:
-        self._view[key] = value._view if isinstance(value, _DeviceArray) else value
+        src = value._view if isinstance(value, _DeviceArray) else value
+
+        def assign(view=self._view):
+            view[key] = src
+
+        if not _captured(assign):
+            assign()
 
 
 class _Runtime:
@@ -248,7 +261,92 @@ class _Runtime:
 
     @staticmethod
     def deviceSynchronize() -> None:  # noqa: N802
-        pass
+        _refuse_in_capture("a device synchronisation")
+
+    memcpyDeviceToDevice = 3  # noqa: N815 - CuPy's name
+
+    @staticmethod
+    def memcpyAsync(dst: int, src: int, size: int, kind: int, stream: int) -> None:  # noqa: N802
+        def copy():
+            ctypes.memmove(dst, src, size)
+
+        if not _captured(copy):
+            COUNTS["copies"] += 1
+            copy()
+
+
+# ---- stream capture: what a CUDA graph freezes ---------------------------------------------
+# While a stream captures, every kernel launch, cuBLAS product and device-to-device copy on it
+# is recorded, not run: a launch's arguments by value (device pointers included), exactly what
+# a real graph keeps; a graph's launch runs the records in order. What a real capture refuses
+# (a host synchronisation, a copy to or from pageable host memory, work on another stream)
+# raises here and invalidates the capture, as the CUDA runtime does.
+COUNTS = {"kernels": 0, "copies": 0, "captures": 0, "graph_launches": 0}
+_STREAMS: list = []  # the current stream stack (`with stream:`); empty: the legacy stream
+_CAPTURE: dict = {}  # the capture in progress: stream, records, invalidated
+
+
+def _captured(run) -> bool:
+    """Record ``run`` when a capture is in progress (False: run it now)."""
+    if not _CAPTURE:
+        return False
+    if not _STREAMS or _STREAMS[-1] is not _CAPTURE["stream"]:
+        _CAPTURE["invalid"] = "work queued on another stream during a capture"
+        raise RuntimeError("emulator: cudaErrorStreamCaptureImplicit (work on another stream "
+                           "while one captures)")
+    _CAPTURE["records"].append(run)
+    return True
+
+
+def _refuse_in_capture(what: str) -> None:
+    if _CAPTURE:
+        _CAPTURE["invalid"] = what
+        raise RuntimeError(f"emulator: cudaErrorStreamCaptureUnsupported ({what} while a "
+                           "stream captures)")
+
+
+class _Graph:
+    def __init__(self, records: list):
+        self.records = records
+
+    def launch(self, stream=None) -> None:
+        _refuse_in_capture("a graph launch")
+        COUNTS["graph_launches"] += 1
+        for run in self.records:
+            run()
+
+
+class _Stream:
+    def __init__(self, non_blocking: bool = False, null: bool = False):
+        self.ptr = 0 if null else id(self)
+
+    def __enter__(self):
+        _STREAMS.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _STREAMS.pop()
+
+    def begin_capture(self, mode=None) -> None:
+        if self.ptr == 0 or _CAPTURE:
+            raise RuntimeError("emulator: cannot capture the legacy stream or two at once")
+        _CAPTURE.update(stream=self, records=[], invalid=None)
+
+    def is_capturing(self) -> bool:
+        return bool(_CAPTURE) and _CAPTURE["stream"] is self
+
+    def end_capture(self) -> _Graph:
+        if not self.is_capturing():
+            raise RuntimeError("emulator: end_capture on a stream that does not capture")
+        records, invalid = _CAPTURE["records"], _CAPTURE["invalid"]
+        _CAPTURE.clear()
+        if invalid is not None:
+            raise RuntimeError(f"emulator: cudaErrorStreamCaptureInvalidated ({invalid})")
+        COUNTS["captures"] += 1
+        return _Graph(records)
+
+
+_NULL_STREAM = _Stream(null=True)
 
 
 class _CudaNamespace:
@@ -256,15 +354,23 @@ class _CudaNamespace:
         self.runtime = _Runtime(num_sms)
         self.UnownedMemory = _UnownedMemory
         self.MemoryPointer = _Pointer
+        self.Stream = _Stream
         self.allocated_bytes = 0
 
+    @staticmethod
+    def get_current_stream() -> _Stream:
+        return _STREAMS[-1] if _STREAMS else _NULL_STREAM
+
     def alloc(self, nbytes: int) -> _HostMemory:
+        _refuse_in_capture("an allocation")
         self.allocated_bytes += nbytes
         return _HostMemory(nbytes)
 
 
 class FakeCupy:
     """Just enough of ``cupy`` for the backend; ``num_sms`` steers the reduction plans."""
+
+    counts = COUNTS  # launches, copies, captures and graph launches since the import
 
     def __init__(self, num_sms: int = 2):
         self.cuda = _CudaNamespace(num_sms)
@@ -273,8 +379,13 @@ class FakeCupy:
 
     @staticmethod
     def matmul(a, b, out=None):
-        result = np.matmul(a._view, b._view)
         if out is None:
-            return _DeviceArray(None, None, None, _view=result)
-        out._view[...] = result
+            _refuse_in_capture("a product into a new array")
+            return _DeviceArray(None, None, None, _view=np.matmul(a._view, b._view))
+
+        def product():
+            out._view[...] = np.matmul(a._view, b._view)
+
+        if not _captured(product):
+            product()
         return out

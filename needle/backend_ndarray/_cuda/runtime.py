@@ -164,3 +164,59 @@ def launch(spec: L.KernelSpec, dtype: str, work, *args, src_dtype: str | None = 
 def synchronize() -> None:
     """Wait for every kernel queued on the current device (benchmarks, tests)."""
     cupy_module().cuda.runtime.deviceSynchronize()
+
+
+# ---- CUDA graphs (needle.compiler.graph) ---------------------------------------------------
+def graphs_unsupported() -> str | None:
+    """Why this CuPy cannot capture CUDA graphs, or None when it can."""
+    cupy = cupy_module()
+    stream = getattr(cupy.cuda, "Stream", None)
+    if stream is None or not hasattr(stream, "begin_capture"):
+        version = getattr(cupy, "__version__", "?")
+        return f"CuPy {version} has no stream capture (cupy.cuda.Stream.begin_capture)"
+    return None
+
+
+class Capture:
+    """``with Capture() as cap:`` queues the block's launches and copies on a side stream
+    that captures them; ``cap.graph`` is the CUDA graph once the block ended without error.
+    Nothing runs while capturing: :func:`launch_graph` runs it."""
+
+    def __init__(self):
+        self.graph = None
+        self._stream = cupy_module().cuda.Stream(non_blocking=True)
+
+    def __enter__(self) -> "Capture":
+        self._stream.__enter__()
+        try:
+            self._stream.begin_capture()
+        except BaseException:
+            self._stream.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, kind, value, tb) -> None:
+        try:
+            graph = self._stream.end_capture()  # ends even a failed capture: the stream is free
+        except Exception:  # noqa: BLE001 - an invalidated capture: the block's error says why
+            if kind is None:
+                raise
+            graph = None
+        finally:
+            self._stream.__exit__(None, None, None)
+        if kind is None:
+            self.graph = graph
+
+
+def launch_graph(graph) -> None:
+    """Run a captured graph on the current stream, after everything queued there."""
+    graph.launch(cupy_module().cuda.get_current_stream())
+
+
+def copy_device(dst: int, src: int, nbytes: int) -> None:
+    """Queue a device-to-device copy of ``nbytes`` on the current stream (captured when it
+    captures)."""
+    cupy = cupy_module()
+    rt = cupy.cuda.runtime
+    rt.memcpyAsync(dst, src, nbytes, getattr(rt, "memcpyDeviceToDevice", 3),
+                   cupy.cuda.get_current_stream().ptr)

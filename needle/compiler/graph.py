@@ -1,0 +1,254 @@
+"""CUDA graph replay of a kernel program on ``cuda()``: one launch per step.
+
+A kernel program (:mod:`.program`) already runs the same kernels on the same buffers in
+the same order every call. :func:`capture` records that sequence once with CuPy's stream
+capture (``runtime.Capture``); every later call copies what changed into the graph's fixed
+buffers and launches the graph. A graph keeps every device address it saw, so every buffer
+it touches must stay where it was at capture time:
+
+* **intermediates** get blocks of their own, held by the graph: a block is reused only by a
+  buffer made after the last kernel that used the previous one (sizes match exactly);
+* **buffers from before the call** (tensor arguments, parameters, optimizer state, a
+  gradient that accumulates) get one fixed buffer each; a call copies a buffer in (one
+  device-to-device copy) only when it is not that buffer already: a new batch is copied, a
+  parameter the graph updated last call is not;
+* **state the step replaces** (a new weight, a moment, BatchNorm's running statistics) is
+  computed by the graph and copied back, inside the graph, into the fixed buffer it was
+  read from; that buffer is what the state then holds, so the next call copies nothing.
+  State the step sets without reading it (the gradients after ``reset_grad``) is left in the
+  graph's own buffers, which the next call overwrites in place;
+* **the step's result** is copied out into new buffers after the launch: a returned loss
+  stays valid after later calls;
+* **host data**: the random draws of the step (dropout masks) are drawn on the host before
+  the launch in the recorded order, from the same ``needle.random`` streams as eagerly, and
+  copied into buffers of their own; so are host constants. The deferred label checks of
+  ``SoftmaxLoss``/``Embedding`` are queued again for the fixed label buffer on every call.
+
+So the kernels and their inputs are those of the plain kernel replay: the results are
+bitwise equal. :func:`capture` returns a string saying why instead where a graph cannot
+hold the step: not ``cuda()``, a CuPy without stream capture, Python scalars recomputed per
+call (``effects.replayed``: Adam's bias corrections would be frozen), a kernel that checks
+device values the step computes, an allocation the recording did not see, or an operation
+the capture refused (a host synchronisation).
+
+Example (``cpu()`` has no graphs: the reason comes back):
+    >>> import needle as ndl, numpy as np
+    >>> from needle.compiler.recorder import record_kernels
+    >>> from needle.compiler.program import Before, build_program
+    >>> x = ndl.Tensor(np.ones(3), device=ndl.cpu_numpy())
+    >>> with record_kernels(ndl.cpu_numpy()) as rec:
+    ...     y = x * 2
+    >>> capture(build_program(rec, Before({}, [x]), {}, (x,), {}, y))
+    'CUDA graphs need a cuda() program, got cpu_numpy()'
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from .codegen import generate, random_fill
+from .fusion import slots_of
+from .recorder import Alloc, Call, Const, PyCall, RandomFill, Ref
+
+__all__ = ["GraphReplay", "capture"]
+
+
+class GraphReplay:
+    """A captured kernel program: :meth:`run` is one call of the step (see the module
+    docstring). ``copies`` counts the device-to-device copies the last call queued before
+    its launch."""
+
+    def __init__(self, program, graph, fixed: list, made: tuple, back: dict, fills: list,
+                 checks: list, blocks: list, runtime):
+        self.program, self.graph, self.fixed, self.made = program, graph, fixed, made
+        self.fills, self.checks, self.runtime = fills, checks, runtime
+        self._blocks = blocks  # the intermediates' memory: the graph's addresses
+        self._nbytes = [max(a.size, 1) * a.itemsize for a in fixed]
+        self._results = _result_slots(program.result)
+        self._back = back  # made index -> the fixed buffer the graph copies it back into
+        self.copies = 0
+
+    def run(self, handles: list, tensors: list):
+        rt, copies = self.runtime, 0
+        for fixed, handle, nbytes in zip(self.fixed, handles, self._nbytes, strict=True):
+            if handle is not fixed:
+                rt.copy_device(fixed.ptr(), handle.ptr(), nbytes)
+                copies += 1
+        for fill, out in self.fills:  # in the recorded order: the same draws as eagerly
+            fill(out)
+        for defer, ids, n, k, what in self.checks:
+            defer(ids, n, k, what)
+        rt.launch_graph(self.graph)
+        self.copies = copies
+        out = list(self.made)
+        for j, fixed in self._back.items():
+            out[j] = fixed
+        array_type = self.program.device.mod.Array
+        for j in self._results:
+            src = self.made[j]
+            copy = out[j] = array_type(src.size, src.dtype)
+            rt.copy_device(copy.ptr(), src.ptr(), max(src.size, 1) * src.itemsize)
+        return self.program.finish(tuple(out), tensors)
+
+
+def capture(program) -> GraphReplay | str:
+    """Capture ``program`` (a prepared :class:`~.program.KernelProgram`) as a CUDA graph, or
+    say why it cannot be (see the module docstring)."""
+    mod = program.device.mod
+    if getattr(mod, "__device_name__", None) != "cuda":
+        return f"CUDA graphs need a cuda() program, got {program.device.name}()"
+    from needle.backend_ndarray._cuda import runtime
+
+    why = runtime.graphs_unsupported()
+    if why is not None:
+        return why
+    ops = getattr(program, "ops_run", None)
+    if ops is None or program.native is not None:
+        return "the program has no generated Python runner to capture"
+    if any(isinstance(op, PyCall) for op in ops):
+        return ("the step's replayed() Python (an optimizer's step count) gives kernels new "
+                "scalars on every call: a graph would freeze them")
+    fills: list = []
+    ops = [_host_fill(op, fills, mod) for op in ops]
+    host_slots = {op.args[0].slot for op in ops
+                  if isinstance(op, Call) and op.name == "graph_host_fill"}
+    made_slots = program._made
+    order, sizes = _blocks(ops, set(made_slots), host_slots)
+    fn, _, _ = generate(program._rec, program._external_slots, made_slots, ops, mod)
+    fixed = [mod.Array(b.meta[4], b.meta[3]) for b in program.binders]
+    back = _copy_back(program, fixed, ops)
+    blocks = [runtime.allocate(n) for n in sizes]
+    checks: list = []
+    try:
+        graph, made = _capture(fn, fixed, back, order, sizes, blocks, checks, mod, runtime)
+    except _Refused as exc:
+        return str(exc)
+    except Exception as exc:  # noqa: BLE001 - any failure of the capture means: no graph
+        return f"the capture failed ({type(exc).__name__}: {exc})"
+    for i, (_, out) in enumerate(fills):
+        if out is None:
+            return "a host fill of the step was not reached while capturing"
+        fills[i] = (fills[i][0], out)
+    bound = []
+    for ids, n, k, what in dict.fromkeys(checks):
+        owner = next((f for f in fixed if f.ptr() == ids.ptr()), None)
+        if owner is None:
+            return ("a kernel checks device values the step computes on the host (ids made "
+                    "inside the step): a graph would skip the check")
+        bound.append((mod._defer_ids_check, owner, n, k, what))
+    return GraphReplay(program, graph, fixed, made, back, fills, bound, blocks, runtime)
+
+
+class _Refused(Exception):
+    pass
+
+
+# long: one capture, its allocator and check hooks set and put back around it
+def _capture(fn, fixed, back, order, sizes, blocks, checks, mod, runtime):
+    served = [0]
+
+    def allocate(nbytes: int):
+        k = served[0]
+        if k >= len(order) or sizes[order[k]] != nbytes:
+            raise _Refused("a kernel allocates a buffer the recording did not see (a "
+                           "workspace made inside a kernel call)")
+        served[0] += 1
+        return blocks[order[k]]
+
+    def defer(ids, n, k, what):
+        checks.append((ids, int(n), int(k), what))
+
+    previous_allocator = mod.get_allocator()
+    previous_defer = getattr(mod, "_defer_ids_check", None)
+    mod.set_allocator(allocate)
+    if previous_defer is not None:
+        mod._defer_ids_check = defer
+    try:
+        with runtime.Capture() as cap:
+            made = fn(list(fixed))
+            for j, target in back.items():
+                src = made[j]
+                runtime.copy_device(target.ptr(), src.ptr(), max(src.size, 1) * src.itemsize)
+    finally:
+        mod.set_allocator(previous_allocator)
+        if previous_defer is not None:
+            mod._defer_ids_check = previous_defer
+    if served[0] != len(order):
+        raise _Refused(f"the capture made {served[0]} buffers, the recording {len(order)}")
+    return cap.graph, made
+
+
+def _host_fill(op, fills: list, mod):
+    """A random draw or a host constant copied to the device becomes a call that notes its
+    buffer: the replay fills it on the host side before each launch."""
+    if isinstance(op, RandomFill):
+        fill, slot = random_fill(op, mod), op.slot
+    elif isinstance(op, Call) and op.name == "from_numpy" and isinstance(op.args[0], Const):
+        fill, slot = functools.partial(op.fn, op.args[0].array), op.args[1].slot
+    else:
+        return op
+    index = len(fills)
+    fills.append((fill, None))
+
+    def note(out):
+        fills[index] = (fill, out)
+
+    return Call("graph_host_fill", note, (Ref(slot),))
+
+
+def _blocks(ops: list, keep: set, host: set) -> tuple[list, list]:
+    """Which block serves each allocation, in order, and the blocks' sizes: a block is
+    reused by an allocation of its size after the last op that used its buffer; buffers
+    that outlive the program (``keep``) or are filled from the host before the launch
+    (``host``) keep theirs."""
+    last: dict[int, int] = {}
+    for i, op in enumerate(ops):
+        for slot in slots_of(op):
+            last[slot] = i
+    free: dict[int, list] = {}
+    sizes: list = []
+    order: list = []
+    block_of: dict[int, int] = {}
+    for i, op in enumerate(ops):
+        if isinstance(op, Alloc):
+            nbytes = max(op.size, 1) * np.dtype(op.dtype).itemsize
+            spare = free.get(nbytes) if op.slot not in host else None
+            if spare:
+                block = spare.pop()
+            else:
+                block = len(sizes)
+                sizes.append(nbytes)
+            order.append(block)
+            block_of[op.slot] = block
+        for slot in set(slots_of(op)):
+            if last[slot] == i and slot in block_of and slot not in keep and slot not in host:
+                free.setdefault(sizes[block_of[slot]], []).append(block_of[slot])
+    return order, sizes
+
+
+def _copy_back(program, fixed: list, ops: list) -> dict:
+    """``{made index: fixed buffer}`` for state the step reads and replaces with a buffer of
+    the same size, type and view: the graph copies the new value back where it read it."""
+    alloc = {op.slot: (op.size, op.dtype) for op in ops if isinstance(op, Alloc)}
+    read = {b.loc.ident: (b, f) for b, f in zip(program.binders, fixed, strict=True)
+            if b.loc is not None}
+    back = {}
+    for s in program.setters:
+        found = read.get(s.loc.ident)
+        if found is None or s.slot is None or s.slot in back:
+            continue
+        b, f = found
+        size, dtype = alloc.get(program._made[s.slot], (None, None))
+        if (size, dtype) == (b.meta[4], b.meta[3]) and tuple(s.view) == b.meta[:3] \
+                and s.as_tensor == b.through_tensor:
+            back[s.slot] = f
+    return back
+
+
+def _result_slots(spec) -> list:
+    if spec[0] == "tensor":
+        return [spec[1]]
+    if spec[0] in ("tuple", "list"):
+        return [slot for s in spec[1] for slot in _result_slots(s)]
+    return []
