@@ -6,14 +6,20 @@ Rows (targets in brackets):
     default for matmul; CuPy uses TF32 only with CUPY_TF32=1, which this script refuses).
   * elementwise on 1e8 float32, GB/s moved: needle ewise_add / scalar_mul / reduce_sum against
     the device's own copy bandwidth (cudaMemcpy device to device) [>= 0.7x copy], and PyTorch.
+  * reductions of 1e8 float32, GB/s read [>= 0.8x copy]: sum and max over the last axis
+    (10,000 rows of 10,000) and over the leading axis (the same array summed to its 10,000
+    columns: the backend's column sum; max through NDArray, which reaches it by a
+    transposing copy), against PyTorch's sum/amax over the same dim.
   * ResNet9 training, batch 128, SGD, images/s [>= 0.5x PyTorch]; skipped with a message if
     apps/models.py has no ResNet9 or needle cannot train it on cuda(); then the same step
     under ``ndl.compile`` (replayed), against a second PyTorch measurement.
 Each measurement: warm-up, then --repeats timed blocks alternating needle and PyTorch, the
 median kept; ratios are needle / PyTorch (or / copy bandwidth). Timings never decide a test.
+Every row is also printed as ``RESULT name value unit ratio against`` (bench/gpu_check.sh
+collects these into its summary).
 
 Usage:
-    python bench/bench_gpu.py [--quick] [--json out.json] [--only matmul,ewise,resnet9]
+    python bench/bench_gpu.py [--quick] [--json out.json] [--only matmul,ewise,reduce,resnet9]
 """
 from __future__ import annotations
 
@@ -44,6 +50,12 @@ def _timed(fn, sync, min_seconds: float = 0.05) -> float:
         if elapsed >= min_seconds or calls >= 1 << 14:
             return elapsed / calls
         calls *= 2
+
+
+def result(name: str, value: float, unit: str, ratio=None, against: str = "-") -> None:
+    """One machine-readable line: ``RESULT name value unit ratio against``."""
+    shown = "-" if ratio is None else f"{ratio:.3f}"
+    print(f"RESULT {name} {value:.6g} {unit} {shown} {against}", flush=True)
 
 
 def _median_pair(needle_fn, torch_fn, needle_sync, torch_sync, repeats: int) -> tuple:
@@ -103,6 +115,9 @@ def bench_matmul(sizes, repeats: int) -> list:
               f"{row['tiled']:6.2f}  PyTorch {row['torch']:6.2f} TFLOP/s   ratios "
               f"{row['cublas'] / row['torch']:.2f} / {row['tiled'] / row['torch']:.2f}",
               flush=True)
+        for impl in ("cublas", "tiled"):
+            result(f"matmul_f32_{n}_{impl}", row[impl], "TFLOP/s", row[impl] / row["torch"],
+                   "pytorch")
     return rows
 
 
@@ -124,6 +139,7 @@ def bench_elementwise(n: int, repeats: int) -> list:
         for _ in range(repeats))
     copy_bw = 2 * nbytes / copy_t / 1e9
     print(f"device copy (cudaMemcpy D2D) {n:.0e} f32: {copy_bw:8.1f} GB/s", flush=True)
+    result(f"copy_{n:.0e}", copy_bw, "GB/s")
     cases = [
         ("ewise_add", 3, lambda: B.ewise_add(x, y, out), lambda: torch.add(tx, ty, out=tout)),
         ("scalar_mul", 2, lambda: B.scalar_mul(x, 1.5, out), lambda: torch.mul(tx, 1.5,
@@ -137,10 +153,64 @@ def bench_elementwise(n: int, repeats: int) -> list:
         row = {"op": name, "needle": arrays * nbytes / t_needle / 1e9,
                "torch": arrays * nbytes / t_torch / 1e9, "copy": copy_bw}
         rows.append(row)
-        print(f"{name:10s} {n:.0e} f32: needle {row['needle']:8.1f} GB/s "
-              f"({row['needle'] / copy_bw:.2f}x copy)  PyTorch {row['torch']:8.1f} GB/s "
-              f"(ratio {row['needle'] / row['torch']:.2f})", flush=True)
+        _print_bandwidth_row(name, n, row)
     return rows
+
+
+def _print_bandwidth_row(name: str, n: int, row: dict) -> None:
+    print(f"{name:10s} {n:.0e} f32: needle {row['needle']:8.1f} GB/s "
+          f"({row['needle'] / row['copy']:.2f}x copy)  PyTorch {row['torch']:8.1f} GB/s "
+          f"(ratio {row['needle'] / row['torch']:.2f})", flush=True)
+    result(name, row["needle"], "GB/s", row["needle"] / row["copy"], "copy")
+    result(name, row["needle"], "GB/s", row["needle"] / row["torch"], "pytorch")
+
+
+def _copy_bandwidth(B, n: int, repeats: int) -> float:
+    import cupy
+
+    src, dst = cupy.empty(n, dtype=cupy.float32), cupy.empty(n, dtype=cupy.float32)
+    t = statistics.median(_timed(lambda: dst.data.copy_from_device(src.data, 4 * n),
+                                 B.synchronize) for _ in range(repeats))
+    return 2 * 4 * n / t / 1e9
+
+
+def bench_reductions(n: int, repeats: int) -> list:
+    """sum and max of an (n / cols, cols) float32 array over its last axis and over its
+    leading axis; GB/s read, against the copy bandwidth and PyTorch."""
+    import torch
+
+    import needle.backend_ndarray as nd
+
+    B = _backend()
+    cols = 10_000 if n >= 10**8 else 1_000
+    rows = n // cols
+    n = rows * cols
+    host = np.random.default_rng(0).random((rows, cols), dtype=np.float32)
+    x = nd.NDArray(host, device=nd.cuda())
+    buf = x._handle
+    tx = torch.from_numpy(host).cuda()
+    last, lead = B.Array(rows, "float32"), B.Array(cols, "float32")
+    copy_bw = _copy_bandwidth(B, n, repeats)
+    cases = [
+        ("reduce_sum_last", lambda: B.reduce_sum(buf, last, cols),
+         lambda: torch.sum(tx, dim=1)),
+        ("reduce_max_last", lambda: B.reduce_max(buf, last, cols),
+         lambda: torch.amax(tx, dim=1)),
+        ("reduce_sum_leading", lambda: B.reduce_sum_leading(buf, lead, rows, cols),
+         lambda: torch.sum(tx, dim=0)),
+        ("reduce_max_leading", lambda: x.max(axis=0), lambda: torch.amax(tx, dim=0)),
+    ]
+    out = []
+    for name, needle_fn, torch_fn in cases:
+        t_needle, t_torch = _median_pair(needle_fn, torch_fn, B.synchronize,
+                                         torch.cuda.synchronize, repeats)
+        row = {"op": name, "needle": 4 * n / t_needle / 1e9, "torch": 4 * n / t_torch / 1e9,
+               "copy": copy_bw}
+        out.append(row)
+        _print_bandwidth_row(name, n, row)
+    np.testing.assert_allclose(B.to_numpy(lead, (cols,), (1,), 0), host.sum(0), rtol=1e-3)
+    np.testing.assert_array_equal(B.to_numpy(last, (rows,), (1,), 0), host.max(1))
+    return out
 
 
 def _needle_resnet9_step(batch: int = 128, compiled: bool = False):
@@ -233,6 +303,7 @@ def bench_resnet9(repeats: int) -> list:
     row = {"needle": 128 / t_needle, "torch": 128 / t_torch}
     print(f"ResNet9 b128 SGD train: needle {row['needle']:9.0f} img/s  PyTorch "
           f"{row['torch']:9.0f} img/s  ratio {row['needle'] / row['torch']:.2f}", flush=True)
+    result("resnet9_b128_eager", row["needle"], "img/s", row["needle"] / row["torch"], "pytorch")
     try:
         compiled_step = _needle_resnet9_step(compiled=True)
         t_compiled, t_torch = _median_pair(compiled_step, _torch_resnet9_step(), B.synchronize,
@@ -245,12 +316,14 @@ def bench_resnet9(repeats: int) -> list:
     print(f"ResNet9 b128 SGD train, ndl.compile: needle {row['compiled']:9.0f} img/s  PyTorch "
           f"{row['torch_again']:9.0f} img/s  ratio {row['compiled'] / row['torch_again']:.2f}",
           flush=True)
+    result("resnet9_b128_compiled", row["compiled"], "img/s",
+           row["compiled"] / row["torch_again"], "pytorch")
     return [row]
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", default="matmul,ewise,resnet9")
+    p.add_argument("--only", default="matmul,ewise,reduce,resnet9")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--quick", action="store_true", help="sizes up to 4096, 1e7 elements")
     p.add_argument("--json", default=None, help="also write the results here")
@@ -275,6 +348,8 @@ def main(argv=None) -> int:
         results["matmul"] = bench_matmul(sizes, args.repeats)
     if "ewise" in only:
         results["elementwise"] = bench_elementwise(10**7 if args.quick else 10**8, args.repeats)
+    if "reduce" in only:
+        results["reductions"] = bench_reductions(10**7 if args.quick else 10**8, args.repeats)
     if "resnet9" in only:
         results["resnet9"] = bench_resnet9(args.repeats)
     if args.json:
