@@ -47,8 +47,13 @@ import functools
 
 import numpy as np
 
+from needle.autograd import Tensor
+from needle.autograd.versions import note_replaced
+from needle.backend_ndarray.ndarray import _view
+
 from .codegen import generate, random_fill
 from .fusion import slots_of
+from .program import _rebuild
 from .recorder import Alloc, Call, Const, PyCall, RandomFill, Ref
 
 __all__ = ["GraphReplay", "capture"]
@@ -67,6 +72,7 @@ class GraphReplay:
         self._nbytes = [max(a.size, 1) * a.itemsize for a in fixed]
         self._results = _result_slots(program.result)
         self._back = back  # made index -> the fixed buffer the graph copies it back into
+        self._kept: list = [None] * len(program._installs)  # see _install
         self.copies = 0
 
     def run(self, handles: list, tensors: list):
@@ -89,7 +95,31 @@ class GraphReplay:
             src = self.made[j]
             copy = out[j] = array_type(src.size, src.dtype)
             rt.copy_device(copy.ptr(), src.ptr(), max(src.size, 1) * src.itemsize)
-        return self.program.finish(tuple(out), tensors)
+        return self._install(out, tensors)
+
+    def _install(self, out: list, tensors: list):
+        """What :meth:`KernelProgram.finish` does, with the views and gradient tensors of
+        the graph's fixed buffers made once: a location that still holds the one installed
+        by the last call is left as it is (its buffer was updated in place)."""
+        kept, results = self._kept, self._results
+        for i, (container, key, loc, slot, shape, strides, offset, device, as_tensor,
+                requires_grad, note) in enumerate(self.program._installs):
+            value = None if slot is None else kept[i]
+            if value is None and slot is not None:
+                value = _view(shape, strides, offset, device, out[slot])
+                if as_tensor:
+                    value = Tensor.make_const(value, requires_grad=requires_grad)
+                if slot not in results:  # a result slot gets a new copy every call
+                    kept[i] = value
+            if container is None:
+                loc.set(value, tensors)
+            elif getattr(container, key) is not value:
+                setattr(container, key, value)
+            if note:  # a parameter's data changed: saved tensors of older graphs see it
+                owner = container if container is not None else tensors[loc.arg]
+                if isinstance(owner, Tensor):
+                    note_replaced(owner)
+        return _rebuild(self.program.result, out.__getitem__, self.program.device)
 
 
 def capture(program) -> GraphReplay | str:
