@@ -105,7 +105,8 @@ def _start_ranks(cfg: Config) -> tuple[int, int]:
         "tcp" if cfg.strategy == "ps" else None)
     with _interrupt_steps() as steps_file:
         try:  # returns only inside a rank
-            relaunch(ranks, backend, restart_workers=(cfg.extra or {}).get("restart_workers", 0))
+            relaunch(ranks, backend, restart_workers=(cfg.extra or {}).get("restart_workers", 0),
+                     announce_interrupt=False)  # the one line below says it
         except SystemExit as exc:
             if exc.code in (130, 143):  # the ranks were stopped by SIGINT or SIGTERM
                 print(interrupted_line(cfg, _read_steps(steps_file)), file=sys.stderr)

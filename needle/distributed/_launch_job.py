@@ -273,6 +273,26 @@ class Job:
         return sorted(out)
 
     # ----- stopping ---------------------------------------------------------------------
+    def interrupt(self, sig: int, grace: float) -> None:
+        """mpi: pass ``sig`` to each running rank's supervisor only (it forwards it to the
+        script), not to mpiexec, which would answer with its own messages and kill the ranks
+        before they stop on their own; wait up to ``grace`` seconds for the job to end. What
+        mpiexec itself writes from now on is dropped (rank output still passes)."""
+        self.output.drop_untagged = True
+        for rank in self.running():
+            pid = self.pid_of(rank)
+            if pid is not None:
+                try:
+                    os.kill(pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        end = time.monotonic() + grace
+        while time.monotonic() < end:
+            self.poll()
+            if not self.running() and self.processes_done():
+                return
+            time.sleep(0.05)
+
     def _tree(self) -> list[int]:
         roots = [p.pid for p in self.procs if p.poll() is None]
         roots += [pid for r in self.ranks if (pid := self.pid_of(r)) and alive(pid)]

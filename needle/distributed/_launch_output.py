@@ -56,6 +56,9 @@ class RankOutput:
         self.lock = threading.Lock()
         self.frame: tuple[object, str] | None = None  # (owner key, text) drawn on the terminal
         self.last_frame: dict[object, str] = {}       # file/pipe: each owner's latest frame
+        # set once the job is interrupted: mpiexec's own lines (those no rank tagged) are its
+        # reaction to the interrupt, noise beside the one line the job answers with
+        self.drop_untagged = False
 
     def stream(self, prefix: str = "") -> "_Stream":
         return _Stream(self, prefix)
@@ -138,6 +141,8 @@ class _Stream:
         with out.lock:
             for body, end in pieces:
                 key, blank = self._key(body)
+                if out.drop_untagged and not self.prefix and not key[1]:
+                    continue
                 if end == "\r":
                     if body:
                         out._draw(key, self.prefix + body, blank)
@@ -154,7 +159,8 @@ class _Stream:
         """The source ended: an unfinished line is printed as one, a drawn bar stays."""
         with self.output.lock:
             rest = self.pending.rstrip("\r")
-            if rest:
+            if rest and not (self.output.drop_untagged and not self.prefix
+                             and not _TAG.match(rest)):
                 key = self._key(rest)[0]
                 self.output._line(key, self.prefix + rest, self._ends_frame(key))
             self.output._close(self.keys)

@@ -119,6 +119,8 @@ def main() -> None:
             runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
         record["code"] = _exit_code(exc)
+    except KeyboardInterrupt:  # the launcher passed the user's Ctrl-C on, and says so itself
+        record["code"] = 128 + signal.SIGINT
     except BaseException as exc:  # noqa: BLE001 - report any failure of the user's script
         traceback.print_exc()
         record = _exception_record(exc)

@@ -17,7 +17,9 @@ The launcher owns its ranks. When one fails it names the rank that failed first 
 code, signal, or exception with that rank's traceback), says which ranks failed only because of
 it, stops the rest and exits with the first failure's code. On SIGINT or SIGTERM it stops every
 process of the job (SIGKILL after a bounded wait), removes its temporary files and exits with
-130 or 143. ``--timeout`` bounds the whole job (exit 124). A rank that reported success but
+130 or 143; under mpi a SIGINT goes first to the ranks alone (mpiexec, signalled, would answer
+with its own messages and kill them before they stop on their own), and what mpiexec writes
+after it is dropped. ``--timeout`` bounds the whole job (exit 124). A rank that reported success but
 does not exit within ``$NEEDLE_LAUNCH_EXIT_GRACE`` seconds (default 30) is stopped and named;
 the verdict is then the ranks' own. An expendable rank (a parameter-server
 worker) that is killed does not fail the job: ``--restart-workers N`` restarts it up to N times
@@ -215,14 +217,18 @@ def _watch(job: Job, signals: _Signals, deadline: float | None,
 
 
 def _finish(job: Job, state: str, signals: _Signals, timeout: float | None,
-            finish_grace: float = FINISH_GRACE) -> int:
+            finish_grace: float = FINISH_GRACE, announce_interrupt: bool = True) -> int:
     """Stop what still runs, then print the verdict (after the ranks' last output)."""
     running = job.running()
     if state == "interrupted":
         sig = signals.received[0]
+        if job.backend == "mpi":  # the ranks stop on their own, mpiexec is left quiet
+            job.interrupt(sig, STOP_GRACE)
         job.stop(sig, STOP_GRACE)
         code = 128 + sig
         lines = [f"launch: interrupted by {signal.Signals(sig).name}; stopped ranks {running}"]
+        if not announce_interrupt:
+            lines = []
     elif state == "timeout":
         job.stop(signal.SIGTERM, STOP_GRACE)
         code = 124
@@ -267,14 +273,15 @@ def _finish(job: Job, state: str, signals: _Signals, timeout: float | None,
 def run(nproc: int, script: str, args: list[str] | None = None, backend: str = "mpi",
         timeout: float | None = None, nodes: Nodes | None = None,
         restart_workers: int = 0, finish_grace: float | None = None,
-        module: bool = False) -> int:
+        module: bool = False, announce_interrupt: bool = True) -> int:
     """Run ``script`` on ``nproc`` ranks and return the job's exit code (0 when all succeed).
     With ``module`` true, ``script`` names a module each rank runs as ``python -m`` does.
 
     ``finish_grace``: seconds an expendable rank may stay alive once every rank that is not
     expendable has ended without failing, before it is stopped and named (None:
     ``$NEEDLE_LAUNCH_FINISH_GRACE``, else :data:`FINISH_GRACE`); its being stopped does not
-    fail the job.
+    fail the job. ``announce_interrupt`` False: on SIGINT/SIGTERM print nothing (a script
+    that says in its own words how it was interrupted).
 
     Example (not run here: it starts processes):
         code = run(2, "train.py", ["--epochs", "1"], backend="tcp", timeout=600)
@@ -304,7 +311,7 @@ def run(nproc: int, script: str, args: list[str] | None = None, backend: str = "
                       rank_env)
             deadline = None if timeout is None else time.monotonic() + timeout
             state = _watch(job, signals, deadline, grace)
-            return _finish(job, state, signals, timeout, grace)
+            return _finish(job, state, signals, timeout, grace, announce_interrupt)
     finally:
         if not job.processes_done():  # an error in the launcher itself: leave nothing behind
             job.stop(signal.SIGKILL, 0.0)
@@ -334,11 +341,12 @@ def _remove_shm_files(status_dir: str) -> None:
 
 
 def relaunch(nproc: int, backend: str | None = None, timeout: float | None = None,
-             restart_workers: int = 0, finish_grace: float | None = None) -> None:
+             restart_workers: int = 0, finish_grace: float | None = None,
+             announce_interrupt: bool = True) -> None:
     """For scripts with an ``--nproc N`` flag: when called in the user's own process with
     ``nproc > 1``, re-run this same command line on ``nproc`` ranks and exit with the job's code.
     Inside a rank (or with nproc == 1) it returns and the script carries on. ``timeout``,
-    ``restart_workers`` and ``finish_grace`` are :func:`run`'s.
+    ``restart_workers``, ``finish_grace`` and ``announce_interrupt`` are :func:`run`'s.
 
     Example (top of a training script, before any work):
         >>> relaunch(1)  # nproc == 1: nothing to do
@@ -347,7 +355,8 @@ def relaunch(nproc: int, backend: str | None = None, timeout: float | None = Non
         return
     backend = backend or os.environ.get("NEEDLE_DIST_BACKEND", "mpi")
     sys.exit(run(nproc, sys.argv[0], sys.argv[1:], backend, timeout,
-                 restart_workers=restart_workers, finish_grace=finish_grace))
+                 restart_workers=restart_workers, finish_grace=finish_grace,
+                 announce_interrupt=announce_interrupt))
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -109,3 +109,39 @@ def test_every_strategy_prints_its_epochs(tmp_path, strategy):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     epochs = [m.group(1) for ln in proc.stdout.splitlines() if (m := EPOCH_LINE.match(ln))]
     assert epochs == (["1", "2"] if "ps" in strategy else ["1"]), proc.stdout[-3000:]
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_ctrl_c_under_mpiexec_prints_the_one_line(tmp_path):
+    """--backend mpi: the launcher passes Ctrl-C to the ranks, not to mpiexec; the ranks stop
+    at a step boundary, quietly, and nothing of mpiexec's own reaction is shown."""
+    ckpt = tmp_path / "ckpt"
+    proc = subprocess.Popen(
+        [sys.executable, TRAIN, "--nproc", "2", "--model", "mlp", "--epochs", "200",
+         "--save-every", "2", "--checkpoint-dir", str(ckpt), "--out", str(tmp_path / "out"),
+         "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=tmp_path, start_new_session=True, env=dict(os.environ, NEEDLE_DIST_BACKEND="mpi"))
+    before = []
+    try:
+        for line in proc.stdout:  # trained and saved: a line says so, whatever the speed
+            before.append(line)
+            if line.startswith("[rank 0] saved checkpoint step"):
+                break
+        assert proc.poll() is None, "".join(before) + proc.stderr.read()[-3000:]
+        os.kill(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 130, err[-3000:]
+    said = err.splitlines()
+    assert len(said) == 1, err[-3000:]
+    steps, newest, cont = said[0].split("; ")
+    assert steps.startswith("interrupted at step ") and newest.startswith("newest checkpoint")
+    assert int(steps.split()[-1]) >= int(newest.split()[-1]) >= 2
+    assert cont == f"continue with --resume {ckpt}"
+    after = [ln for ln in out.splitlines() if ln]
+    assert all(ln.startswith("[rank 0] saved checkpoint step ") for ln in after), out[-3000:]

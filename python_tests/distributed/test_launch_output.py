@@ -122,3 +122,15 @@ def test_under_a_terminal_each_bar_is_one_redrawn_line() -> None:
     assert finals == WANTED  # four lines: one per bar, and no bare "[rank 0]" line
     bars = [ln for ln in lines if "bar 0" in ln or "bar 1" in ln]
     assert all(ln.count("\r") >= 2 for ln in bars), bars  # frames redrawn in place
+
+
+def test_after_an_interrupt_only_rank_lines_pass_the_mpiexec_stream() -> None:
+    out = io.StringIO()
+    output = RankOutput(out, tty=False)
+    mpiexec = output.stream("")
+    mpiexec.feed("[rank 0] step 3\n[mpiexec@host] Sending Ctrl-C to processes as requested\n")
+    output.drop_untagged = True
+    mpiexec.feed("[mpiexec@host] Press Ctrl-C again to force abort\n[rank 1] bye\n=====\n")
+    mpiexec.close()
+    assert out.getvalue() == ("[rank 0] step 3\n[mpiexec@host] Sending Ctrl-C to processes as "
+                              "requested\n[rank 1] bye\n")
