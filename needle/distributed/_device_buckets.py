@@ -3,7 +3,8 @@
 from it with device copies, so a DDP step moves no gradient through host memory.
 
 The layout is the host buckets' own rank-major :class:`FlatLayout`, so every bucket, hook and
-bound means the same thing on both paths.
+bound means the same thing on both paths. Buffers made here are new, seen by no graph yet:
+they are filled with ``_setitem`` (no version bump), as a new array from host values would be.
 """
 from __future__ import annotations
 
@@ -43,7 +44,29 @@ def pack(layout: FlatLayout, flat: Any, j: int, grad: Any, weight: float) -> Non
             continue
         at = layout.offsets[r][j]
         piece = grad[b[r]:b[r + 1]]
-        flat[at:at + b[r + 1] - b[r]] = piece if weight == 1.0 else piece * weight
+        flat._setitem(slice(at, at + b[r + 1] - b[r]), piece if weight == 1.0 else piece * weight)
+
+
+def pack_mine(layout: FlatLayout, pieces: list, rank: int, flat: Any) -> None:
+    """Rank's own pieces (NDArrays, None for an empty one) into its segment of ``flat``."""
+    for j, piece in enumerate(pieces):
+        if piece is not None and piece.size:
+            at = layout.offsets[rank][j]
+            flat._setitem(slice(at, at + piece.size), piece.compact().reshape((piece.size,)))
+
+
+def unpack_mine(layout: FlatLayout, flat: Any, rank: int) -> list:
+    """Views of rank's pieces in its segment of ``flat``."""
+    return [flat[layout.offsets[rank][j]:layout.offsets[rank][j] + b[rank + 1] - b[rank]]
+            for j, b in enumerate(layout.pieces)]
+
+
+def copy(values: Any, shape: tuple | None = None) -> Any:
+    """A new compact NDArray on ``values``' device holding ``values`` (reshaped)."""
+    out = empty(values.size, values.dtype, values.device)
+    if values.size:
+        out._setitem(slice(None), values.compact().reshape((values.size,)))
+    return out if shape is None else out.reshape(tuple(shape))
 
 
 def unpack_all(layout: FlatLayout, flat: Any) -> list:
@@ -59,6 +82,6 @@ def unpack_all(layout: FlatLayout, flat: Any) -> list:
             continue
         full = empty(layout.sizes[j], flat.dtype, flat.device)
         for at, lo, hi in pieces:
-            full[lo:hi] = flat[at:at + hi - lo]
+            full._setitem(slice(lo, hi), flat[at:at + hi - lo])
         out.append(full)
     return out

@@ -101,8 +101,8 @@ class BucketHook:
         raise NotImplementedError
 
     def gradient(self, i: int, param: Any, grad: np.ndarray) -> np.ndarray:
-        """What to pack of parameter i's gradient ``grad`` (host values; default: all of
-        it)."""
+        """What to pack of parameter i's gradient ``grad`` (host values, or the device
+        array with device buckets; default: all of it)."""
         return grad
 
     def packed(self, i: int, param: Any) -> None:
@@ -326,10 +326,9 @@ class GradSync:
         self._fired.add(i)
         self._step.setdefault("first_hook", now)
         self._step["last_hook"] = now
-        if self.device is not None:  # device buckets: the hook's gradient is the whole one
-            grad = p.grad.realize_cached_data()
-        else:
-            grad = self.hook.gradient(i, p, borrow(p.grad, self.owner, readonly=True).arr)
+        data = p.grad.realize_cached_data() if self.device is not None else \
+            borrow(p.grad, self.owner, readonly=True).arr
+        grad = self.hook.gradient(i, p, data)
         self._pack(i, grad, now)
         self.hook.packed(i, p)
 

@@ -12,7 +12,7 @@ import needle.distributed as dist
 from needle import nn
 from needle.autograd import Tensor
 
-from . import _fake_nccl
+from . import _fake_nccl, _nccl_checks
 from ._zero_checks import _BUILD
 
 pytestmark = pytest.mark.slow
@@ -20,7 +20,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 def nccl(emulated_cuda, monkeypatch):
-    """(the emulated cuda() device, the fake NCCL); counts host copies in ``fake.to_host``."""
+    """(the emulated cuda() device, the fake NCCL); counts host copies in ``fake.to_host``
+    and per thread (``_nccl_checks._copies``)."""
     from needle.backend_ndarray import ndarray_backend_cuda as backend
     from needle.backend_ndarray._cuda import runtime
 
@@ -28,9 +29,11 @@ def nccl(emulated_cuda, monkeypatch):
     fake.to_host = 0
     real = backend.to_numpy
 
+    per_thread = _nccl_checks.counted(real)
+
     def counted(*args, **kwargs):
         fake.to_host += 1
-        return real(*args, **kwargs)
+        return per_thread(*args, **kwargs)
 
     monkeypatch.setattr(backend, "to_numpy", counted)
     yield emulated_cuda, fake
@@ -302,9 +305,11 @@ def test_a_subgroup_of_an_nccl_world_gets_its_own_communicator(nccl):
     assert len(fake.members) == 2  # the world's communicator and the subgroup's
 
 
-def test_zero_runs_on_an_nccl_group_and_equals_the_host_run(nccl):
-    """ZeRO's shards still pass through host buffers on an nccl group; its broadcasts of
-    cuda() parameters use NCCL, and the run equals the thread backend's."""
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_keeps_its_buckets_and_shards_on_the_device(nccl, stage):
+    """ZeRO on an nccl group: gradient buckets reduce-scattered and weights all-gathered by
+    NCCL from device buffers, no host copy in backward and step, and the same parameters as
+    the thread backend's run (two ranks: a + b is b + a, so bitwise)."""
     from needle import optim
 
     dev, fake = nccl
@@ -316,16 +321,18 @@ def test_zero_runs_on_an_nccl_group_and_equals_the_host_run(nccl):
             model = nn.Sequential(nn.Linear(3, 4, device=dev), nn.ReLU(),
                                   nn.Linear(4, 2, device=dev))
         zero = dist.ZeroDataParallel(model, optimizer=lambda ps: optim.SGD(ps, lr=0.5),
-                                     stage=2)
+                                     stage=stage)
         part = Tensor(x[rank * 2:(rank + 1) * 2], device=dev, requires_grad=False)
+        copies = _nccl_checks._copies()
         zero(part).sum().backward()
         zero.step()
-        return zero.full_parameters()
+        return _nccl_checks._copies() - copies, zero.full_parameters()
 
     on_nccl = dist.spawn_threads(job, 2, backend="nccl", timeout=30)
     on_threads = dist.spawn_threads(job, 2, timeout=30)
-    assert len(fake.of("broadcast", 0)) == 4
-    for got, want in zip(on_nccl, on_threads, strict=True):
+    assert [copies for copies, _ in on_nccl] == [0, 0]
+    assert fake.of("reduce", 0) and fake.of("broadcast", 0)
+    for (_, got), (_, want) in zip(on_nccl, on_threads, strict=True):
         for g, w in zip(got, want, strict=True):
             np.testing.assert_array_equal(g, w)
 
@@ -336,8 +343,6 @@ def test_the_device_checks_pass_on_the_emulator(emulated_cuda, monkeypatch, worl
     send/recv, DDP), here on thread ranks with the fake NCCL."""
     from needle.backend_ndarray import ndarray_backend_cuda as backend
     from needle.backend_ndarray._cuda import runtime
-
-    from . import _nccl_checks
 
     fake = _fake_nccl.install(runtime._cupy)
     monkeypatch.setattr(backend, "to_numpy", _nccl_checks.counted(backend.to_numpy))

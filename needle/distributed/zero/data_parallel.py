@@ -23,6 +23,7 @@ import numpy as np
 from needle.autograd import Tensor
 from needle.memory import framework_category
 
+from .. import _device_buckets
 from .._errors import CommError
 from .._group import resolve
 from ..collectives import broadcast, reduce_scatter_v
@@ -34,9 +35,11 @@ from .weights import ZeroWeights
 
 
 class _ScatterHook(BucketHook):
-    """ZeRO's bucket collective: a reduce-scatter; each rank keeps its reduced pieces."""
+    """ZeRO's bucket collective: a reduce-scatter; each rank keeps its reduced pieces (on
+    the device, with no host copy, on an ``nccl`` group of ``cuda()`` parameters)."""
 
     sharded = True
+    device_buckets = True
 
     def __init__(self, zero: "ZeroDataParallel"):
         self.zero = zero
@@ -45,12 +48,15 @@ class _ScatterHook(BucketHook):
         return reduce_scatter_v(bucket.flat, bucket.layout.bounds, "sum", bucket.group,
                                 async_op=True)
 
-    def gradient(self, i: int, param: Any, grad: np.ndarray) -> np.ndarray:
+    def gradient(self, i: int, param: Any, grad: Any) -> Any:
         """Stage 1 after a sync of this step: ``p.grad`` is the synced gradient plus this
         backward's; pack this backward's only (the synced one is still alive: the shard's
         gradient is a view of it), its reduced piece is added to the synced piece."""
         synced = self.zero.entries[i].synced if self.zero.stage == 1 else None
-        return grad if synced is None else grad - synced.numpy()
+        if synced is None:
+            return grad
+        return grad - (synced.numpy() if isinstance(grad, np.ndarray) else
+                       synced.realize_cached_data())
 
     def packed(self, i: int, param: Any) -> None:
         if self.zero.stage == 1:
@@ -59,7 +65,9 @@ class _ScatterHook(BucketHook):
             param.grad = None  # this rank keeps only its reduced piece (stage 2)
 
     def finish(self, bucket: Bucket, params: list) -> None:
-        pieces = bucket.layout.unpack_mine(bucket.flat, self.zero.rank)
+        pieces = bucket.layout.unpack_mine(bucket.flat, self.zero.rank) \
+            if bucket.device is None else \
+            _device_buckets.unpack_mine(bucket.layout, bucket.flat, self.zero.rank)
         for m, piece in zip(bucket.members, pieces, strict=True):
             self.zero._take_piece(self.zero.entries[m], piece)
         bucket.flat = None  # the full-size buffer lives only while the bucket is in flight
@@ -141,7 +149,8 @@ class ZeroDataParallel(SyncedModule, ZeroWeights):
         for e in self.entries:
             data = e.param.realize_cached_data()
             if self.stage == 3:  # the piece becomes this rank's own copy; the rest goes
-                piece = host(data)[e.lo:e.hi]
+                piece = host(data)[e.lo:e.hi] if self.sync.device is None else \
+                    flat_view(data, e.lo, e.hi)  # (copied on the device just below)
                 e.make_shard(to_device(piece, e, "weight") if e.numel else None)
                 e.release()
             else:
@@ -163,8 +172,9 @@ class ZeroDataParallel(SyncedModule, ZeroWeights):
         compact = getattr(data, "is_compact", lambda: False)()
         if handle is None or not compact or id(handle) in self._seen_grads:
             with framework_category("gradient"):
-                data = Tensor(data.numpy(), device=p.device, dtype=str(p.dtype),
-                              requires_grad=False).realize_cached_data()
+                data = _device_buckets.copy(data) if self.sync.device is not None else \
+                    Tensor(data.numpy(), device=p.device, dtype=str(p.dtype),
+                           requires_grad=False).realize_cached_data()
             p.grad = Tensor.make_const(data)
             handle = getattr(data, "_handle", data)
         self._seen_grads.add(id(handle))
@@ -177,15 +187,19 @@ class ZeroDataParallel(SyncedModule, ZeroWeights):
             if self.units is not None:
                 self.units.release_all()
 
-    def _take_piece(self, e: Entry, piece: np.ndarray) -> None:
+    def _take_piece(self, e: Entry, piece: Any) -> None:
+        """Hand ``e`` its reduced gradient piece (host values, or a view of a device
+        bucket)."""
         if not e.numel:
             return
+        on_host = isinstance(piece, np.ndarray)
         if self.stage == 1 and e.param.grad is not None:  # into the whole gradient's slice
             if e.synced is not None:  # a second synced backward: add to the synced piece
-                piece = piece + e.shard.grad.numpy()
+                piece = piece + (e.shard.grad.numpy() if on_host else
+                                 e.shard.grad.realize_cached_data())
             grad = e.param.grad.realize_cached_data()
             view = flat_view(grad, e.lo, e.hi)
-            view[slice(None)] = to_device(piece, e, "gradient")
+            view[slice(None)] = to_device(piece, e, "gradient") if on_host else piece
             e.shard.grad = Tensor.make_const(view)
             e.synced = e.param.grad  # its other ranks' slices are this rank's, unreduced
             return

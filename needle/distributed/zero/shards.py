@@ -1,9 +1,11 @@
 """Per-parameter bookkeeping of ZeRO: which piece this rank owns, and the host/device moves.
 
-Everything that crosses the network is staged through host NumPy buffers (so any device,
-``cuda()`` included, works) by ``needle.distributed._buffers``' ``to_host``/``to_device``;
-the model state that stays (weights, shard gradients) lives in the device's arrays,
-allocated from its caching allocator in the right memory category.
+What crosses the network is staged through host NumPy buffers (so any device works) by
+``needle.distributed._buffers``' ``to_host``/``to_device``, except on a group whose collectives
+run on the device (``nccl`` with ``cuda()`` parameters): there the flat buffers are device
+arrays (``_device_buckets``) and every move is a device copy. The model state that stays
+(weights, shard gradients) lives in the device's arrays, allocated from its caching allocator
+in the right memory category.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from needle.autograd import Tensor
 from needle.autograd.release import Released
 from needle.memory import attribute, framework_category
 
-from .. import _buffers
+from .. import _buffers, _device_buckets
 from ..flat_layout import piece_bounds
 
 
@@ -39,12 +41,44 @@ def host(array: Any) -> np.ndarray:
     return _buffers.to_host(array, flat=True)
 
 
-def to_device(values: np.ndarray, like: "Entry", category: str, shape=None) -> Any:
-    """A new device array of ``values`` on ``like``'s device and dtype, in ``category``."""
+def to_device(values: Any, like: "Entry", category: str, shape=None) -> Any:
+    """A new device array of ``values`` (host values, or a device array: a device copy) on
+    ``like``'s device and dtype, in ``category``."""
     with framework_category(category):
-        data = _buffers.to_device(values, like=like, shape=shape)
+        if isinstance(values, np.ndarray):
+            data = _buffers.to_device(values, like=like, shape=shape)
+        else:
+            data = _device_buckets.copy(values, shape)
     attribute(data, category)
     return data
+
+
+def new_flat(numel: int, dtype: str, device: Any) -> Any:
+    """A flat buffer for a collective: on ``device`` (device buffers), else on the host."""
+    if device is None:
+        return np.empty(numel, dtype=dtype)
+    return _device_buckets.empty(numel, dtype, device)
+
+
+def mine(entries: list["Entry"], dtype: str, device: Any) -> list:
+    """The entries' shard data to pack: host copies, or the device arrays themselves."""
+    if device is not None:
+        return [None if e.shard is None else e.shard.realize_cached_data() for e in entries]
+    return [host(e.shard.realize_cached_data()) if e.shard is not None
+            else np.empty(0, dtype) for e in entries]
+
+
+def pack_mine(layout: Any, pieces: list, rank: int, flat: Any) -> None:
+    if isinstance(flat, np.ndarray):
+        layout.pack_mine(pieces, rank, flat)
+    else:
+        _device_buckets.pack_mine(layout, pieces, rank, flat)
+
+
+def unpack_all(layout: Any, flat: Any) -> list:
+    if isinstance(flat, np.ndarray):
+        return layout.unpack_all(flat)
+    return _device_buckets.unpack_all(layout, flat)
 
 
 def flat_view(array: Any, lo: int, hi: int) -> Any:

@@ -20,7 +20,7 @@ from needle.autograd import Tensor
 
 from ..collectives import all_gather_v
 from ..flat_layout import FlatLayout
-from .shards import Entry, host, to_device
+from .shards import Entry, mine, new_flat, pack_mine, to_device, unpack_all
 
 
 class _Unit:
@@ -107,10 +107,8 @@ class GatherUnits:
             return
         zero = self.zero
         for group, layout in zip(unit.groups, unit.layouts, strict=True):
-            flat = np.empty(layout.numel, dtype=group[0].dtype)
-            mine = [host(e.shard.realize_cached_data()) if e.shard is not None
-                    else np.empty(0, flat.dtype) for e in group]
-            layout.pack_mine(mine, zero.rank, flat)
+            flat = new_flat(layout.numel, group[0].dtype, zero.sync.device)
+            pack_mine(layout, mine(group, group[0].dtype, zero.sync.device), zero.rank, flat)
             unit.flats.append(flat)
             unit.works.append(all_gather_v(flat, layout.bounds, zero.comm, async_op=True))
             self.gathers += 1
@@ -123,7 +121,7 @@ class GatherUnits:
         for group, layout, flat, work in zip(unit.groups, unit.layouts, unit.flats,
                                              unit.works, strict=True):
             work.wait()
-            for e, full in zip(group, layout.unpack_all(flat), strict=True):
+            for e, full in zip(group, unpack_all(layout, flat), strict=True):
                 e.param.cached_data = to_device(full, e, "weight", e.shape)
         unit.flats, unit.works, unit.state = [], [], "materialized"
         unit.grads_left = len(unit.entries)

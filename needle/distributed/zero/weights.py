@@ -9,7 +9,7 @@ import numpy as np
 
 from ..collectives import all_gather_v
 from ..grad_sync import Bucket, GradSync
-from .shards import Entry, flat_view, host, to_device
+from .shards import Entry, flat_view, host, mine, new_flat, pack_mine, to_device, unpack_all
 
 
 class ZeroWeights:
@@ -29,17 +29,16 @@ class ZeroWeights:
 
     def _all_gather_weights(self) -> None:
         """Stages 1-2: every rank's updated pieces into every rank's whole weights."""
-        works: list[tuple[Bucket, np.ndarray, Any]] = []
+        works: list[tuple[Bucket, Any, Any]] = []
         for bucket in self.sync.buckets:
-            flat = np.empty(bucket.layout.numel, dtype=bucket.dtype)
-            mine = [host(e.shard.realize_cached_data()) if e.shard is not None
-                    else np.empty(0, bucket.dtype) for e in self._members(bucket)]
-            bucket.layout.pack_mine(mine, self.rank, flat)
+            flat = new_flat(bucket.layout.numel, bucket.dtype, self.sync.device)
+            pieces = mine(self._members(bucket), bucket.dtype, self.sync.device)
+            pack_mine(bucket.layout, pieces, self.rank, flat)
             works.append((bucket, flat, all_gather_v(flat, bucket.layout.bounds, self.comm,
                                                      async_op=True)))
         for bucket, flat, work in works:
             work.wait()
-            for e, full in zip(self._members(bucket), bucket.layout.unpack_all(flat),
+            for e, full in zip(self._members(bucket), unpack_all(bucket.layout, flat),
                                strict=True):
                 data = to_device(full, e, "weight", e.shape)
                 e.param.cached_data = data
