@@ -174,7 +174,6 @@ class _Refused(Exception):
     pass
 
 
-# long: one capture, its allocator and check hooks set and put back around it
 def _capture(fn, fixed, back, order, sizes, blocks, checks, mod, runtime):
     served = [0]
 

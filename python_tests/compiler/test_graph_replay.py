@@ -35,7 +35,8 @@ def dev(emulated_cuda):
 
 
 def _counts(dev) -> dict:
-    return dict(dev.mod.runtime.cupy_module().counts)
+    """The emulator's launch and copy counts (none on a real GPU)."""
+    return dict(getattr(dev.mod.runtime.cupy_module(), "counts", {}))
 
 
 def _mlp(dev):
