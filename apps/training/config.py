@@ -15,7 +15,7 @@ DATASETS = ("digits", "mnist")
 OPTIMIZERS = ("adam", "sgd")
 DEVICES = ("cpu", "cpu_numpy", "cuda")
 BACKENDS = ("mpi", "tcp", "nccl")  # how the ranks talk (needle.distributed.launch --backend)
-PRECISIONS = ("fp32", "fp16-mixed")
+PRECISIONS = ("fp32", "fp16-mixed", "bf16-mixed")
 # Each optimizer's own learning rate: Adam's 0.003 left SGD below chance (0.08 after 2 epochs).
 DEFAULT_LR = {"adam": 0.003, "sgd": 0.1}
 
@@ -137,7 +137,8 @@ def build_parser(strategies: dict) -> argparse.ArgumentParser:
                         "ddp)")
     p.add_argument("--precision", default=d.precision, metavar=_one_of(PRECISIONS),
                    help="fp16-mixed = float16 parameters, autocast, loss scaling, float32 "
-                        "master weights (single, ddp, zero)")
+                        "master weights; bf16-mixed = the same in bfloat16, without loss "
+                        "scaling (single, ddp, zero)")
     p.add_argument("--accumulate", type=int, default=d.accumulate, metavar="G",
                    help="micro-batches per optimizer step, gradients accumulated with "
                         "weights n_i / n (single, ddp, zero)")

@@ -55,7 +55,7 @@ def load_model(cfg, path: str, in_features: int, classes: int, device=None):
         if saved is not None and str(saved.dtype) != str(t.dtype):
             from needle import amp
 
-            amp.cast_parameters(model)
+            amp.cast_parameters(model, str(saved.dtype))
             break
     model.load_state_dict({name: np.asarray(v) for name, v in state.items()})
     return model

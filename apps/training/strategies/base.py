@@ -94,7 +94,9 @@ def evaluate_model(model, X: np.ndarray, y: np.ndarray, device, mixed: bool = Fa
     model.eval()
     loss_fn = nn.SoftmaxLoss()
     total_loss, correct = 0.0, 0
-    with no_grad(), amp.autocast(enabled=mixed):
+    bf16 = any(str(p.dtype) == "bfloat16" for p in model.parameters())
+    low = "bfloat16" if bf16 else "float16"
+    with no_grad(), amp.autocast(low, enabled=mixed):
         for start in range(0, X.shape[0], 256):
             Xb = Tensor(X[start:start + 256], device=device, requires_grad=False)
             yb = Tensor(y[start:start + 256], device=device, requires_grad=False)
@@ -156,7 +158,13 @@ class Strategy:
     # ---- the run -------------------------------------------------------------------------
     @property
     def mixed(self) -> bool:
-        return getattr(self.cfg, "precision", "fp32") == "fp16-mixed"
+        return getattr(self.cfg, "precision", "fp32") != "fp32"
+
+    @property
+    def low_dtype(self) -> str:
+        """The parameters' dtype under mixed precision (autocast's low precision)."""
+        bf16 = getattr(self.cfg, "precision", "fp32") == "bf16-mixed"
+        return "bfloat16" if bf16 else "float16"
 
     def setup(self, ctx) -> None:
         self.ctx = ctx
@@ -173,8 +181,9 @@ class Strategy:
         memory.stats(ctx.device)  # attribute memory by category from the first buffer on
         model = ctx.new_model()
         if self.mixed:
-            amp.cast_parameters(model)
-        self.scaler = amp.GradScaler(enabled=self.mixed)
+            amp.cast_parameters(model, self.low_dtype)
+        # bfloat16 has float32's exponent range: its gradients need no loss scaling
+        self.scaler = amp.GradScaler(enabled=self.mixed and self.low_dtype == "float16")
         return model
 
     def data_shard(self) -> tuple[int, int]:
@@ -220,7 +229,8 @@ class Strategy:
             Xb, yb = self._tensors(X[lo:hi], y[lo:hi])
             last = i == len(parts) - 1
             with nullcontext() if last or no_sync is None else no_sync():
-                with amp.autocast(enabled=self.mixed), trace.span("forward", "compute"):
+                with amp.autocast(self.low_dtype, enabled=self.mixed), \
+                        trace.span("forward", "compute"):
                     logits = forward(Xb)
                     loss = self.loss_fn(logits, yb)
                 weighted = loss if len(parts) == 1 else loss * ((hi - lo) / n)
@@ -356,7 +366,8 @@ class Strategy:
             return {}
         scaler = self.scaler.state_dict()
         return {
-            "scaler": {"enabled": self.mixed, "skipped_steps": scaler["skipped_steps"],
+            "scaler": {"enabled": self.scaler.is_enabled(),
+                       "skipped_steps": scaler["skipped_steps"],
                        "final_scale": self.scaler.get_scale(), "steps": scaler["steps"]},
             "accumulation": {"micro_batches": int(getattr(self.cfg, "accumulate", 1)),
                              "denominators": self.denominators},
