@@ -59,6 +59,12 @@ template <typename A> A __shfl_down_sync(unsigned, A v, int delta) {
   return r;
 }
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
+inline float __double2float_rz(double d) {  // round to nearest, then step back toward zero
+  float f = (float)d;
+  if (std::fabs((double)f) > std::fabs(d)) f = std::nextafter(f, 0.0f);
+  return f;
+}
 inline double __longlong_as_double(long long i) { double d; std::memcpy(&d, &i, 8); return d; }
 inline float emu_half_to_float(unsigned short b) {
   _Float16 h; std::memcpy(&h, &b, 2); return (float)h;
@@ -140,6 +146,8 @@ def _c_arg(value):
         return (ctypes.c_char * value.nbytes).from_buffer_copy(value.tobytes())
     if isinstance(value, np.float16):
         return ctypes.c_uint16(int(np.asarray(value).view(np.uint16)))
+    if isinstance(value, np.uint16):  # a bfloat16 scalar's two bytes
+        return ctypes.c_uint16(int(value))
     ctype = {np.uint64: ctypes.c_uint64, np.int64: ctypes.c_int64, np.float32: ctypes.c_float,
              np.float64: ctypes.c_double}.get(type(value))
     if ctype is None:  # the real launcher would pass it wrongly too: fail loudly

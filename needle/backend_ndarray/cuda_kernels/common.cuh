@@ -1,5 +1,5 @@
-// Shared definitions of needle's CUDA kernels: element types, the float16 type, the strided
-// view struct and the elementwise functors.
+// Shared definitions of needle's CUDA kernels: element types, the float16 and bfloat16 types,
+// the strided view struct and the elementwise functors.
 //
 // Every .cu file includes this header. The Python loader (needle/backend_ndarray/_cuda/runtime.py)
 // pastes it into each source before handing it to NVRTC, so that CuPy's on-disk kernel cache,
@@ -14,6 +14,13 @@
 #if __has_include(<cuda_fp16.h>)
 #include <cuda_fp16.h>
 #define NEEDLE_CUDA_FP16 1
+#endif
+#endif
+// bfloat16 likewise: __nv_bfloat16 from cuda_bf16.h, else a two-byte struct (same retry flag).
+#if !defined(NEEDLE_OWN_HALF) && defined(__has_include)
+#if __has_include(<cuda_bf16.h>)
+#include <cuda_bf16.h>
+#define NEEDLE_CUDA_BF16 1
 #endif
 #endif
 
@@ -53,8 +60,45 @@ __device__ __forceinline__ half_t half_from_double(double d) {
 #endif
 #endif
 
-// Traits<T>::acc is the type a kernel computes in (float for float16); load widens, store
-// rounds once.
+// bfloat16 is the top half of a float32: widening is a shift and narrowing rounds to nearest
+// even on the bits, the same code with or without cuda_bf16.h (whose conversions differ
+// between toolkits); NaN stays a quiet NaN of the same sign.
+#ifdef NEEDLE_CUDA_BF16
+typedef __nv_bfloat16 bf16_t;
+__device__ __forceinline__ unsigned short bf16_bits(bf16_t h) { return __bfloat16_as_ushort(h); }
+__device__ __forceinline__ bf16_t bf16_of_bits(unsigned short b) { return __ushort_as_bfloat16(b); }
+#else
+struct __align__(2) bf16_t {
+  unsigned short bits;
+};
+__device__ __forceinline__ unsigned short bf16_bits(bf16_t h) { return h.bits; }
+__device__ __forceinline__ bf16_t bf16_of_bits(unsigned short b) {
+  bf16_t h;
+  h.bits = b;
+  return h;
+}
+#endif
+__device__ __forceinline__ float bf16_to_float(bf16_t h) {
+  return __int_as_float((int)((unsigned int)bf16_bits(h) << 16));
+}
+__device__ __forceinline__ bf16_t bf16_from_float(float f) {
+  unsigned int bits = (unsigned int)__float_as_int(f);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return bf16_of_bits((bits >> 16) | 0x0040u);
+  bits += 0x7fffu + ((bits >> 16) & 1u);  // carries exactly when the dropped half rounds up
+  return bf16_of_bits((unsigned short)(bits >> 16));
+}
+// double -> bfloat16 with one rounding: to float rounding toward zero with the inexact flag
+// kept in the lowest bit (round to odd; float has 16 more bits than bfloat16), then to
+// nearest even.
+__device__ __forceinline__ bf16_t bf16_from_double(double d) {
+  const float f = __double2float_rz(d);
+  int bits = __float_as_int(f);
+  if ((double)f != d) bits |= 1;
+  return bf16_from_float(__int_as_float(bits));
+}
+
+// Traits<T>::acc is the type a kernel computes in (float for float16 and bfloat16); load
+// widens, store rounds once.
 template <typename T>
 struct Traits {
   typedef T acc;
@@ -69,8 +113,15 @@ struct Traits<half_t> {
   static __device__ __forceinline__ half_t store(float v) { return half_from_float(v); }
 };
 
-// Conversion between any two element types with one rounding (double -> half goes directly,
-// as NumPy's astype does, not through float).
+template <>
+struct Traits<bf16_t> {
+  typedef float acc;
+  static __device__ __forceinline__ float load(bf16_t v) { return bf16_to_float(v); }
+  static __device__ __forceinline__ bf16_t store(float v) { return bf16_from_float(v); }
+};
+
+// Conversion between any two element types with one rounding (double -> half and double ->
+// bfloat16 go directly, as NumPy's astype does, not through float).
 template <typename Out, typename In>
 struct Convert {
   static __device__ __forceinline__ Out apply(In v) {
@@ -80,6 +131,10 @@ struct Convert {
 template <>
 struct Convert<half_t, double> {
   static __device__ __forceinline__ half_t apply(double v) { return half_from_double(v); }
+};
+template <>
+struct Convert<bf16_t, double> {
+  static __device__ __forceinline__ bf16_t apply(double v) { return bf16_from_double(v); }
 };
 
 // A strided view: up to NEEDLE_MAX_DIMS dims, passed to kernels by value. All fields are

@@ -1,7 +1,7 @@
 // Elementwise kernels on compact arrays: binary, scalar, unary, dtype casts and programs.
 //
 // One template per shape of operation, one functor per op, and extern "C" instantiations named
-// <op>_<f32|f64|f16> so that the Python side finds them by plain name. Each kernel computes in
+// <op>_<f32|f64|f16|bf16> so that the Python side finds them by plain name. Each kernel computes in
 // Traits<T>::acc (float for float16) and guards its bounds with a grid-stride loop.
 #include "common.cuh"
 
@@ -175,7 +175,8 @@ struct OpSigmoid {
 #define NEEDLE_ALL_TYPES(MACRO, NAME, OP) \
   MACRO(NAME, OP, f32, float)             \
   MACRO(NAME, OP, f64, double)            \
-  MACRO(NAME, OP, f16, half_t)
+  MACRO(NAME, OP, f16, half_t)            \
+  MACRO(NAME, OP, bf16, bf16_t)
 
 NEEDLE_ALL_TYPES(NEEDLE_BINARY_T, ewise_add, OpAdd)
 NEEDLE_ALL_TYPES(NEEDLE_BINARY_T, ewise_sub, OpSub)
@@ -242,11 +243,13 @@ __device__ __forceinline__ void cast_body(const In* __restrict__ a, Out* __restr
 #define NEEDLE_CAST_FROM(SIN, TIN)    \
   NEEDLE_CAST(SIN, TIN, f32, float)   \
   NEEDLE_CAST(SIN, TIN, f64, double)  \
-  NEEDLE_CAST(SIN, TIN, f16, half_t)
+  NEEDLE_CAST(SIN, TIN, f16, half_t)  \
+  NEEDLE_CAST(SIN, TIN, bf16, bf16_t)
 
 NEEDLE_CAST_FROM(f32, float)
 NEEDLE_CAST_FROM(f64, double)
 NEEDLE_CAST_FROM(f16, half_t)
+NEEDLE_CAST_FROM(bf16, bf16_t)
 
 // ---- ewise_program: a chain of the ops above over n elements in one pass ------------------
 // Instruction kinds and op numbers as needle/backend_ndarray/ewise_codes.py (LOAD, STORE,

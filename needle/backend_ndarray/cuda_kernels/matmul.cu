@@ -76,8 +76,8 @@ __device__ __forceinline__ void gemm_body(const T* __restrict__ A, const T* __re
 }
 
 // Tile shapes: keep them in sync with MATMUL_TILES in needle/backend_ndarray/_cuda/launch.py,
-// which computes the grid. float and float16 (computed in float): 128 x 128 tiles, 8 x 8 per
-// thread; double: 64 x 64 tiles, 4 x 4 per thread (twice the registers per value).
+// which computes the grid. float, float16 and bfloat16 (computed in float): 128 x 128 tiles,
+// 8 x 8 per thread; double: 64 x 64 tiles, 4 x 4 per thread (twice the registers per value).
 extern "C" __global__ void __launch_bounds__(NEEDLE_THREADS)
     matmul_f32(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out,
                long long m, long long n, long long p) {
@@ -87,6 +87,11 @@ extern "C" __global__ void __launch_bounds__(NEEDLE_THREADS)
     matmul_f16(const half_t* __restrict__ a, const half_t* __restrict__ b,
                half_t* __restrict__ out, long long m, long long n, long long p) {
   gemm_body<half_t, 128, 128, 8, 8, 8>(a, b, out, m, n, p);
+}
+extern "C" __global__ void __launch_bounds__(NEEDLE_THREADS)
+    matmul_bf16(const bf16_t* __restrict__ a, const bf16_t* __restrict__ b,
+                bf16_t* __restrict__ out, long long m, long long n, long long p) {
+  gemm_body<bf16_t, 128, 128, 8, 8, 8>(a, b, out, m, n, p);
 }
 extern "C" __global__ void __launch_bounds__(NEEDLE_THREADS)
     matmul_f64(const double* __restrict__ a, const double* __restrict__ b,
@@ -131,3 +136,4 @@ __device__ __forceinline__ void matmul_tiled_body(const T* __restrict__ a,
 NEEDLE_TILED_T(f32, float)
 NEEDLE_TILED_T(f64, double)
 NEEDLE_TILED_T(f16, half_t)
+NEEDLE_TILED_T(bf16, bf16_t)

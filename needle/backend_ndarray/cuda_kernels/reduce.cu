@@ -283,4 +283,4 @@ __device__ __forceinline__ void leading(const In* __restrict__ a, Out* __restric
 NEEDLE_REDUCE_DTYPE(f32, float)
 NEEDLE_REDUCE_DTYPE(f64, double)
 NEEDLE_REDUCE_DTYPE(f16, half_t)
-
+NEEDLE_REDUCE_DTYPE(bf16, bf16_t)

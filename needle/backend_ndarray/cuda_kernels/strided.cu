@@ -47,3 +47,4 @@ __device__ __forceinline__ void scalar_setitem_body(T val, T* __restrict__ out, 
 NEEDLE_STRIDED_T(f32, float)
 NEEDLE_STRIDED_T(f64, double)
 NEEDLE_STRIDED_T(f16, half_t)
+NEEDLE_STRIDED_T(bf16, bf16_t)
