@@ -4,9 +4,9 @@ Everything that decides *how* a kernel is called lives here, so it is tested on 
 without a GPU: which instantiation to pick for a dtype (:func:`kernel_name`), the exact element
 type a scalar is cast to (:func:`scalar_arg`: a bare Python float would reach the kernel as an
 8-byte double, wrong for a ``float`` or ``__half`` parameter), the grid for every kind of kernel
-(:func:`launch_config`), the packed strided view (:func:`pack_view`), the reduction plan
-(:func:`plan_reduce`), and the argument checks (:func:`prepare`). The CuPy side
-(``runtime.py``) only compiles, caches and calls.
+(:func:`launch_config`), the packed strided view (:func:`pack_view`), the reduction plans
+(:func:`plan_reduce`, :func:`plan_reduce_leading`), and the argument checks
+(:func:`prepare`). The CuPy side (``runtime.py``) only compiles, caches and calls.
 
 Example:
     >>> from needle.backend_ndarray._cuda import launch as L
