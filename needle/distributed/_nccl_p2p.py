@@ -109,3 +109,43 @@ def _scratch(like: DeviceBuffer, got: Header) -> DeviceBuffer:
 
     nd = NDArray.make(got.shape, device=like.nd.device, dtype=got.dtype)
     return DeviceBuffer(nd, nd)
+
+
+def irecv_array(pg: Any, src: int, tag: int, timeout: float | None, device: Any,
+                op: str = "recv_array") -> Work:
+    """Receive the next array message from ``src`` into a new array on ``device``, of the
+    dtype and shape its header gives; ``wait()`` returns it. An abort in its place raises
+    SenderAborted with the sender's reason (which travels on the host group)."""
+    from needle.backend_ndarray.ndarray import NDArray
+
+    from ._errors import MessageError
+    from ._wire import ABORT
+    from .p2p import _aborted, _waiter
+
+    comm: NcclComm = pg.nccl
+    comm.check(op)
+    stream = comm.stream()
+    wait = _waiter(pg, op, src, tag, timeout)
+    o = _deadline(pg, op, timeout)
+    header = np.empty(HEADER_BYTES, np.uint8)
+    req = pg.p2p.irecv(header, src, 2 * tag)
+
+    def complete() -> Any:
+        wait(req, "header receive")
+        got = unpack_header(header, op)
+        if got.kind == ABORT:
+            reason = np.empty(got.shape, np.uint8)
+            wait(pg.p2p.irecv(reason, src, 2 * tag + 1), "abort reason")
+            raise _aborted(pg, op, src, tag, reason)
+        if got.kind != ARRAY:
+            raise MessageError(f"{op}: expected an array message from {pg.describe(src)} "
+                               f"(tag {tag}), got {got.describe()}")
+        nd = NDArray.make(got.shape, device=device, dtype=got.dtype)
+        target = DeviceBuffer(nd, nd)
+        dt = comm.dtype(op, target)
+        event = _issue(pg, lambda: comm.comm.recv(target.ptr, target.count, dt, src,
+                                                  int(stream.ptr)), comm, stream)
+        comm.wait(o, stream, "recv", event, call=f"recv from {pg.describe(src)}, tag {tag}")
+        return nd
+
+    return PolledWork(lambda: bool(req.test()), complete)

@@ -375,6 +375,9 @@ def isend_array(arr: Any, dst: int, *, tag: int = 0, group: Any = None,
     with :func:`recv_array`. A NumPy array must not be modified until the Work completes.
     """
     pg = _check("send_array", group, dst, tag, "dst")
+    dev = _nccl.route(pg, arr)
+    if dev is not None:  # the same message, its payload by NCCL (see _nccl_p2p)
+        return _nccl_p2p.isend(pg, dev[0], dst, tag, timeout)
     return _isend(pg, "send_array", ARRAY, _array_of(arr, "send_array"), dst, tag, timeout)
 
 

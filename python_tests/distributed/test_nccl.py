@@ -352,3 +352,41 @@ def test_the_device_checks_pass_on_the_emulator(emulated_cuda, monkeypatch, worl
     finally:
         _fake_nccl.uninstall(runtime._cupy, fake)
     assert fake.of("allReduce", 0) and fake.of("reduce", 0) and fake.of("broadcast", 0)
+
+
+def test_pipeline_cut_edges_carry_device_arrays_through_nccl(nccl):
+    """send_forward/recv_forward of cuda() tensors: activations and adjoints go device to
+    device by NCCL (no host copy until the results are read), and an abort in place of an
+    activation still reaches the receiver as PipelineAborted."""
+    from needle import ops
+    from needle.distributed import pipeline
+
+    dev, fake = nccl
+
+    def job(rank):
+        if rank == 0:
+            x = Tensor(np.array([[1.0, -2.0]], np.float32), device=dev)
+            token = pipeline.send_forward(ops.exp(x) * 2, dst=1, tag=7)
+            token.backward()
+            pipeline.wait_sends()
+            dist.barrier()
+            pipeline.wire.send_abort(dist.process_group._world("t").world, "stage 0 failed",
+                                     1, 8, pipeline.wire.FORWARD, 0)
+            pipeline.wait_sends()
+            return [x.grad]
+        y = pipeline.recv_forward(src=0, tag=7, device=dev)
+        assert y.device == dev
+        (y * y).sum().backward()  # d/dy = 2y, then d/dx = 2y * 2 exp(x)
+        pipeline.wait_sends()
+        dist.barrier()
+        with pytest.raises(pipeline.PipelineAborted, match="stage 0 failed"):
+            pipeline.recv_forward(src=0, tag=8, device=dev)
+        return [y]
+
+    ((_, r0), (_, r1)), copies = _run(fake, job)
+    assert copies == 0
+    x = np.array([[1.0, -2.0]])
+    np.testing.assert_allclose(r1[0], 2 * np.exp(x), rtol=1e-6)
+    np.testing.assert_allclose(r0[0], 2 * (2 * np.exp(x)) * 2 * np.exp(x), rtol=1e-5)
+    assert [c["count"] for c in fake.of("send", 0)] == [2]  # the activation
+    assert [c["count"] for c in fake.of("send", 1)] == [2]  # its adjoint

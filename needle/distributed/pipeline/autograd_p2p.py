@@ -5,9 +5,9 @@ whose graph leads back to ``x``; ``recv_forward(src)`` returns the received acti
 Tensor whose graph node remembers ``src``. In backward the receiving rank's engine reaches
 that node and sends the adjoint back to ``src``; on the sending rank ``token.backward()``
 receives it and the engine continues into ``x``'s graph. Any dtype needle sends, any device
-(data travels through host memory: ``cuda()`` tensors are copied to the host and back), any
-transport. ``tag`` keeps concurrent micro-batches apart; each (peer, tag, direction) stream is
-matched in order.
+(data travels through host memory, except ``cuda()`` tensors on an ``nccl`` group: NCCL
+carries them from device to device), any transport. ``tag`` keeps concurrent micro-batches
+apart; each (peer, tag, direction) stream is matched in order.
 
 Example (two thread ranks: y = 3 x on rank 0, loss = sum(y ** 2) on rank 1):
     >>> import numpy as np, needle as ndl, needle.distributed as dist
@@ -35,6 +35,7 @@ import numpy as np
 from needle.autograd import Tensor, TensorOp
 from needle.backend_selection import BACKEND, array_api
 
+from .. import _nccl
 from .._buffers import to_device, to_host
 from .._errors import CommError
 from .._group import resolve
@@ -55,15 +56,22 @@ class Link:
             self.pg.check_peer("pipeline", peer, "peer")
         wire.check_tag("pipeline", tag)
         self.peer, self.tag, self.timeout, self.local = peer, tag, timeout, local
-        self._adjoint: np.ndarray | None = None
+        self._adjoint: Any = None
         self.sent_adjoint = False
+        self.device: Any = None  # where received arrays go when NCCL carries them
 
     def reset(self) -> None:
         """Forget the previous step (the runtime reuses links across steps)."""
         self._adjoint = None
         self.sent_adjoint = False
 
-    def send(self, arr: np.ndarray, direction: int) -> None:
+    def send(self, arr: Any, direction: int) -> None:
+        """Send ``arr``: a device array goes as it is where NCCL can carry it (the receiving
+        side then gets a device array too), anything else as a host copy."""
+        if self.local is None and _nccl.route(self.pg, arr) is not None:
+            self.device = arr.device
+        else:
+            arr = to_host(arr)
         if self.local is not None:
             self.local.put((self.tag, direction), arr)
         else:
@@ -71,16 +79,17 @@ class Link:
         if direction == wire.BACKWARD:
             self.sent_adjoint = True
 
-    def recv(self, direction: int) -> np.ndarray:
+    def recv(self, direction: int) -> Any:
         if self.local is not None:
             return self.local.take((self.tag, direction))
-        return wire.recv_array(self.pg, self.peer, self.tag, direction, self.timeout)
+        return wire.recv_array(self.pg, self.peer, self.tag, direction, self.timeout,
+                               self.device)
 
     def prefetch(self) -> None:
         if self._adjoint is None:
             self._adjoint = self.recv(wire.BACKWARD)
 
-    def take_adjoint(self) -> np.ndarray:
+    def take_adjoint(self) -> Any:
         self.prefetch()
         adjoint, self._adjoint = self._adjoint, None
         return adjoint
@@ -112,7 +121,7 @@ class SendOp(TensorOp):
         self.link = link
 
     def compute(self, a):
-        self.link.send(to_host(a), wire.FORWARD)
+        self.link.send(a, wire.FORWARD)
         return to_device(np.zeros(1, np.float32), getattr(a, "device", None))
 
     def gradient(self, out_grad, node):
@@ -132,17 +141,19 @@ class RecvOp(TensorOp):
 
     save_inputs = ()
 
-    def __init__(self, link: Link, host: np.ndarray):
+    def __init__(self, link: Link, host: Any):
         self.link = link
-        self._host: np.ndarray | None = host
+        self._host: Any = host  # host values, or the device array NCCL received
 
     def compute(self, anchor):
         # built here, inside a recorded op, so needle.memory counts it as an activation
         host, self._host = self._host, None
+        if not isinstance(host, np.ndarray):
+            return host
         return to_device(host, getattr(anchor, "device", None))
 
     def gradient(self, out_grad, node):
-        self.link.send(to_host(out_grad), wire.BACKWARD)
+        self.link.send(out_grad.realize_cached_data(), wire.BACKWARD)
         anchor = node.inputs[0]
         return Tensor(np.zeros(1, np.float32), device=anchor.device, dtype="float32",
                       requires_grad=False)
@@ -176,10 +187,12 @@ def recv_forward(src: int, tag: int = 0, group: Any = None, device: Any = None,
         CommError: bad ``src``/``tag``, a timeout, or ``PipelineAborted`` when the sender failed.
     """
     link = link or Link(group, src, tag, timeout)
-    host = link.recv(wire.FORWARD)
     if device is None and BACKEND == "nd":
         device = array_api.default_device()
-    if not requires_grad or host.dtype.kind not in "f":
-        return Tensor(to_device(host, device), device=device, requires_grad=False)
+    link.device = device
+    host = link.recv(wire.FORWARD)
+    if not requires_grad or np.dtype(host.dtype).kind not in "f":
+        data = host if not isinstance(host, np.ndarray) else to_device(host, device)
+        return Tensor(data, device=device, requires_grad=False)
     anchor = Tensor(np.zeros(1, np.float32), device=device, dtype="float32", requires_grad=True)
     return RecvOp(link, host)(anchor)

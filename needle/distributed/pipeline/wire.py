@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import p2p
+from .. import _nccl_p2p, p2p
 from .._errors import CommError, PeerError, SenderAborted, rewrap
 from .._group import ProcessGroup, resolve
 
@@ -124,10 +124,15 @@ def _aborted(pg: ProcessGroup, src: int, reason: str) -> PipelineAborted:
 
 
 def recv_array(pg: ProcessGroup, src: int, tag: int, direction: int,
-               timeout: float | None = None) -> np.ndarray:
+               timeout: float | None = None, device: Any = None) -> Any:
     """Receive the next message (``src``, ``tag``, ``direction``); raise :class:`PipelineAborted`
-    when the sender aborted instead, CommError on timeout (naming both ranks and the tag)."""
+    when the sender aborted instead, CommError on timeout (naming both ranks and the tag).
+    A NumPy array, or on an ``nccl`` group with a ``cuda()`` ``device``, an NDArray there
+    (the payload by NCCL, no host copy)."""
     try:
+        if getattr(pg, "nccl", None) is not None and getattr(device, "name", None) == "cuda":
+            return _nccl_p2p.irecv_array(pg, src, _p2p_tag(tag, direction), timeout,
+                                         device).wait()
         return p2p.recv_array(src, tag=_p2p_tag(tag, direction), group=pg, timeout=timeout)
     except SenderAborted as exc:
         raise _aborted(pg, src, exc.reason) from None
