@@ -144,9 +144,13 @@ class _RankZeroBar:
 
         self._tqdm = tqdm
         self._out = file or sys.stdout
-        # disable=False: under the launcher stderr is a pipe, and tqdm would otherwise guess
-        # that nobody watches; mininterval keeps the pipe from flooding.
-        self.bar = tqdm(iterable, total=total, desc=desc, file=file or sys.stderr,
+        # Under the launcher the bar goes where the script's lines go: mpiexec forwards a
+        # rank's stdout and stderr apart, and a bar on stderr could be drawn after the line
+        # printed once it closed. disable=False: the output is a pipe, and tqdm would otherwise
+        # guess that nobody watches; mininterval keeps the pipe from flooding.
+        launched = "NEEDLE_LAUNCH_RANK" in os.environ
+        self.bar = tqdm(iterable, total=total, desc=desc,
+                        file=file or (sys.stdout if launched else sys.stderr),
                         disable=False, mininterval=0.5, ncols=_columns())
 
     def write(self, message: str, all_ranks: bool = False) -> None:
@@ -177,7 +181,8 @@ def progress_bar(iterable: Iterable | None = None, total: int | None = None, des
         enabled: False for ``--no-progress`` (summaries passed to ``write`` still print).
         rank: default :func:`rank_from_env`.
         lines: plain progress lines per run on the other ranks.
-        file: where to write (default: bars to stderr, lines to stdout).
+        file: where to write (default: lines to stdout; bars to stderr, to stdout under the
+            launcher, where the lines go).
     """
     rank = rank_from_env() if rank is None else rank
     enabled = enabled and shows_progress(rank)

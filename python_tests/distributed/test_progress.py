@@ -102,3 +102,15 @@ def test_under_the_launcher_only_rank_zero_draws(backend: str) -> None:
                          "[rank 1] steps: 8/8 (100%) loss=0.12"]
     else:
         assert rank1 == []
+
+
+def test_under_the_launcher_the_bar_shares_stdout_with_the_lines(monkeypatch, capsys) -> None:
+    """mpiexec forwards stdout and stderr apart: a bar on stderr could land after the line
+    printed once it closed."""
+    monkeypatch.setenv("NEEDLE_LAUNCH_RANK", "0")
+    bar = progress_bar(total=2, desc="steps", rank=0)
+    bar.update(2)
+    bar.close()
+    print("epoch 1")
+    out, err = capsys.readouterr()
+    assert err == "" and "steps: 100%" in out and out.endswith("\nepoch 1\n")
