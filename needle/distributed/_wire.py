@@ -48,7 +48,8 @@ import numpy as np
 from ._errors import CommError, DTypeError, MessageError, ObjectTypeError
 
 # Codes carried in headers; the order is part of the format.
-DTYPES = ("float32", "float64", "float16", "int8", "int16", "int32", "int64", "uint8", "bool")
+DTYPES = ("float32", "float64", "float16", "int8", "int16", "int32", "int64", "uint8", "bool",
+          "bfloat16")
 _CODE = {name: i for i, name in enumerate(DTYPES)}
 ARRAY, OBJECT, ABORT = 0, 1, 2
 KINDS = ("array", "object", "abort")
