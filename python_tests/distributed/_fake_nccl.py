@@ -19,15 +19,17 @@ import itertools
 import threading
 from collections import defaultdict
 
+import ml_dtypes  # noqa: F401 - registers np.dtype("bfloat16")
 import numpy as np
 
-DTYPES = {6: np.float16, 7: np.float32, 8: np.float64}
+DTYPES = {6: np.dtype("float16"), 7: np.dtype("float32"), 8: np.dtype("float64"),
+          9: np.dtype("bfloat16")}  # bfloat16: NumPy's through ml_dtypes (needle imports it)
 SUM, PROD, MAX, MIN, AVG = 0, 1, 2, 3, 4
 _FOLD = {SUM: np.add, AVG: np.add, MAX: np.maximum, MIN: np.minimum, PROD: np.multiply}
 
 
 def _view(ptr: int, count: int, dtype: int) -> np.ndarray:
-    np_dtype = np.dtype(DTYPES[dtype])
+    np_dtype = DTYPES[dtype]
     raw = (ctypes.c_char * max(count * np_dtype.itemsize, 1)).from_address(ptr)
     return np.frombuffer(raw, dtype=np_dtype, count=count)
 
@@ -177,7 +179,7 @@ class FakeNccl:
     """The module: constants, unique ids, communicators, groups; ``calls`` is the log."""
 
     current: "FakeNccl"
-    NCCL_FLOAT16, NCCL_FLOAT32, NCCL_FLOAT64 = 6, 7, 8
+    NCCL_FLOAT16, NCCL_FLOAT32, NCCL_FLOAT64, NCCL_BFLOAT16 = 6, 7, 8, 9
     NCCL_SUM, NCCL_PROD, NCCL_MAX, NCCL_MIN, NCCL_AVG = SUM, PROD, MAX, MIN, AVG
 
     def __init__(self) -> None:

@@ -15,7 +15,7 @@ import needle.distributed as dist
 from needle import nn
 from needle.autograd import Tensor
 
-TOLERANCE = {"float32": 1e-6, "float64": 1e-12, "float16": 2e-3}
+TOLERANCE = {"float32": 1e-6, "float64": 1e-12, "float16": 2e-3, "bfloat16": 1.6e-2}
 _COUNT = threading.local()
 
 
