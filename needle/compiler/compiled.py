@@ -284,7 +284,7 @@ class CompiledStep:
         asked for one)."""
         from .graph import capture
 
-        captured = capture(entry.program)
+        captured = capture(entry.program, _arena_slots(entry.program, entry.plan))
         if isinstance(captured, str):
             entry.graph_reason = captured
             if self.graphs:
@@ -376,16 +376,25 @@ def _fusion(program, plan) -> tuple:
     kernel and where the plan puts each recorded buffer (buffers sharing arena bytes must not
     meet in one fused run); ``(None, None)`` where fusion does not apply."""
     kernel = getattr(program.device.mod, "ewise_program", None)
+    arena = _arena_slots(program, plan)
+    if kernel is None or arena is None:
+        return None, None  # no fused kernel, or a recording that does not line up
+    return kernel, arena
+
+
+def _arena_slots(program, plan) -> dict | None:
+    """slot -> (offset, bytes) of each recorded buffer the plan holds in its arena; None
+    where the recording does not line up with the plan's allocations."""
     allocs = [op for op in program.ops if isinstance(op, Alloc)]
     sequence = plan.graph.allocations
-    if kernel is None or len(allocs) != len(sequence):
-        return None, None  # no fused kernel, or a recording that does not line up
+    if len(allocs) != len(sequence):
+        return None
     arena = {}
     for op, (tensor_id, _) in zip(allocs, sequence, strict=True):
         offset = plan.assignments.get(tensor_id)
         if offset is not None:
             arena[op.slot] = (offset, plan.sizes[tensor_id])
-    return kernel, arena
+    return arena
 
 
 def _device_of(args, kwargs):

@@ -6,8 +6,9 @@ capture (``runtime.Capture``); every later call copies what changed into the gra
 buffers and launches the graph. A graph keeps every device address it saw, so every buffer
 it touches must stay where it was at capture time:
 
-* **intermediates** get blocks of their own, held by the graph: a block is reused only by a
-  buffer made after the last kernel that used the previous one (sizes match exactly);
+* **intermediates** live where the memory plan put them in one arena the graph holds, the
+  others in blocks of the graph's own, reused only by a buffer of the same size made after
+  the last kernel that used the previous one;
 * **buffers from before the call** (tensor arguments, parameters, optimizer state, a
   gradient that accumulates) get one fixed buffer each; a call copies a buffer in (one
   device-to-device copy) only when it is not that buffer already: a new batch is copied, a
@@ -122,9 +123,10 @@ class GraphReplay:
         return _rebuild(self.program.result, out.__getitem__, self.program.device)
 
 
-def capture(program) -> GraphReplay | str:
+def capture(program, arena: dict | None = None) -> GraphReplay | str:
     """Capture ``program`` (a prepared :class:`~.program.KernelProgram`) as a CUDA graph, or
-    say why it cannot be (see the module docstring)."""
+    say why it cannot be (see the module docstring). ``arena`` (slot -> (offset, bytes)) is
+    where the memory plan puts the buffers it holds in its arena."""
     mod = program.device.mod
     if getattr(mod, "__device_name__", None) != "cuda":
         return f"CUDA graphs need a cuda() program, got {program.device.name}()"
@@ -144,14 +146,15 @@ def capture(program) -> GraphReplay | str:
     host_slots = {op.args[0].slot for op in ops
                   if isinstance(op, Call) and op.name == "graph_host_fill"}
     made_slots = program._made
-    order, sizes = _blocks(ops, set(made_slots), host_slots)
+    order, sizes = _blocks(ops, set(made_slots), host_slots, arena or {})
     fn, _, _ = generate(program._rec, program._external_slots, made_slots, ops, mod)
     fixed = [mod.Array(b.meta[4], b.meta[3]) for b in program.binders]
     back = _copy_back(program, fixed, ops)
     blocks = [runtime.allocate(n) for n in sizes]
+    pieces = [_Piece(blocks[block], offset, nbytes) for block, offset, nbytes in order]
     checks: list = []
     try:
-        graph, made = _capture(fn, fixed, back, order, sizes, blocks, checks, mod, runtime)
+        graph, made = _capture(fn, fixed, back, pieces, checks, mod, runtime)
     except _Refused as exc:
         return str(exc)
     except Exception as exc:  # noqa: BLE001 - any failure of the capture means: no graph
@@ -174,16 +177,25 @@ class _Refused(Exception):
     pass
 
 
-def _capture(fn, fixed, back, order, sizes, blocks, checks, mod, runtime):
+class _Piece:
+    """What a buffer made while capturing holds: its address, and the block around it."""
+
+    __slots__ = ("ptr", "nbytes", "block")
+
+    def __init__(self, block, offset: int, nbytes: int):
+        self.ptr, self.nbytes, self.block = int(block.ptr) + offset, nbytes, block
+
+
+def _capture(fn, fixed, back, pieces, checks, mod, runtime):
     served = [0]
 
     def allocate(nbytes: int):
         k = served[0]
-        if k >= len(order) or sizes[order[k]] != nbytes:
+        if k >= len(pieces) or pieces[k].nbytes < nbytes:
             raise _Refused("a kernel allocates a buffer the recording did not see (a "
                            "workspace made inside a kernel call)")
         served[0] += 1
-        return blocks[order[k]]
+        return pieces[k]
 
     def defer(ids, n, k, what):
         checks.append((ids, int(n), int(k), what))
@@ -203,8 +215,8 @@ def _capture(fn, fixed, back, order, sizes, blocks, checks, mod, runtime):
         mod.set_allocator(previous_allocator)
         if previous_defer is not None:
             mod._defer_ids_check = previous_defer
-    if served[0] != len(order):
-        raise _Refused(f"the capture made {served[0]} buffers, the recording {len(order)}")
+    if served[0] != len(pieces):
+        raise _Refused(f"the capture made {served[0]} buffers, the recording {len(pieces)}")
     return cap.graph, made
 
 
@@ -226,30 +238,33 @@ def _host_fill(op, fills: list, mod):
     return Call("graph_host_fill", note, (Ref(slot),))
 
 
-def _blocks(ops: list, keep: set, host: set) -> tuple[list, list]:
-    """Which block serves each allocation, in order, and the blocks' sizes: a block is
-    reused by an allocation of its size after the last op that used its buffer; buffers
-    that outlive the program (``keep``) or are filled from the host before the launch
-    (``host``) keep theirs."""
+def _blocks(ops: list, keep: set, host: set, arena: dict) -> tuple[list, list]:
+    """``(block, offset, bytes)`` for each allocation in order, and the blocks' sizes. Block 0
+    is the plan's arena when ``arena`` places buffers; any other buffer gets a block of its
+    size that no live buffer uses (one whose buffer's last op has run). Buffers filled from
+    the host before the launch (``host``) have blocks of their own, and those that outlive
+    the program (``keep``) are never given up."""
     last: dict[int, int] = {}
     for i, op in enumerate(ops):
         for slot in slots_of(op):
             last[slot] = i
+    placed = {slot: where for slot, where in arena.items() if slot not in host}
+    sizes: list = [max(off + n for off, n in placed.values())] if placed else []
     free: dict[int, list] = {}
-    sizes: list = []
     order: list = []
     block_of: dict[int, int] = {}
     for i, op in enumerate(ops):
         if isinstance(op, Alloc):
             nbytes = max(op.size, 1) * np.dtype(op.dtype).itemsize
-            spare = free.get(nbytes) if op.slot not in host else None
-            if spare:
-                block = spare.pop()
+            if op.slot in placed:
+                order.append((0, placed[op.slot][0], placed[op.slot][1]))
             else:
-                block = len(sizes)
-                sizes.append(nbytes)
-            order.append(block)
-            block_of[op.slot] = block
+                spare = free.get(nbytes) if op.slot not in host else None
+                block = spare.pop() if spare else len(sizes)
+                if block == len(sizes):
+                    sizes.append(nbytes)
+                order.append((block, 0, nbytes))
+                block_of[op.slot] = block
         for slot in set(slots_of(op)):
             if last[slot] == i and slot in block_of and slot not in keep and slot not in host:
                 free.setdefault(sizes[block_of[slot]], []).append(block_of[slot])

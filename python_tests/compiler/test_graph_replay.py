@@ -68,7 +68,7 @@ def _mlp_resnet(dev):
     return mlp_resnet.MLPResNet(6, 8, num_blocks=1, num_classes=3, drop_prob=0.2, device=dev)
 
 
-def train(dev, make_model, x_shape, graphs, steps, opt="sgd", load_at=None):
+def train(dev, make_model, x_shape, graphs, steps, opt="sgd", load_at=None, arena="bounded"):
     """``steps`` SGD-with-momentum steps on fresh batches (eager when ``graphs`` is "eager");
     returns the parameters and BatchNorm statistics after each step, every step's loss
     (read at the end: a returned loss must survive later steps), the compiled step and the
@@ -88,7 +88,7 @@ def train(dev, make_model, x_shape, graphs, steps, opt="sgd", load_at=None):
         return loss
 
     if graphs != "eager":
-        step = ndl.compile(step, graphs=graphs)
+        step = ndl.compile(step, graphs=graphs, arena=arena)
     stats = [m for m in _modules(model) if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d))]
     rng = np.random.default_rng(1)
     np.random.seed(2)
@@ -128,9 +128,10 @@ def test_graph_replays_equal_eager_steps_in_one_launch_each(dev):
     through the fixed label buffer), SGD with momentum and weight decay: every step's
     parameters and loss bitwise those of eager steps. The last step is one graph launch, no
     kernel launched from Python, the two inputs copied into their fixed buffers and the
-    loss copied out; parameters and momenta stay where the graph put them (no copies)."""
+    loss copied out; parameters and momenta stay where the graph put them (no copies). The
+    plan's arena holds every intermediate, at the offsets the graph uses too."""
     eager = train(dev, _mlp, (4, 6), "eager", steps=6)
-    graph = train(dev, _mlp, (4, 6), None, steps=6)
+    graph = train(dev, _mlp, (4, 6), None, steps=6, arena="all")
     _same(eager[:2], graph[:2])
     step, delta = graph[2], graph[3]
     stats = step.stats()
