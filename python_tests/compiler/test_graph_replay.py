@@ -68,7 +68,8 @@ def _mlp_resnet(dev):
     return mlp_resnet.MLPResNet(6, 8, num_blocks=1, num_classes=3, drop_prob=0.2, device=dev)
 
 
-def train(dev, make_model, x_shape, graphs, steps, opt="sgd", load_at=None, arena="bounded"):
+def train(dev, make_model, x_shape, graphs, steps, opt="sgd", load_at=None, arena="bounded",
+          lr_at=None):
     """``steps`` SGD-with-momentum steps on fresh batches (eager when ``graphs`` is "eager");
     returns the parameters and BatchNorm statistics after each step, every step's loss
     (read at the end: a returned loss must survive later steps), the compiled step and the
@@ -96,6 +97,8 @@ def train(dev, make_model, x_shape, graphs, steps, opt="sgd", load_at=None, aren
     for i in range(steps):
         if i == load_at:  # a parameter loaded between calls is read, not the graph's copy
             params[0].data = ndl.Tensor(np.full(params[0].shape, 0.05), device=dev)
+        if i == lr_at:  # the guard sees it: the step records and is captured anew
+            optimizer.lr = 0.03
         x = ndl.Tensor(rng.standard_normal(x_shape), device=dev)
         y = ndl.Tensor(rng.integers(0, 3, x_shape[0]), device=dev)
         before = _counts(dev)
@@ -167,6 +170,14 @@ def test_graph_replays_of_mlp_resnet_equal_eager_steps_with_a_load_between(dev):
     graph = train(dev, _mlp_resnet, (4, 6), None, steps=6, load_at=5)
     _same(eager[:2], graph[:2])
     assert graph[2].stats()["graph_replays"] == 2
+
+
+def test_a_learning_rate_set_between_graph_replays_is_captured_anew(dev):
+    eager = train(dev, _mlp, (4, 6), "eager", steps=9, lr_at=5)
+    graph = train(dev, _mlp, (4, 6), None, steps=9, lr_at=5)
+    _same(eager[:2], graph[:2])
+    stats = graph[2].stats()
+    assert stats["captures"] == 2 and stats["graph_replays"] == 3, stats
 
 
 def test_adam_steps_fall_back_to_the_plain_replay_and_say_why(dev):
