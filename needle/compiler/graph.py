@@ -163,14 +163,15 @@ def capture(program, arena: dict | None = None) -> GraphReplay | str:
         if out is None:
             return "a host fill of the step was not reached while capturing"
         fills[i] = (fills[i][0], out)
-    bound = []
-    for ids, n, k, what in dict.fromkeys(checks):
+    bound: dict = {}  # one check per label buffer (the loss's backward checks them again)
+    for ids, n, k, what in checks:
         owner = next((f for f in fixed if f.ptr() == ids.ptr()), None)
         if owner is None:
             return ("a kernel checks device values the step computes on the host (ids made "
                     "inside the step): a graph would skip the check")
-        bound.append((mod._defer_ids_check, owner, n, k, what))
-    return GraphReplay(program, graph, fixed, made, back, fills, bound, blocks, runtime)
+        bound.setdefault((id(owner), n, k), (mod._defer_ids_check, owner, n, k, what))
+    return GraphReplay(program, graph, fixed, made, back, fills, list(bound.values()), blocks,
+                       runtime)
 
 
 class _Refused(Exception):

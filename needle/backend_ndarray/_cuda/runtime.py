@@ -210,13 +210,14 @@ class Capture:
 
 def launch_graph(graph) -> None:
     """Run a captured graph on the current stream, after everything queued there."""
-    graph.launch(cupy_module().cuda.get_current_stream())
+    cupy = _cupy if _cupy is not None else cupy_module()  # once per step: no probe
+    graph.launch(cupy.cuda.get_current_stream())
 
 
 def copy_device(dst: int, src: int, nbytes: int) -> None:
     """Queue a device-to-device copy of ``nbytes`` on the current stream (captured when it
     captures)."""
-    cupy = cupy_module()
+    cupy = _cupy if _cupy is not None else cupy_module()
     rt = cupy.cuda.runtime
     rt.memcpyAsync(dst, src, nbytes, getattr(rt, "memcpyDeviceToDevice", 3),
                    cupy.cuda.get_current_stream().ptr)
