@@ -7,9 +7,9 @@ Rows (targets in brackets):
   * elementwise on 1e8 float32, GB/s moved: needle ewise_add / scalar_mul / reduce_sum against
     the device's own copy bandwidth (cudaMemcpy device to device) [>= 0.7x copy], and PyTorch.
   * reductions of 1e8 float32, GB/s read [>= 0.8x copy]: sum and max over the last axis
-    (10,000 rows of 10,000) and over the leading axis (the same array summed to its 10,000
-    columns: the backend's column sum; max through NDArray, which reaches it by a
-    transposing copy), against PyTorch's sum/amax over the same dim.
+    (10,000 rows of 10,000) and over the leading axis (the same array reduced to its 10,000
+    columns: the backend's column sum; max through NDArray's ``max(axis=0)``, the column
+    kernel), against PyTorch's sum/amax over the same dim.
   * ResNet9 training, batch 128, SGD, images/s [>= 0.5x PyTorch]; skipped with a message if
     apps/models.py has no ResNet9 or needle cannot train it on cuda(); then the same step
     under ``ndl.compile`` (replayed), against a second PyTorch measurement.

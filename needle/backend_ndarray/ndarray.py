@@ -712,9 +712,10 @@ class NDArray:
 
     def _reduce_compact(self, axes: tuple, keepdims: bool, kernel, op: str):
         """The two reductions of a compact array that need no view arithmetic: over its
-        trailing axes (the kernel reads the buffer as it lies) and, for ``sum``, over its
-        leading axes (a column sum, ``ones(1, M) @ X``). None for any other case (and for
-        empty arrays), which the general path handles.
+        trailing axes (the kernel reads the buffer as it lies) and over its leading axes (a
+        column sum, ``ones(1, M) @ X``; max and min where the backend has a column kernel,
+        ``reduce_max_leading``). None for any other case (and for empty arrays), which the
+        general path handles.
 
         This is the bias gradient of every Linear layer: the general path's permutations
         and layout checks cost ~8x the kernel on a (128, 100) array."""
@@ -726,8 +727,9 @@ class NDArray:
             kept = shape[:ndim - k]
             reduce_size = math.prod(shape[ndim - k:])
             lead = False
-        elif op == "sum" and axes[-1] == k - 1:  # leading
-            kept = shape[k:]
+        elif axes[-1] == k - 1 and (op == "sum" or hasattr(self._device.mod,
+                                                            f"reduce_{op}_leading")):
+            kept = shape[k:]  # leading
             reduce_size = math.prod(shape[:k])
             lead = True
         else:
@@ -739,7 +741,8 @@ class NDArray:
             out = _alloc(out_shape, self._device, self._handle.dtype, op)
             kernel(self._handle, out._handle, reduce_size)
             return out
-        summed = self._sum_rows(reduce_size, math.prod(kept))
+        summed = (self._sum_rows(reduce_size, math.prod(kept)) if op == "sum"
+                  else self._reduce_rows(op, reduce_size, math.prod(kept)))
         if summed._shape == out_shape:  # (1, k): one leading axis kept as a 1
             return summed
         return _view(out_shape, _compact_strides(out_shape), 0, self._device, summed._handle)
@@ -757,6 +760,13 @@ class NDArray:
         one._fill(1.0)
         ones = _view((1, m), (0, 0), 0, self._device, one._handle)
         return ones @ _view((m, k), (k, 1), 0, self._device, self._handle)
+
+    def _reduce_rows(self, op: str, m: int, k: int) -> "NDArray":
+        """The buffer read as an (m, k) row-major matrix, reduced over its rows by the
+        backend's column kernel ``reduce_<op>_leading``; shape (1, k)."""
+        out = _alloc((1, k), self._device, self._handle.dtype, op)
+        getattr(self._device.mod, f"reduce_{op}_leading")(self._handle, out._handle, m, k)
+        return out
 
     def _reduced_view(self, out: "NDArray", kept_order: tuple, keep: tuple,
                       keepdims: bool) -> "NDArray":

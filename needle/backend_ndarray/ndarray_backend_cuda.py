@@ -273,42 +273,55 @@ def _reduce(op: str):
 
 reduce_sum, reduce_max, reduce_min = _reduce("sum"), _reduce("max"), _reduce("min")
 
+# ---- leading axes -------------------------------------------------------------------------
 # (a, out, m, n, lanes, chunks, width); "rows": the grid is the plan's block count
 _LEADING = ("i64",) * 5
-_SUM_LEADING = L.KernelSpec(_RD, "reduce_sum_leading", ("a", "a") + _LEADING, "rows")
-_SUM_LEADING_PARTIAL = L.KernelSpec(_RD, "reduce_sum_leading_partial", ("a", "acc") + _LEADING,
-                                    "rows")
-_SUM_LEADING_FINAL = L.KernelSpec(_RD, "reduce_sum_leading_final", ("acc", "a") + _LEADING,
-                                  "rows")
 
 
-def reduce_sum_leading(a: Array, out: Array, m: int, n: int) -> None:
-    """``out (n)`` = the ``m`` rows of ``a (m, n)`` added up in the compute type (float for
-    float16). Up to 256 rows, each column row by row in order (bitwise the NumPy and C++
-    backends); more rows are shared among threads and blocks whose partials are combined in
-    a fixed order (the same bits run to run). Read at the device's bandwidth."""
-    m, n = int(m), int(n)
-    if m < 0 or n < 0:
-        raise ShapeError(f"reduce_sum_leading: dimensions must be >= 0, got m={m}, n={n}")
-    L.check_extent("reduce_sum_leading", "a", a, m * n)
-    L.check_extent("reduce_sum_leading", "out", out, n)
-    if n and a.ptr() == out.ptr():
-        raise ValueError("reduce_sum_leading: out must not share memory with a")
-    if not n:
-        return
-    dtype = out.dtype
-    plan = L.plan_reduce_leading(m, n, a.itemsize, a.ptr(),
-                                 runtime.num_sms(runtime.device_id()))
-    if plan.chunks == 1:
-        runtime.launch(_SUM_LEADING, dtype, plan.blocks, a, out, m, n, plan.lanes, 1,
+def _leading(op: str):
+    name = f"reduce_{op}_leading"
+    direct = L.KernelSpec(_RD, name, ("a", "a") + _LEADING, "rows")
+    partial = L.KernelSpec(_RD, f"{name}_partial", ("a", "acc") + _LEADING, "rows")
+    final = L.KernelSpec(_RD, f"{name}_final", ("acc", "a") + _LEADING, "rows")
+
+    def kernel(a: Array, out: Array, m: int, n: int) -> None:
+        m, n = int(m), int(n)
+        if m < 0 or n < 0:
+            raise ShapeError(f"{name}: dimensions must be >= 0, got m={m}, n={n}")
+        if op != "sum" and m == 0 and n:
+            raise ShapeError(f"{name}: zero-size reduction has no identity, expected m >= 1, "
+                             f"got m=0")
+        L.check_extent(name, "a", a, m * n)
+        L.check_extent(name, "out", out, n)
+        if n and a.ptr() == out.ptr():
+            raise ValueError(f"{name}: out must not share memory with a")
+        if not n:
+            return
+        dtype = out.dtype
+        plan = L.plan_reduce_leading(m, n, a.itemsize, a.ptr(),
+                                     runtime.num_sms(runtime.device_id()))
+        if plan.chunks == 1:
+            runtime.launch(direct, dtype, plan.blocks, a, out, m, n, plan.lanes, 1, plan.width)
+            return
+        work = Array(plan.chunks * n, L.ACC_DTYPE[dtype])
+        runtime.launch(partial, dtype, plan.blocks, a, work, m, n, plan.lanes, plan.chunks,
                        plan.width)
-        return
-    work = Array(plan.chunks * n, L.ACC_DTYPE[dtype])
-    runtime.launch(_SUM_LEADING_PARTIAL, dtype, plan.blocks, a, work, m, n, plan.lanes,
-                   plan.chunks, plan.width)
-    final = L.plan_reduce_leading(plan.chunks, n, work.itemsize, work.ptr(), 1, split=False)
-    runtime.launch(_SUM_LEADING_FINAL, dtype, final.blocks, work, out, plan.chunks, n,
-                   final.lanes, 1, final.width)
+        last = L.plan_reduce_leading(plan.chunks, n, work.itemsize, work.ptr(), 1, split=False)
+        runtime.launch(final, dtype, last.blocks, work, out, plan.chunks, n, last.lanes, 1,
+                       last.width)
+
+    kernel.__name__ = kernel.__qualname__ = name
+    kernel.__doc__ = (
+        f"``out (n)`` = the {op} over the ``m`` rows of ``a (m, n)``, in the compute type "
+        f"(float for float16). Up to 256 rows, each column row by row in order (bitwise the "
+        f"NumPy and C++ backends); more rows are shared among threads and blocks whose "
+        f"partials are combined in a fixed order (the same bits run to run).")
+    return kernel
+
+
+reduce_sum_leading = _leading("sum")
+# max/min over leading axes: a column kernel instead of NDArray's transposing copy
+reduce_max_leading, reduce_min_leading = _leading("max"), _leading("min")
 
 
 # ---- matmul ------------------------------------------------------------------------------

@@ -125,7 +125,7 @@ OPTIONAL = ("new_array", "matmul_tiled", "matmul_strided", "conv2d_forward", "co
             "batch_norm_forward", "batch_norm_backward", "softmax_xent_forward",
             "softmax_xent_backward", "embedding_forward", "embedding_backward",
             "ewise_program", "ewise_program_many", "mt19937_uniform", "ewise_add_rows",
-            "reduce_sum_leading")
+            "reduce_sum_leading", "reduce_max_leading", "reduce_min_leading")
 
 
 def missing(module: object) -> list[str]:

@@ -2,7 +2,8 @@
 
 Runs on the GPU when ``cuda()`` is enabled, else on the host emulator (2 SMs, so the shapes
 below are small and still reach every path: one thread, one warp or one block per row, rows
-split across blocks; column sums in row order, with row lanes, split across blocks). Sums
+split across blocks; column sums, max and min in row order, with row lanes, split across
+blocks). Sums
 of whole numbers are exact in any order, so those compare bitwise with NumPy and any element
 dropped or read twice shows. The plan tests count blocks and launches for 1e8 elements on an
 H100/H200 without running anything.
@@ -73,10 +74,14 @@ def _reduce(op: str, x: np.ndarray) -> np.ndarray:
     return _get(out)
 
 
-def _sum_leading(x: np.ndarray) -> np.ndarray:
+def _leading(op: str, x: np.ndarray) -> np.ndarray:
     out = B.Array(x.shape[1], x.dtype.name)
-    B.reduce_sum_leading(_put(x), out, *x.shape)
+    getattr(B, f"reduce_{op}_leading")(_put(x), out, *x.shape)
     return _get(out)
+
+
+def _sum_leading(x: np.ndarray) -> np.ndarray:
+    return _leading("sum", x)
 
 
 # ---- plans: counts only ------------------------------------------------------------------
@@ -179,6 +184,22 @@ def test_sum_leading_every_path(backend, dtype, m, n):
 
 
 @_emulated
+@pytest.mark.parametrize("dtype,m,n", LEADING_PARAMS, ids=str)
+def test_max_min_leading_every_path(backend, dtype, m, n):
+    """Column max and min on the column sums' paths; a NaN in a column (first row, a middle
+    row, the last row) makes that column's max and min NaN, as in NumPy."""
+    x = np.random.default_rng(m * n).uniform(-2, 2, (m, n)).astype(dtype)
+    for op in ("max", "min"):
+        np.testing.assert_array_equal(_leading(op, x), getattr(x, op)(0))
+    if n >= 3:
+        x[0, 0] = x[m // 2, 1] = x[m - 1, n - 1] = np.nan
+        for op in ("max", "min"):
+            got = _leading(op, x)
+            assert np.isnan(got[[0, n - 1]]).all() and (m == 1 or np.isnan(got[1])), got
+            assert not np.isnan(got[2:n - 1]).any(), got
+
+
+@_emulated
 def test_split_reductions_are_deterministic(backend):
     """The same input gives the same bits again: partials combine in a fixed order."""
     rng = np.random.default_rng(5)
@@ -192,8 +213,9 @@ def test_split_reductions_are_deterministic(backend):
 
 @_emulated
 def test_ndarray_reductions_of_views(backend):
-    """NDArray on cuda(): sums and max over the last axis and leading axes of compact
-    arrays and of permuted, sliced views, against NumPy."""
+    """NDArray on cuda(): sums, max and min over the last axis and leading axes of compact
+    arrays (max and min over leading axes through the column kernels, no copy) and of
+    permuted, sliced views, against NumPy."""
     dev = nd.BackendDevice("cuda", B)
     rng = np.random.default_rng(11)
     whole = rng.integers(-3, 4, (4, 24, 70)).astype(np.float32)
@@ -201,8 +223,14 @@ def test_ndarray_reductions_of_views(backend):
     views = {"compact": (a, whole),
              "permuted": (a.permute((2, 0, 1)), whole.transpose(2, 0, 1)),
              "sliced": (a[1:4, ::3, 3:], whole[1:4, ::3, 3:])}
+    column_max = runtime.function("reduce.cu", "reduce_max_leading_f32")
+    before = len(getattr(column_max, "launches", ()))
+    np.testing.assert_array_equal(a.max(axis=(0, 1)).numpy(), whole.max(axis=(0, 1)))
+    if hasattr(column_max, "launches"):  # the emulator counts launches: one, and no copy
+        assert len(column_max.launches) == before + 1
     for name, (view, ref) in views.items():
-        for op, axis in (("sum", 2), ("sum", 0), ("sum", (0, 1)), ("max", 2), ("max", 0)):
+        for op, axis in (("sum", 2), ("sum", 0), ("sum", (0, 1)), ("max", 2), ("max", 0),
+                         ("min", (0, 1))):
             np.testing.assert_array_equal(getattr(view, op)(axis=axis).numpy(),
                                           getattr(ref, op)(axis=axis),
                                           err_msg=f"{name} {op} {axis}")

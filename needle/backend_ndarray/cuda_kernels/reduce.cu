@@ -163,8 +163,8 @@ __device__ __forceinline__ void small_body(const In* __restrict__ a, Out* __rest
   }
 
 // ---- leading axes --------------------------------------------------------------------------
-// Column reductions: out[j] = the reduction over rows i of a[i * n + j], `a` an (m, n)
-// row-major array (a linear layer's bias gradient, a sum over axis 0). The launcher
+// Column reductions (sum, max, min): out[j] = the reduction over rows i of a[i * n + j], `a`
+// an (m, n) row-major array (a linear layer's bias gradient, a sum over axis 0). The launcher
 // (plan_reduce_leading) picks, per call:
 //   width   elements per load (1, 2, 4 or 8; a 16-byte vector at most), when n and the
 //           buffer address allow: each thread owns `width` neighbouring columns;
@@ -270,15 +270,16 @@ __device__ __forceinline__ void leading(const In* __restrict__ a, Out* __restric
     leading<Traits<T>::acc, T, OP>(a, out, m, n, lanes, chunks, width);                      \
   }
 
-// Column sums only: NDArray routes max/min over leading axes through a transposing copy.
 #define NEEDLE_SUM_LEADING_T(SUF, T) NEEDLE_LEADING_T(sum, RedSum, SUF, T)
 
 // Every reduction kernel for one dtype; a new dtype is one more line below.
-#define NEEDLE_REDUCE_DTYPE(SUF, T)    \
-  NEEDLE_REDUCE_T(sum, RedSum, SUF, T) \
-  NEEDLE_REDUCE_T(max, RedMax, SUF, T) \
-  NEEDLE_REDUCE_T(min, RedMin, SUF, T) \
-  NEEDLE_SUM_LEADING_T(SUF, T)
+#define NEEDLE_REDUCE_DTYPE(SUF, T)      \
+  NEEDLE_REDUCE_T(sum, RedSum, SUF, T)   \
+  NEEDLE_REDUCE_T(max, RedMax, SUF, T)   \
+  NEEDLE_REDUCE_T(min, RedMin, SUF, T)   \
+  NEEDLE_SUM_LEADING_T(SUF, T)           \
+  NEEDLE_LEADING_T(max, RedMax, SUF, T)  \
+  NEEDLE_LEADING_T(min, RedMin, SUF, T)
 
 NEEDLE_REDUCE_DTYPE(f32, float)
 NEEDLE_REDUCE_DTYPE(f64, double)
