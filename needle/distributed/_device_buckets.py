@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from .flat_layout import FlatLayout
 
 
@@ -85,3 +87,56 @@ def unpack_all(layout: FlatLayout, flat: Any) -> list:
             full._setitem(slice(lo, hi), flat[at:at + hi - lo])
         out.append(full)
     return out
+
+
+# ---- what the sync engine and ZeRO call, on either kind of bucket --------------------------
+def attach(buckets: list, group: Any, params: list, hook: Any) -> Any:
+    """Put the buckets on the parameters' device when the hook allows it (``device_buckets``)
+    and ``group`` runs on the device; returns that device (None: host buckets)."""
+    device = on_device(group, params) if getattr(hook, "device_buckets", False) else None
+    for b in buckets:
+        b.device = device
+    return device
+
+
+def pack_into(bucket: Any, j: int, grad: Any, weight: float) -> None:
+    """Bucket.pack for a device bucket (allocated at its first pack)."""
+    if bucket.flat is None:
+        bucket.flat = empty(bucket.layout.numel, bucket.dtype, bucket.device)
+    pack(bucket.layout, bucket.flat, j, grad, weight)
+
+
+def gradient_of(param: Any, device: Any, owner: str) -> Any:
+    """The gradient to pack: the device array itself, or a host buffer of it."""
+    if device is not None:
+        return param.grad.realize_cached_data()
+    from ._buffers import borrow
+
+    return borrow(param.grad, owner, readonly=True).arr
+
+
+def zeros_for(param: Any, bucket: Any) -> Any:
+    """A zero gradient for ``param`` (it got none), host or device as ``bucket`` is."""
+    numel = int(np.prod(param.shape))
+    if bucket.device is None:
+        return np.zeros(numel, bucket.dtype)
+    return zeros(numel, bucket.dtype, bucket.device)
+
+
+def unpack_bucket(bucket: Any) -> list:
+    """Every member's full gradient of a filled bucket, host or device."""
+    if bucket.device is None:
+        return bucket.layout.unpack_all(bucket.flat)
+    return unpack_all(bucket.layout, bucket.flat)
+
+
+def unpack_bucket_mine(bucket: Any, rank: int) -> list:
+    """Rank's pieces of a bucket, host or device."""
+    if bucket.device is None:
+        return bucket.layout.unpack_mine(bucket.flat, rank)
+    return unpack_mine(bucket.layout, bucket.flat, rank)
+
+
+def values_like(t: Any, like: Any) -> Any:
+    """``t``'s values where ``like`` lives: a NumPy copy next to host values, else its array."""
+    return t.numpy() if isinstance(like, np.ndarray) else t.realize_cached_data()

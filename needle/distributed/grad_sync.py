@@ -49,7 +49,6 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from . import _device_buckets, tracing, traffic
-from ._buffers import borrow
 from ._errors import CommError, GraphError
 from ._group import resolve
 from ._ready_check import check_ready
@@ -74,10 +73,7 @@ class Bucket:
     def pack(self, j: int, grad: Any, weight: float) -> None:
         """Member j's gradient (flat), times ``weight`` in its dtype, into every segment."""
         if self.device is not None:
-            if self.flat is None:
-                self.flat = _device_buckets.empty(self.layout.numel, self.dtype, self.device)
-            _device_buckets.pack(self.layout, self.flat, j, grad, weight)
-            return
+            return _device_buckets.pack_into(self, j, grad, weight)
         if self.flat is None:
             self.flat = np.empty(self.layout.numel, dtype=self.dtype)
         b, grad = self.layout.pieces[j], grad.reshape(-1)
@@ -117,10 +113,9 @@ class BucketHook:
 
 class AllReduceHook(BucketHook):
     """Sum every bucket on every rank (ring over the bucket's segments, or the transport's
-    own all-reduce) and write each parameter's result into ``p.grad``. On an ``nccl`` group
-    with ``cuda()`` parameters the buckets stay on the device (``device_buckets``)."""
+    own all-reduce) and write each parameter's result into ``p.grad``."""
 
-    device_buckets = True
+    device_buckets = True  # on an nccl group of cuda() parameters (_device_buckets)
 
     def __init__(self, algorithm: str = "ring", label: str = "ddp gradients",
                  steps: bool = True):
@@ -149,9 +144,7 @@ class AllReduceHook(BucketHook):
 
         # always a fresh Tensor, never written in place: the engine may hand one gradient
         # Tensor to several leaves (``a + b`` gives both the same out_grad)
-        fulls = bucket.layout.unpack_all(bucket.flat) if bucket.device is None else \
-            _device_buckets.unpack_all(bucket.layout, bucket.flat)
-        for i, full in zip(bucket.members, fulls, strict=True):
+        for i, full in zip(bucket.members, _device_buckets.unpack_bucket(bucket), strict=True):
             p = params[i]
             p.grad = Tensor(full.reshape(p.shape), device=p.device, dtype=bucket.dtype,
                             requires_grad=False)
@@ -228,10 +221,7 @@ class GradSync:
                    self.group.size, self.fast if self.fast and b >= n - priority else self.group)
             for b, (dtype, members) in enumerate(self.plan)]
         self._where = {m: (b, j) for b in self.buckets for j, m in enumerate(b.members)}
-        self.device = _device_buckets.on_device(self.group, self.params) \
-            if getattr(hook, "device_buckets", False) else None
-        for b in self.buckets:
-            b.device = self.device
+        self.device = _device_buckets.attach(self.buckets, self.group, self.params, hook)
         self._handles: list = []
         self._sync = True
         self.counts: tuple[float, float] | None = None  # (this rank's, all ranks') examples
@@ -326,9 +316,7 @@ class GradSync:
         self._fired.add(i)
         self._step.setdefault("first_hook", now)
         self._step["last_hook"] = now
-        data = p.grad.realize_cached_data() if self.device is not None else \
-            borrow(p.grad, self.owner, readonly=True).arr
-        grad = self.hook.gradient(i, p, data)
+        grad = self.hook.gradient(i, p, _device_buckets.gradient_of(p, self.device, self.owner))
         self._pack(i, grad, now)
         self.hook.packed(i, p)
 
@@ -355,10 +343,8 @@ class GradSync:
         missing = [i for i in range(len(self.params)) if i not in self._fired]
         for i in missing:
             self._fired.add(i)
-            numel, dtype = int(np.prod(self.params[i].shape)), self._where[i][0].dtype
-            zeros = np.zeros(numel, dtype) if self.device is None else \
-                _device_buckets.zeros(numel, dtype, self.device)
-            self._pack(i, zeros, time.perf_counter())
+            self._pack(i, _device_buckets.zeros_for(self.params[i], self._where[i][0]),
+                       time.perf_counter())
         return missing
 
     def sync_now(self) -> None:
@@ -385,8 +371,7 @@ class GradSync:
         for bucket in self.buckets:
             bucket.work.wait()
             if total != 1.0:
-                bucket.flat /= float(total) if self.device is not None else \
-                    bucket.flat.dtype.type(total)
+                bucket.flat /= float(total)  # (NumPy: cast to the buffer's dtype first)
             self.hook.finish(bucket, self.params)
         self._record()
         self._reset()

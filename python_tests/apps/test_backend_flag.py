@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pytest
-
 import train  # noqa: E402 - apps/ is on sys.path (conftest)
 from training.config import UsageError, parse_args
 

@@ -11,8 +11,8 @@ forward and freed right after; gathered again when its backward starts and freed
 parameters' gradients are final. The next module's gather is started while the current one
 computes (``prefetch``).
 
-Sharding rule, memory and traffic: docs/zero.md. Everything that crosses the network is
-staged through host buffers, so every device (``cuda()`` included) works.
+Sharding rule, memory and traffic: docs/zero.md. What crosses the network is staged through
+host buffers (any device works), or on an ``nccl`` group of ``cuda()`` parameters stays on it.
 """
 from __future__ import annotations
 
@@ -29,17 +29,16 @@ from .._group import resolve
 from ..collectives import broadcast, reduce_scatter_v
 from ..grad_sync import Bucket, BucketHook, GradSync, SyncedModule
 from .optimizer import ZeroOptimizer
-from .shards import Entry, flat_view, host, to_device
+from .shards import Entry, flat_view, piece_of, to_device
 from .stage3 import GatherUnits
 from .weights import ZeroWeights
 
 
 class _ScatterHook(BucketHook):
-    """ZeRO's bucket collective: a reduce-scatter; each rank keeps its reduced pieces (on
-    the device, with no host copy, on an ``nccl`` group of ``cuda()`` parameters)."""
+    """ZeRO's bucket collective: a reduce-scatter; each rank keeps its reduced pieces."""
 
     sharded = True
-    device_buckets = True
+    device_buckets = True  # on an nccl group of cuda() parameters (_device_buckets)
 
     def __init__(self, zero: "ZeroDataParallel"):
         self.zero = zero
@@ -53,10 +52,7 @@ class _ScatterHook(BucketHook):
         backward's; pack this backward's only (the synced one is still alive: the shard's
         gradient is a view of it), its reduced piece is added to the synced piece."""
         synced = self.zero.entries[i].synced if self.zero.stage == 1 else None
-        if synced is None:
-            return grad
-        return grad - (synced.numpy() if isinstance(grad, np.ndarray) else
-                       synced.realize_cached_data())
+        return grad if synced is None else grad - _device_buckets.values_like(synced, grad)
 
     def packed(self, i: int, param: Any) -> None:
         if self.zero.stage == 1:
@@ -65,9 +61,7 @@ class _ScatterHook(BucketHook):
             param.grad = None  # this rank keeps only its reduced piece (stage 2)
 
     def finish(self, bucket: Bucket, params: list) -> None:
-        pieces = bucket.layout.unpack_mine(bucket.flat, self.zero.rank) \
-            if bucket.device is None else \
-            _device_buckets.unpack_mine(bucket.layout, bucket.flat, self.zero.rank)
+        pieces = _device_buckets.unpack_bucket_mine(bucket, self.zero.rank)
         for m, piece in zip(bucket.members, pieces, strict=True):
             self.zero._take_piece(self.zero.entries[m], piece)
         bucket.flat = None  # the full-size buffer lives only while the bucket is in flight
@@ -149,8 +143,7 @@ class ZeroDataParallel(SyncedModule, ZeroWeights):
         for e in self.entries:
             data = e.param.realize_cached_data()
             if self.stage == 3:  # the piece becomes this rank's own copy; the rest goes
-                piece = host(data)[e.lo:e.hi] if self.sync.device is None else \
-                    flat_view(data, e.lo, e.hi)  # (copied on the device just below)
+                piece = piece_of(data, e, self.sync.device)
                 e.make_shard(to_device(piece, e, "weight") if e.numel else None)
                 e.release()
             else:
@@ -187,16 +180,13 @@ class ZeroDataParallel(SyncedModule, ZeroWeights):
             if self.units is not None:
                 self.units.release_all()
 
-    def _take_piece(self, e: Entry, piece: Any) -> None:
-        """Hand ``e`` its reduced gradient piece (host values, or a view of a device
-        bucket)."""
+    def _take_piece(self, e: Entry, piece: Any) -> None:  # host values or a device view
         if not e.numel:
             return
         on_host = isinstance(piece, np.ndarray)
         if self.stage == 1 and e.param.grad is not None:  # into the whole gradient's slice
             if e.synced is not None:  # a second synced backward: add to the synced piece
-                piece = piece + (e.shard.grad.numpy() if on_host else
-                                 e.shard.grad.realize_cached_data())
+                piece = piece + _device_buckets.values_like(e.shard.grad, piece)
             grad = e.param.grad.realize_cached_data()
             view = flat_view(grad, e.lo, e.hi)
             view[slice(None)] = to_device(piece, e, "gradient") if on_host else piece

@@ -53,6 +53,11 @@ def to_device(values: Any, like: "Entry", category: str, shape=None) -> Any:
     return data
 
 
+def piece_of(data: Any, e: "Entry", device: Any) -> Any:
+    """``e``'s piece of its whole array ``data``: a host copy, or a device view (``device``)."""
+    return host(data)[e.lo:e.hi] if device is None else flat_view(data, e.lo, e.hi)
+
+
 def new_flat(numel: int, dtype: str, device: Any) -> Any:
     """A flat buffer for a collective: on ``device`` (device buffers), else on the host."""
     if device is None:
