@@ -9,7 +9,7 @@ a GPU: the time until each step's Python returns (here the whole step), the devi
 copies a step makes (each one makes a real GPU wait), and cProfile of one replayed step.
 
 Usage:
-    python bench/cuda_host_time.py [--steps 3] [--batch 128]
+    python bench/cuda_host_time.py [--steps 5] [--batch 128]
 The last two lines time the compiled step without and with CUDA graph replay (20 steps).
 The numbers are host time only; on a GPU the kernels overlap with them. Timings never decide
 a test.
@@ -57,7 +57,7 @@ def install_no_op_device():
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5)
     p.add_argument("--batch", type=int, default=128)
     args = p.parse_args(argv)
     install_no_op_device()

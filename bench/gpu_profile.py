@@ -148,17 +148,19 @@ def profile_overlap(steps: int, batch: int = 128) -> None:
         step = _needle_resnet9_step(batch, compiled=compiled)
         for _ in range(2):
             step()
-        queued, drained = [], []
+        queued, drained, cpu = [], [], []
         for _ in range(steps):
             runtime.synchronize()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             step()
             queued.append(time.perf_counter() - start)
-            runtime.synchronize()
+            cpu.append(time.process_time() - start_cpu)  # this process only: other jobs'
+            runtime.synchronize()                          # load inflates wall time alone
             drained.append(time.perf_counter() - start)
         print(f"resnet9 b{batch} {name:8s}: Python returns after "
-              f"{statistics.median(queued) * 1e3:6.2f} ms, GPU drained after "
-              f"{statistics.median(drained) * 1e3:6.2f} ms", flush=True)
+              f"{statistics.median(queued) * 1e3:6.2f} ms ({statistics.median(cpu) * 1e3:.2f} "
+              f"ms of CPU), GPU drained after {statistics.median(drained) * 1e3:6.2f} ms "
+              f"(medians of {steps} steps)", flush=True)
         real, seen = B.to_numpy, []
 
         def noting(*args, _real=real, _seen=seen):

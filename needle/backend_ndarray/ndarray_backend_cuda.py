@@ -45,13 +45,19 @@ _FU, _CV, _BN = "fused.cu", "conv.cu", "batch_norm.cu"
 
 
 _ITEMSIZE = {name: np.dtype(name).itemsize for name in L.SUFFIX}
+# Most elements of each item size that fit the buffer limit (L.check_buffer_bytes).
+_MAX_ELEMENTS = {n: L.MAX_BUFFER_BYTES // n for n in set(_ITEMSIZE.values())}
 
 
 class Array:
-    """A flat device buffer of ``size`` elements of ``dtype`` from the backend's allocator."""
+    """A flat device buffer of ``size`` elements of ``dtype`` from the backend's allocator.
+
+    ``size``, ``dtype`` and ``itemsize`` are plain attributes (read on every launch: a
+    property costs a Python call each time); treat them as read-only.
+    """
 
     # __weakref__: in-place write logs (needle._core.versions) go away with their buffer
-    __slots__ = ("_owner", "_ptr", "_size", "_dtype", "_itemsize", "__weakref__")
+    __slots__ = ("_owner", "_ptr", "size", "dtype", "itemsize", "__weakref__")
 
     def __init__(self, size: int, dtype: str = "float32"):
         itemsize = _ITEMSIZE.get(dtype)  # the canonical names without asking NumPy (hot path)
@@ -61,41 +67,33 @@ class Array:
                 raise DTypeError(f"cuda Array: unsupported dtype, expected one of "
                                  f"{tuple(L.SUFFIX)}, got {dtype!r}")
             itemsize = _ITEMSIZE[dtype]
-        self._itemsize = itemsize
-        L.check_buffer_bytes("cuda Array", size, self._itemsize)
-        self._size = int(size)
-        self._dtype = dtype
+        if size.__class__ is not int or not 0 <= size <= _MAX_ELEMENTS[itemsize]:
+            L.check_buffer_bytes("cuda Array", size, itemsize)  # raises, or size is an int-like
+            size = int(size)
+        self.itemsize = itemsize
+        self.size = size
+        self.dtype = dtype
         # A zero-size array still owns a real (one-element) buffer so ptr() is a valid address.
-        self._owner = runtime.allocate(max(self._size, 1) * self._itemsize)
-        self._ptr = int(self._owner.ptr)
-
-    @property
-    def size(self) -> int:
-        return self._size
-
-    @property
-    def dtype(self) -> str:
-        return self._dtype
-
-    @property
-    def itemsize(self) -> int:
-        return self._itemsize
+        allocate = runtime._allocator or runtime.get_allocator()
+        owner = self._owner = allocate((size or 1) * itemsize)
+        self._ptr = int(owner.ptr)
 
     def ptr(self) -> int:
         return self._ptr
 
     def __repr__(self) -> str:
-        return f"cuda.Array(size={self._size}, dtype={self._dtype}, ptr={self._ptr:#x})"
+        return f"cuda.Array(size={self.size}, dtype={self.dtype}, ptr={self._ptr:#x})"
 
 
 def _cupy_view(a: Array, count: int, offset: int = 0, shape=None, strides=None):
-    """A CuPy array over ``a`` from element ``offset``, no copy: ``count`` elements in 1-D, or
-    ``shape`` with element ``strides`` (the caller checked that the view fits the buffer)."""
-    cupy = runtime.cupy_module()
-    mem = cupy.cuda.UnownedMemory(a.ptr(), max(a.size, 1) * a.itemsize, a)
+    """A CuPy array over ``a`` from element ``offset``, no copy: ``count`` elements in 1-D,
+    ``shape`` row-major, or ``shape`` with element ``strides`` (the caller checked that the
+    view fits the buffer)."""
+    cupy = runtime._cupy or runtime.cupy_module()
+    mem = cupy.cuda.UnownedMemory(a._ptr, (a.size or 1) * a.itemsize, a)
     memptr = cupy.cuda.MemoryPointer(mem, int(offset) * a.itemsize)
-    if shape is None:
-        return cupy.ndarray((count,), dtype=a.dtype, memptr=memptr)
+    if strides is None:  # one array object, not a flat one and a reshape of it
+        return cupy.ndarray((count,) if shape is None else shape, dtype=a.dtype, memptr=memptr)
     return cupy.ndarray(shape, dtype=a.dtype, memptr=memptr,
                         strides=tuple(int(s) * a.itemsize for s in strides))
 
@@ -378,7 +376,7 @@ def matmul_strided(a: Array, b: Array, out: Array, m: int, n: int, p: int, a_off
                                         (b, (n, p), (brs, bcs), b_offset)):
         check_view(op, shape, strides, offset, arr.size)
         views.append(_cupy_view(arr, 0, offset, shape, strides))
-    _matmul_into(*views, _cupy_view(out, m * p).reshape(m, p))
+    _matmul_into(*views, _cupy_view(out, m * p, shape=(m, p)))
 
 
 def _check_matmul(op: str, a: Array, b: Array, out: Array, m: int, n: int, p: int) -> None:
@@ -398,15 +396,15 @@ def _gemm(a: Array, b: Array, out: Array, m: int, k: int, p: int, trans_a: bool 
     """``out (m, p) = op(a) @ op(b)`` through cuBLAS, ``op(a)`` being (m, k): ``a`` holds the
     row-major (k, m) matrix when ``trans_a`` (likewise ``b`` holds (p, k) when ``trans_b``);
     cuBLAS reads the transposes in place."""
-    left = _cupy_view(a, m * k).reshape((k, m) if trans_a else (m, k))
-    right = _cupy_view(b, k * p).reshape((p, k) if trans_b else (k, p))
+    left = _cupy_view(a, m * k, shape=(k, m) if trans_a else (m, k))
+    right = _cupy_view(b, k * p, shape=(p, k) if trans_b else (k, p))
     left, right = (left.T if trans_a else left), (right.T if trans_b else right)
-    _matmul_into(left, right, _cupy_view(out, m * p).reshape(m, p))
+    _matmul_into(left, right, _cupy_view(out, m * p, shape=(m, p)))
 
 
 def _matmul_into(left, right, result) -> None:
     """``result[...] = left @ right`` for CuPy arrays, through cuBLAS."""
-    cupy = runtime.cupy_module()
+    cupy = runtime._cupy or runtime.cupy_module()
     try:
         cupy.matmul(left, right, out=result)
     except TypeError:  # older CuPy without out=: one extra device copy
@@ -681,26 +679,33 @@ def ewise_program(ins, outs, code, scalars, n) -> None:
         if arr.dtype != dtype or arr.size < n:
             raise ValueError(f"{op}: every input and output must be {dtype} with at least {n} "
                              f"elements, got {arr.dtype} with {arr.size}")
-    template = _program_template(tuple(code), len(ins), len(outs), len(scalars))  # checks
-    in_ptrs = [a.ptr() for a in ins]
-    for j, o in enumerate(outs):
-        for i, ptr in enumerate(in_ptrs):
-            if ptr == o.ptr():
-                check_in_place(code, i, j)  # in place where every read of the input is first
-        if any(o.ptr() == p.ptr() for p in outs[:j]):
+    code = tuple(code)
+    template = _program_template(code, len(ins), len(outs), len(scalars))  # checks
+    in_ptrs = [a._ptr for a in ins]
+    out_ptrs = [o._ptr for o in outs]
+    for j, ptr in enumerate(out_ptrs):
+        if ptr in in_ptrs:
+            for i, in_ptr in enumerate(in_ptrs):
+                if in_ptr == ptr and (code, i, j) not in _IN_PLACE_OK:
+                    # in place where every read of the input is first (a pure function of
+                    # the program: checked once per program and pair, as the template is)
+                    check_in_place(code, i, j)
+                    _IN_PLACE_OK.add((code, i, j))
+        if ptr in out_ptrs[:j]:
             raise ValueError(f"{op}: two outputs share a buffer")
     if n == 0:
         return
     record = template.copy()
     # pointers and scalars into the record's first 64 eight-byte words (ins, outs, scalars)
     words, floats = record.view(np.uint64), record.view(np.float64)
-    words[:len(ins)] = [a.ptr() for a in ins]
-    words[16:16 + len(outs)] = [o.ptr() for o in outs]
+    words[:len(ins)] = in_ptrs
+    words[16:16 + len(outs)] = out_ptrs
     floats[32:32 + len(scalars)] = scalars
     runtime.launch(_PROGRAM, dtype, n, record, n)
 
 
 _TEMPLATES: dict = {}
+_IN_PLACE_OK: set = set()  # (code, input, output) that check_in_place accepted
 
 
 def _program_template(code: tuple, n_in: int, n_out: int, n_scalars: int) -> np.ndarray:

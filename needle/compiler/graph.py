@@ -45,6 +45,7 @@ Example (``cpu()`` has no graphs: the reason comes back):
 from __future__ import annotations
 
 import functools
+import gc
 
 import numpy as np
 
@@ -206,6 +207,10 @@ def _capture(fn, fixed, back, pieces, checks, mod, runtime):
     mod.set_allocator(allocate)
     if previous_defer is not None:
         mod._defer_ids_check = defer
+    # a garbage collection while capturing could free device objects (an event, a stream)
+    # whose CUDA calls would invalidate the capture
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         with runtime.Capture() as cap:
             made = fn(list(fixed))
@@ -213,6 +218,8 @@ def _capture(fn, fixed, back, pieces, checks, mod, runtime):
                 src = made[j]
                 runtime.copy_device(target.ptr(), src.ptr(), max(src.size, 1) * src.itemsize)
     finally:
+        if collecting:
+            gc.enable()
         mod.set_allocator(previous_allocator)
         if previous_defer is not None:
             mod._defer_ids_check = previous_defer

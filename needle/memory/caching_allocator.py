@@ -86,10 +86,17 @@ def _numpy_segment(nbytes: int) -> np.ndarray:
 
 
 class _Segment:
-    __slots__ = ("id", "size", "data", "pool")
+    __slots__ = ("id", "size", "data", "pool", "base")
 
     def __init__(self, seg_id: int, size: int, data, pool: int):
         self.id, self.size, self.data, self.pool = seg_id, size, data, pool
+        # NumPy segments know their address through ctypes; device segments (CuPy memory
+        # pointers) carry it as ``ptr``; simulated ones (shape-only traces) have none. Read
+        # once: Block.ptr runs for every buffer.
+        if hasattr(data, "ptr"):
+            self.base = int(data.ptr)
+        else:
+            self.base = None if data is None else data.ctypes.data
 
 
 class Block:
@@ -127,11 +134,7 @@ class Block:
 
     def ptr(self) -> int:
         """Address of the block's first byte."""
-        data = self.segment.data
-        # NumPy segments know their address through ctypes; device segments (CuPy memory
-        # pointers) carry it as ``ptr``.
-        base = data.ptr if hasattr(data, "ptr") else data.ctypes.data
-        return int(base) + self.offset
+        return self.segment.base + self.offset
 
     def release(self) -> None:
         """Give the block back to its allocator (exactly once)."""
@@ -208,6 +211,19 @@ class CachingAllocator:
             finally:
                 self._leave()
 
+    def _allocate_trusted(self, nbytes: int) -> Block:
+        """:meth:`allocate` without a hint, for callers inside needle that pass an int >= 0
+        (the CUDA backend's buffers: one call per NDArray, so the checks are the caller's)."""
+        cat = resolve(None)
+        with self._lock:
+            self._depth += 1
+            try:
+                return self._allocate(nbytes, cat)
+            finally:
+                self._depth -= 1
+                if self._pending and not self._depth:
+                    self._drain_pending()
+
     def release(self, block: Block) -> None:
         """Return ``block`` to the cache.
 
@@ -230,7 +246,9 @@ class CachingAllocator:
             try:
                 self._release(block)
             finally:
-                self._leave()
+                self._depth -= 1
+                if self._pending and not self._depth:
+                    self._drain_pending()
 
     def retag(self, block, category: str) -> None:
         """Move a live block's bytes to ``category`` (a user ``category()`` block wins).
@@ -343,12 +361,15 @@ class CachingAllocator:
     def _leave(self) -> None:
         self._depth -= 1
         if self._pending and not self._depth:
-            self._depth += 1
-            try:
-                while self._pending:
-                    self._release(self._pending.pop())
-            finally:
-                self._depth -= 1
+            self._drain_pending()
+
+    def _drain_pending(self) -> None:
+        self._depth += 1
+        try:
+            while self._pending:
+                self._release(self._pending.pop())
+        finally:
+            self._depth -= 1
 
     def _allocate(self, nbytes: int, cat: str) -> Block:
         size = BLOCK_ROUND if nbytes <= BLOCK_ROUND else -(-nbytes // BLOCK_ROUND) * BLOCK_ROUND
@@ -377,14 +398,21 @@ class CachingAllocator:
         block.free = False
         block.requested = nbytes
         block.category = cat
+        size = block.size  # the whole block when a large one is not cut
         self._num_allocs += 1
-        self._allocated += block.size
+        self._allocated += size
         self._requested += nbytes
         if self._allocated > self._peak:
             self._peak = self._allocated
         if self._requested > self._peak_requested:
             self._peak_requested = self._requested
-        self._count(cat, block.size, nbytes)
+        row = self._by_category[cat]  # _count, written out
+        cur = row["current"] = row["current"] + size
+        if cur > row["peak"]:
+            row["peak"] = cur
+        req = row["current_requested"] = row["current_requested"] + nbytes
+        if req > row["peak_requested"]:
+            row["peak_requested"] = req
         if _timeline._RECORDERS:
             self._emit("alloc", block, new_segment)
         return block
@@ -394,7 +422,9 @@ class CachingAllocator:
         self._num_frees += 1
         self._allocated -= block.size
         self._requested -= block.requested
-        self._count(block.category, -block.size, -block.requested)
+        row = self._by_category[block.category]  # _count, written out (a release sets no peak)
+        row["current"] -= block.size
+        row["current_requested"] -= block.requested
         if _timeline._RECORDERS:
             self._emit("free", block, False)
         block.requested = 0

@@ -479,9 +479,9 @@ def _shifted(B, x: np.ndarray, shift: int):
     one, so this is how the kernels' unaligned path is reached."""
     base = put(B, np.concatenate([np.zeros(shift, x.dtype), x]))
     view = object.__new__(type(base))
-    for slot in ("_owner", "_dtype", "_itemsize"):
+    for slot in ("_owner", "dtype", "itemsize"):
         setattr(view, slot, getattr(base, slot))
-    view._ptr, view._size = base.ptr() + shift * base.itemsize, x.size
+    view._ptr, view.size = base.ptr() + shift * base.itemsize, x.size
     return view
 
 

@@ -18,7 +18,7 @@ Example:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -80,6 +80,9 @@ class KernelSpec:
     grid: str = "elementwise"
     view_of: int | None = None
     dtypes: tuple = ("float32", "float64", "float16")
+    # (dtype, src_dtype) -> what prepare() works out once per instantiation (_launch_plan).
+    # Kept on the spec: a dict keyed by the spec would hash all its fields on every launch.
+    _plans: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
 
 def kernel_name(base: str, dtype: str, src_dtype: str | None = None) -> str:
@@ -285,7 +288,9 @@ def prepare(spec: KernelSpec, dtype: str, work, args, src_dtype: str | None = No
 
     Array arguments must be backend buffers (flat and contiguous by construction: they expose
     ``ptr()``, ``dtype`` and ``size``) of the expected dtype; for elementwise kernels each must
-    hold at least ``work`` elements.
+    hold at least ``work`` elements. What depends only on ``(spec, dtype, src_dtype)`` is
+    worked out on the first launch and kept (the host cost of a launch is most of a
+    small-kernel GPU step); the arguments are checked on every launch.
 
     Raises:
         DTypeError: an array of the wrong dtype or a non-buffer where an array is expected.
@@ -293,13 +298,44 @@ def prepare(spec: KernelSpec, dtype: str, work, args, src_dtype: str | None = No
     """
     if len(args) != len(spec.params):
         raise TypeError(f"{spec.base}: expected {len(spec.params)} arguments, got {len(args)}")
-    name, params, scalar_type = _launch_plan(spec, dtype, src_dtype)
+    plan = spec._plans.get((dtype, src_dtype))
+    if plan is None:
+        plan = _launch_plan(spec, dtype, src_dtype)
+    name, params, scalar_type, per_block, fast = plan
+    if fast is not None:
+        try:
+            kernel_args = fast(args, work)
+        except Exception:  # noqa: BLE001 - the checks below raise the exact error
+            kernel_args = None
+        if kernel_args is not None:
+            if per_block and work.__class__ is int:
+                return name, (max(1, min(-(-work // per_block), MAX_GRID_X)),), _BLOCK, \
+                    kernel_args
+            return (name, *launch_config(spec.grid, work, dtype), kernel_args)
+    return _prepare_checked(spec, dtype, work, args, plan)
+
+
+def _prepare_checked(spec: KernelSpec, dtype: str, work, args, plan: tuple) -> tuple:
+    # every check one by one, each with its own message: launches the fast converter of
+    # the plan refused (or has none: views), and so every bad argument
+    name, params, scalar_type, per_block, _ = plan
     if spec.view_of is not None:
         _check_view_args(spec, args, work)
     kernel_args = []
     for (kind, expected, sized), arg in zip(params, args):  # noqa: B905 - lengths checked
         if kind in _POINTER_KINDS:
-            kernel_args.append(_pointer_arg(spec, arg, expected, work if sized else None))
+            try:
+                ptr, have, size = arg.ptr(), arg.dtype, arg.size
+            except (AttributeError, TypeError):
+                raise DTypeError(f"{spec.base}: expected a contiguous CUDA buffer (Array), "
+                                 f"got {type(arg).__name__}") from None
+            if have != expected and expected is not None:
+                raise DTypeError(f"{spec.base}: wrong buffer dtype, expected {expected}, "
+                                 f"got {have}")
+            if sized and size < work:
+                raise ShapeError(f"{spec.base}: buffer too small, expected at least {work} "
+                                 f"elements, got {size}")
+            kernel_args.append(np.uint64(ptr))
         elif kind == "scalar":
             kernel_args.append(scalar_type(arg))
         elif kind == "i64":
@@ -313,31 +349,75 @@ def prepare(spec: KernelSpec, dtype: str, work, args, src_dtype: str | None = No
             kernel_args.append(arg)
         else:
             raise ValueError(f"{spec.base}: unknown parameter kind {kind!r}")
+    if per_block and work.__class__ is int:  # launch_config's 1-D grids, written out
+        return name, (max(1, min(-(-work // per_block), MAX_GRID_X)),), _BLOCK, \
+            tuple(kernel_args)
     grid, block = launch_config(spec.grid, work, dtype)
     return name, grid, block, tuple(kernel_args)
 
 
 _POINTER_KINDS = frozenset(("a", "acc", "src"))
-# (spec, dtype, src_dtype) -> (kernel name, ((kind, expected dtype, size-checked), ...), the
-# scalar type): what each launch of a kernel would otherwise work out again. The host cost of
-# a launch is most of a small-kernel GPU step.
-_LAUNCH_PLANS: dict = {}
+_BLOCK = (THREADS_PER_BLOCK,)
+# Work items per block of the 1-D grid kinds (see launch_config).
+_PER_BLOCK = {"elementwise": THREADS_PER_BLOCK, "indexed": THREADS_PER_BLOCK,
+              "packed": THREADS_PER_BLOCK * PACK}
 
 
 def _launch_plan(spec: KernelSpec, dtype: str, src_dtype: str | None) -> tuple:
-    key = (spec, dtype, src_dtype)
-    plan = _LAUNCH_PLANS.get(key)
-    if plan is None:
-        if dtype not in spec.dtypes:
-            raise DTypeError(f"cuda kernel {spec.base}: unsupported dtype, expected one of "
-                             f"{spec.dtypes}, got {dtype!r}")
-        # elementwise kernels read as many elements of each input and output as they write
-        sized = spec.grid in ("elementwise", "packed")
-        params = tuple((kind, _expected_dtype(kind, dtype), sized and kind in ("a", "src"))
-                       for kind in spec.params)
-        plan = (kernel_name(spec.base, dtype, src_dtype), params, np.dtype(dtype).type)
-        _LAUNCH_PLANS[key] = plan
+    """``(kernel name, ((kind, expected dtype, size-checked), ...), the scalar type, work
+    items per block of a 1-D grid or None)``, kept in ``spec._plans``."""
+    if dtype not in spec.dtypes:
+        raise DTypeError(f"cuda kernel {spec.base}: unsupported dtype, expected one of "
+                         f"{spec.dtypes}, got {dtype!r}")
+    # elementwise kernels read as many elements of each input and output as they write
+    sized = spec.grid in ("elementwise", "packed")
+    params = tuple((kind, _expected_dtype(kind, dtype), sized and kind in ("a", "src"))
+                   for kind in spec.params)
+    scalar_type = _scalar_type(dtype)
+    plan = (kernel_name(spec.base, dtype, src_dtype), params, scalar_type,
+            _PER_BLOCK.get(spec.grid), _fast_converter(spec, params, scalar_type))
+    spec._plans[(dtype, src_dtype)] = plan
     return plan
+
+
+# Parameter kinds a fast converter handles (views take the checked path).
+_FAST_KINDS = frozenset(("a", "acc", "src", "scalar", "i64", "record"))
+
+
+def _fast_converter(spec: KernelSpec, params: tuple, scalar_type):
+    """``convert(args, work)``: the kernel arguments, or None when a check fails, as one
+    generated expression for this spec and dtype (the loop of :func:`_prepare_checked` costs
+    ~30 bytecodes an argument on every launch). It checks what that loop checks, so a None
+    (or an exception) only sends the launch there for the error message."""
+    if (spec.view_of is not None or not params
+            or any(kind not in _FAST_KINDS for kind, _, _ in params)):
+        return None
+    names = [f"a{i}" for i in range(len(params))]
+    checks, values = [], []
+    for name, (kind, expected, sized) in zip(names, params):  # noqa: B905 - same length
+        if kind == "scalar":
+            values.append(f"scalar({name})")
+        elif kind == "i64":
+            values.append(f"i64({name})")
+        elif kind == "record":
+            checks.append(f"isinstance({name}, ndarray) and {name}.shape == (1,) "
+                          f"and {name}.dtype.names")
+            values.append(name)
+        else:
+            if expected is not None:
+                checks.append(f"{name}.dtype == {expected!r}")
+            if sized:
+                checks.append(f"{name}.size >= work")
+            values.append(f"u64({name}.ptr())")
+    unpack = ", ".join(names) + ("," if len(names) == 1 else "")
+    source = (f"def convert(args, work):\n"
+              f"    {unpack} = args\n"
+              f"    if {' and '.join(checks) or 'True'}:\n"
+              f"        return ({', '.join(values)},)\n"
+              f"    return None\n")
+    scope = {"u64": np.uint64, "i64": np.int64, "scalar": scalar_type, "ndarray": np.ndarray}
+    exec(compile(source, f"<cuda launch {spec.base}>", "exec"), scope)  # noqa: S102
+    return scope["convert"]
 
 
 def check_buffer_bytes(op: str, size: int, itemsize: int) -> int:
@@ -377,18 +457,3 @@ def _check_view_args(spec: KernelSpec, args, work) -> None:
     for i, kind in enumerate(spec.params):
         if kind == "a" and i != spec.view_of:
             check_extent(spec.base, "compact buffer", args[i], count)
-
-
-def _pointer_arg(spec: KernelSpec, arg, expected: str | None, work) -> np.uint64:
-    # ``work``: None where the buffer is not size-checked against the launch
-    try:
-        ptr, have, size = arg.ptr(), arg.dtype, arg.size
-    except (AttributeError, TypeError):
-        raise DTypeError(f"{spec.base}: expected a contiguous CUDA buffer (Array), "
-                         f"got {type(arg).__name__}") from None
-    if expected is not None and have != expected:
-        raise DTypeError(f"{spec.base}: wrong buffer dtype, expected {expected}, got {have}")
-    if work is not None and size < work:
-        raise ShapeError(f"{spec.base}: buffer too small, expected at least {work} elements, "
-                         f"got {size}")
-    return np.uint64(ptr)

@@ -158,7 +158,12 @@ def function(source: str, name: str):
 def launch(spec: L.KernelSpec, dtype: str, work, *args, src_dtype: str | None = None) -> None:
     """The typed launcher: check and cast through :func:`launch.prepare`, then call."""
     name, grid, block, kernel_args = L.prepare(spec, dtype, work, args, src_dtype)
-    function(spec.source, name)(grid, block, kernel_args)
+    # function(), written out for the cached case (one launch per op on the host's path)
+    cupy = _cupy if _cupy is not None else cupy_module()
+    fn = _functions.get((cupy.cuda.runtime.getDevice(), name))
+    if fn is None:
+        fn = function(spec.source, name)
+    fn(grid, block, kernel_args)
 
 
 def synchronize() -> None:

@@ -1,0 +1,164 @@
+"""The host side of an eager op on cuda(): what needle's Python does per op, counted.
+
+The CUDA backend runs against the emulator's fake CuPy with every kernel a no-op, under
+needle's caching allocator (as ``bench/cuda_host_time.py`` does): no g++, no GPU. Counts of
+Python frames and bytecodes are deterministic, unlike timings, so they can bound the per-op
+cost; the statistics the fast paths keep must stay exact.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import numpy as np
+import pytest
+
+import needle as ndl
+import needle.backend_ndarray as nd
+from needle.backend_ndarray import ndarray_backend_cuda as B
+from needle.backend_ndarray._cuda import runtime
+from needle.backend_ndarray.ewise_codes import BINARY, BINARY_OPS, LOAD, STORE
+from needle.memory.cuda_allocator import install_cuda_allocator
+
+NEEDLE_DIR = os.path.dirname(os.path.abspath(ndl.__file__))
+
+
+def _noop_kernel(grid, block, args) -> None:
+    pass
+
+
+@pytest.fixture
+def noop_cuda(monkeypatch):
+    """A cuda() device on the fake CuPy with no-op kernels; yields (device, allocator)."""
+    path = os.path.join(os.path.dirname(__file__), "_cuda_emulator.py")
+    spec = importlib.util.spec_from_file_location("_needle_cuda_emulator_noop", path)
+    emulator = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(emulator)
+    monkeypatch.setattr(runtime, "_cupy", emulator.FakeCupy(num_sms=2))
+    monkeypatch.setattr(runtime, "_reason", None)
+    monkeypatch.setattr(runtime, "_allocator", None)
+    monkeypatch.setattr(runtime, "function", lambda source, name: _noop_kernel)
+    monkeypatch.setattr(runtime, "_functions", {})
+    alloc = install_cuda_allocator(B, runtime._cupy.cuda.alloc)
+    yield nd.BackendDevice("cuda", B), alloc
+
+
+def _count(fn) -> tuple[int, int]:
+    """(Python frames, bytecodes) that code of the needle package runs during ``fn()``."""
+    counts = [0, 0]
+
+    def ours(code) -> bool:  # needle's files and the launcher's generated converters
+        return code.co_filename.startswith(NEEDLE_DIR) or code.co_filename.startswith("<cuda")
+
+    def trace(frame, event, arg):
+        if event == "call":
+            if not ours(frame.f_code):
+                return None
+            counts[0] += 1
+            frame.f_trace_opcodes = True
+        elif event == "opcode":
+            counts[1] += 1
+        return trace
+
+    sys.settrace(trace)
+    try:
+        fn()
+    finally:
+        sys.settrace(None)
+    return counts[0], counts[1]
+
+
+# Python frames of one eager elementwise op on two (4, 4) tensors, its result freed, by layer:
+#   autograd: the operator or op function, TensorOp.__call__, make_from_op, the op's compute,
+#             the release bookkeeping's track                                          5
+#   NDArray:  the operator, _ewise, the shape check, _alloc                             4
+#   buffer:   Array(), the allocator function, the owner, the trusted allocate, the
+#             category lookup, _allocate, the cut of a cached block (split, new Block,
+#             free-list link)                                                           9
+#   launch:   the backend kernel, runtime.launch, prepare, the plan's converter, one
+#             ptr() per buffer (3)                                                      7
+#   release:  the owner's __del__, release, _release, coalescing (unlink, absorb, link)  6
+# = 31; the bound leaves 5 for a scalar argument's or an op's own extra helper. Before the
+# plans and the trusted allocation this was ~59.
+FRAMES_PER_ELEMENTWISE_OP = 36
+# Bytecodes: ~20 a frame for call, arguments and return (31 frames: ~620), plus the bodies
+# that do work: the allocator's cut with its exact statistics (~250), the release with
+# coalescing (~150), the autograd node (~120), one launch's checks from its compiled plan
+# (~60) = ~1,200. Checking every launch argument one by one in a loop costs more than the
+# margin; before the plans ~1,600.
+BYTECODES_PER_ELEMENTWISE_OP = 1300
+
+
+@pytest.mark.parametrize("op", ["add", "mul_scalar", "relu"])
+def test_an_eager_elementwise_op_stays_within_its_python_budget(noop_cuda, op):
+    device, _ = noop_cuda
+    x = ndl.Tensor(np.ones((4, 4), dtype=np.float32), device=device, requires_grad=True)
+    y = ndl.Tensor(np.ones((4, 4), dtype=np.float32), device=device, requires_grad=True)
+    run = {"add": lambda: x + y, "mul_scalar": lambda: x * 2.0,
+           "relu": lambda: ndl.ops.relu(x)}[op]
+
+    def once() -> None:
+        run()  # the result is dropped here: its buffer goes back inside the count
+
+    once()
+    once()  # first launches build their plans: count a warm op
+    frames, bytecodes = _count(once)
+    assert frames <= FRAMES_PER_ELEMENTWISE_OP, (op, frames)
+    assert bytecodes <= BYTECODES_PER_ELEMENTWISE_OP, (op, bytecodes)
+
+
+def test_the_trusted_allocation_keeps_the_statistics_exact(noop_cuda):
+    device, alloc = noop_cuda
+    base = alloc.stats()
+    a = B.Array(1000)  # 4,000 bytes: a 4,096-byte block of the small pool
+    b = B.Array(3, "float64")  # 24 bytes: a 512-byte block
+    now = alloc.stats()
+    assert now["allocated_bytes"] - base["allocated_bytes"] == 4096 + 512
+    assert now["requested_bytes"] - base["requested_bytes"] == 4000 + 24
+    assert now["num_allocs"] - base["num_allocs"] == 2
+    assert now["by_category"]["other"]["current"] == 4096 + 512
+    assert now["by_category"]["other"]["current_requested"] == 4000 + 24
+    assert b.ptr() - a.ptr() == 4096  # cut one after the other from the same segment
+    del a, b
+    after = alloc.stats()
+    assert after["allocated_bytes"] == base["allocated_bytes"]
+    assert after["requested_bytes"] == base["requested_bytes"]
+    assert after["num_frees"] - base["num_frees"] == 2
+    assert after["by_category"]["other"]["current"] == 0
+    assert after["by_category"]["other"]["peak"] == 4096 + 512
+    assert after["by_category"]["other"]["peak_requested"] == 4000 + 24
+
+
+def test_with_a_category_the_trusted_allocation_follows_it(noop_cuda):
+    _, alloc = noop_cuda
+    with ndl.memory.category("activation"):
+        a = B.Array(256)
+    assert alloc.stats()["by_category"]["activation"]["current"] == 1024
+    del a
+    assert alloc.stats()["by_category"]["activation"]["current"] == 0
+
+
+def _program(store_reads_input_after: bool) -> list:
+    # out0 = in0 - in1; with the flag, out1 = in0 loaded again after out0 was stored
+    code = [LOAD, 0, 0, 0, 0, LOAD, 0, 1, 1, 0, BINARY, BINARY_OPS["sub"], 2, 0, 1,
+            STORE, 0, 0, 2, 0]
+    if store_reads_input_after:
+        code += [LOAD, 0, 3, 0, 0, STORE, 0, 1, 3, 0]
+    return code
+
+
+def test_an_in_place_program_is_checked_every_time_its_pair_is_new(noop_cuda):
+    theta, grad, other = B.Array(8), B.Array(8), B.Array(8)
+    good = _program(False)
+    for _ in range(2):  # accepted, and again from the cache
+        B.ewise_program([theta, grad], [theta], good, [], 8)
+    bad = _program(True)
+    for _ in range(2):  # refused both times: a refusal is never cached as an acceptance
+        with pytest.raises(ValueError, match="reads that input after storing"):
+            B.ewise_program([theta, grad], [theta, other], bad, [], 8)
+    # output 0 in the buffer of input 1 is fine (input 1 is only read before the store) ...
+    B.ewise_program([theta, grad], [grad, other], bad, [], 8)
+    # ... and that accepted pair (1, 0) does not vouch for the pair (0, 0) of the same program
+    with pytest.raises(ValueError, match="reads that input after storing"):
+        B.ewise_program([theta, grad], [theta, other], bad, [], 8)
