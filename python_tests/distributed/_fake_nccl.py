@@ -8,7 +8,11 @@ rank computes it for everyone, reading and writing the buffers through their add
 event recorded on a stream is done once every NCCL call issued on that stream before it is.
 
 Reductions fold the ranks in order, in the buffer's dtype: ``((x0 op x1) op x2) ...``; the
-average divides that sum by the rank count. (Real NCCL chooses ring or tree orders at run
+average divides that sum by the rank count.
+
+With ``processes=True`` (ranks in separate processes) a communicator instead exchanges the
+bytes at each call over two private channels of the host group's transport, and every call
+is complete when it returns. (Real NCCL chooses ring or tree orders at run
 time, so tests compare it with a float64 reference within tolerance, and fake ranks with each
 other bitwise.)
 """
@@ -175,6 +179,68 @@ class FakeCommunicator:
             v[7].done = True
 
 
+class ProcessCommunicator(FakeCommunicator):
+    """A fake communicator of one rank among processes: each call exchanges the buffers over
+    the host transport (private channels, made in the same order on every rank), so it is
+    complete when it returns; sends are buffered by the transport."""
+
+    def __init__(self, fake: "FakeNccl", ndev: int, unique_id: tuple, rank: int):
+        from needle.distributed import _group
+
+        super().__init__(fake, ndev, unique_id, rank)
+        transport = _group.current_state().transport
+        self.coll, self.p2p = transport.channels(2, list(range(ndev)))
+
+    def _collective(self, kind, send, recv, count, dtype, op, root, stream) -> None:
+        self.fake.log(kind, self.rank, count=count, dtype=dtype, op=op, root=root,
+                      stream=stream)
+        self.seq += 1
+        mine = _view(send, count, dtype).copy()
+        if kind == "broadcast":
+            if self.rank == root:
+                self._post(mine, [r for r in range(self.size) if r != root])
+                _view(recv, count, dtype)[:] = mine
+            else:
+                _view(recv, count, dtype)[:] = self._take(root, count, dtype)
+            return
+        if kind == "reduce" and self.rank != root:
+            self._post(mine, [root])
+            return
+        if kind == "allReduce":
+            self._post(mine, [r for r in range(self.size) if r != self.rank])
+        values = [mine if r == self.rank else self._take(r, count, dtype)
+                  for r in range(self.size)]
+        acc = values[0].copy()
+        for value in values[1:]:
+            acc = _FOLD[op](acc, value)
+        _view(recv, count, dtype)[:] = acc / acc.dtype.type(self.size) if op == AVG else acc
+
+    def _post(self, data: np.ndarray, peers: list[int]) -> None:
+        for r in peers:
+            self.coll.isend(data.view(np.uint8), r, self.seq)
+
+    def _take(self, src: int, count: int, dtype: int) -> np.ndarray:
+        out = np.empty(count, DTYPES[dtype])
+        self._wait(self.coll.irecv(out.view(np.uint8), src, self.seq))
+        return out
+
+    def _p2p(self, kind, buf, count, dtype, peer, stream, pair) -> None:
+        self.fake.log(kind, self.rank, count=count, dtype=dtype, peer=peer, stream=stream)
+        if kind == "send":
+            self.p2p.isend(_view(buf, count, dtype).copy().view(np.uint8), peer, 0)
+        else:
+            out = np.empty(count, DTYPES[dtype])
+            self._wait(self.p2p.irecv(out.view(np.uint8), peer, 0))
+            _view(buf, count, dtype)[:] = out
+
+    @staticmethod
+    def _wait(req) -> None:
+        import time
+
+        if not req.wait(time.monotonic() + 60):
+            raise RuntimeError("fake NCCL: a peer's bytes did not arrive within 60 s")
+
+
 class FakeNccl:
     """The module: constants, unique ids, communicators, groups; ``calls`` is the log."""
 
@@ -182,7 +248,8 @@ class FakeNccl:
     NCCL_FLOAT16, NCCL_FLOAT32, NCCL_FLOAT64, NCCL_BFLOAT16 = 6, 7, 8, 9
     NCCL_SUM, NCCL_PROD, NCCL_MAX, NCCL_MIN, NCCL_AVG = SUM, PROD, MAX, MIN, AVG
 
-    def __init__(self) -> None:
+    def __init__(self, processes: bool = False) -> None:
+        self.processes = processes
         self.lock = threading.RLock()
         self.calls: list[dict] = []
         self.members: dict = defaultdict(dict)
@@ -201,7 +268,8 @@ class FakeNccl:
         return (next(self._ids),) + (0,) * 127
 
     def NcclCommunicator(self, ndev, unique_id, rank):  # noqa: N802 - CuPy's name
-        return FakeCommunicator(self, ndev, unique_id, rank)
+        kind = ProcessCommunicator if self.processes else FakeCommunicator
+        return kind(self, ndev, unique_id, rank)
 
     def groupStart(self) -> None:  # noqa: N802
         self._group.depth = getattr(self._group, "depth", 0) + 1
@@ -216,11 +284,11 @@ class FakeNccl:
 _NAMES = ("nccl", "Stream", "Event", "get_current_stream")
 
 
-def install(fake_cupy) -> FakeNccl:
+def install(fake_cupy, processes: bool = False) -> FakeNccl:
     """Put a fresh fake NCCL, streams (current per thread, as in CuPy: the ranks of a test
     are threads) and events on the emulator's ``cupy.cuda``; :func:`uninstall` puts back
     what was there."""
-    fake = FakeNccl()
+    fake = FakeNccl(processes)
     cuda = fake_cupy.cuda
     fake.saved = {n: cuda.__dict__[n] for n in _NAMES if n in cuda.__dict__}
     cuda.nccl, cuda.Stream, cuda.Event = fake, FakeStream, FakeEvent

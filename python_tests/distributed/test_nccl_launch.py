@@ -36,3 +36,21 @@ def test_the_launcher_starts_nccl_ranks_over_tcp_and_each_names_the_refusal():
         assert got["NEEDLE_DIST_BACKEND"] == "nccl" and got["NEEDLE_DIST_NCCL_HOST"] == "tcp"
         assert "backend 'nccl' needs CuPy with NCCL and a GPU, got none on any rank" in \
             got["error"]
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_two_processes_run_the_nccl_checks_on_the_emulator():
+    """launch --backend nccl: two ranks, each a process with cuda() on the CUDA emulator and
+    the fake NCCL exchanging the bytes over the host transport."""
+    import shutil
+
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not found: no CUDA emulator")
+    cmd = [sys.executable, "-m", "needle.distributed.launch", "-n", "2", "--backend", "nccl",
+           "--timeout", "200", str(SCRIPTS / "check_nccl_emulated.py")]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=230, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-3000:]
+    for rank in range(2):
+        assert f"[rank {rank}] NCCL OK rank {rank} of 2 on nccl (emulated)" in out.stdout
