@@ -82,6 +82,22 @@ class ArenaBlock:
         self.allocator.release(self)
 
 
+class _PlannedOwner:
+    """What the CUDA backend holds for a buffer of a planned run: its address, and the
+    block (arena piece or pool block) until dropped."""
+
+    __slots__ = ("block", "ptr")
+
+    def __init__(self, block):
+        self.block, self.ptr = block, block.ptr()
+
+    def __del__(self):
+        try:
+            self.block.release()
+        except Exception:  # noqa: BLE001 - interpreter shutdown may have torn the allocator down
+            pass
+
+
 class ArenaAllocator:
     """Serves the traced allocation sequence from one arena block (intermediates) or the
     caching allocator (outputs)."""
@@ -298,11 +314,10 @@ def run_plan(plan, *inputs, strict: bool = True, fn=None):
     arena = ArenaAllocator(plan, real, strict)
     mod = graph.device.mod
     if getattr(mod, "__device_name__", None) == "cuda":
-        # the CUDA backend asks fn(nbytes) for an owner of the buffer (cuda_allocator.py)
-        from .cuda_allocator import DeviceBlock
-
+        # the CUDA backend asks fn(nbytes) for an owner of the buffer: here an arena piece or
+        # a pool block (cuda_allocator.DeviceBlock reads the pool's blocks only)
         previous = mod.get_allocator()
-        mod.set_allocator(lambda nbytes: DeviceBlock(arena.allocate(nbytes)))
+        mod.set_allocator(lambda nbytes: _PlannedOwner(arena.allocate(nbytes)))
     else:
         previous = real
         mod.set_allocator(arena)
