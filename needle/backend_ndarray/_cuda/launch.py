@@ -373,7 +373,7 @@ def _launch_plan(spec: KernelSpec, dtype: str, src_dtype: str | None) -> tuple:
     sized = spec.grid in ("elementwise", "packed")
     params = tuple((kind, _expected_dtype(kind, dtype), sized and kind in ("a", "src"))
                    for kind in spec.params)
-    scalar_type = _scalar_type(dtype)
+    scalar_type = np.dtype(dtype).type
     plan = (kernel_name(spec.base, dtype, src_dtype), params, scalar_type,
             _PER_BLOCK.get(spec.grid), _fast_converter(spec, params, scalar_type))
     spec._plans[(dtype, src_dtype)] = plan
