@@ -1,9 +1,10 @@
 """The CUDA backend: CuPy raw kernels behind the backend protocol (docs/backend_protocol.md).
 
 Kernels are the ``extern "C"`` functions of ``cuda_kernels/*.cu``, one instantiation per dtype
-(float32, float64, float16 computed in float), compiled once per device by NVRTC and launched
-through one typed launcher (``_cuda/launch.py`` + ``_cuda/runtime.py``). ``matmul`` uses
-cuBLAS through CuPy by default and our own tiled kernel after ``set_matmul_impl("tiled")``.
+(float32, float64, float16 and bfloat16 computed in float), compiled once per device by NVRTC
+and launched through one typed launcher (``_cuda/launch.py`` + ``_cuda/runtime.py``).
+``matmul`` uses cuBLAS through CuPy by default (bfloat16: widened to float32 around it) and
+our own tiled kernel after ``set_matmul_impl("tiled")``.
 Importing this module never fails; :func:`available` says whether it can run here, and the
 device lookup of ``needle.backend_ndarray`` disables ``cuda()`` when it is False.
 
@@ -85,6 +86,10 @@ class Array:
         return f"cuda.Array(size={self.size}, dtype={self.dtype}, ptr={self._ptr:#x})"
 
 
+# CuPy has no bfloat16 arrays: its views of bfloat16 buffers hold the raw two bytes.
+_CUPY_DTYPE = {"bfloat16": "uint16"}
+
+
 def _cupy_view(a: Array, count: int, offset: int = 0, shape=None, strides=None):
     """A CuPy array over ``a`` from element ``offset``, no copy: ``count`` elements in 1-D,
     ``shape`` row-major, or ``shape`` with element ``strides`` (the caller checked that the
@@ -92,9 +97,10 @@ def _cupy_view(a: Array, count: int, offset: int = 0, shape=None, strides=None):
     cupy = runtime._cupy or runtime.cupy_module()
     mem = cupy.cuda.UnownedMemory(a._ptr, (a.size or 1) * a.itemsize, a)
     memptr = cupy.cuda.MemoryPointer(mem, int(offset) * a.itemsize)
+    dtype = _CUPY_DTYPE.get(a.dtype, a.dtype)
     if strides is None:  # one array object, not a flat one and a reshape of it
-        return cupy.ndarray((count,) if shape is None else shape, dtype=a.dtype, memptr=memptr)
-    return cupy.ndarray(shape, dtype=a.dtype, memptr=memptr,
+        return cupy.ndarray((count,) if shape is None else shape, dtype=dtype, memptr=memptr)
+    return cupy.ndarray(shape, dtype=dtype, memptr=memptr,
                         strides=tuple(int(s) * a.itemsize for s in strides))
 
 
@@ -113,7 +119,7 @@ def to_numpy(a: Array, shape, strides, offset) -> np.ndarray:
     else:
         src, start = Array(count, a.dtype), 0
         compact(a, src, shape, strides, offset)
-    return _cupy_view(src, count, start).get().reshape(shape)
+    return _cupy_view(src, count, start).get().view(a.dtype).reshape(shape)
 
 
 def from_numpy(np_array, out: Array) -> None:
@@ -121,7 +127,7 @@ def from_numpy(np_array, out: Array) -> None:
     if out.size == 0:
         return
     src = np.ascontiguousarray(np.asarray(np_array).reshape(-1)[: out.size], dtype=out.dtype)
-    _cupy_view(out, out.size).set(src)
+    _cupy_view(out, out.size).set(src.view(_CUPY_DTYPE.get(out.dtype, out.dtype)))
 
 
 _FILL = L.KernelSpec(_ST, "fill", ("a", "scalar", "i64"))
@@ -348,6 +354,8 @@ def matmul(a: Array, b: Array, out: Array, m: int, n: int, p: int) -> None:
         return
     if n == 0:
         fill(out, 0.0)
+    elif _matmul_impl == "cublas" and out.dtype == "bfloat16":
+        _matmul_widened(a, b, out, m, n, p)
     elif _matmul_impl == "cublas":
         _matmul_cublas(a, b, out, m, n, p)
     else:
@@ -365,6 +373,8 @@ def matmul_strided(a: Array, b: Array, out: Array, m: int, n: int, p: int, a_off
     if min(m, n, p) < 0:
         raise ShapeError(f"{op}: dimensions must be >= 0, got m={m}, n={n}, p={p}")
     _same_dtype(op, out, a, b)
+    if out.dtype == "bfloat16":  # CuPy would multiply the raw bits: NDArray compacts instead
+        raise DTypeError(f"{op}: expected float32, float64 or float16, got bfloat16")
     L.check_extent(op, "out", out, m * p)
     if m == 0 or p == 0:
         return
@@ -389,6 +399,16 @@ def _check_matmul(op: str, a: Array, b: Array, out: Array, m: int, n: int, p: in
 
 def _matmul_cublas(a: Array, b: Array, out: Array, m: int, n: int, p: int) -> None:
     _gemm(a, b, out, m, n, p)
+
+
+def _matmul_widened(a: Array, b: Array, out: Array, m: int, n: int, p: int) -> None:
+    """bfloat16 through cuBLAS (CuPy has no bfloat16 arrays): both operands widened to
+    float32, multiplied, the result rounded once, as the C++ backend does."""
+    wide = [Array(count, "float32") for count in (m * n, n * p, m * p)]
+    runtime.launch(_CAST, "float32", m * n, a, wide[0], m * n, src_dtype="bfloat16")
+    runtime.launch(_CAST, "float32", n * p, b, wide[1], n * p, src_dtype="bfloat16")
+    _gemm(wide[0], wide[1], wide[2], m, n, p)
+    runtime.launch(_CAST, "bfloat16", m * p, wide[2], out, m * p, src_dtype="float32")
 
 
 def _gemm(a: Array, b: Array, out: Array, m: int, k: int, p: int, trans_a: bool = False,

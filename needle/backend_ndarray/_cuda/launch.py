@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import ml_dtypes
 import numpy as np
 
 from ..._core.errors import DTypeError, ShapeError, SizeLimitError
@@ -48,11 +49,13 @@ ORDERED_ROWS = 256
 SPLIT_LEADING = 1 << 20
 MIN_LEADING_ROWS = 16
 
-SUFFIX = {"float32": "f32", "float64": "f64", "float16": "f16"}
+SUFFIX = {"float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16"}
 # The type kernels compute in; reduction workspaces hold it.
-ACC_DTYPE = {"float32": "float32", "float64": "float64", "float16": "float32"}
+ACC_DTYPE = {"float32": "float32", "float64": "float64", "float16": "float32",
+             "bfloat16": "float32"}
 # (BM, BN) of matmul_<suffix> in cuda_kernels/matmul.cu.
-MATMUL_TILES = {"float32": (128, 128), "float16": (128, 128), "float64": (64, 64)}
+MATMUL_TILES = {"float32": (128, 128), "float16": (128, 128), "bfloat16": (128, 128),
+                "float64": (64, 64)}
 
 # Host image of `struct StridedView` in cuda_kernels/common.cuh: 19 int64, no padding.
 VIEW_DTYPE = np.dtype([("size", "<i8"), ("offset", "<i8"), ("ndim", "<i8"),
@@ -71,7 +74,7 @@ class KernelSpec:
     by value: a kernel's argument struct). ``view_of`` is the position of the array the view
     addresses: :func:`prepare` checks that the view lies inside it and that the other arrays
     hold the view's element count. ``dtypes``: the dtypes the source instantiates the kernel
-    for (all three unless said).
+    for (all four unless said).
     """
 
     source: str
@@ -79,7 +82,7 @@ class KernelSpec:
     params: tuple
     grid: str = "elementwise"
     view_of: int | None = None
-    dtypes: tuple = ("float32", "float64", "float16")
+    dtypes: tuple = ("float32", "float64", "float16", "bfloat16")
     # (dtype, src_dtype) -> what prepare() works out once per instantiation (_launch_plan).
     # Kept on the spec: a dict keyed by the spec would hash all its fields on every launch.
     _plans: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -96,8 +99,18 @@ def kernel_name(base: str, dtype: str, src_dtype: str | None = None) -> str:
 
 
 def scalar_arg(value, dtype: str) -> np.generic:
-    """``value`` as the kernel's exact element type (np.float32 / np.float64 / np.float16)."""
-    return np.dtype(dtype).type(value)
+    """``value`` as the kernel's exact element type (np.float32 / np.float64 / np.float16; a
+    bfloat16 as its two bytes, np.uint16, rounded to nearest even: CuPy passes no ml_dtypes
+    scalar)."""
+    return _scalar_type(dtype)(value)
+
+
+def _bfloat16_bits(value) -> np.uint16:
+    return np.asarray(value, dtype=ml_dtypes.bfloat16).view(np.uint16)[()]
+
+
+def _scalar_type(dtype: str):
+    return _bfloat16_bits if dtype == "bfloat16" else np.dtype(dtype).type
 
 
 def grid_1d(n: int, threads: int = THREADS_PER_BLOCK) -> int:
@@ -373,7 +386,7 @@ def _launch_plan(spec: KernelSpec, dtype: str, src_dtype: str | None) -> tuple:
     sized = spec.grid in ("elementwise", "packed")
     params = tuple((kind, _expected_dtype(kind, dtype), sized and kind in ("a", "src"))
                    for kind in spec.params)
-    scalar_type = np.dtype(dtype).type
+    scalar_type = _scalar_type(dtype)
     plan = (kernel_name(spec.base, dtype, src_dtype), params, scalar_type,
             _PER_BLOCK.get(spec.grid), _fast_converter(spec, params, scalar_type))
     spec._plans[(dtype, src_dtype)] = plan
