@@ -22,7 +22,12 @@ __all__ = ["DeviceBlock", "make_cuda_allocator", "install_cuda_allocator"]
 
 
 class DeviceBlock:
-    """What the CUDA backend holds for one buffer: the address, and the block until dropped."""
+    """What the CUDA backend holds for one buffer: the address, and the block until dropped.
+
+    ``block`` must be a :class:`~needle.memory.caching_allocator.Block` of a live
+    :class:`CachingAllocator` (its address is read from its segment without a call); other
+    allocators' pieces need an owner of their own.
+    """
 
     __slots__ = ("block", "ptr")
 
