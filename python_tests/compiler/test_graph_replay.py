@@ -232,3 +232,21 @@ def test_bad_graphs_option_is_refused():
     with pytest.raises(ndl.CompileError, match=r"bad graphs, expected None, True or False, "
                                                r"got 'yes'"):
         ndl.compile(lambda x: x, graphs="yes")
+
+
+def test_a_workspace_made_inside_a_kernel_call_falls_back(dev):
+    """One long row summed: the backend splits it and makes the partials' workspace inside
+    the call, unseen by the recording, so the capture is refused with that reason."""
+    from needle.backend_ndarray._cuda import launch
+
+    n = 8192
+    assert launch.plan_reduce(1, n, dev.mod.runtime.num_sms(0)).kind == "split"
+    w = ndl.Tensor(np.linspace(0.0, 1.0, n), device=dev)
+    step = ndl.compile(lambda x: (x * w).sum())
+    x = ndl.Tensor(np.full(n, 2.0), device=dev)
+    for _ in range(5):
+        out = step(x)
+    reason = step.replay_mode()["graph_reason"]
+    assert "workspace" in reason and "did not see" in reason, reason
+    assert step.stats()["kernel_replays"] == 1 and step.stats()["captures"] == 0
+    np.testing.assert_allclose(out.numpy(), 2 * np.linspace(0.0, 1.0, n).sum(), rtol=1e-5)
