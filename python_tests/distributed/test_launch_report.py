@@ -10,7 +10,6 @@ import pytest
 
 from needle.distributed._launch_job import Job
 from needle.distributed._launch_report import Outcome, outcome_from_records, read_record, verdict
-from needle.distributed._rank_main import prefix_lines
 from needle.distributed._run_rank import rank_environment, write_record
 
 
@@ -102,17 +101,6 @@ def test_job_notices_a_rank_whose_supervisor_vanished(tmp_path: Path) -> None:
     job.poll()
     assert job.outcomes[0].kind == "vanished" and job.outcomes[1].kind == "ok"
     assert verdict(job.outcomes)[0] == 1
-
-
-def test_prefix_lines_passes_carriage_returns_through() -> None:
-    assert prefix_lines("a\nb\r\rc", "[rank 1] ") == ("[rank 1] a\n[rank 1] b\r\r", "c")
-
-
-def test_a_progress_bar_redraw_gets_one_prefix() -> None:
-    """tqdm starts each redraw with a carriage return: one prefix per redraw, not two."""
-    out, rest = prefix_lines("\rstep 1/3\rstep 2/3\r", "[rank 0] ")
-    assert out == "\r[rank 0] step 1/3\r[rank 0] step 2/3\r" and rest == ""
-    assert "[rank 0] [rank 0]" not in out.replace("\r", "")
 
 
 @pytest.mark.parametrize("env,want", [
