@@ -394,7 +394,17 @@ class CachingAllocator:
             new_segment = False
         rest = block.size - size
         if rest and (small or rest > MIN_LARGE_SPLIT):
-            self._split(block, size, rest)
+            # cut: the rest becomes a cached free block (every small-pool allocation cuts one)
+            tail = Block(self, block.segment, block.offset + size, rest, next(self._ids))
+            after = tail.next = block.next
+            if after is not None:
+                after.prev = tail
+            tail.prev, block.next, block.size = block, tail, size
+            bucket = buckets.get(rest)
+            if bucket is None:
+                bucket = buckets[rest] = {}
+                bisect.insort(self._free_sizes[pool], rest)
+            bucket[tail] = None
         block.free = False
         block.requested = nbytes
         block.category = cat
@@ -428,6 +438,8 @@ class CachingAllocator:
         if _timeline._RECORDERS:
             self._emit("free", block, False)
         block.requested = 0
+        pool = block.segment.pool
+        buckets = self._free[pool]
         prev = block.prev
         if prev is not None and prev.free:
             self._unlink_free(prev)
@@ -435,9 +447,22 @@ class CachingAllocator:
             block = prev
         nxt = block.next
         if nxt is not None and nxt.free:
-            self._unlink_free(nxt)
-            self._absorb(block, nxt)
-        self._link_free(block)
+            # _unlink_free and _absorb, written out: a release next to a segment's free tail
+            bucket = buckets[nxt.size]
+            del bucket[nxt]
+            if not bucket:
+                del buckets[nxt.size]
+                self._free_sizes[pool].remove(nxt.size)
+            block.size += nxt.size
+            after = block.next = nxt.next
+            if after is not None:
+                after.prev = block
+            nxt.segment = None  # a stale handle to it can no longer read the bytes
+        bucket = buckets.get(block.size)  # into the free lists (LIFO within a size)
+        if bucket is None:
+            bucket = buckets[block.size] = {}
+            bisect.insort(self._free_sizes[pool], block.size)
+        bucket[block] = None
 
     def _count(self, cat: str, size: int, requested: int) -> None:
         row = self._by_category[cat]
@@ -482,17 +507,6 @@ class CachingAllocator:
             "largest_free_block": max((s[-1] for s in self._free_sizes if s), default=0),
             "category": cat}, allocator=self)
 
-    def _split(self, block: Block, size: int, rest: int) -> None:
-        """Shrink ``block`` to ``size``; the cut-off ``rest`` becomes a cached free block."""
-        tail = Block(self, block.segment, block.offset + size, rest, next(self._ids))
-        tail.prev = block
-        tail.next = block.next
-        if block.next is not None:
-            block.next.prev = tail
-        block.next = tail
-        block.size = size
-        self._link_free(tail)
-
     @staticmethod
     def _absorb(first: Block, second: Block) -> None:
         """Merge ``second`` (the next block in the segment) into ``first``."""
@@ -501,14 +515,6 @@ class CachingAllocator:
         if second.next is not None:
             second.next.prev = first
         second.segment = None  # a stale handle to it can no longer read the bytes
-
-    def _link_free(self, block: Block) -> None:
-        buckets = self._free[block.segment.pool]
-        bucket = buckets.get(block.size)
-        if bucket is None:
-            bucket = buckets[block.size] = {}
-            bisect.insort(self._free_sizes[block.segment.pool], block.size)
-        bucket[block] = None
 
     def _unlink_free(self, block: Block) -> None:
         pool = block.segment.pool
