@@ -74,19 +74,18 @@ def _count(fn) -> tuple[int, int]:
 #             the release bookkeeping's track                                          5
 #   NDArray:  the operator, _ewise, the shape check, _alloc                             4
 #   buffer:   Array(), the allocator function, the owner, the trusted allocate, the
-#             category lookup, _allocate, the cut of a cached block (split, new Block,
-#             free-list link)                                                           9
+#             category lookup, _allocate, the Block cut off a cached one               7
 #   launch:   the backend kernel, runtime.launch, prepare, the plan's converter, one
 #             ptr() per buffer (3)                                                      7
-#   release:  the owner's __del__, release, _release, coalescing (unlink, absorb, link)  6
-# = 31; the bound leaves 5 for a scalar argument's or an op's own extra helper. Before the
-# plans and the trusted allocation this was ~59.
-FRAMES_PER_ELEMENTWISE_OP = 36
-# Bytecodes: ~20 a frame for call, arguments and return (31 frames: ~620), plus the bodies
-# that do work: the allocator's cut with its exact statistics (~250), the release with
-# coalescing (~150), the autograd node (~120), one launch's checks from its compiled plan
-# (~60) = ~1,200. Checking every launch argument one by one in a loop costs more than the
-# margin; before the plans ~1,600.
+#   release:  the owner's __del__, release, _release (coalescing written out)           3
+# = 26; the bound leaves 5 for a scalar argument's or an op's own extra helper. Before the
+# launch plans, the trusted allocation and the written-out cut and coalescing: ~59.
+FRAMES_PER_ELEMENTWISE_OP = 31
+# Bytecodes: ~20 a frame for call, arguments and return (26 frames: ~520), plus the bodies
+# that do work: the allocator's cut of a cached block with its exact statistics (~300), the
+# release with its coalescing (~200), the autograd node (~120), one launch's checks from its
+# compiled plan (~60) = ~1,200. Checking every launch argument one by one in a loop (~30
+# bytecodes an argument) costs more than the margin; before the launch plans ~1,600.
 BYTECODES_PER_ELEMENTWISE_OP = 1300
 
 
