@@ -270,8 +270,8 @@ def test_send_array_refuses_dtypes_outside_the_format(dtype):
     value = np.zeros(2, dtype=dtype)
 
     def job(rank):
-        with pytest.raises(DTypeError, match=r"send_array: unsupported dtype, "
-                           rf"expected one of \['float32', .*'bool', 'bfloat16'\], got {dtype[:8]}"):
+        with pytest.raises(DTypeError, match=r"send_array: unsupported dtype, expected one "
+                           rf"of \['float32', .*'bool', 'bfloat16'\], got {dtype[:8]}"):
             dist.send_array(value, 1 - rank)
         return True
 
