@@ -1,4 +1,4 @@
-"""Packaging: the core needs NumPy only; `import needle` works without the optional packages."""
+"""Packaging: the core needs NumPy and ml_dtypes only; `import needle` works without the optional packages."""
 from __future__ import annotations
 
 import os
@@ -21,10 +21,10 @@ def _names(requirements) -> set:
     return {r.split(">")[0].split("=")[0].split("[")[0].strip() for r in requirements}
 
 
-def test_core_depends_on_numpy_only_and_extras_carry_the_rest():
+def test_core_depends_on_numpy_and_ml_dtypes_only_and_extras_carry_the_rest():
     project = _pyproject()
     extras = project["optional-dependencies"]
-    assert _names(project["dependencies"]) == {"numpy"}
+    assert _names(project["dependencies"]) == {"numpy", "ml_dtypes"}  # bfloat16
     assert _names(extras["distributed"]) == {"mpi4py", "mpich", "pyzmq"}
     assert _names(extras["apps"]) == {"matplotlib", "tqdm", "scikit-learn"}
     assert "needle[distributed,apps]" in extras["test"]
