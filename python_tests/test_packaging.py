@@ -1,4 +1,5 @@
-"""Packaging: the core needs NumPy and ml_dtypes only; `import needle` works without the optional packages."""
+"""Packaging: the core needs NumPy and ml_dtypes only; `import needle` works without the
+optional packages."""
 from __future__ import annotations
 
 import os
