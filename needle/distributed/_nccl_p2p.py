@@ -73,10 +73,11 @@ def isend(pg: Any, buf: DeviceBuffer, dst: int, tag: int, timeout: float | None,
     return PolledWork(lambda: bool(req.test() and event.done), complete)
 
 
-def irecv(pg: Any, buf: DeviceBuffer, src: int, tag: int, timeout: float | None,
-          op: str) -> Work:
-    """The header receive is posted now (tag order); the NCCL receive once it has arrived."""
-    from .p2p import _mismatch, _waiter
+def _post_header(pg: Any, op: str, src: int, tag: int, timeout: float | None) -> tuple:
+    """Post the header receive from ``src`` (now: headers keep tag order) and return the
+    communicator, the waiter, the header buffer, its request and ``payload(target)``, which
+    takes the NCCL payload into ``target`` on the current stream and waits for it."""
+    from .p2p import _waiter
 
     comm: NcclComm = pg.nccl
     comm.check(op)
@@ -85,6 +86,22 @@ def irecv(pg: Any, buf: DeviceBuffer, src: int, tag: int, timeout: float | None,
     o = _deadline(pg, op, timeout)
     header = np.empty(HEADER_BYTES, np.uint8)
     req = pg.p2p.irecv(header, src, 2 * tag)
+
+    def payload(target: DeviceBuffer) -> None:
+        dt = comm.dtype(op, target)
+        event = _issue(pg, lambda: comm.comm.recv(target.ptr, target.count, dt, src,
+                                                  int(stream.ptr)), comm, stream)
+        comm.wait(o, stream, "recv", event, call=f"recv from {pg.describe(src)}, tag {tag}")
+
+    return comm, wait, header, req, payload
+
+
+def irecv(pg: Any, buf: DeviceBuffer, src: int, tag: int, timeout: float | None,
+          op: str) -> Work:
+    """The header receive is posted now (tag order); the NCCL receive once it has arrived."""
+    from .p2p import _mismatch
+
+    comm, wait, header, req, payload = _post_header(pg, op, src, tag, timeout)
     want = Header(ARRAY, buf.dtype, buf.shape)
 
     def complete() -> None:
@@ -93,10 +110,7 @@ def irecv(pg: Any, buf: DeviceBuffer, src: int, tag: int, timeout: float | None,
         if got.kind != ARRAY:
             raise _mismatch(pg, op, src, tag, _described(buf), got)
         target = buf if got == want else _scratch(buf, got)
-        dt = comm.dtype(op, target)
-        event = _issue(pg, lambda: comm.comm.recv(target.ptr, target.count, dt, src,
-                                                  int(stream.ptr)), comm, stream)
-        comm.wait(o, stream, "recv", event, call=f"recv from {pg.describe(src)}, tag {tag}")
+        payload(target)
         if target is not buf:
             raise _mismatch(pg, op, src, tag, _described(buf), got)
         buf.commit()
@@ -120,15 +134,9 @@ def irecv_array(pg: Any, src: int, tag: int, timeout: float | None, device: Any,
 
     from ._errors import MessageError
     from ._wire import ABORT
-    from .p2p import _aborted, _waiter
+    from .p2p import _aborted
 
-    comm: NcclComm = pg.nccl
-    comm.check(op)
-    stream = comm.stream()
-    wait = _waiter(pg, op, src, tag, timeout)
-    o = _deadline(pg, op, timeout)
-    header = np.empty(HEADER_BYTES, np.uint8)
-    req = pg.p2p.irecv(header, src, 2 * tag)
+    comm, wait, header, req, payload = _post_header(pg, op, src, tag, timeout)
 
     def complete() -> Any:
         wait(req, "header receive")
@@ -141,11 +149,7 @@ def irecv_array(pg: Any, src: int, tag: int, timeout: float | None, device: Any,
             raise MessageError(f"{op}: expected an array message from {pg.describe(src)} "
                                f"(tag {tag}), got {got.describe()}")
         nd = NDArray.make(got.shape, device=device, dtype=got.dtype)
-        target = DeviceBuffer(nd, nd)
-        dt = comm.dtype(op, target)
-        event = _issue(pg, lambda: comm.comm.recv(target.ptr, target.count, dt, src,
-                                                  int(stream.ptr)), comm, stream)
-        comm.wait(o, stream, "recv", event, call=f"recv from {pg.describe(src)}, tag {tag}")
+        payload(DeviceBuffer(nd, nd))
         return nd
 
     return PolledWork(lambda: bool(req.test()), complete)
