@@ -31,7 +31,8 @@ def test_every_option_has_help():
 def test_the_accepted_values_are_listed(text):
     flat = " ".join(text.split())
     for choices in ("--data {digits,mnist}", "--optimizer {adam,sgd}",
-                    "--precision {fp32,fp16-mixed}", "--epochs EPOCHS passes over the "
+                    "--precision {fp32,fp16-mixed,bf16-mixed}", "--backend {mpi,tcp,nccl}",
+                    "--epochs EPOCHS passes over the "
                     "training data (default: "):
         assert choices in flat
 
