@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from ._core.dtypes import bfloat16_dtype
 from ._core.errors import SerializationError
 from .autograd import Tensor
 from .backend_ndarray import NDArray
@@ -93,6 +94,21 @@ def save_safetensors(obj: Any, path) -> None:
     atomic_write_bytes(os.fspath(path), st.save(arrays))
 
 
+def _know_bfloat16_if_stored(path) -> None:
+    """Make ``np.dtype("bfloat16")`` known before the package reads a file that holds BF16
+    (it asks NumPy by that name; needle imports ml_dtypes only when a bfloat16 shows up).
+    The file's header is 8 bytes of length, then JSON; anything unreadable is left for the
+    package to report."""
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = f.read(min(size, 1 << 27))
+    except OSError:
+        return
+    if b'"BF16"' in header:
+        bfloat16_dtype()
+
+
 def load_safetensors(path, device=None) -> dict:
     """Read a ``.safetensors`` file: NumPy arrays by name, or Tensors on ``device``.
 
@@ -100,6 +116,7 @@ def load_safetensors(path, device=None) -> dict:
         SerializationError: a missing or malformed file, or the safetensors package missing.
     """
     st = _package("load", path)
+    _know_bfloat16_if_stored(path)
     try:
         arrays = st.load_file(os.fspath(path))
     except FileNotFoundError:

@@ -52,8 +52,6 @@ __all__ = ["save", "load", "FORMAT_VERSION", "atomic_write_bytes"]
 FORMAT_VERSION = 1
 _INDEX = "needle.json"
 
-_BFLOAT16 = numpy_dtype("bfloat16")
-
 
 # ---- saving ---------------------------------------------------------------------------------
 class _Writer:
@@ -69,7 +67,7 @@ class _Writer:
         a = a if a.flags.c_contiguous else a.copy(order="C")  # keeps 0-d arrays 0-d
         # .npy has no bfloat16 (it would read back as raw 'V2'): its bits go as uint16, and
         # the index's dtype says how to view them
-        np.lib.format.write_array(buf, a.view(np.uint16) if a.dtype == _BFLOAT16 else a,
+        np.lib.format.write_array(buf, a.view(np.uint16) if a.dtype.name == "bfloat16" else a,
                                   allow_pickle=False)
         payload = buf.getvalue()
         self.arrays[name] = payload
@@ -233,7 +231,7 @@ class _Reader:
         except ValueError as exc:
             raise self.fail(f"array entry {name} is not a plain .npy array ({exc})") from None
         if info["dtype"] == "bfloat16" and array.dtype == np.uint16:
-            array = array.view(_BFLOAT16)
+            array = array.view(numpy_dtype("bfloat16"))
         if str(array.dtype) != info["dtype"] or list(array.shape) != info["shape"]:
             raise self.fail(f"array entry {name} differs from its index, expected "
                             f"{info['dtype']} {info['shape']}, got {array.dtype} "
@@ -383,7 +381,7 @@ def _checked_meta(path: str, meta: Any, entries: dict, total: int, budget: int) 
         if name not in entries:
             raise fail(f"array entry {name} is missing (truncated file?)")
         try:
-            nbytes = np.dtype(info["dtype"]).itemsize * math.prod(info["shape"])
+            nbytes = numpy_dtype(info["dtype"]).itemsize * math.prod(info["shape"])
         except TypeError:
             raise fail(f"array {name} has dtype {info['dtype']!r}, expected a NumPy "
                        f"dtype") from None

@@ -88,9 +88,6 @@ def _compact_strides(shape: tuple) -> tuple:
     return _layout(shape)[1]
 
 
-_BFLOAT16 = numpy_dtype("bfloat16")
-
-
 class NDArray:
     """An n-dimensional strided view of a flat buffer on a device.
 
@@ -124,7 +121,7 @@ class NDArray:
                 return
             other = other.numpy()
         device = default_device() if device is None else check_enabled(device, "NDArray")
-        if dtype is None and getattr(other, "dtype", None) == _BFLOAT16:
+        if dtype is None and getattr(getattr(other, "dtype", None), "name", None) == "bfloat16":
             dtype = "bfloat16"  # only asked for on purpose (ml_dtypes): kept, not coerced
         dtype = canonical_dtype(dtype, "NDArray")
         # np.asarray, not ascontiguousarray: the latter turns a 0-d array into shape (1,).

@@ -26,7 +26,7 @@ _ALIGNMENT = 256
 _ALLOCATOR = None
 # bfloat16 (ml_dtypes) ufuncs compute each element in float32 and round once, as the kernels
 # do; its sums and products would round every partial result, so those widen explicitly.
-_BF16 = numpy_dtype("bfloat16")
+_HALVES = ("float16", "bfloat16")
 
 
 def set_allocator(allocator) -> None:
@@ -44,8 +44,9 @@ class Array:
         size = int(size)
         if size < 0:
             raise ShapeError(f"Array: size must be >= 0, got {size}")
-        check_alloc("numpy Array", (size,), np.dtype(dtype).itemsize, dtype)
-        nbytes = max(size, 1) * np.dtype(dtype).itemsize
+        itemsize = numpy_dtype(dtype).itemsize
+        check_alloc("numpy Array", (size,), itemsize, dtype)
+        nbytes = max(size, 1) * itemsize
         self._block = None
         if _ALLOCATOR is not None:
             self._block = _ALLOCATOR.allocate(nbytes)
@@ -212,7 +213,7 @@ ewise_sign = _unary(np.sign)
 
 
 def ewise_sigmoid(a: Array, out: Array) -> None:
-    x = a.array.astype(np.float64) if a.array.dtype in (np.float16, _BF16) else a.array
+    x = a.array.astype(np.float64) if a.array.dtype.name in _HALVES else a.array
     # Split by sign so neither branch overflows exp.
     e = np.exp(-np.abs(x))
     out.array[:] = np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
@@ -237,8 +238,8 @@ def matmul(a: Array, b: Array, out: Array, m: int, n: int, p: int) -> None:
 
 
 def _product(left: np.ndarray, right: np.ndarray) -> np.ndarray:
-    if left.dtype == _BF16:  # widen, multiply in float32, round the result once
-        return (left.astype(np.float32) @ right.astype(np.float32)).astype(_BF16)
+    if left.dtype.name == "bfloat16":  # widen, multiply in float32, round the result once
+        return (left.astype(np.float32) @ right.astype(np.float32)).astype(left.dtype)
     return left @ right
 
 
@@ -264,7 +265,7 @@ def _blocks(a: Array, out: Array, reduce_size: int) -> np.ndarray:
 
 def reduce_sum(a: Array, out: Array, reduce_size: int) -> None:
     blocks = _blocks(a, out, reduce_size)
-    out.array[:] = blocks.sum(axis=1, dtype=np.float32 if blocks.dtype == _BF16 else None)
+    out.array[:] = blocks.sum(axis=1, dtype=np.float32 if blocks.dtype.name == "bfloat16" else None)
 
 
 def reduce_sum_leading(a: Array, out: Array, m: int, n: int) -> None:
@@ -278,7 +279,7 @@ def reduce_sum_leading(a: Array, out: Array, m: int, n: int) -> None:
     if n and a is out:
         raise ValueError("reduce_sum_leading: out must not share memory with a")
     rows = a.array[:m * n].reshape(m, n)
-    total = np.zeros(n, np.float32 if rows.dtype in (np.float16, _BF16) else rows.dtype)
+    total = np.zeros(n, np.float32 if rows.dtype.name in _HALVES else rows.dtype)
     for row in rows:  # one row at a time: the kernels' order (NumPy's own sum over axis 0
         total += row  # pairs them up when the columns are one apart, n = 1)
     out.array[:n] = total

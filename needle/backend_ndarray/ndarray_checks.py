@@ -11,10 +11,8 @@ from __future__ import annotations
 import builtins
 import math
 
-import ml_dtypes
 import numpy as np
 
-from .._core.dtypes import numpy_dtype
 from .._core.errors import AxisError, DeviceError, DTypeError, IndexOutOfRange, ShapeError
 from .ndarray_limits import check_dim_sizes
 
@@ -56,7 +54,8 @@ def normalize_axes(axis, ndim: int, op: str) -> tuple:
     return out
 
 
-_FLOATS = tuple(numpy_dtype(name) for name in ("float16", "bfloat16", "float32", "float64"))
+# stored mantissa bits per float dtype: integers up to 2 ** (bits + 1) are held exactly
+_MANTISSA_BITS = {"float16": 10, "bfloat16": 7, "float32": 23, "float64": 52}
 
 
 def numpy_data(value, dtype: np.dtype, op: str) -> np.ndarray:
@@ -70,8 +69,8 @@ def numpy_data(value, dtype: np.dtype, op: str) -> np.ndarray:
     if src.dtype.hasobject and any(x is None for x in src.flat):
         raise DTypeError(f"{op}: expected numbers, got None inside the data")
     out = np.asarray(src, dtype=dtype, order="C")
-    if src.dtype.kind in "iu" and out.dtype in _FLOATS and src.size:
-        exact = 2 ** (ml_dtypes.finfo(out.dtype).nmant + 1)  # every integer up to this is exact
+    if src.dtype.kind in "iu" and out.dtype.name in _MANTISSA_BITS and src.size:
+        exact = 2 ** (_MANTISSA_BITS[out.dtype.name] + 1)  # every integer up to this is exact
         big = (src > exact) | (src < -exact) if src.dtype.kind == "i" else src > exact
         if big.any():
             for was, now in zip(src[big].tolist(), out[big].tolist(), strict=True):

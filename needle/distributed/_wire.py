@@ -45,6 +45,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from needle._core.dtypes import bfloat16_dtype
+
 from ._errors import CommError, DTypeError, MessageError, ObjectTypeError
 
 # Codes carried in headers; the order is part of the format.
@@ -107,6 +109,8 @@ def unpack_header(buf: np.ndarray, op: str) -> Header:
             or (kind != ARRAY and (code != _CODE["uint8"] or ndim != 1))):
         raise MessageError(f"{op}: received a malformed message header, expected one sent by "
                            f"needle's point-to-point calls, got {buf.tobytes()[:16]!r}...")
+    if DTYPES[code] == "bfloat16":
+        bfloat16_dtype()  # a process's first bfloat16 may arrive here: np.dtype knows it after
     return Header(kind, DTYPES[code], tuple(dims[:ndim]))
 
 

@@ -44,6 +44,7 @@ import threading
 
 import numpy as np
 
+from .._core.dtypes import numpy_dtype
 from ._errors import MemoryArgumentError, MemoryPlanError
 
 __all__ = ["ArenaAllocator", "run_plan"]
@@ -60,7 +61,7 @@ class ArenaBlock:
         self.requested, self.free, self.id = requested, False, block_id
 
     def view(self, dtype="uint8", count: int | None = None):
-        dtype = np.dtype(dtype)
+        dtype = numpy_dtype(dtype)
         if count is None:
             count = self.requested // dtype.itemsize
         nbytes = count * dtype.itemsize

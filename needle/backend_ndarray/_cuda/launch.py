@@ -20,9 +20,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import ml_dtypes
 import numpy as np
 
+from ..._core.dtypes import numpy_dtype
 from ..._core.errors import DTypeError, ShapeError, SizeLimitError
 from ..ndarray_limits import MAX_BUFFER_BYTES, check_view
 
@@ -106,7 +106,7 @@ def scalar_arg(value, dtype: str) -> np.generic:
 
 
 def _bfloat16_bits(value) -> np.uint16:
-    return np.asarray(value, dtype=ml_dtypes.bfloat16).view(np.uint16)[()]
+    return np.asarray(value, dtype=numpy_dtype("bfloat16")).view(np.uint16)[()]
 
 
 def _scalar_type(dtype: str):

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from needle._core.dtypes import numpy_dtype
 from needle._core.errors import NeedleError
 
 
@@ -59,7 +60,7 @@ def plan_shards(shapes: list[tuple[int, ...]], dtypes: list[str], servers: int) 
         raise ParameterServerConfigError(
             f"ParameterServer: more servers than parameters, expected at most {len(shapes)} "
             f"servers (one parameter each at least), got {servers}")
-    nbytes = [int(np.prod(s, dtype=np.int64)) * np.dtype(d).itemsize
+    nbytes = [int(np.prod(s, dtype=np.int64)) * numpy_dtype(d).itemsize
               for s, d in zip(shapes, dtypes, strict=True)]
     plan = [Shard(k) for k in range(servers)]
     for i in sorted(range(len(shapes)), key=lambda i: (-nbytes[i], i)):

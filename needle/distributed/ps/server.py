@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from needle._core.dtypes import numpy_dtype
+
 from .. import p2p, tracing
 from .._errors import CommError, rewrap
 from . import wire
@@ -348,7 +350,7 @@ class ServerRole:
         total = sum(n for n, _ in contributions)
         weights = [n / total if total else 1.0 / len(contributions) for n, _ in contributions]
         for g, (dtype, members) in enumerate(self.shard.groups):
-            kind = np.dtype(dtype).type
+            kind = numpy_dtype(dtype).type
             flat = np.zeros(contributions[0][1][g].shape, dtype)
             for wt, (_, grads) in zip(weights, contributions, strict=True):
                 flat += grads[g] * kind(wt)
