@@ -68,7 +68,9 @@ def test_parameter_server_reports_ddps_accuracy(tmp_path, workers):
     asynchronous runs' accuracy varying with timing by up to 4.5 points on a loaded machine;
     at six most gaps measure 0.3-2 points, but ssp with 3 workers read 0.947 against ddp's
     0.983 (3.6 points) in three runs on a 2-vCPU machine. The asynchronous bound, 5 points,
-    is 18 of the 359 held-out examples; the fault it guards against reads 40 points low."""
+    is 18 of the 359 held-out examples; the fault it guards against reads 40 points low.
+    Two workers run sync only (its statistics are bitwise ddp rank 0's there); three run
+    every mode."""
     def run(name, *args):
         out = tmp_path / name
         budget = ["--epochs", "6", "--seed", "0", *conformance.BATCH]
@@ -79,7 +81,7 @@ def test_parameter_server_reports_ddps_accuracy(tmp_path, workers):
         return json.loads((out / "summary.json").read_text()), str(out)
 
     ddp, _ = run("ddp", "--strategy", "ddp")
-    for mode in ("sync", "async", "ssp", "backup"):
+    for mode in ("sync", "async", "ssp", "backup") if workers == 3 else ("sync",):
         ps, out = run(mode, "--strategy", "ps", "--servers", "1", "--ps-mode", mode)
         bound = 0.02 if mode == "sync" else 0.05
         assert abs(ps["accuracy"] - ddp["accuracy"]) <= bound, (mode, ps["accuracy"],
