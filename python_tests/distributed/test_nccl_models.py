@@ -1,0 +1,303 @@
+"""The project's models (the MLP-ResNet with BatchNorm1d and Dropout, the small CNN with
+BatchNorm2d) trained by DDP and ZeRO over ``nccl`` on the CUDA emulator with the fake NCCL,
+against the same runs over the host backend (thread ranks, the same ``cuda()`` device).
+
+Why bitwise: with two ranks every reduction is one addition per element (``a + b`` equals
+``b + a``), the gradients are weighted before they are packed on both paths, and every
+kernel runs on the same emulated device, so the nccl run and the host run must agree bit for
+bit: parameters, BatchNorm running statistics, evaluation outputs, resumed runs.
+
+Dropout draws from NumPy's global generator, which thread ranks share; each Dropout call here
+reseeds it from (rank, call number) under a lock, so every run makes the same masks whatever
+order the threads reach their layers in (the masks differ between ranks, as their data do).
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import numpy as np
+import pytest
+
+import needle as ndl
+import needle.distributed as dist
+from needle import nn, optim
+from needle.autograd import Tensor
+
+from . import _fake_nccl, _nccl_checks
+from ._zero_checks import _BUILD
+
+WORLD = 2
+MICRO = (2, 1)  # micro-batches of each step: two (accumulated under no_sync), then one
+FEATURES, CLASSES = 16, 3  # 16 features: the CNN's 4x4 images
+SIZES = (3, 2)  # unequal shares of the global batch: rank 0 three examples, rank 1 two
+
+
+@pytest.fixture
+def nccl(emulated_cuda, monkeypatch):
+    """(the emulated cuda() device, the fake NCCL); the CUDA backend's ``to_numpy`` counts
+    its calls per thread (``_nccl_checks._copies``)."""
+    from needle.backend_ndarray import ndarray_backend_cuda as backend
+    from needle.backend_ndarray._cuda import runtime
+
+    fake = _fake_nccl.install(runtime._cupy)
+    monkeypatch.setattr(backend, "to_numpy", _nccl_checks.counted(backend.to_numpy))
+    _one_kernel_at_a_time(runtime._cupy, monkeypatch)
+    yield emulated_cuda, fake
+    _fake_nccl.uninstall(runtime._cupy, fake)
+
+
+def _one_kernel_at_a_time(cupy, monkeypatch) -> None:
+    """The emulator runs a kernel's blocks on host threads sharing one ``__syncthreads``
+    barrier and static ``__shared__`` arrays per process: two thread ranks launching at once
+    (BatchNorm's reduction kernels do) would deadlock or mix their partial sums. A GPU runs
+    them on separate streams; here they take turns, which changes no value."""
+    function = type(cupy).__init__.__globals__["_Function"]
+    call, lock = function.__call__, threading.Lock()
+
+    def one_at_a_time(self, grid, block, args):
+        with lock:
+            return call(self, grid, block, args)
+            return call(self, grid, block, args)
+
+    monkeypatch.setattr(function, "__call__", one_at_a_time)
+
+
+# ---- models, data, Dropout masks ----------------------------------------------------------
+def _mlp_resnet(dev):
+    from apps.mlp_resnet import MLPResNet
+
+    return MLPResNet(FEATURES, hidden_dim=8, num_blocks=1, num_classes=CLASSES,
+                     drop_prob=0.3, device=dev)
+
+
+def _cnn(dev):
+    from apps.training.models import SmallCNN
+
+    return SmallCNN.build(4, CLASSES, dev)
+
+
+MODELS = {"mlp_resnet": _mlp_resnet, "cnn": _cnn}
+
+
+class _Calls:
+    """The Dropout calls one rank has made (a checkpoint saves it, as it would an RNG)."""
+
+    def __init__(self, start: int = 0):
+        self.n = start
+
+
+def _build(name, dev, rank, seed=0, calls=None):
+    """The model, seeded alike on every rank, with its Dropout layers drawing per-rank masks
+    in a fixed order (see the module docstring)."""
+    with _BUILD:
+        np.random.seed(seed)
+        model = MODELS[name](dev)
+    model.dropout_calls = calls or _Calls()
+    for m in _modules(model):
+        if isinstance(m, nn.Dropout):
+            m.forward = _seeded(m.forward, rank, model.dropout_calls)
+    return model
+
+
+def _modules(module):
+    yield module
+    for child in module._children():
+        yield child
+
+
+def _seeded(forward, rank, calls):
+    def call(x):
+        with _BUILD:
+            np.random.seed(1000 * rank + calls.n)
+            calls.n += 1
+            return forward(x)
+    return call
+
+
+def _batch(step: int, rank: int, micro: int):
+    """(X, y) of one rank's micro-batch: content and size of its own."""
+    rng = np.random.default_rng(100 * step + 10 * rank + micro)
+    n = SIZES[rank]
+    return (rng.standard_normal((n, FEATURES)).astype(np.float32),
+            rng.integers(0, CLASSES, n))
+
+
+def _held_out():
+    return np.random.default_rng(7).standard_normal((4, FEATURES)).astype(np.float32)
+
+
+def _loss(forward, dev, X, y):
+    logits = forward(Tensor(X, device=dev, requires_grad=False))
+    return nn.SoftmaxLoss()(logits, Tensor(y, device=dev, requires_grad=False))
+
+
+def _evaluate(model, forward, dev) -> np.ndarray:
+    model.eval()
+    out = forward(Tensor(_held_out(), device=dev, requires_grad=False)).numpy()
+    model.train()
+    return out
+
+
+def _broadcast_buffers(model, src: int = 0) -> None:
+    """Rank ``src``'s BatchNorm running statistics onto every rank, in place (each rank's
+    own statistics come from its own data: they differ between replicas by design)."""
+    for _, t in model.named_buffers():
+        dist.broadcast(t, src=src)
+
+
+# ---- training under either wrapper ----------------------------------------------------------
+class _Trainer:
+    """DDP (``stage`` 0) or ZeRO (``stage`` 1-3) of one model on one rank: SGD with momentum,
+    so a lost optimizer state or a wrong gradient shows in the second step."""
+
+    def __init__(self, name, dev, rank, stage=0, seed=0, calls=None):
+        self.dev, self.rank, self.stage = dev, rank, stage
+        self.model = _build(name, dev, rank, seed, calls)
+
+    def wrap(self, state=None) -> "_Trainer":
+        """Wrap the model (after ``state``, a checkpoint of :meth:`checkpoint`, is loaded)."""
+        if state is not None:
+            self.model.load_state_dict(state["model"])
+        if self.stage == 0:
+            self.wrapper = dist.DistributedDataParallel(self.model, bucket_cap_mb=1e-4)
+            self.opt = optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9)
+        else:
+            self.wrapper = dist.ZeroDataParallel(
+                self.model, optimizer=lambda ps: optim.SGD(ps, lr=0.1, momentum=0.9),
+                stage=self.stage, bucket_cap_mb=1e-4)
+            self.opt = self.wrapper
+        if state is not None:
+            self.opt.load_state_dict(state["optim"])
+        return self
+
+    def steps(self, first: int, last: int) -> int:
+        """Steps ``first`` to ``last - 1``; returns the device-to-host copies made by the
+        backward passes and the gradient sync."""
+        copies = 0
+        for step in range(first, last):
+            self.opt.zero_grad() if self.stage else self.opt.reset_grad()
+            micro = MICRO[step]
+            self.wrapper.set_num_examples(micro * SIZES[self.rank])
+            before = _nccl_checks._copies()
+            for i in range(micro):
+                sync = self.wrapper.no_sync() if i < micro - 1 else contextlib.nullcontext()
+                with sync:
+                    (_loss(self.wrapper, self.dev, *_batch(step, self.rank, i)) / micro
+                     ).backward()
+            self.wrapper.finish_gradient_sync()
+            copies += _nccl_checks._copies() - before
+            self.opt.step()
+        return copies
+
+    def state(self) -> dict:
+        """Parameters (whole, gathered in ZeRO stage 3) and buffers, by name."""
+        names = [n for n, _ in self.model.named_parameters()]
+        values = (self.wrapper.full_parameters() if self.stage else
+                  [p.numpy() for _, p in self.model.named_parameters()])
+        out = dict(zip(names, values, strict=True))
+        out.update({n: t.numpy() for n, t in self.model.named_buffers()})
+        return out
+
+    def checkpoint(self) -> dict:
+        return {"model": self.model.state_dict(), "optim": self.opt.state_dict(),
+                "dropout_calls": self.model.dropout_calls.n}
+
+    def finish(self) -> dict:
+        """The trained state, this rank's evaluation, and the evaluation once every rank
+        holds rank 0's BatchNorm statistics."""
+        out = {"state": self.state(), "eval": _evaluate(self.model, self.wrapper, self.dev)}
+        _broadcast_buffers(self.model)
+        out["eval_synced"] = _evaluate(self.model, self.wrapper, self.dev)
+        return out
+
+
+def _job(name, dev, stage=0):
+    def job(rank):
+        trainer = _Trainer(name, dev, rank, stage).wrap()
+        copies = trainer.steps(0, len(MICRO))
+        return {"copies": copies, **trainer.finish()}
+    return job
+
+
+_RUNS: dict = {}
+
+
+def _run(name, dev, stage, backend):
+    """The results of one uninterrupted run per rank, made once per session (each costs
+    seconds on the emulator; the resume test reuses the nccl run)."""
+    key = (name, stage, backend)
+    if key not in _RUNS:
+        kw = {"backend": backend} if backend == "nccl" else {}
+        _RUNS[key] = dist.spawn_threads(_job(name, dev, stage), WORLD, timeout=120, **kw)
+    return _RUNS[key]
+
+
+# ---- the checks ----------------------------------------------------------------------------
+def _same(got: dict, want: dict, what: str) -> None:
+    assert sorted(got) == sorted(want), what
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=f"{what}: {k}")
+
+
+def _is_statistic(name: str) -> bool:
+    return name.rsplit(".", 1)[-1].startswith("running_")
+
+
+def _check(on_nccl, on_host, fake, kinds):
+    """nccl equals the host backend, rank by rank and bit for bit; parameters are the same
+    on every rank, statistics are each rank's own until rank 0's are broadcast."""
+    assert [r["copies"] for r in on_nccl] == [0] * WORLD
+    for kind in kinds:
+        assert fake.of(kind, 0), f"no NCCL {kind}: the nccl run took the host path"
+    for rank, (got, want) in enumerate(zip(on_nccl, on_host, strict=True)):
+        _same(got["state"], want["state"], f"rank {rank}")
+        np.testing.assert_array_equal(got["eval"], want["eval"])
+        np.testing.assert_array_equal(got["eval_synced"], want["eval_synced"])
+    first = on_nccl[0]
+    stats = [k for k in first["state"] if _is_statistic(k)]
+    assert stats, "the model has no BatchNorm statistics"
+    for got in on_nccl[1:]:
+        _same({k: v for k, v in got["state"].items() if not _is_statistic(k)},
+              {k: v for k, v in first["state"].items() if not _is_statistic(k)}, "parameters")
+        np.testing.assert_array_equal(got["eval_synced"], first["eval_synced"])
+        # the ranks saw different data: their own statistics differ until rank 0's are sent
+        assert any(not np.array_equal(got["state"][k], first["state"][k]) for k in stats)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_ddp_over_nccl_equals_ddp_over_the_host_backend(nccl, name):
+    dev, fake = nccl
+    _check(_run(name, dev, 0, "nccl"), _run(name, dev, 0, "thread"), fake,
+           ["allReduce", "broadcast"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 3])
+def test_zero_over_nccl_equals_zero_over_the_host_backend(nccl, stage):
+    dev, fake = nccl
+    on_nccl = _run("mlp_resnet", dev, stage, "nccl")
+    _check(on_nccl, _run("mlp_resnet", dev, stage, "thread"), fake, ["reduce", "broadcast"])
+
+
+@pytest.mark.slow
+def test_a_resumed_nccl_run_equals_the_uninterrupted_one(nccl, tmp_path):
+    """Each rank saves its model and optimizer state after the first step (needle's save),
+    a fresh model (other initial weights) loads it and takes the second step."""
+    dev, fake = nccl
+
+    def job(rank):
+        first = _Trainer("mlp_resnet", dev, rank).wrap()
+        first.steps(0, 1)
+        path = str(tmp_path / f"rank{rank}.ndl")
+        ndl.save(first.checkpoint(), path)
+        first.wrapper.close()
+        saved = ndl.load(path)
+        resumed = _Trainer("mlp_resnet", dev, rank, seed=1,
+                           calls=_Calls(int(saved["dropout_calls"]))).wrap(saved)
+        copies = resumed.steps(1, len(MICRO))
+        return {"copies": copies, **resumed.finish()}
+
+    resumed = dist.spawn_threads(job, WORLD, backend="nccl", timeout=120)
+    _check(resumed, _run("mlp_resnet", dev, 0, "nccl"), fake, ["allReduce"])
