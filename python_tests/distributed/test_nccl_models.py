@@ -14,7 +14,12 @@ order the threads reach their layers in (the masks differ between ranks, as thei
 from __future__ import annotations
 
 import contextlib
+import json
+import shutil
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -301,3 +306,38 @@ def test_a_resumed_nccl_run_equals_the_uninterrupted_one(nccl, tmp_path):
 
     resumed = dist.spawn_threads(job, WORLD, backend="nccl", timeout=120)
     _check(resumed, _run("mlp_resnet", dev, 0, "nccl"), fake, ["allReduce"])
+
+
+# ---- apps/train.py --backend nccl ----------------------------------------------------------
+SCRIPTS = Path(__file__).parent / "scripts"
+ROOT = Path(__file__).parents[2]
+
+
+def _train(backend: str, out: Path) -> tuple[dict, str]:
+    """apps/train.py, default model, ddp on two ranks of ``backend`` on the emulated cuda()
+    (scripts/train_emulated.py); (summary.json, the launcher's output)."""
+    cmd = [sys.executable, str(SCRIPTS / "train_emulated.py"), "--device", "cuda",
+           "--nproc", "2", "--backend", backend, "--strategy", "ddp", "--seed", "3",
+           "--max-steps", "2", "--epochs", "1", "--batch-size", "8", "--hidden", "8",
+           "--no-progress", "--out", str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return json.loads((out / "summary.json").read_text()), run.stdout
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_train_py_ddp_over_nccl_reports_what_the_tcp_run_reports(tmp_path):
+    """The same seed, the same emulated device: the same accuracy, losses, parameters and
+    BatchNorm statistics (rank 0's), and every rank's NCCL carried the gradients."""
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not found: no CUDA emulator")
+    on_nccl, out = _train("nccl", tmp_path / "nccl")
+    on_tcp, _ = _train("tcp", tmp_path / "tcp")
+    calls = [line.split("NCCL CALLS ", 1)[1].split() for line in out.splitlines()
+             if "NCCL CALLS " in line]
+    assert len(calls) == 2 and all("allReduce" in c[1:] for c in calls), out[-2000:]
+    assert on_nccl["config"]["backend"] == "nccl" and on_tcp["config"]["backend"] == "tcp"
+    for key in ("accuracy", "losses", "final_test_loss", "params_sha256", "buffers_sha256"):
+        assert on_nccl[key] == on_tcp[key], key
