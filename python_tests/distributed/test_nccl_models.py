@@ -225,16 +225,34 @@ def _job(name, dev, stage=0):
     return job
 
 
+def _spawn(job, fake, backend):
+    """``job(rank)`` on thread ranks of ``backend``, each on a stream of its own (a stream
+    other than the null one, so a call issued on the wrong stream shows); each result gets
+    its rank's stream and the (kind, stream) of the NCCL calls that rank made."""
+    start = len(fake.calls)
+
+    def main(rank):
+        with _fake_nccl.FakeStream() as stream:
+            return {"stream": stream.ptr, **job(rank)}
+
+    kw = {"backend": backend} if backend == "nccl" else {}
+    results = dist.spawn_threads(main, WORLD, timeout=120, **kw)
+    calls = fake.calls[start:]
+    for rank, r in enumerate(results):
+        r["nccl"] = {(c["kind"], c.get("stream")) for c in calls if c["rank"] == rank and
+                     c["kind"] != "destroy"}
+    return results
+
+
 _RUNS: dict = {}
 
 
-def _run(name, dev, stage, backend):
+def _run(name, dev, stage, backend, fake):
     """The results of one uninterrupted run per rank, made once per session (each costs
     seconds on the emulator; the resume test reuses the nccl run)."""
     key = (name, stage, backend)
     if key not in _RUNS:
-        kw = {"backend": backend} if backend == "nccl" else {}
-        _RUNS[key] = dist.spawn_threads(_job(name, dev, stage), WORLD, timeout=120, **kw)
+        _RUNS[key] = _spawn(_job(name, dev, stage), fake, backend)
     return _RUNS[key]
 
 
@@ -249,12 +267,14 @@ def _is_statistic(name: str) -> bool:
     return name.rsplit(".", 1)[-1].startswith("running_")
 
 
-def _check(on_nccl, on_host, fake, kinds):
+def _check(on_nccl, on_host, kinds):
     """nccl equals the host backend, rank by rank and bit for bit; parameters are the same
-    on every rank, statistics are each rank's own until rank 0's are broadcast."""
+    on every rank, statistics are each rank's own until rank 0's are broadcast. Every NCCL
+    call went on its rank's current stream, and no gradient went through host memory."""
     assert [r["copies"] for r in on_nccl] == [0] * WORLD
-    for kind in kinds:
-        assert fake.of(kind, 0), f"no NCCL {kind}: the nccl run took the host path"
+    for r in on_nccl:
+        assert {kind for kind, _ in r["nccl"]} >= set(kinds), r["nccl"]
+        assert {stream for _, stream in r["nccl"]} == {r["stream"]}
     for rank, (got, want) in enumerate(zip(on_nccl, on_host, strict=True)):
         _same(got["state"], want["state"], f"rank {rank}")
         np.testing.assert_array_equal(got["eval"], want["eval"])
@@ -274,7 +294,7 @@ def _check(on_nccl, on_host, fake, kinds):
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_ddp_over_nccl_equals_ddp_over_the_host_backend(nccl, name):
     dev, fake = nccl
-    _check(_run(name, dev, 0, "nccl"), _run(name, dev, 0, "thread"), fake,
+    _check(_run(name, dev, 0, "nccl", fake), _run(name, dev, 0, "thread", fake),
            ["allReduce", "broadcast"])
 
 
@@ -282,8 +302,8 @@ def test_ddp_over_nccl_equals_ddp_over_the_host_backend(nccl, name):
 @pytest.mark.parametrize("stage", [1, 3])
 def test_zero_over_nccl_equals_zero_over_the_host_backend(nccl, stage):
     dev, fake = nccl
-    on_nccl = _run("mlp_resnet", dev, stage, "nccl")
-    _check(on_nccl, _run("mlp_resnet", dev, stage, "thread"), fake, ["reduce", "broadcast"])
+    _check(_run("mlp_resnet", dev, stage, "nccl", fake),
+           _run("mlp_resnet", dev, stage, "thread", fake), ["reduce", "broadcast"])
 
 
 @pytest.mark.slow
@@ -304,8 +324,8 @@ def test_a_resumed_nccl_run_equals_the_uninterrupted_one(nccl, tmp_path):
         copies = resumed.steps(1, len(MICRO))
         return {"copies": copies, **resumed.finish()}
 
-    resumed = dist.spawn_threads(job, WORLD, backend="nccl", timeout=120)
-    _check(resumed, _run("mlp_resnet", dev, 0, "nccl"), fake, ["allReduce"])
+    uninterrupted = _run("mlp_resnet", dev, 0, "nccl", fake)
+    _check(_spawn(job, fake, "nccl"), uninterrupted, ["allReduce"])
 
 
 # ---- apps/train.py --backend nccl ----------------------------------------------------------
