@@ -71,6 +71,24 @@ _LAYOUTS: dict[tuple, tuple[int, tuple]] = {}
 _MAX_LAYOUTS = 4096
 
 
+# Layout facts kept by key, as _LAYOUTS keeps compact strides: a model has few layouts, and
+# working them out again costs a generator frame per dimension on every call. Bounded.
+_MAX_KEPT_LAYOUTS = 4096
+_DENSE_LAYOUTS: dict[tuple, bool] = {}  # (shape, strides) -> _dense_layout(shape, strides)
+_PERMUTATIONS: dict[tuple, operator.itemgetter] = {}  # valid axes -> itemgetter(*axes)
+
+
+def _dense_layout(shape: tuple, strides: tuple) -> bool:
+    """True when the dims of size > 1, ordered by stride, have compact strides (see
+    :meth:`NDArray.is_dense`)."""
+    expect = 1
+    for stride, n in sorted((s, n) for n, s in zip(shape, strides, strict=True) if n != 1):
+        if stride != expect:
+            return False
+        expect *= n
+    return True
+
+
 def _layout(shape: tuple) -> tuple[int, tuple]:
     layout = _LAYOUTS.get(shape)
     if layout is None:
@@ -287,9 +305,9 @@ class NDArray:
     def is_compact(self) -> bool:
         compact = self._compact
         if compact is None:
-            compact = self._compact = (
-                self._offset == 0 and self._strides == _compact_strides(self._shape)
-                and math.prod(self._shape) == self._handle.size)
+            size, strides = _LAYOUTS.get(self._shape) or _layout(self._shape)
+            compact = self._compact = (self._offset == 0 and self._strides == strides
+                                       and size == self._handle.size)
         return compact
 
     def is_dense(self) -> bool:
@@ -306,13 +324,14 @@ class NDArray:
         """
         if self._offset != 0 or math.prod(self._shape) != self._handle.size:
             return False
-        expect = 1
-        for stride, n in sorted((s, n) for n, s in zip(self._shape, self._strides, strict=True)
-                                if n != 1):
-            if stride != expect:
-                return False
-            expect *= n
-        return True
+        key = (self._shape, self._strides)
+        dense = _DENSE_LAYOUTS.get(key)
+        if dense is None:
+            dense = _dense_layout(self._shape, self._strides)
+            if len(_DENSE_LAYOUTS) >= _MAX_KEPT_LAYOUTS:
+                _DENSE_LAYOUTS.clear()
+            _DENSE_LAYOUTS[key] = dense
+        return dense
 
     def _memory_order(self) -> tuple:
         """Axes from the largest stride to the smallest: permuting by them lists a dense
@@ -382,12 +401,18 @@ class NDArray:
         """A view with axes reordered (``new_axes`` is a permutation of ``range(ndim)``)."""
         ndim = len(self._shape)
         axes = tuple(new_axes)
+        take = _PERMUTATIONS.get(axes)  # a permutation of non-negative ints seen before
+        if take is not None and len(axes) == ndim:
+            return _view(take(self._shape), take(self._strides), self._offset, self._device,
+                         self._handle)
         if sorted(axes) != list(range(ndim)):  # the common case (non-negative ints) checked first
             axes = tuple(int(a) % builtins.max(ndim, 1) if isinstance(a, (int, np.integer))
                          else a for a in axes)
         if sorted(axes) != list(range(ndim)):
             raise AxisError(f"permute: expected a permutation of {tuple(range(self.ndim))}, "
                             f"got {tuple(new_axes)}")
+        if ndim > 1 and axes == tuple(new_axes) and len(_PERMUTATIONS) < _MAX_KEPT_LAYOUTS:
+            _PERMUTATIONS[axes] = operator.itemgetter(*axes)  # (ndim 1: a bare item)
         return _view(tuple(self._shape[a] for a in axes),
                      tuple(self._strides[a] for a in axes), self._offset, self._device,
                      self._handle)

@@ -19,6 +19,7 @@ Example (on a machine with a GPU):
 from __future__ import annotations
 
 import math
+import operator
 
 import numpy as np
 
@@ -45,7 +46,9 @@ _EW, _ST, _RD, _MM = "elementwise.cu", "strided.cu", "reduce.cu", "matmul.cu"
 _FU, _CV, _BN = "fused.cu", "conv.cu", "batch_norm.cu"
 
 
-_ITEMSIZE = {name: np.dtype(name).itemsize for name in L.SUFFIX}
+# Written out: NumPy knows bfloat16 only once ml_dtypes is imported, which this module avoids.
+_ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
+assert set(_ITEMSIZE) == set(L.SUFFIX)
 # Most elements of each item size that fit the buffer limit (L.check_buffer_bytes).
 _MAX_ELEMENTS = {n: L.MAX_BUFFER_BYTES // n for n in set(_ITEMSIZE.values())}
 
@@ -90,12 +93,19 @@ class Array:
 _CUPY_DTYPE = {"bfloat16": "uint16"}
 
 
-def _cupy_view(a: Array, count: int, offset: int = 0, shape=None, strides=None):
+def _cupy_view(a: Array, count: int, offset: int = 0, shape=None, strides=None,
+               owned: bool = True):
     """A CuPy array over ``a`` from element ``offset``, no copy: ``count`` elements in 1-D,
     ``shape`` row-major, or ``shape`` with element ``strides`` (the caller checked that the
-    view fits the buffer)."""
+    view fits the buffer). ``owned``: the view keeps ``a`` alive (False: the caller keeps it
+    only while a buffer lives at that address, see ``_KEPT_VIEWS``)."""
     cupy = runtime._cupy or runtime.cupy_module()
-    mem = cupy.cuda.UnownedMemory(a._ptr, (a.size or 1) * a.itemsize, a)
+    if owned:
+        mem = cupy.cuda.UnownedMemory(a._ptr, (a.size or 1) * a.itemsize, a)
+    else:  # sized to the view: another buffer at this address may be smaller than ``a``
+        if strides is not None and all(shape):
+            count = 1 + sum((int(n) - 1) * int(s) for n, s in zip(shape, strides, strict=True))
+        mem = cupy.cuda.UnownedMemory(a._ptr, (int(offset) + max(count, 1)) * a.itemsize, None)
     memptr = cupy.cuda.MemoryPointer(mem, int(offset) * a.itemsize)
     dtype = _CUPY_DTYPE.get(a.dtype, a.dtype)
     if strides is None:  # one array object, not a flat one and a reshape of it
@@ -145,13 +155,13 @@ def fill(out: Array, val) -> None:
 
 
 def compact(a: Array, out: Array, shape, strides, offset) -> None:
-    count = math.prod(int(n) for n in shape)
+    count = math.prod(map(int, shape))
     if count:
         runtime.launch(_COMPACT, out.dtype, count, a, out, (shape, strides, offset))
 
 
 def ewise_setitem(a: Array, out: Array, shape, strides, offset) -> None:
-    count = math.prod(int(n) for n in shape)
+    count = math.prod(map(int, shape))
     if count:
         runtime.launch(_EWISE_SETITEM, out.dtype, count, a, out, (shape, strides, offset))
 
@@ -384,9 +394,13 @@ def matmul_strided(a: Array, b: Array, out: Array, m: int, n: int, p: int, a_off
     views = []
     for arr, shape, strides, offset in ((a, (m, n), (ars, acs), a_offset),
                                         (b, (n, p), (brs, bcs), b_offset)):
-        check_view(op, shape, strides, offset, arr.size)
-        views.append(_cupy_view(arr, 0, offset, shape, strides))
-    _matmul_into(*views, _cupy_view(out, m * p, shape=(m, p)))
+        key = (arr._ptr, arr.dtype, shape, strides, offset)
+        view = _KEPT_VIEWS.get(key)
+        if view is None:  # checked once per kept view: the key holds everything checked
+            check_view(op, shape, strides, offset, arr.size)
+            view = _keep(key, _cupy_view(arr, 0, offset, shape, strides, owned=False))
+        views.append(view)
+    _matmul_into(*views, _kept_view(out, m, p, False))
 
 
 def _check_matmul(op: str, a: Array, b: Array, out: Array, m: int, n: int, p: int) -> None:
@@ -416,10 +430,38 @@ def _gemm(a: Array, b: Array, out: Array, m: int, k: int, p: int, trans_a: bool 
     """``out (m, p) = op(a) @ op(b)`` through cuBLAS, ``op(a)`` being (m, k): ``a`` holds the
     row-major (k, m) matrix when ``trans_a`` (likewise ``b`` holds (p, k) when ``trans_b``);
     cuBLAS reads the transposes in place."""
-    left = _cupy_view(a, m * k, shape=(k, m) if trans_a else (m, k))
-    right = _cupy_view(b, k * p, shape=(p, k) if trans_b else (k, p))
-    left, right = (left.T if trans_a else left), (right.T if trans_b else right)
-    _matmul_into(left, right, _cupy_view(out, m * p, shape=(m, p)))
+    left = _kept_view(a, m, k, trans_a)
+    right = _kept_view(b, k, p, trans_b)
+    _matmul_into(left, right, _kept_view(out, m, p, False))
+
+
+# A training step multiplies buffers at the same addresses with the same layouts step after
+# step (the caching allocator hands its parked blocks out again), and making a CuPy view costs
+# more host time than the rest of a product: the views are kept, keyed by address, dtype and
+# layout. A kept view owns nothing (one that kept its buffer alive would pin the memory for as
+# long as it is kept); it is used only while a live buffer sits at its address, and it reads
+# exactly that buffer's elements, so it is what a fresh view would be.
+MAX_KEPT_VIEWS = 4096
+_KEPT_VIEWS: dict = {}
+
+
+def _kept_view(a: Array, rows: int, cols: int, trans: bool):
+    """The (rows, cols) matrix at ``a``'s address as a CuPy view: row-major, or the
+    transpose of the row-major (cols, rows) matrix when ``trans``."""
+    key = (a._ptr, a.dtype, rows, cols, trans)
+    view = _KEPT_VIEWS.get(key)
+    if view is None:
+        view = _cupy_view(a, rows * cols, shape=(cols, rows) if trans else (rows, cols),
+                          owned=False)
+        view = _keep(key, view.T if trans else view)
+    return view
+
+
+def _keep(key: tuple, view):
+    if len(_KEPT_VIEWS) >= MAX_KEPT_VIEWS:  # bounded: shapes seen once would pile up
+        _KEPT_VIEWS.clear()
+    _KEPT_VIEWS[key] = view
+    return view
 
 
 def _matmul_into(left, right, result) -> None:
@@ -458,11 +500,14 @@ def _fused_checks(op: str, out: Array, sizes: dict, inputs: tuple) -> None:
     if out.dtype not in _FLOATS:
         raise DTypeError(f"{op}: expected float32 or float64, got {out.dtype}")
     for what, (buffer, need) in sizes.items():
-        if need < 0:
-            raise ShapeError(f"{op}: sizes must be >= 0, got {what} of {need} elements")
-        L.check_extent(op, what, buffer, need)
-    if any(out.ptr() == a.ptr() for a in inputs):
-        raise ValueError(f"{op}: out must not share memory with an input")
+        if need < 0 or buffer.size < need:  # check_extent's test, before its call
+            if need < 0:
+                raise ShapeError(f"{op}: sizes must be >= 0, got {what} of {need} elements")
+            L.check_extent(op, what, buffer, need)
+    ptr = out._ptr
+    for a in inputs:  # a loop, not any(generator): no Python frame per input
+        if a._ptr == ptr:
+            raise ValueError(f"{op}: out must not share memory with an input")
 
 
 # ---- label and id checks, deferred to the next synchronisation -----------------------------
@@ -480,7 +525,11 @@ _PENDING_CHECKS: list = []
 
 def _defer_ids_check(ids: Array, n: int, k: int, what: str) -> None:
     if n:
-        _PENDING_CHECKS.append((_cupy_view(ids, n).copy(), k, what))
+        key = (ids._ptr, ids.dtype, n)
+        view = _KEPT_VIEWS.get(key)
+        if view is None:
+            view = _keep(key, _cupy_view(ids, n, owned=False))
+        _PENDING_CHECKS.append((view.copy(), k, what))
         if len(_PENDING_CHECKS) > MAX_PENDING_CHECKS:
             check_pending()
 
@@ -572,10 +621,29 @@ _COL2IM = L.KernelSpec(_CV, "col2im", ("a", "a") + ("i64",) * 10, grid="indexed"
                        dtypes=_FLOATS)
 
 
+# Validated geometries by their arguments (a model has a few convolutions, each asked for its
+# workspace and its products every step). Bounded; a refused geometry is never kept.
+_GEOMETRIES: dict = {}
+
+
 def _conv_geometry(op: str, n, h, w, c, kh, kw, cout, stride, pad) -> tuple:
     """The validated geometry plus ``(ho, wo)``, as the CPU backend validates it."""
-    n, h, w, c, kh, kw, cout, stride, pad = (int(v) for v in (n, h, w, c, kh, kw, cout,
-                                                               stride, pad))
+    key = (n, h, w, c, kh, kw, cout, stride, pad)
+    try:
+        geometry = _GEOMETRIES.get(key)
+    except TypeError:  # an unhashable size (a 0-d array): checked every time
+        return _check_geometry(op, *key)
+    if geometry is None:
+        geometry = _check_geometry(op, *key)
+        if len(_GEOMETRIES) >= 1024:
+            _GEOMETRIES.clear()
+        _GEOMETRIES[key] = geometry
+    return geometry
+
+
+def _check_geometry(op: str, n, h, w, c, kh, kw, cout, stride, pad) -> tuple:
+    # map, not a generator: no Python frame per value (this runs for every conv call)
+    n, h, w, c, kh, kw, cout, stride, pad = map(int, (n, h, w, c, kh, kw, cout, stride, pad))
     if (min(n, h, w, c, kh, kw, cout, stride) < 1 or pad < 0 or h + 2 * pad < kh
             or w + 2 * pad < kw):
         raise ShapeError(f"{op}: expected sizes >= 1, stride >= 1, pad >= 0 and a kernel that "
@@ -607,8 +675,10 @@ def _workspace(op: str, workspace, dtype: str, need: int, others: tuple) -> Arra
         raise DTypeError(f"{op}: dtypes differ, expected {dtype}, got workspace "
                          f"{workspace.dtype}")
     L.check_extent(op, "workspace", workspace, need)
-    if any(workspace.ptr() == a.ptr() for a in others):
-        raise ValueError(f"{op}: the workspace must not share memory with an operand")
+    ptr = workspace._ptr
+    for a in others:  # a loop, not any(generator): no Python frame per operand
+        if a._ptr == ptr:
+            raise ValueError(f"{op}: the workspace must not share memory with an operand")
     return workspace
 
 
@@ -701,8 +771,8 @@ def ewise_program(ins, outs, code, scalars, n) -> None:
                              f"elements, got {arr.dtype} with {arr.size}")
     code = tuple(code)
     template = _program_template(code, len(ins), len(outs), len(scalars))  # checks
-    in_ptrs = [a._ptr for a in ins]
-    out_ptrs = [o._ptr for o in outs]
+    in_ptrs = list(map(_PTR_OF, ins))  # map: no Python frame per buffer
+    out_ptrs = list(map(_PTR_OF, outs))
     for j, ptr in enumerate(out_ptrs):
         if ptr in in_ptrs:
             for i, in_ptr in enumerate(in_ptrs):
@@ -725,6 +795,7 @@ def ewise_program(ins, outs, code, scalars, n) -> None:
 
 
 _TEMPLATES: dict = {}
+_PTR_OF = operator.attrgetter("_ptr")
 _IN_PLACE_OK: set = set()  # (code, input, output) that check_in_place accepted
 
 

@@ -15,6 +15,14 @@ Size classes (the rounding rule, see docs/memory.md):
 * reuse is best fit within the pool (LIFO among equal sizes); freed neighbours coalesce;
   :meth:`CachingAllocator.empty_cache` returns segments that are entirely free.
 
+The trusted pair (:meth:`CachingAllocator._allocate_trusted` and
+:meth:`CachingAllocator._release_trusted`, one buffer each of the CUDA backend) parks a freed
+block as it is, under its rounded request size, and hands it out again to the next request of
+that size: a training step that repeats its shapes then neither searches, cuts nor coalesces.
+Parked blocks coalesce (and so count as cached free blocks anywhere the layout shows) before
+any other call reads or changes the free lists, and before a new segment is taken. The
+statistics count a parked block as freed at once, and its reuse as a reuse.
+
 Example:
     >>> alloc = CachingAllocator("demo")
     >>> a = alloc.allocate(1000); a.size, a.requested
@@ -34,7 +42,10 @@ import numpy as np
 
 from . import timeline as _timeline
 from ._errors import MemoryArgumentError
-from .categories import CATEGORIES, check_category, resolve
+from .categories import _DEFAULT as _DEFAULT_CATEGORY
+from .categories import CATEGORIES, check_category, resolve, thread_state
+
+_CATEGORY_STATE = thread_state()
 
 __all__ = ["CachingAllocator", "Block", "round_size", "fresh_block_size", "KiB", "MiB",
            "BLOCK_ROUND", "SMALL_LIMIT", "SMALL_SEGMENT", "LARGE_ROUND", "MIN_LARGE_SPLIT",
@@ -171,6 +182,10 @@ class CachingAllocator:
         # Per pool: block size -> {block: None} (an insertion-ordered set, popped LIFO).
         self._free: tuple[dict[int, dict[Block, None]], ...] = ({}, {})
         self._free_sizes: tuple[list[int], list[int]] = ([], [])
+        # Parked blocks (see the module docstring): rounded request size -> blocks, LIFO.
+        # They are free (block.free) but in no free list until _unpark coalesces them.
+        self._parked: dict[int, list[Block]] = {}
+        self._num_parked = 0
         self._limit: int | None = None  # refuse segments past this many reserved bytes
         self._reset_counters()
 
@@ -178,6 +193,9 @@ class CachingAllocator:
         self._allocated = self._requested = self._reserved = 0
         self._peak = self._peak_requested = self._peak_reserved = 0
         self._num_allocs = self._num_frees = self._num_reused = 0
+        # allocations served by a parked block: counted apart (one add on the fast path),
+        # stats() adds them to num_allocs and num_reused
+        self._num_parked_reuses = 0
         self._num_segment_allocs = self._num_segment_frees = 0
         self._by_category = {c: _new_category_row() for c in CATEGORIES}
 
@@ -207,22 +225,107 @@ class CachingAllocator:
         with self._lock:
             self._depth += 1
             try:
+                if self._num_parked:
+                    self._unpark()
                 return self._allocate(nbytes, cat)
             finally:
                 self._leave()
 
     def _allocate_trusted(self, nbytes: int) -> Block:
         """:meth:`allocate` without a hint, for callers inside needle that pass an int >= 0
-        (the CUDA backend's buffers: one call per NDArray, so the checks are the caller's)."""
-        cat = resolve(None)
+        (the CUDA backend's buffers: one call per NDArray, so the checks are the caller's).
+        A parked block of the same rounded size is handed out first (the last one parked)."""
+        size = BLOCK_ROUND if nbytes <= BLOCK_ROUND else -(-nbytes // BLOCK_ROUND) * BLOCK_ROUND
+        state = _CATEGORY_STATE  # categories.resolve(None), written out
+        cat = state.user_top or state.framework_top or state.op_category or _DEFAULT_CATEGORY
         with self._lock:
-            self._depth += 1
-            try:
-                return self._allocate(nbytes, cat)
-            finally:
-                self._depth -= 1
-                if self._pending and not self._depth:
-                    self._drain_pending()
+            stack = self._parked.get(size)
+            if not stack or self._depth or _timeline._RECORDERS:
+                self._depth += 1
+                try:
+                    if stack and not self._depth - 1:  # a recorder listens: the same, slowly
+                        return self._unpark_one(stack, nbytes, cat)
+                    return self._allocate(nbytes, cat)
+                finally:
+                    self._depth -= 1
+                    if self._pending and not self._depth:
+                        self._drain_pending()
+            # Nothing below allocates a tracked object or calls out, so no destructor can
+            # run in the middle (release() defers those only while _depth is set).
+            block = stack.pop()
+            self._num_parked -= 1
+            self._num_parked_reuses += 1
+            block.free = False
+            block.requested = nbytes
+            block.category = cat
+            size = block.size  # a large block may be bigger than its rounded request
+            allocated = self._allocated = self._allocated + size  # _allocate's statistics
+            if allocated > self._peak:
+                self._peak = allocated
+            requested = self._requested = self._requested + nbytes
+            if requested > self._peak_requested:
+                self._peak_requested = requested
+            row = self._by_category[cat]
+            cur = row["current"] = row["current"] + size
+            if cur > row["peak"]:
+                row["peak"] = cur
+            req = row["current_requested"] = row["current_requested"] + nbytes
+            if req > row["peak_requested"]:
+                row["peak_requested"] = req
+            return block
+
+    def _unpark_one(self, stack: list, nbytes: int, cat: str) -> Block:
+        """The fast path of :meth:`_allocate_trusted` with its timeline event."""
+        block = stack.pop()
+        self._num_parked -= 1
+        self._num_parked_reuses += 1
+        block.free = False
+        block.requested = nbytes
+        block.category = cat
+        self._allocated += block.size
+        self._requested += nbytes
+        self._peak = max(self._peak, self._allocated)
+        self._peak_requested = max(self._peak_requested, self._requested)
+        self._count(cat, block.size, nbytes)
+        if _timeline._RECORDERS:
+            self._emit("alloc", block, False)
+        return block
+
+    def _release_trusted(self, block: Block) -> None:
+        """:meth:`release` for the owner of a block from :meth:`_allocate_trusted` (it
+        releases once): the block is parked, not coalesced (see the module docstring)."""
+        if block.free:
+            raise MemoryArgumentError(
+                f"release: expected a live block of allocator {self.name!r}, got {block!r}")
+        with self._lock:
+            if self._depth:  # re-entered from a destructor: as release() does
+                self._pending.append(block)
+                return
+            block.free = True
+            size = block.size
+            nbytes = block.requested
+            self._num_frees += 1  # _release's statistics, written out
+            self._allocated -= size
+            self._requested -= nbytes
+            row = self._by_category[block.category]
+            row["current"] -= size
+            row["current_requested"] -= nbytes
+            if _timeline._RECORDERS:
+                self._depth += 1  # the recorder may allocate (and so run destructors)
+                try:
+                    self._emit("free", block, False)
+                finally:
+                    self._depth -= 1
+            block.requested = 0
+            key = BLOCK_ROUND if nbytes <= BLOCK_ROUND else -(-nbytes // BLOCK_ROUND) * BLOCK_ROUND
+            stack = self._parked.get(key)
+            if stack is None:
+                # setdefault: a destructor run while the new list is made may park one first
+                stack = self._parked.setdefault(key, [])
+            stack.append(block)
+            self._num_parked += 1
+            if self._pending:
+                self._drain_pending()
 
     def release(self, block: Block) -> None:
         """Return ``block`` to the cache.
@@ -244,6 +347,8 @@ class CachingAllocator:
                 return
             self._depth += 1
             try:
+                if self._num_parked:
+                    self._unpark()
                 self._release(block)
             finally:
                 self._depth -= 1
@@ -274,6 +379,7 @@ class CachingAllocator:
     def empty_cache(self) -> int:
         """Return every wholly free segment to the system; returns the bytes released."""
         with self._lock:
+            self._unpark()
             released = 0
             for seg_id, seg in list(self._segments.items()):
                 block = self._head[seg_id]
@@ -310,9 +416,9 @@ class CachingAllocator:
                 "reserved_bytes": self._reserved,
                 "peak_reserved_bytes": self._peak_reserved,
                 "cached_bytes": self._reserved - self._allocated,
-                "num_allocs": self._num_allocs,
+                "num_allocs": self._num_allocs + self._num_parked_reuses,
                 "num_frees": self._num_frees,
-                "num_reused": self._num_reused,
+                "num_reused": self._num_reused + self._num_parked_reuses,
                 "num_segments": len(self._segments),
                 "num_segment_allocs": self._num_segment_allocs,
                 "num_segment_frees": self._num_segment_frees,
@@ -334,6 +440,7 @@ class CachingAllocator:
     def largest_free_block(self) -> int:
         """Bytes of the largest cached free block (0 when the cache is empty)."""
         with self._lock:
+            self._unpark()
             return max((sizes[-1] for sizes in self._free_sizes if sizes), default=0)
 
     def live_blocks(self) -> list[tuple[int, int, int, str]]:
@@ -351,6 +458,7 @@ class CachingAllocator:
     def free_blocks(self) -> list[tuple[int, int, int]]:
         """Cached free blocks as sorted ``(segment id, offset, size)`` (for tests and debugging)."""
         with self._lock:
+            self._unpark()
             return sorted((b.segment.id, b.offset, b.size)
                           for pool in self._free for bucket in pool.values() for b in bucket)
 
@@ -366,10 +474,26 @@ class CachingAllocator:
     def _drain_pending(self) -> None:
         self._depth += 1
         try:
+            if self._num_parked:
+                self._unpark()
             while self._pending:
                 self._release(self._pending.pop())
         finally:
             self._depth -= 1
+
+    def _unpark(self) -> None:
+        """Put every parked block into the free lists, coalesced with its free neighbours
+        (its statistics were counted when it was parked)."""
+        if not self._num_parked:
+            return
+        blocks = [b for stack in self._parked.values() for b in stack]
+        self._parked.clear()
+        self._num_parked = 0
+        for block in blocks:  # not free meanwhile: a neighbour merges only with listed blocks
+            block.free = False
+        for block in blocks:
+            block.free = True
+            self._coalesce(block)
 
     def _allocate(self, nbytes: int, cat: str) -> Block:
         size = BLOCK_ROUND if nbytes <= BLOCK_ROUND else -(-nbytes // BLOCK_ROUND) * BLOCK_ROUND
@@ -383,6 +507,9 @@ class CachingAllocator:
             if i < len(sizes):
                 bucket = buckets[sizes[i]]
         if bucket is None:
+            if self._num_parked:  # coalesced parked blocks may hold the room: look again
+                self._unpark()
+                return self._allocate(nbytes, cat)
             block = self._new_segment(pool, size, nbytes, cat)
             new_segment = True
         else:
@@ -438,6 +565,10 @@ class CachingAllocator:
         if _timeline._RECORDERS:
             self._emit("free", block, False)
         block.requested = 0
+        self._coalesce(block)
+
+    def _coalesce(self, block: Block) -> None:
+        """Merge the free ``block`` with its free neighbours into the free lists."""
         pool = block.segment.pool
         buckets = self._free[pool]
         prev = block.prev

@@ -38,7 +38,7 @@ class DeviceBlock:
     def __del__(self):
         block = self.block
         try:
-            block.allocator.release(block)
+            block.allocator._release_trusted(block)
         except Exception:  # noqa: BLE001 - interpreter shutdown may have torn the allocator down
             pass
 
@@ -52,8 +52,28 @@ def make_cuda_allocator(segment_alloc) -> CachingAllocator:
 def install_cuda_allocator(mod, segment_alloc) -> CachingAllocator:
     """Route the CUDA backend module ``mod`` through a new caching allocator; returns it."""
     alloc = make_cuda_allocator(segment_alloc)
-    # The backend passes an int >= 0 (the Array checked it): the trusted entry skips the
-    # argument checks of CachingAllocator.allocate, one call per buffer.
-    allocate = alloc._allocate_trusted
-    mod.set_allocator(lambda nbytes: DeviceBlock(allocate(nbytes)))
+    mod.set_allocator(_trusted_owner(alloc))
     return alloc
+
+
+def _trusted_owner(alloc: CachingAllocator) -> type:
+    """``cls(nbytes)``: a :class:`DeviceBlock` over a new block of ``alloc``, made in one call
+    (the backend asks once per buffer). The backend passes an int >= 0 (the Array checked it):
+    the trusted pair skips the argument checks of ``allocate``/``release``, and parks freed
+    blocks for the next buffer of their size."""
+    allocate, release = alloc._allocate_trusted, alloc._release_trusted
+
+    class TrustedDeviceBlock(DeviceBlock):
+        __slots__ = ()
+
+        def __init__(self, nbytes: int):  # noqa: D107 - see _trusted_owner
+            block = self.block = allocate(nbytes)
+            self.ptr = block.segment.base + block.offset
+
+        def __del__(self):
+            try:
+                release(self.block)
+            except Exception:  # noqa: BLE001 - interpreter shutdown may have torn it down
+                pass
+
+    return TrustedDeviceBlock

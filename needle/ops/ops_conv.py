@@ -74,8 +74,27 @@ def _live_taps(size: int, k: int, stride: int, padding: int) -> tuple:
     return lo, hi, top
 
 
+_PRUNED: dict = {}  # (x's h, w, kernel's kh, kw, stride, padding) -> _pruned's answer
+
+
 def _pruned(x_shape, w_shape, stride: int, padding: int):
-    """``(rows, cols, padding)`` of the live part of the kernel, or None when all of it is."""
+    """``(rows, cols, padding)`` of the live part of the kernel, or None when all of it is.
+    Kept per geometry: a model asks for the same few on every step."""
+    key = (x_shape[1], x_shape[2], w_shape[0], w_shape[1], stride, padding)
+    try:
+        return _PRUNED[key]
+    except KeyError:
+        pass
+    except TypeError:  # unhashable: worked out every time
+        return _pruned_taps(x_shape, w_shape, stride, padding)
+    cut = _pruned_taps(x_shape, w_shape, stride, padding)
+    if len(_PRUNED) >= 1024:
+        _PRUNED.clear()
+    _PRUNED[key] = cut
+    return cut
+
+
+def _pruned_taps(x_shape, w_shape, stride: int, padding: int):
     r0, r1, pad_h = _live_taps(x_shape[1], w_shape[0], stride, padding)
     c0, c1, pad_w = _live_taps(x_shape[2], w_shape[1], stride, padding)
     if (r0, r1, c0, c1) == (0, w_shape[0], 0, w_shape[1]) or pad_h != pad_w:

@@ -332,8 +332,7 @@ def _prepare_checked(spec: KernelSpec, dtype: str, work, args, plan: tuple) -> t
     # every check one by one, each with its own message: launches the fast converter of
     # the plan refused (or has none: views), and so every bad argument
     name, params, scalar_type, per_block, _ = plan
-    if spec.view_of is not None:
-        _check_view_args(spec, args, work)
+    view = None if spec.view_of is None else _checked_view(spec, args, work)
     kernel_args = []
     for (kind, expected, sized), arg in zip(params, args):  # noqa: B905 - lengths checked
         if kind in _POINTER_KINDS:
@@ -354,7 +353,7 @@ def _prepare_checked(spec: KernelSpec, dtype: str, work, args, plan: tuple) -> t
         elif kind == "i64":
             kernel_args.append(np.int64(arg))
         elif kind == "view":
-            kernel_args.append(pack_view(*arg, op=spec.base))
+            kernel_args.append(view)
         elif kind == "record":  # a one-element structured array, passed by value
             if not (isinstance(arg, np.ndarray) and arg.shape == (1,) and arg.dtype.names):
                 raise TypeError(f"{spec.base}: expected a one-element structured array, got "
@@ -455,18 +454,45 @@ def check_extent(op: str, what: str, arg, need: int) -> None:
                          f"got {arg.size}")
 
 
-def _check_view_args(spec: KernelSpec, args, work) -> None:
-    # The view must address only elements of its own buffer, the compact side must hold as
-    # many elements as the view, and the launch must cover exactly those elements.
+# Packed views of launches that passed _view_record's checks, by (kernel, view, size of the
+# viewed buffer, launch size): everything those checks read. A model copies the same few
+# layouts every step, and checking and packing one costs ~40 Python frames. The records are
+# only read (CuPy copies a by-value argument at the launch). Bounded.
+MAX_KEPT_VIEWS = 4096
+_KEPT_VIEWS: dict = {}
+
+
+def _checked_view(spec: KernelSpec, args, work) -> np.ndarray:
+    """The packed view argument of a launch of ``spec``, checked (see _view_record); the
+    compact buffers must hold the view's elements."""
     shape, strides, offset = args[spec.params.index("view")]
+    key = (spec.base, shape, strides, offset, args[spec.view_of].size, work)
+    try:
+        record = _KEPT_VIEWS.get(key)
+    except TypeError:  # unhashable parts (lists): checked and packed every time
+        key = record = None
+    if record is None:
+        record = _view_record(spec, (shape, strides, offset), args[spec.view_of].size, work)
+        if key is not None:
+            if len(_KEPT_VIEWS) >= MAX_KEPT_VIEWS:
+                _KEPT_VIEWS.clear()
+            _KEPT_VIEWS[key] = record
+    for i, kind in enumerate(spec.params):  # the launch covers exactly the view's elements
+        if kind == "a" and i != spec.view_of:
+            check_extent(spec.base, "compact buffer", args[i], work)
+    return record
+
+
+def _view_record(spec: KernelSpec, view, size: int, work) -> np.ndarray:
+    # The view must address only elements of its own buffer (of ``size`` elements), and the
+    # launch must cover exactly those elements.
+    shape, strides, offset = view
     shape, strides = tuple(int(n) for n in shape), tuple(int(s) for s in strides)
     if len(shape) != len(strides) or any(n < 0 for n in shape):
         raise ShapeError(f"{spec.base}: bad view, expected equal-length shape and strides "
                          f"with dims >= 0, got {shape} and {strides}")
-    count = check_view(spec.base, shape, strides, int(offset), args[spec.view_of].size)
+    count = check_view(spec.base, shape, strides, int(offset), size)
     if count != work:
         raise ShapeError(f"{spec.base}: launch size differs from the view, expected {count}, "
                          f"got {work}")
-    for i, kind in enumerate(spec.params):
-        if kind == "a" and i != spec.view_of:
-            check_extent(spec.base, "compact buffer", args[i], count)
+    return pack_view(shape, strides, offset, op=spec.base)

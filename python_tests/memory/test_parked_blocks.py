@@ -1,0 +1,74 @@
+"""The trusted allocate/release pair parks freed blocks: exact statistics, same memory.
+
+A parked block is handed out again to the next trusted request of its rounded size without a
+search; anything else that reads or changes the free lists sees it coalesced first, and a
+request that finds no room coalesces the parked blocks before it takes a new segment.
+"""
+from __future__ import annotations
+
+import pytest
+
+from needle.memory._errors import MemoryArgumentError
+from needle.memory.caching_allocator import CachingAllocator, MiB
+
+
+def test_a_parked_block_is_handed_out_again_with_exact_statistics():
+    alloc = CachingAllocator("parked")
+    a = alloc._allocate_trusted(1000)
+    b = alloc._allocate_trusted(3000)
+    alloc._release_trusted(a)
+    assert a.free and alloc.stats()["allocated_bytes"] == 3072
+    again = alloc._allocate_trusted(900)  # rounds to 1,024 bytes like a: a itself comes back
+    assert again is a and alloc._num_parked_reuses == 1
+    st = alloc.stats()
+    assert (st["allocated_bytes"], st["requested_bytes"]) == (1024 + 3072, 900 + 3000)
+    assert (st["peak_bytes"], st["peak_requested_bytes"]) == (1024 + 3072, 1000 + 3000)
+    assert (st["num_allocs"], st["num_frees"], st["num_reused"]) == (3, 1, 2)
+    assert st["by_category"]["other"] == {"current": 4096, "peak": 4096,
+                                          "current_requested": 3900,
+                                          "peak_requested": 4000}
+    alloc._release_trusted(again)
+    alloc._release_trusted(b)
+    assert alloc.stats()["allocated_bytes"] == alloc.stats()["requested_bytes"] == 0
+
+
+def test_parked_blocks_coalesce_before_the_layout_is_read():
+    alloc = CachingAllocator("parked")
+    blocks = [alloc._allocate_trusted(n) for n in (1000, 3000, 5000)]
+    for block in blocks:
+        alloc._release_trusted(block)
+    assert alloc.free_blocks() == [(blocks[0].segment.id, 0, 2 * MiB)]
+    assert alloc.largest_free_block() == 2 * MiB
+    assert alloc.empty_cache() == 2 * MiB and alloc.stats()["num_segments"] == 0
+
+
+def test_a_request_without_room_coalesces_the_parked_blocks_before_a_new_segment():
+    alloc = CachingAllocator("parked")
+    quarters = [alloc._allocate_trusted(MiB // 2) for _ in range(4)]  # one whole segment
+    for block in quarters:
+        alloc._release_trusted(block)
+    whole = alloc._allocate_trusted(MiB)  # no 1 MiB block parked: the four quarters merge
+    st = alloc.stats()
+    assert st["num_segment_allocs"] == 1 and st["reserved_bytes"] == 2 * MiB
+    assert whole.offset == 0 and whole.size == MiB
+
+
+def test_the_public_calls_see_parked_neighbours_coalesced():
+    alloc = CachingAllocator("parked")
+    a = alloc._allocate_trusted(1000)
+    b = alloc.allocate(1000)  # public: parked blocks are unparked first
+    alloc._release_trusted(a)
+    alloc.release(b)  # coalesces with a, parked just before
+    assert alloc.free_blocks() == [(a.segment.id, 0, 2 * MiB)]
+    assert alloc.stats()["allocated_bytes"] == 0 and alloc.stats()["num_frees"] == 2
+
+
+def test_a_parked_block_cannot_be_released_again():
+    alloc = CachingAllocator("parked")
+    a = alloc._allocate_trusted(10)
+    alloc._release_trusted(a)
+    with pytest.raises(MemoryArgumentError, match="expected a live block"):
+        alloc._release_trusted(a)
+    with pytest.raises(MemoryArgumentError, match="expected a live block"):
+        alloc.release(a)
+    assert alloc.stats()["num_frees"] == 1
