@@ -277,3 +277,23 @@ def test_a_strided_copy_of_a_layout_seen_before_packs_no_view(noop_cuda, monkeyp
         B.compact(small, out, (4, 6), (1, 4), 0)
     with pytest.raises(Exception, match="compact"):  # a launch size that differs from the view
         B.compact(src, B.Array(12), (4, 6), (1, 4), 0)
+
+
+def test_a_program_refills_one_record_per_thread_with_each_launchs_buffers(noop_cuda,
+                                                                           monkeypatch):
+    seen = []  # (record object, its bytes as the launch saw them)
+
+    def kernel(grid, block, args) -> None:
+        seen.append((args[0], args[0].tobytes()))
+
+    monkeypatch.setattr(runtime, "function", lambda source, name: kernel)
+    code = _program(False)
+    pairs = [(B.Array(8), B.Array(8)) for _ in range(3)]
+    for theta, grad in pairs:
+        B.ewise_program([theta, grad], [theta], code, [0.5], 8)
+    assert len({id(record) for record, _ in seen}) == 1  # one record, no copy per launch
+    for (theta, grad), (_, raw) in zip(pairs, seen, strict=True):
+        words = np.frombuffer(raw, dtype=np.uint64)
+        assert words[:2].tolist() == [theta.ptr(), grad.ptr()]
+        assert words[16] == theta.ptr()
+        assert np.frombuffer(raw, dtype=np.float64)[32] == 0.5
