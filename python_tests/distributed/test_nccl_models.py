@@ -160,10 +160,12 @@ class _Trainer:
         self.dev, self.rank, self.stage = dev, rank, stage
         self.model = _build(name, dev, rank, seed, calls)
 
-    def wrap(self, state=None) -> "_Trainer":
-        """Wrap the model (after ``state``, a checkpoint of :meth:`checkpoint`, is loaded)."""
-        if state is not None:
-            self.model.load_state_dict(state["model"])
+    def wrap(self, saved=None) -> "_Trainer":
+        """Wrap the model; ``saved``: every rank's :meth:`checkpoint` (the same world size)
+        to resume from (the model's own state from this rank's; ZeRO's shards from all)."""
+        mine = None if saved is None else saved[self.rank]
+        if mine is not None:
+            self.model.load_state_dict(mine["model"], strict=not self.stage)
         if self.stage == 0:
             self.wrapper = dist.DistributedDataParallel(self.model, bucket_cap_mb=1e-4)
             self.opt = optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9)
@@ -172,8 +174,9 @@ class _Trainer:
                 self.model, optimizer=lambda ps: optim.SGD(ps, lr=0.1, momentum=0.9),
                 stage=self.stage, bucket_cap_mb=1e-4)
             self.opt = self.wrapper
-        if state is not None:
-            self.opt.load_state_dict(state["optim"])
+        if mine is not None:
+            self.opt.load_state_dict(mine["optim"] if self.stage == 0 else
+                                     [s["optim"] for s in saved])
         return self
 
     def steps(self, first: int, last: int) -> int:
@@ -205,7 +208,11 @@ class _Trainer:
         return out
 
     def checkpoint(self) -> dict:
-        return {"model": self.model.state_dict(), "optim": self.opt.state_dict(),
+        """This rank's model state (ZeRO: its buffers; the weights are in the shards), its
+        optimizer state (ZeRO: its shard of weights and moments) and its Dropout count."""
+        model = self.model.state_dict() if self.stage == 0 else \
+            {n: t.numpy() for n, t in self.model.named_buffers()}
+        return {"model": model, "optim": self.opt.state_dict(),
                 "dropout_calls": self.model.dropout_calls.n}
 
     def finish(self) -> dict:
@@ -307,25 +314,27 @@ def test_zero_over_nccl_equals_zero_over_the_host_backend(nccl, stage):
 
 
 @pytest.mark.slow
-def test_a_resumed_nccl_run_equals_the_uninterrupted_one(nccl, tmp_path):
-    """Each rank saves its model and optimizer state after the first step (needle's save),
-    a fresh model (other initial weights) loads it and takes the second step."""
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_resumed_nccl_run_equals_the_uninterrupted_one(nccl, tmp_path, stage):
+    """DDP (stage 0) or ZeRO stage 3: each rank saves its checkpoint after the first step
+    (needle's save), a fresh model (other initial weights) loads it, every rank's for ZeRO's
+    shards, and takes the second step."""
     dev, fake = nccl
 
     def job(rank):
-        first = _Trainer("mlp_resnet", dev, rank).wrap()
+        first = _Trainer("mlp_resnet", dev, rank, stage).wrap()
         first.steps(0, 1)
-        path = str(tmp_path / f"rank{rank}.ndl")
-        ndl.save(first.checkpoint(), path)
+        ndl.save(first.checkpoint(), str(tmp_path / f"rank{rank}.ndl"))
         first.wrapper.close()
-        saved = ndl.load(path)
-        resumed = _Trainer("mlp_resnet", dev, rank, seed=1,
-                           calls=_Calls(int(saved["dropout_calls"]))).wrap(saved)
+        dist.barrier()  # every rank's file is written
+        saved = [ndl.load(str(tmp_path / f"rank{r}.ndl")) for r in range(WORLD)]
+        calls = _Calls(int(saved[rank]["dropout_calls"]))
+        resumed = _Trainer("mlp_resnet", dev, rank, stage, seed=1, calls=calls).wrap(saved)
         copies = resumed.steps(1, len(MICRO))
         return {"copies": copies, **resumed.finish()}
 
-    uninterrupted = _run("mlp_resnet", dev, 0, "nccl", fake)
-    _check(_spawn(job, fake, "nccl"), uninterrupted, ["allReduce"])
+    uninterrupted = _run("mlp_resnet", dev, stage, "nccl", fake)
+    _check(_spawn(job, fake, "nccl"), uninterrupted, ["broadcast"])
 
 
 # ---- apps/train.py --backend nccl ----------------------------------------------------------
