@@ -15,13 +15,11 @@ Size classes (the rounding rule, see docs/memory.md):
 * reuse is best fit within the pool (LIFO among equal sizes); freed neighbours coalesce;
   :meth:`CachingAllocator.empty_cache` returns segments that are entirely free.
 
-The trusted pair (:meth:`CachingAllocator._allocate_trusted` and
-:meth:`CachingAllocator._release_trusted`, one buffer each of the CUDA backend) parks a freed
-block as it is, under its rounded request size, and hands it out again to the next request of
-that size: a training step that repeats its shapes then neither searches, cuts nor coalesces.
-Parked blocks coalesce (and so count as cached free blocks anywhere the layout shows) before
-any other call reads or changes the free lists, and before a new segment is taken. The
-statistics count a parked block as freed at once, and its reuse as a reuse.
+The trusted pair ``_allocate_trusted``/``_release_trusted`` (the CUDA backend's buffers) parks
+a freed block uncoalesced under its rounded request size for the next request of that size: a
+step that repeats its shapes neither searches, cuts nor coalesces. Parked blocks coalesce
+before any other call reads or changes the free lists and before a new segment is taken; the
+statistics count them freed at once, and their reuse as a reuse.
 
 Example:
     >>> alloc = CachingAllocator("demo")
@@ -240,18 +238,14 @@ class CachingAllocator:
         cat = state.user_top or state.framework_top or state.op_category or _DEFAULT_CATEGORY
         with self._lock:
             stack = self._parked.get(size)
-            if not stack or self._depth or _timeline._RECORDERS:
+            if not stack or self._depth:
                 self._depth += 1
                 try:
-                    if stack and not self._depth - 1:  # a recorder listens: the same, slowly
-                        return self._unpark_one(stack, nbytes, cat)
                     return self._allocate(nbytes, cat)
                 finally:
-                    self._depth -= 1
-                    if self._pending and not self._depth:
-                        self._drain_pending()
-            # Nothing below allocates a tracked object or calls out, so no destructor can
-            # run in the middle (release() defers those only while _depth is set).
+                    self._leave()
+            # Up to the event, nothing allocates a tracked object or calls out: no destructor
+            # can run in the middle (release() defers those only while _depth is set).
             block = stack.pop()
             self._num_parked -= 1
             self._num_parked_reuses += 1
@@ -272,24 +266,13 @@ class CachingAllocator:
             req = row["current_requested"] = row["current_requested"] + nbytes
             if req > row["peak_requested"]:
                 row["peak_requested"] = req
+            if _timeline._RECORDERS:
+                self._depth += 1  # the recorder may allocate (and so run destructors)
+                try:
+                    self._emit("alloc", block, False)
+                finally:
+                    self._leave()
             return block
-
-    def _unpark_one(self, stack: list, nbytes: int, cat: str) -> Block:
-        """The fast path of :meth:`_allocate_trusted` with its timeline event."""
-        block = stack.pop()
-        self._num_parked -= 1
-        self._num_parked_reuses += 1
-        block.free = False
-        block.requested = nbytes
-        block.category = cat
-        self._allocated += block.size
-        self._requested += nbytes
-        self._peak = max(self._peak, self._allocated)
-        self._peak_requested = max(self._peak_requested, self._requested)
-        self._count(cat, block.size, nbytes)
-        if _timeline._RECORDERS:
-            self._emit("alloc", block, False)
-        return block
 
     def _release_trusted(self, block: Block) -> None:
         """:meth:`release` for the owner of a block from :meth:`_allocate_trusted` (it
@@ -315,7 +298,7 @@ class CachingAllocator:
                 try:
                     self._emit("free", block, False)
                 finally:
-                    self._depth -= 1
+                    self._depth -= 1  # what it deferred is drained below
             block.requested = 0
             key = BLOCK_ROUND if nbytes <= BLOCK_ROUND else -(-nbytes // BLOCK_ROUND) * BLOCK_ROUND
             stack = self._parked.get(key)

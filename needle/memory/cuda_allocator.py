@@ -57,10 +57,8 @@ def install_cuda_allocator(mod, segment_alloc) -> CachingAllocator:
 
 
 def _trusted_owner(alloc: CachingAllocator) -> type:
-    """``cls(nbytes)``: a :class:`DeviceBlock` over a new block of ``alloc``, made in one call
-    (the backend asks once per buffer). The backend passes an int >= 0 (the Array checked it):
-    the trusted pair skips the argument checks of ``allocate``/``release``, and parks freed
-    blocks for the next buffer of their size."""
+    """``cls(nbytes)``: a :class:`DeviceBlock` over a new block of ``alloc`` in one call. The
+    backend passes an int >= 0 (the Array checked it): the trusted pair skips the checks."""
     allocate, release = alloc._allocate_trusted, alloc._release_trusted
 
     class TrustedDeviceBlock(DeviceBlock):

@@ -72,3 +72,21 @@ def test_a_parked_block_cannot_be_released_again():
     with pytest.raises(MemoryArgumentError, match="expected a live block"):
         alloc.release(a)
     assert alloc.stats()["num_frees"] == 1
+
+
+def test_a_recorded_parked_reuse_emits_the_events_of_an_allocation():
+    from needle.memory import timeline
+
+    alloc = CachingAllocator("parked")
+    a = alloc._allocate_trusted(1000)
+    events: list = []  # a sink: anything with append
+    entry = timeline.add_sink(events)
+    try:
+        alloc._release_trusted(a)
+        again = alloc._allocate_trusted(1000)  # parked, handed out again while recorded
+    finally:
+        timeline.remove_sink(entry)
+    assert again is a and alloc._num_parked_reuses == 1
+    assert [(e.kind, e.nbytes, e.requested, e.allocated_bytes, e.new_segment)
+            for e in events] == [("free", 1024, 1000, 0, False),
+                                 ("alloc", 1024, 1000, 1024, False)]
