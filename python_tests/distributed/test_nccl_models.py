@@ -55,14 +55,14 @@ def nccl(emulated_cuda, monkeypatch):
 def _one_kernel_at_a_time(cupy, monkeypatch) -> None:
     """The emulator runs a kernel's blocks on host threads sharing one ``__syncthreads``
     barrier and static ``__shared__`` arrays per process: two thread ranks launching at once
-    (BatchNorm's reduction kernels do) would deadlock or mix their partial sums. A GPU runs
-    them on separate streams; here they take turns, which changes no value."""
+    (BatchNorm's reduction kernels do) would deadlock or mix their partial sums. Real ranks
+    are processes on GPUs of their own; here the ranks' kernels take turns, which changes no
+    value."""
     function = type(cupy).__init__.__globals__["_Function"]
     call, lock = function.__call__, threading.Lock()
 
     def one_at_a_time(self, grid, block, args):
         with lock:
-            return call(self, grid, block, args)
             return call(self, grid, block, args)
 
     monkeypatch.setattr(function, "__call__", one_at_a_time)
@@ -99,16 +99,10 @@ def _build(name, dev, rank, seed=0, calls=None):
         np.random.seed(seed)
         model = MODELS[name](dev)
     model.dropout_calls = calls or _Calls()
-    for m in _modules(model):
+    for m in model._children():  # every sub-module, depth first
         if isinstance(m, nn.Dropout):
             m.forward = _seeded(m.forward, rank, model.dropout_calls)
     return model
-
-
-def _modules(module):
-    yield module
-    for child in module._children():
-        yield child
 
 
 def _seeded(forward, rank, calls):
