@@ -747,6 +747,7 @@ _PROGRAM_RECORD = np.dtype([("ins", "<u8", (16,)), ("outs", "<u8", (16,)),
                             ("n_code", "<i4"), ("pad", "<i4")])
 _PROGRAM = L.KernelSpec(_EW, "ewise_program", ("record", "i64"), grid="packed",
                         dtypes=_FLOATS)
+_PROGRAM_PER_BLOCK = L.THREADS_PER_BLOCK * L.PACK  # launch_config's "packed" grid
 # ewise_program writes pointers and scalars through 8-byte word views of the record
 assert _PROGRAM_RECORD.fields["outs"][1] == 16 * 8
 assert _PROGRAM_RECORD.fields["scalars"][1] == 32 * 8
@@ -757,6 +758,33 @@ def ewise_program(ins, outs, code, scalars, n) -> None:
     """Run the elementwise program ``code`` (instruction set: ``ewise_codes``) over the first
     ``n`` elements of every input, writing each output once: one launch, bitwise the result
     of this backend's separate kernels run one by one."""
+    filled = _program_record(ins, outs, tuple(code), scalars, n)
+    if filled is not None:
+        runtime.launch(_PROGRAM, filled[0], filled[2], filled[1], filled[2])
+
+
+def ewise_program_many(launches, code, scalars) -> None:
+    """:func:`ewise_program` for each ``(ins, outs, n)`` of ``launches``, in order (an
+    optimizer's step: one program over every parameter). Each launch is checked as a lone
+    call checks it (those before a refused one have run); the kernel is looked up once."""
+    code = tuple(code)
+    kernel = None
+    for ins, outs, n in launches:
+        filled = _program_record(ins, outs, code, scalars, n)
+        if filled is None:
+            continue
+        dtype, record, n = filled
+        if kernel is None or kernel[0] != dtype:
+            # the launcher's checks and grid once; its record check holds for every refill
+            name, _, block, _ = L.prepare(_PROGRAM, dtype, n, (record, n))
+            kernel = dtype, runtime.function(_PROGRAM.source, name), block
+        grid = (max(1, min(-(-n // _PROGRAM_PER_BLOCK), L.MAX_GRID_X)),)
+        kernel[1](grid, kernel[2], (record, np.int64(n)))
+
+
+def _program_record(ins, outs, code: tuple, scalars, n) -> tuple | None:
+    """``(dtype, record, n)`` of one checked program launch, the record filled (None: n is
+    0, nothing to run)."""
     op = "ewise_program"
     n = int(n)
     if n < 0:
@@ -770,7 +798,6 @@ def ewise_program(ins, outs, code, scalars, n) -> None:
         if arr.dtype != dtype or arr.size < n:
             raise ValueError(f"{op}: every input and output must be {dtype} with at least {n} "
                              f"elements, got {arr.dtype} with {arr.size}")
-    code = tuple(code)
     template = _program_template(code, len(ins), len(outs), len(scalars))  # checks
     in_ptrs = list(map(_PTR_OF, ins))  # map: no Python frame per buffer
     out_ptrs = list(map(_PTR_OF, outs))
@@ -785,7 +812,7 @@ def ewise_program(ins, outs, code, scalars, n) -> None:
         if ptr in out_ptrs[:j]:
             raise ValueError(f"{op}: two outputs share a buffer")
     if n == 0:
-        return
+        return None
     key = (code, len(ins), len(outs), len(scalars), threading.get_ident())
     scratch = _SCRATCH.get(key)
     if scratch is None:
@@ -799,7 +826,7 @@ def ewise_program(ins, outs, code, scalars, n) -> None:
     words[:len(ins)] = in_ptrs
     words[16:16 + len(outs)] = out_ptrs
     floats[32:32 + len(scalars)] = scalars
-    runtime.launch(_PROGRAM, dtype, n, record, n)
+    return dtype, record, n
 
 
 _TEMPLATES: dict = {}

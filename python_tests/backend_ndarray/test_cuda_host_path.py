@@ -246,9 +246,9 @@ def test_a_repeated_eager_step_reuses_parked_blocks_and_product_views(noop_cuda,
 # sum of the per-op paths above over ~33 forward ops, their backward, SGD and BatchNorm's
 # running statistics (~180 buffers, ~166 launches). Before parked blocks, kept product views,
 # kept view records and the layout and geometry caches: 10,449 frames and 330,000 bytecodes
-# (now ~6,400 and ~240,000; the bounds leave ~4%).
-RESNET9_STEP_FRAMES = 6_700
-RESNET9_STEP_BYTECODES = 250_000
+# (now ~6,300 and ~237,000; the bounds leave ~3%).
+RESNET9_STEP_FRAMES = 6_500
+RESNET9_STEP_BYTECODES = 245_000
 
 
 def test_an_eager_resnet9_step_stays_within_its_python_budget(noop_cuda):
@@ -297,3 +297,26 @@ def test_a_program_refills_one_record_per_thread_with_each_launchs_buffers(noop_
         assert words[:2].tolist() == [theta.ptr(), grad.ptr()]
         assert words[16] == theta.ptr()
         assert np.frombuffer(raw, dtype=np.float64)[32] == 0.5
+
+
+def test_a_batch_of_programs_launches_what_one_call_each_launches(noop_cuda, monkeypatch):
+    seen = []  # (kernel name, grid, block, argument bytes) of every launch
+
+    def function(source, name):
+        return lambda grid, block, args: seen.append(
+            (name, tuple(grid), tuple(block), b"".join(np.asarray(a).tobytes() for a in args)))
+
+    monkeypatch.setattr(runtime, "function", function)
+    code = _program(False)
+    launches = [([B.Array(n), B.Array(n)], None, n) for n in (8, 5000, 0, 3)]
+    launches = [(ins, [ins[0]], n) for ins, _, n in launches]
+    for ins, outs, n in launches:
+        B.ewise_program(ins, outs, code, [0.25], n)
+    one_by_one, seen[:] = list(seen), []
+    B.ewise_program_many(launches, code, [0.25])
+    assert seen == one_by_one and len(seen) == 3  # n = 0 launches nothing either way
+    bad = [launches[0], ([B.Array(4, "float64"), B.Array(4)], [B.Array(4)], 4), launches[1]]
+    seen[:] = []
+    with pytest.raises(ValueError, match="every input and output must be"):
+        B.ewise_program_many(bad, code, [0.25])
+    assert len(seen) == 1  # the launch before the refused one ran, none after it
