@@ -22,6 +22,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
 
 import numpy as np
 
@@ -169,9 +170,21 @@ class _Function:
         self.launches.append((tuple(grid[:2]), tuple(block)))
         run = (self._fn, pointers, ctypes.c_uint(grid[0]), ctypes.c_uint(grid[1]),
                ctypes.c_uint(block[0]), cargs)  # cargs: the arguments, by value, as captured
-        if _captured(lambda: run[0](*run[1:5])):
+        if _captured(lambda: _run_kernel(run)):
             return
         COUNTS["kernels"] += 1
+        _run_kernel(run)
+
+
+# One kernel at a time in the process: a kernel's blocks run on host threads that share one
+# __syncthreads barrier and the static __shared__ arrays, so two kernels launched at once from
+# two threads (the thread ranks of a distributed test) would deadlock or mix their partial
+# sums. A GPU runs them on streams of their own; taking turns here changes no value.
+_KERNEL_LOCK = threading.Lock()
+
+
+def _run_kernel(run) -> None:
+    with _KERNEL_LOCK:
         run[0](*run[1:5])
 
 

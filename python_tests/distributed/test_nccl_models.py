@@ -18,7 +18,6 @@ import json
 import shutil
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -47,25 +46,8 @@ def nccl(emulated_cuda, monkeypatch):
 
     fake = _fake_nccl.install(runtime._cupy)
     monkeypatch.setattr(backend, "to_numpy", _nccl_checks.counted(backend.to_numpy))
-    _one_kernel_at_a_time(runtime._cupy, monkeypatch)
     yield emulated_cuda, fake
     _fake_nccl.uninstall(runtime._cupy, fake)
-
-
-def _one_kernel_at_a_time(cupy, monkeypatch) -> None:
-    """The emulator runs a kernel's blocks on host threads sharing one ``__syncthreads``
-    barrier and static ``__shared__`` arrays per process: two thread ranks launching at once
-    (BatchNorm's reduction kernels do) would deadlock or mix their partial sums. Real ranks
-    are processes on GPUs of their own; here the ranks' kernels take turns, which changes no
-    value."""
-    function = type(cupy).__init__.__globals__["_Function"]
-    call, lock = function.__call__, threading.Lock()
-
-    def one_at_a_time(self, grid, block, args):
-        with lock:
-            return call(self, grid, block, args)
-
-    monkeypatch.setattr(function, "__call__", one_at_a_time)
 
 
 # ---- models, data, Dropout masks ----------------------------------------------------------
