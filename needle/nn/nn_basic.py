@@ -16,12 +16,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+from sys import getrefcount as _getrefcount
 
 from .. import init, ops
 from .._core.errors import ShapeError
 from ..autograd import Tensor, is_grad_enabled
 from ..autograd.grad_mode import STATE, compiling
 from ..autograd.tensor import replace_data
+from ..autograd.versions import note_replaced
+from ..backend_ndarray import NDArray
 from ..backend_ndarray import ewise_program as _program
 from ..memory import framework_category
 from .nn_module import Module, Parameter
@@ -157,6 +160,17 @@ class SoftmaxLoss(Module):
         return (ops.summation(lse) - picked) / n
 
 
+def _sole_owner(tensor) -> bool:
+    """True when ``tensor``'s data is an NDArray whose buffer nothing else references: no
+    other Tensor, array, view or saved graph data can see a write into it, so it may be
+    updated in place (a state dict or a user holding the array keeps its values instead).
+    The counts are CPython reference counts: the Tensor's attribute, the local name and the
+    call's argument for the array; the array's attribute and the argument for the buffer."""
+    data = tensor.cached_data
+    return (type(data) is NDArray and _getrefcount(data) == 3
+            and _getrefcount(data._handle) == 2)
+
+
 @functools.lru_cache(maxsize=None)
 def _running_averages_program() -> _program.Program:
     """``(old_mean * s0 + mean * s1, old_var * s0 + var * s1)`` over inputs (old_mean, mean,
@@ -193,9 +207,19 @@ class BatchNorm1d(Module):
         # op is dispatched through autograd (six per layer and step as Tensor arithmetic).
         # Where the backend runs elementwise programs, both updates are one kernel instead of
         # six, bitwise the same (a compiled step fuses the composed ones itself).
+        # Eager, with both statistics reachable only through their Tensors, the kernel
+        # writes them in place (it reads each element before it stores it): no new buffers
+        # per layer and step. A compiled step keeps the new buffers its plan was traced with.
+        in_place = _sole_owner(self.running_mean) and _sole_owner(self.running_var)
         arrays = (self.running_mean.realize_cached_data(), mean,
                   self.running_var.realize_cached_data(), var)
         if not compiling() and _program.available(arrays):
+            if in_place:
+                _program.run(_running_averages_program(), arrays, [1 - m, m],
+                             [arrays[0], arrays[2]])
+                note_replaced(self.running_mean)  # the data versions count updates as before
+                note_replaced(self.running_var)
+                return
             news = _program.run(_running_averages_program(), arrays, [1 - m, m])
         else:
             news = [old * (1 - m) + now * m for old, now in (arrays[:2], arrays[2:])]
