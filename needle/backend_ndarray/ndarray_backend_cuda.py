@@ -768,12 +768,12 @@ def ewise_program_many(launches, code, scalars) -> None:
     optimizer's step: one program over every parameter). Each launch is checked as a lone
     call checks it (those before a refused one have run); the kernel is looked up once."""
     code = tuple(code)
-    kernel = None
+    kernel = scratch = None
     for ins, outs, n in launches:
-        filled = _program_record(ins, outs, code, scalars, n)
+        filled = _program_record(ins, outs, code, scalars, n, scratch)
         if filled is None:
             continue
-        dtype, record, n = filled
+        dtype, record, n, scratch = filled
         if kernel is None or kernel[0] != dtype:
             # the launcher's checks and grid once; its record check holds for every refill
             name, _, block, _ = L.prepare(_PROGRAM, dtype, n, (record, n))
@@ -782,9 +782,11 @@ def ewise_program_many(launches, code, scalars) -> None:
         kernel[1](grid, kernel[2], (record, np.int64(n)))
 
 
-def _program_record(ins, outs, code: tuple, scalars, n) -> tuple | None:
-    """``(dtype, record, n)`` of one checked program launch, the record filled (None: n is
-    0, nothing to run)."""
+def _program_record(ins, outs, code: tuple, scalars, n, scratch=None) -> tuple | None:
+    """``(dtype, record, n, scratch)`` of one checked program launch, the record filled
+    (None: n is 0, nothing to run). ``scratch``: what an earlier call with this ``code`` and
+    ``scalars`` returned (a batch's launches share it: the code tuple, dozens of ints, is
+    hashed once per batch, not once per launch)."""
     op = "ewise_program"
     n = int(n)
     if n < 0:
@@ -798,35 +800,44 @@ def _program_record(ins, outs, code: tuple, scalars, n) -> tuple | None:
         if arr.dtype != dtype or arr.size < n:
             raise ValueError(f"{op}: every input and output must be {dtype} with at least {n} "
                              f"elements, got {arr.dtype} with {arr.size}")
-    template = _program_template(code, len(ins), len(outs), len(scalars))  # checks
+    if scratch is None or scratch[4] != len(ins) or scratch[5] != len(outs):
+        scratch = _program_scratch(code, len(ins), len(outs), len(scalars))  # checks
+    record, words, floats, in_place_ok = scratch[:4]
     in_ptrs = list(map(_PTR_OF, ins))  # map: no Python frame per buffer
     out_ptrs = list(map(_PTR_OF, outs))
     for j, ptr in enumerate(out_ptrs):
         if ptr in in_ptrs:
             for i, in_ptr in enumerate(in_ptrs):
-                if in_ptr == ptr and (code, i, j) not in _IN_PLACE_OK:
+                if in_ptr == ptr and (i, j) not in in_place_ok:
                     # in place where every read of the input is first (a pure function of
                     # the program: checked once per program and pair, as the template is)
                     check_in_place(code, i, j)
-                    _IN_PLACE_OK.add((code, i, j))
+                    in_place_ok.add((i, j))
         if ptr in out_ptrs[:j]:
             raise ValueError(f"{op}: two outputs share a buffer")
     if n == 0:
         return None
-    key = (code, len(ins), len(outs), len(scalars), threading.get_ident())
-    scratch = _SCRATCH.get(key)
-    if scratch is None:
-        record = template.copy()
-        if len(_SCRATCH) >= MAX_SCRATCH_RECORDS:
-            _SCRATCH.clear()
-        scratch = _SCRATCH[key] = (record, record.view(np.uint64), record.view(np.float64))
-    record, words, floats = scratch
     # pointers and scalars into the record's first 64 eight-byte words (ins, outs, scalars);
     # the same slots every time for this key, so nothing of an earlier launch stays behind
     words[:len(ins)] = in_ptrs
     words[16:16 + len(outs)] = out_ptrs
     floats[32:32 + len(scalars)] = scalars
-    return dtype, record, n
+    return dtype, record, n, scratch
+
+
+def _program_scratch(code: tuple, n_in: int, n_out: int, n_scalars: int) -> tuple:
+    """This thread's ``(record, words, floats, in_place_ok, n_in, n_out)`` for a validated
+    program (see :func:`_program_template`): the record to refill per launch, its 8-byte
+    word views, and the (input, output) pairs that ``check_in_place`` accepted."""
+    key = (code, n_in, n_out, n_scalars, threading.get_ident())
+    scratch = _SCRATCH.get(key)
+    if scratch is None:
+        record = _program_template(code, n_in, n_out, n_scalars).copy()
+        if len(_SCRATCH) >= MAX_SCRATCH_RECORDS:
+            _SCRATCH.clear()
+        scratch = _SCRATCH[key] = (record, record.view(np.uint64), record.view(np.float64),
+                                   set(), n_in, n_out)
+    return scratch
 
 
 _TEMPLATES: dict = {}
@@ -836,7 +847,6 @@ _TEMPLATES: dict = {}
 MAX_SCRATCH_RECORDS = 1024
 _SCRATCH: dict = {}
 _PTR_OF = operator.attrgetter("_ptr")
-_IN_PLACE_OK: set = set()  # (code, input, output) that check_in_place accepted
 
 
 def _program_template(code: tuple, n_in: int, n_out: int, n_scalars: int) -> np.ndarray:
