@@ -59,6 +59,10 @@ LARGE_ROUND = 2 * MiB    # large-pool segments are multiples of this
 MIN_LARGE_SPLIT = 1 * MiB  # a large block is split only if the remainder exceeds this
 
 _SMALL, _LARGE = 0, 1
+# round_size(n) // BLOCK_ROUND is (n + _ROUND_UP) >> _ROUND_SHIFT or 1 (the parked lists' key)
+_ROUND_SHIFT = BLOCK_ROUND.bit_length() - 1
+_ROUND_UP = BLOCK_ROUND - 1
+assert 1 << _ROUND_SHIFT == BLOCK_ROUND
 
 
 def round_size(nbytes: int) -> int:
@@ -180,10 +184,12 @@ class CachingAllocator:
         # Per pool: block size -> {block: None} (an insertion-ordered set, popped LIFO).
         self._free: tuple[dict[int, dict[Block, None]], ...] = ({}, {})
         self._free_sizes: tuple[list[int], list[int]] = ([], [])
-        # Parked blocks (see the module docstring): rounded request size -> blocks, LIFO.
-        # They are free (block.free) but in no free list until _unpark coalesces them.
+        # Parked blocks (see the module docstring): rounded request size in units of
+        # BLOCK_ROUND -> blocks, LIFO. They are free (block.free) but in no free list until
+        # _unpark coalesces them. No count of them is kept (the fast paths would pay an
+        # update each): a key stays when its list empties, until _unpark clears them all.
         self._parked: dict[int, list[Block]] = {}
-        self._num_parked = 0
+        self._parks = 0  # blocks ever parked (num_frees counts them)
         self._limit: int | None = None  # refuse segments past this many reserved bytes
         self._reset_counters()
 
@@ -192,7 +198,7 @@ class CachingAllocator:
         self._peak = self._peak_requested = self._peak_reserved = 0
         self._num_allocs = self._num_frees = self._num_reused = 0
         # allocations served by a parked block: counted apart (one add on the fast path),
-        # stats() adds them to num_allocs and num_reused
+        # stats() adds them to num_allocs and num_reused (and the parks to num_frees)
         self._num_parked_reuses = 0
         self._num_segment_allocs = self._num_segment_frees = 0
         self._by_category = {c: _new_category_row() for c in CATEGORIES}
@@ -223,7 +229,7 @@ class CachingAllocator:
         with self._lock:
             self._depth += 1
             try:
-                if self._num_parked:
+                if self._parked:
                     self._unpark()
                 return self._allocate(nbytes, cat)
             finally:
@@ -233,11 +239,11 @@ class CachingAllocator:
         """:meth:`allocate` without a hint, for callers inside needle that pass an int >= 0
         (the CUDA backend's buffers: one call per NDArray, so the checks are the caller's).
         A parked block of the same rounded size is handed out first (the last one parked)."""
-        size = BLOCK_ROUND if nbytes <= BLOCK_ROUND else -(-nbytes // BLOCK_ROUND) * BLOCK_ROUND
+        key = (nbytes + _ROUND_UP) >> _ROUND_SHIFT or 1  # the parked key of _release_trusted
         state = _CATEGORY_STATE  # categories.resolve(None), written out
         cat = state.user_top or state.framework_top or state.op_category or _DEFAULT_CATEGORY
         with self._lock:
-            stack = self._parked.get(size)
+            stack = self._parked.get(key)
             if not stack or self._depth:
                 self._depth += 1
                 try:
@@ -247,7 +253,6 @@ class CachingAllocator:
             # Up to the event, nothing allocates a tracked object or calls out: no destructor
             # can run in the middle (release() defers those only while _depth is set).
             block = stack.pop()
-            self._num_parked -= 1
             self._num_parked_reuses += 1
             block.free = False
             block.requested = nbytes
@@ -287,7 +292,7 @@ class CachingAllocator:
             block.free = True
             size = block.size
             nbytes = block.requested
-            self._num_frees += 1  # _release's statistics, written out
+            self._parks += 1  # counted in num_frees (_release's statistics, written out)
             self._allocated -= size
             self._requested -= nbytes
             row = self._by_category[block.category]
@@ -300,13 +305,12 @@ class CachingAllocator:
                 finally:
                     self._depth -= 1  # what it deferred is drained below
             block.requested = 0
-            key = BLOCK_ROUND if nbytes <= BLOCK_ROUND else -(-nbytes // BLOCK_ROUND) * BLOCK_ROUND
+            key = (nbytes + _ROUND_UP) >> _ROUND_SHIFT or 1  # round_size(nbytes) // BLOCK_ROUND
             stack = self._parked.get(key)
             if stack is None:
                 # setdefault: a destructor run while the new list is made may park one first
                 stack = self._parked.setdefault(key, [])
             stack.append(block)
-            self._num_parked += 1
             if self._pending:
                 self._drain_pending()
 
@@ -330,7 +334,7 @@ class CachingAllocator:
                 return
             self._depth += 1
             try:
-                if self._num_parked:
+                if self._parked:
                     self._unpark()
                 self._release(block)
             finally:
@@ -400,7 +404,7 @@ class CachingAllocator:
                 "peak_reserved_bytes": self._peak_reserved,
                 "cached_bytes": self._reserved - self._allocated,
                 "num_allocs": self._num_allocs + self._num_parked_reuses,
-                "num_frees": self._num_frees,
+                "num_frees": self._num_frees + self._parks,
                 "num_reused": self._num_reused + self._num_parked_reuses,
                 "num_segments": len(self._segments),
                 "num_segment_allocs": self._num_segment_allocs,
@@ -457,7 +461,7 @@ class CachingAllocator:
     def _drain_pending(self) -> None:
         self._depth += 1
         try:
-            if self._num_parked:
+            if self._parked:
                 self._unpark()
             while self._pending:
                 self._release(self._pending.pop())
@@ -467,11 +471,10 @@ class CachingAllocator:
     def _unpark(self) -> None:
         """Put every parked block into the free lists, coalesced with its free neighbours
         (its statistics were counted when it was parked)."""
-        if not self._num_parked:
+        if not self._parked:
             return
         blocks = [b for stack in self._parked.values() for b in stack]
         self._parked.clear()
-        self._num_parked = 0
         for block in blocks:  # not free meanwhile: a neighbour merges only with listed blocks
             block.free = False
         for block in blocks:
@@ -490,7 +493,7 @@ class CachingAllocator:
             if i < len(sizes):
                 bucket = buckets[sizes[i]]
         if bucket is None:
-            if self._num_parked:  # coalesced parked blocks may hold the room: look again
+            if self._parked:  # coalesced parked blocks may hold the room: look again
                 self._unpark()
                 return self._allocate(nbytes, cat)
             block = self._new_segment(pool, size, nbytes, cat)
