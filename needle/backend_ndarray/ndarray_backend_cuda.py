@@ -796,25 +796,26 @@ def _program_record(ins, outs, code: tuple, scalars, n, scratch=None) -> tuple |
     dtype = outs[0].dtype
     if dtype not in _FLOATS:
         raise DTypeError(f"{op}: expected float32 or float64, got {dtype}")
-    for arr in (*ins, *outs):
-        if arr.dtype != dtype or arr.size < n:
-            raise ValueError(f"{op}: every input and output must be {dtype} with at least {n} "
-                             f"elements, got {arr.dtype} with {arr.size}")
+    arrays = (*ins, *outs)
+    # map: the common case checked without a Python step per buffer; the loop names the culprit
+    if len(set(map(_DTYPE_OF, arrays))) > 1 or min(map(_SIZE_OF, arrays)) < n:
+        for arr in arrays:
+            if arr.dtype != dtype or arr.size < n:
+                raise ValueError(f"{op}: every input and output must be {dtype} with at least "
+                                 f"{n} elements, got {arr.dtype} with {arr.size}")
     if scratch is None or scratch[4] != len(ins) or scratch[5] != len(outs):
         scratch = _program_scratch(code, len(ins), len(outs), len(scalars))  # checks
     record, words, floats, in_place_ok = scratch[:4]
     in_ptrs = list(map(_PTR_OF, ins))  # map: no Python frame per buffer
     out_ptrs = list(map(_PTR_OF, outs))
-    for j, ptr in enumerate(out_ptrs):
-        if ptr in in_ptrs:
-            for i, in_ptr in enumerate(in_ptrs):
-                if in_ptr == ptr and (i, j) not in in_place_ok:
-                    # in place where every read of the input is first (a pure function of
-                    # the program: checked once per program and pair, as the template is)
-                    check_in_place(code, i, j)
-                    in_place_ok.add((i, j))
-        if ptr in out_ptrs[:j]:
-            raise ValueError(f"{op}: two outputs share a buffer")
+    # which input (if any) each output shares its buffer with, in C (no Python step per
+    # buffer): a pattern accepted before needs no check (an input given twice: every time)
+    where = dict(zip(in_ptrs, range(len(in_ptrs))))
+    aliases = tuple(map(where.get, out_ptrs))
+    if aliases not in in_place_ok or len(where) < len(in_ptrs):
+        _check_aliases(code, in_ptrs, out_ptrs, aliases, in_place_ok)
+    if len(out_ptrs) > 1 and len(set(out_ptrs)) < len(out_ptrs):
+        raise ValueError(f"{op}: two outputs share a buffer")
     if n == 0:
         return None
     # pointers and scalars into the record's first 64 eight-byte words (ins, outs, scalars);
@@ -825,10 +826,25 @@ def _program_record(ins, outs, code: tuple, scalars, n, scratch=None) -> tuple |
     return dtype, record, n, scratch
 
 
+def _check_aliases(code: tuple, in_ptrs: list, out_ptrs: list, aliases: tuple,
+                   in_place_ok: set) -> None:
+    """An output may share its buffer with an input only where every read of that input comes first (a pure function of the program:
+    checked once per program and pattern, as the template is). ``aliases``: the input each
+    output shares with (None: none); ``in_place_ok`` holds the patterns accepted. (The
+    caller checks that no two outputs share a buffer.)"""
+    for j, ptr in enumerate(out_ptrs):
+        for i, in_ptr in enumerate(in_ptrs):
+            if in_ptr == ptr:
+                check_in_place(code, i, j)
+    if len(set(in_ptrs)) == len(in_ptrs):
+        in_place_ok.add(aliases)
+
+
 def _program_scratch(code: tuple, n_in: int, n_out: int, n_scalars: int) -> tuple:
     """This thread's ``(record, words, floats, in_place_ok, n_in, n_out)`` for a validated
     program (see :func:`_program_template`): the record to refill per launch, its 8-byte
-    word views, and the (input, output) pairs that ``check_in_place`` accepted."""
+    word views, and the patterns of outputs sharing inputs' buffers accepted (see
+    :func:`_check_aliases`)."""
     key = (code, n_in, n_out, n_scalars, threading.get_ident())
     scratch = _SCRATCH.get(key)
     if scratch is None:
@@ -847,6 +863,8 @@ _TEMPLATES: dict = {}
 MAX_SCRATCH_RECORDS = 1024
 _SCRATCH: dict = {}
 _PTR_OF = operator.attrgetter("_ptr")
+_DTYPE_OF = operator.attrgetter("dtype")
+_SIZE_OF = operator.attrgetter("size")
 
 
 def _program_template(code: tuple, n_in: int, n_out: int, n_scalars: int) -> np.ndarray:

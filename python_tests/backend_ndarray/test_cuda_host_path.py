@@ -163,6 +163,22 @@ def test_an_in_place_program_is_checked_every_time_its_pair_is_new(noop_cuda):
         B.ewise_program([theta, grad], [theta, other], bad, [], 8)
 
 
+def test_an_accepted_sharing_pattern_vouches_for_nothing_else(noop_cuda):
+    """The pattern check is cached per program: what it caches must not let through outputs
+    that share a buffer, nor an input given twice."""
+    theta, grad, other = B.Array(8), B.Array(8), B.Array(8)
+    bad = _program(True)
+    B.ewise_program([theta, grad], [grad, other], bad, [], 8)  # output 0 over input 1: fine
+    B.ewise_program([theta, grad], [other, B.Array(8)], bad, [], 8)  # none shared
+    with pytest.raises(ValueError, match="two outputs share a buffer"):
+        B.ewise_program([theta, grad], [other, other], bad, [], 8)
+    # one buffer as both inputs: output 0 over "input 1" (the pattern accepted above) is over
+    # input 0 as well, which the program reads after the store; checked every time
+    for _ in range(2):
+        with pytest.raises(ValueError, match="reads that input after storing"):
+            B.ewise_program([theta, theta], [theta, other], bad, [], 8)
+
+
 # ---- a whole eager training step, counted -------------------------------------------------
 def _resnet9_step(device, batch: int = 8):
     """One eager SGD step of the apps' ResNet9 on ``device`` (a closure, run it repeatedly)."""
