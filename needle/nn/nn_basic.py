@@ -163,12 +163,30 @@ class SoftmaxLoss(Module):
 def _sole_owner(tensor) -> bool:
     """True when ``tensor``'s data is an NDArray whose buffer nothing else references: no
     other Tensor, array, view or saved graph data can see a write into it, so it may be
-    updated in place (a state dict or a user holding the array keeps its values instead).
-    The counts are CPython reference counts: the Tensor's attribute, the local name and the
-    call's argument for the array; the array's attribute and the argument for the buffer."""
-    data = tensor.cached_data
-    return (type(data) is NDArray and _getrefcount(data) == 3
-            and _getrefcount(data._handle) == 2)
+    updated in place (a state dict or a user holding the array keeps its values instead)."""
+    return type(tensor.cached_data) is NDArray and _reference_counts(tensor) == _SOLE_COUNTS
+
+
+def _reference_counts(holder) -> tuple:
+    """CPython reference counts of ``holder.cached_data`` and of its ``_handle``."""
+    data = holder.cached_data
+    return _getrefcount(data), _getrefcount(data._handle)
+
+
+class _Probe:
+    __slots__ = ("cached_data", "_handle")
+
+
+def _calibrate() -> tuple:
+    # the counts _reference_counts sees when the holder and the array are the only holders
+    # (measured, not assumed: the interpreter's own references differ between versions)
+    holder, array = _Probe(), _Probe()
+    holder.cached_data, array._handle = array, _Probe()
+    del array
+    return _reference_counts(holder)
+
+
+_SOLE_COUNTS = _calibrate()
 
 
 @functools.lru_cache(maxsize=None)
