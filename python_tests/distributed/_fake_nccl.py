@@ -23,17 +23,18 @@ import itertools
 import threading
 from collections import defaultdict
 
-import ml_dtypes  # noqa: F401 - registers np.dtype("bfloat16")
 import numpy as np
 
-DTYPES = {6: np.dtype("float16"), 7: np.dtype("float32"), 8: np.dtype("float64"),
-          9: np.dtype("bfloat16")}  # bfloat16: NumPy's through ml_dtypes (needle imports it)
+from needle._core.dtypes import numpy_dtype
+
+# NCCL's dtype codes; bfloat16 is looked up when a call uses it (ml_dtypes is imported then)
+DTYPES = {6: "float16", 7: "float32", 8: "float64", 9: "bfloat16"}
 SUM, PROD, MAX, MIN, AVG = 0, 1, 2, 3, 4
 _FOLD = {SUM: np.add, AVG: np.add, MAX: np.maximum, MIN: np.minimum, PROD: np.multiply}
 
 
 def _view(ptr: int, count: int, dtype: int) -> np.ndarray:
-    np_dtype = DTYPES[dtype]
+    np_dtype = numpy_dtype(DTYPES[dtype])
     raw = (ctypes.c_char * max(count * np_dtype.itemsize, 1)).from_address(ptr)
     return np.frombuffer(raw, dtype=np_dtype, count=count)
 
@@ -220,7 +221,7 @@ class ProcessCommunicator(FakeCommunicator):
             self.coll.isend(data.view(np.uint8), r, self.seq)
 
     def _take(self, src: int, count: int, dtype: int) -> np.ndarray:
-        out = np.empty(count, DTYPES[dtype])
+        out = np.empty(count, numpy_dtype(DTYPES[dtype]))
         self._wait(self.coll.irecv(out.view(np.uint8), src, self.seq))
         return out
 
@@ -229,7 +230,7 @@ class ProcessCommunicator(FakeCommunicator):
         if kind == "send":
             self.p2p.isend(_view(buf, count, dtype).copy().view(np.uint8), peer, 0)
         else:
-            out = np.empty(count, DTYPES[dtype])
+            out = np.empty(count, numpy_dtype(DTYPES[dtype]))
             self._wait(self.p2p.irecv(out.view(np.uint8), peer, 0))
             _view(buf, count, dtype)[:] = out
 
@@ -294,6 +295,23 @@ def install(fake_cupy, processes: bool = False) -> FakeNccl:
     cuda.nccl, cuda.Stream, cuda.Event = fake, FakeStream, FakeEvent
     cuda.get_current_stream = get_current_stream
     return fake
+
+
+def install_in_this_process() -> FakeNccl:
+    """For a rank process a test starts: ``cuda()`` on the CUDA emulator (needle's runtime
+    pointed at it) and a fake NCCL that exchanges bytes between the processes."""
+    import importlib.util
+    import os
+
+    from needle.backend_ndarray._cuda import runtime
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "backend_ndarray",
+                        "_cuda_emulator.py")
+    spec = importlib.util.spec_from_file_location("_needle_cuda_emulator", path)
+    emulator = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(emulator)
+    runtime._cupy, runtime._reason = emulator.FakeCupy(num_sms=2), None
+    return install(runtime._cupy, processes=True)
 
 
 def uninstall(fake_cupy, fake: FakeNccl) -> None:

@@ -13,6 +13,7 @@ import numpy as np
 
 import needle.distributed as dist
 from needle import nn
+from needle._core.dtypes import numpy_dtype
 from needle.autograd import Tensor
 
 TOLERANCE = {"float32": 1e-6, "float64": 1e-12, "float16": 2e-3, "bfloat16": 1.6e-2}
@@ -59,7 +60,8 @@ class _Checker:
     def collectives(self, dtype: str) -> None:
         rank, world = self.rank, self.world
         xs = _inputs(world, 6, 0.5)
-        xs = [x.astype(dtype).astype(np.float64) for x in xs]  # what each rank really holds
+        # what each rank really holds
+        xs = [x.astype(numpy_dtype(dtype)).astype(np.float64) for x in xs]
         for op, ref in (("sum", np.sum(xs, axis=0)), ("mean", np.mean(xs, axis=0)),
                         ("max", np.max(xs, axis=0)), ("min", np.min(xs, axis=0))):
             t = self.on(xs[rank], dtype)

@@ -14,6 +14,7 @@ import pytest
 
 import needle.distributed as dist
 from needle import DTypeError
+from needle._core.dtypes import numpy_dtype
 from needle.autograd import Tensor
 from needle.distributed import _buffers, _wire, p2p, traffic
 from needle.distributed._group import resolve
@@ -22,7 +23,7 @@ WIRE_DTYPES = list(_wire.DTYPES)
 
 
 def _value(dtype: str, shape: tuple) -> np.ndarray:
-    return (np.arange(math.prod(shape)).reshape(shape) % 7).astype(dtype)
+    return (np.arange(math.prod(shape)).reshape(shape) % 7).astype(numpy_dtype(dtype))
 
 
 def _pair(send, recv):

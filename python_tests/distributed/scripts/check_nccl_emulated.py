@@ -3,7 +3,6 @@ on the CUDA emulator and the fake NCCL exchanging bytes between the processes.""
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import sys
 
@@ -17,14 +16,8 @@ import _nccl_checks  # noqa: E402
 import needle.backend_ndarray as nd  # noqa: E402
 import needle.distributed as dist  # noqa: E402
 from needle.backend_ndarray import ndarray_backend_cuda as backend  # noqa: E402
-from needle.backend_ndarray._cuda import runtime  # noqa: E402
 
-path = os.path.join(HERE, "..", "..", "backend_ndarray", "_cuda_emulator.py")
-spec = importlib.util.spec_from_file_location("_needle_cuda_emulator", path)
-emulator = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(emulator)
-runtime._cupy, runtime._reason = emulator.FakeCupy(num_sms=2), None
-fake = _fake_nccl.install(runtime._cupy, processes=True)
+fake = _fake_nccl.install_in_this_process()
 backend.to_numpy = _nccl_checks.counted(backend.to_numpy)
 
 dist.init_process_group(timeout=60)

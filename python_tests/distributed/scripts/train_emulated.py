@@ -4,7 +4,6 @@ in every rank (``relaunch`` starts ``sys.argv[0]``), so each rank installs both 
 from __future__ import annotations
 
 import atexit
-import importlib.util
 import os
 import sys
 
@@ -16,14 +15,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, os.path.join(ROOT, "apps"))
 import _fake_nccl  # noqa: E402
 
-from needle.backend_ndarray._cuda import runtime  # noqa: E402
-
-path = os.path.join(HERE, "..", "..", "backend_ndarray", "_cuda_emulator.py")
-spec = importlib.util.spec_from_file_location("_needle_cuda_emulator", path)
-emulator = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(emulator)
-runtime._cupy, runtime._reason = emulator.FakeCupy(num_sms=2), None
-fake = _fake_nccl.install(runtime._cupy, processes=True)
+fake = _fake_nccl.install_in_this_process()
 
 
 @atexit.register
