@@ -395,7 +395,8 @@ def matmul_strided(a: Array, b: Array, out: Array, m: int, n: int, p: int, a_off
     views = []
     for arr, shape, strides, offset in ((a, (m, n), (ars, acs), a_offset),
                                         (b, (n, p), (brs, bcs), b_offset)):
-        key = (arr._ptr, arr.dtype, shape, strides, offset)
+        # the buffer's size is in the key: a smaller buffer later at this address is checked
+        key = (arr._ptr, arr.dtype, arr.size, shape, strides, offset)
         view = _KEPT_VIEWS.get(key)
         if view is None:  # checked once per kept view: the key holds everything checked
             check_view(op, shape, strides, offset, arr.size)

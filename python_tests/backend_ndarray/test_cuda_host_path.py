@@ -341,3 +341,14 @@ def test_a_batch_of_programs_launches_what_one_call_each_launches(noop_cuda, mon
     with pytest.raises(ValueError, match="every input and output must be"):
         B.ewise_program_many(bad, code, [0.25])
     assert len(seen) == 1  # the launch before the refused one ran, none after it
+
+
+def test_a_kept_strided_view_is_checked_again_for_a_smaller_buffer_at_its_address(noop_cuda):
+    """A kept product view is keyed by its buffer's size too: a smaller buffer later at the
+    same address (the allocator hands addresses out again) is checked, not read past its end."""
+    big, out = B.Array(12), B.Array(4)
+    B.matmul_strided(big, big, out, 2, 3, 2, 0, 3, 1, 0, 2, 1)  # 6 elements of each: fits
+    small = B.Array(4)
+    small._ptr = big._ptr  # the same address, a buffer of 4 elements
+    with pytest.raises(IndexError, match="matmul_strided: view reaches outside its buffer"):
+        B.matmul_strided(small, small, out, 2, 3, 2, 0, 3, 1, 0, 2, 1)
