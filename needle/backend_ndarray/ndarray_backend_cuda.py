@@ -811,7 +811,7 @@ def _program_record(ins, outs, code: tuple, scalars, n, scratch=None) -> tuple |
     out_ptrs = list(map(_PTR_OF, outs))
     # which input (if any) each output shares its buffer with, in C (no Python step per
     # buffer): a pattern accepted before needs no check (an input given twice: every time)
-    where = dict(zip(in_ptrs, range(len(in_ptrs))))
+    where = dict(zip(in_ptrs, range(len(in_ptrs)), strict=True))
     aliases = tuple(map(where.get, out_ptrs))
     if aliases not in in_place_ok or len(where) < len(in_ptrs):
         _check_aliases(code, in_ptrs, out_ptrs, aliases, in_place_ok)
@@ -829,8 +829,9 @@ def _program_record(ins, outs, code: tuple, scalars, n, scratch=None) -> tuple |
 
 def _check_aliases(code: tuple, in_ptrs: list, out_ptrs: list, aliases: tuple,
                    in_place_ok: set) -> None:
-    """An output may share its buffer with an input only where every read of that input comes first (a pure function of the program:
-    checked once per program and pattern, as the template is). ``aliases``: the input each
+    """An output may share its buffer with an input only where every read of that input
+    comes first (a pure function of the program: checked once per program and pattern, as
+    the template is). ``aliases``: the input each
     output shares with (None: none); ``in_place_ok`` holds the patterns accepted. (The
     caller checks that no two outputs share a buffer.)"""
     for j, ptr in enumerate(out_ptrs):
