@@ -24,6 +24,7 @@ import threading
 
 import numpy as np
 
+from .._core.dtypes import ITEMSIZE
 from .._core.errors import DTypeError, IndexOutOfRange, ShapeError
 from ._cuda import launch as L
 from ._cuda import runtime
@@ -47,8 +48,8 @@ _EW, _ST, _RD, _MM = "elementwise.cu", "strided.cu", "reduce.cu", "matmul.cu"
 _FU, _CV, _BN = "fused.cu", "conv.cu", "batch_norm.cu"
 
 
-# Written out: NumPy knows bfloat16 only once ml_dtypes is imported, which this module avoids.
-_ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
+# needle's table, not NumPy's: NumPy knows bfloat16 only once ml_dtypes is imported
+_ITEMSIZE = dict(ITEMSIZE)
 assert set(_ITEMSIZE) == set(L.SUFFIX)
 # Most elements of each item size that fit the buffer limit (L.check_buffer_bytes).
 _MAX_ELEMENTS = {n: L.MAX_BUFFER_BYTES // n for n in set(_ITEMSIZE.values())}
