@@ -2,12 +2,20 @@
 
 A tiny stand-in for the parts of CuPy that ``needle.backend_ndarray._cuda.runtime`` and
 ``ndarray_backend_cuda`` use. ``RawModule`` compiles the very source NVRTC would get with g++
-(C++20), after a shim header that maps the CUDA built-ins to host code: ``threadIdx`` and
-``blockIdx`` are thread-local, each launch runs one host thread per CUDA thread of a block
-(blocks one after another), ``__syncthreads`` is a ``std::barrier``, ``__shfl_down_sync`` goes
-through a per-warp exchange buffer, ``__shared__`` arrays are static. So every index
-computation, bound guard, barrier and reduction tree of the kernels runs for real; only speed
-and memory-model subtleties are not those of a GPU. Device memory is host memory.
+(C++20), after a shim header that maps the CUDA built-ins to host code. A launch runs on the
+calling host thread: its blocks one after another, each CUDA thread of a block a fiber (a
+64 KiB stack of its own, kept for the next launches; a hand-written x86-64 context switch,
+``swapcontext`` elsewhere). A round-robin scheduler resumes every runnable fiber until it
+returns or waits at a barrier: ``__syncthreads`` waits for the block's barrier,
+``__shfl_down_sync`` exchanges values through a per-warp buffer between two waits at its
+warp's barrier, and a waiting fiber runs again once the barrier's generation has passed.
+Each pass visits the threads in one of a few fixed pseudo-random orders, so a missing barrier
+lets some thread read before another writes, whichever way the data flows, and every run of a
+launch interleaves the same way. A pass that can resume no fiber while some have not returned
+is a deadlock (a barrier in divergent code): the launch is abandoned and raises RuntimeError.
+``__shared__`` arrays are static. So every index computation, bound guard, barrier and
+reduction tree of the kernels runs for real; only speed and memory-model subtleties are not
+those of a GPU. Device memory is host memory.
 
 Example:
     >>> emu = FakeCupy()          # doctest: +SKIP
@@ -28,13 +36,17 @@ import numpy as np
 
 SHIM = r"""
 #include <algorithm>
-#include <barrier>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
-#include <thread>
+#include <sys/mman.h>
+#include <unistd.h>
 #include <utility>
 #include <vector>
+#if !defined(__x86_64__)
+#include <ucontext.h>
+#endif
 #define __device__
 #define __global__
 #define __forceinline__ inline
@@ -43,22 +55,209 @@ SHIM = r"""
 #define __align__(n) alignas(n)
 #define __shared__ static
 struct emu_dim3 { unsigned x = 1, y = 1, z = 1; };
-inline thread_local emu_dim3 threadIdx, blockIdx;
-inline emu_dim3 blockDim, gridDim;
+// Every CUDA thread of a launch runs on the calling host thread: the scheduler sets
+// threadIdx before it resumes a fiber.
+inline emu_dim3 threadIdx, blockIdx, blockDim, gridDim;
 using std::max;
 using std::min;
-inline std::barrier<>* emu_block_barrier = nullptr;
-inline std::barrier<>* emu_warp_barrier[32] = {};
-inline void __syncthreads() { emu_block_barrier->arrive_and_wait(); }
+
+// ---- fibers: one per CUDA thread of a block, all on one host thread --------------------------
+struct emu_barrier { unsigned expected = 0, arrived = 0, generation = 0; };
+struct emu_fiber {
+  char* stack = nullptr;                  // EMU_STACK_BYTES, above a guard page
+  const emu_barrier* waits_on = nullptr;  // null: runnable
+  unsigned generation = 0;                // of waits_on when this fiber arrived
+  bool done = false;
+#if defined(__x86_64__)
+  void* sp = nullptr;
+#else
+  ucontext_t context;
+#endif
+};
+constexpr std::size_t EMU_STACK_BYTES = 64 << 10;
+inline std::vector<emu_fiber> emu_fibers;  // grown to the largest block; stacks are reused
+inline emu_fiber* emu_running = nullptr;
+inline void (*emu_body)() = nullptr;       // the launch's kernel, bound to its arguments
+inline char emu_error[512];
+[[noreturn]] void emu_fiber_main();
+
+#if defined(__x86_64__)
+// A context switch saves what the SysV ABI makes callee-saved (six registers, the stack
+// pointer) and nothing else: no signal mask syscall as swapcontext makes.
+extern "C" {  // not `extern "C" void`: _KERNEL_NAME would take it for a kernel
+void emu_switch(void** save_sp, void* load_sp);
+}
+asm(R"ASM(
+  .text
+  .p2align 4
+  .globl emu_switch
+  .hidden emu_switch
+  .type emu_switch, @function
+emu_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size emu_switch, .-emu_switch
+)ASM");
+inline void* emu_scheduler_sp = nullptr;
+// The first switch pops six zeroed registers and "returns" into emu_fiber_main, whose stack
+// is then aligned as after a call.
+inline void emu_prepare(emu_fiber& f) {
+  void** top = reinterpret_cast<void**>(f.stack + EMU_STACK_BYTES);
+  top[-1] = nullptr;
+  top[-2] = reinterpret_cast<void*>(&emu_fiber_main);
+  for (int slot = 3; slot <= 8; ++slot) top[-slot] = nullptr;
+  f.sp = top - 8;
+}
+inline void emu_resume(emu_fiber& f) { emu_switch(&emu_scheduler_sp, f.sp); }
+inline void emu_yield(emu_fiber& f) { emu_switch(&f.sp, emu_scheduler_sp); }
+#else
+inline ucontext_t emu_scheduler_context;
+inline void emu_prepare(emu_fiber& f) {
+  getcontext(&f.context);
+  f.context.uc_stack.ss_sp = f.stack;
+  f.context.uc_stack.ss_size = EMU_STACK_BYTES;
+  f.context.uc_link = nullptr;
+  makecontext(&f.context, emu_fiber_main, 0);
+}
+inline void emu_resume(emu_fiber& f) { swapcontext(&emu_scheduler_context, &f.context); }
+inline void emu_yield(emu_fiber& f) { swapcontext(&f.context, &emu_scheduler_context); }
+#endif
+
+[[noreturn]] void emu_fiber_main() {
+  emu_body();
+  emu_running->done = true;
+  emu_yield(*emu_running);
+  __builtin_unreachable();
+}
+
+inline bool emu_reserve(unsigned threads) {
+  const std::size_t guard = (std::size_t)sysconf(_SC_PAGESIZE);
+  while (emu_fibers.size() < threads) {
+    void* base = mmap(nullptr, guard + EMU_STACK_BYTES, PROT_READ | PROT_WRITE,
+                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (base == MAP_FAILED) return false;
+    mprotect(base, guard, PROT_NONE);  // an overflow faults instead of writing a neighbour
+    emu_fibers.emplace_back();
+    emu_fibers.back().stack = static_cast<char*>(base) + guard;
+  }
+  return true;
+}
+
+// A barrier completes when `expected` fibers have arrived; a waiting fiber is runnable
+// again once the generation it arrived in has passed.
+inline emu_barrier emu_block_barrier, emu_warp_barrier[32];
+inline void emu_arrive_and_wait(emu_barrier& b) {
+  emu_fiber& self = *emu_running;
+  self.waits_on = &b;
+  self.generation = b.generation;
+  if (++b.arrived == b.expected) {
+    b.arrived = 0;
+    ++b.generation;
+  }
+  emu_yield(self);
+}
+inline void __syncthreads() { emu_arrive_and_wait(emu_block_barrier); }
 template <typename A> A __shfl_down_sync(unsigned, A v, int delta) {
-  static double slots[1024];
+  static_assert(sizeof(A) <= 8, "emulator: shuffles of at most 8 bytes");
+  static unsigned char slots[1024][8];
   const unsigned t = threadIdx.x, lane = t & 31u;
-  slots[t] = (double)v;
-  emu_warp_barrier[t >> 5]->arrive_and_wait();
-  A r = lane + delta < 32u ? (A)slots[t + delta] : v;
-  emu_warp_barrier[t >> 5]->arrive_and_wait();
+  std::memcpy(slots[t], &v, sizeof(A));
+  emu_arrive_and_wait(emu_warp_barrier[t >> 5]);
+  A r = v;
+  if (lane + delta < 32u) std::memcpy(&r, slots[t + delta], sizeof(A));
+  emu_arrive_and_wait(emu_warp_barrier[t >> 5]);  // the next shuffle rewrites the slots
   return r;
 }
+
+// Each pass over a block visits its threads in one of EMU_ORDERS fixed pseudo-random orders:
+// whichever way data flows between threads, a missing barrier lets some reader run before
+// its writer. The orders depend only on blockDim, so a launch replays the same interleaving.
+constexpr unsigned EMU_ORDERS = 8;
+inline std::vector<unsigned> emu_orders;
+inline unsigned emu_orders_for = 0;
+inline void emu_make_orders(unsigned threads) {
+  if (emu_orders_for == threads) return;
+  emu_orders.resize((std::size_t)EMU_ORDERS * threads);
+  std::uint64_t s = 0x9E3779B97F4A7C15ull;
+  for (unsigned k = 0; k < EMU_ORDERS; ++k) {
+    unsigned* order = &emu_orders[(std::size_t)k * threads];
+    for (unsigned i = 0; i < threads; ++i) order[i] = i;
+    for (unsigned i = threads - 1; i > 0; --i) {
+      s ^= s << 13;
+      s ^= s >> 7;
+      s ^= s << 17;
+      std::swap(order[i], order[s % (i + 1)]);
+    }
+  }
+  emu_orders_for = threads;
+}
+
+inline void emu_report_deadlock(unsigned threads) {
+  unsigned at_block = 0, at_warp = 0, returned = 0;
+  for (unsigned t = 0; t < threads; ++t) {
+    const emu_fiber& f = emu_fibers[t];
+    if (f.done) ++returned;
+    else if (f.waits_on == &emu_block_barrier) ++at_block;
+    else ++at_warp;
+  }
+  std::snprintf(emu_error, sizeof emu_error,
+                "deadlock in block (%u, %u): of %u threads, %u wait at __syncthreads, %u at a "
+                "warp shuffle and %u returned, so no barrier can complete",
+                blockIdx.x, blockIdx.y, threads, at_block, at_warp, returned);
+  std::fprintf(stderr, "emulator: %s\n", emu_error);
+}
+
+// Round robin: each pass resumes every runnable fiber until it waits or returns; a pass that
+// resumes none while some have not returned is a deadlock (a barrier in divergent code).
+inline bool emu_run_block(unsigned threads, unsigned first_order) {
+  for (unsigned t = 0; t < threads; ++t) {
+    emu_fiber& f = emu_fibers[t];
+    f.done = false;
+    f.waits_on = nullptr;
+    emu_prepare(f);
+  }
+  emu_block_barrier.arrived = 0;
+  emu_block_barrier.expected = threads;
+  for (unsigned w = 0; w < (threads + 31) / 32; ++w) {
+    emu_warp_barrier[w].arrived = 0;
+    emu_warp_barrier[w].expected = std::min(32u, threads - 32 * w);
+  }
+  unsigned running = threads;
+  for (unsigned pass = first_order; running > 0; ++pass) {
+    const unsigned* order = &emu_orders[(std::size_t)(pass % EMU_ORDERS) * threads];
+    bool resumed = false;
+    for (unsigned k = 0; k < threads; ++k) {
+      const unsigned t = order[k];
+      emu_fiber& f = emu_fibers[t];
+      if (f.done || (f.waits_on != nullptr && f.waits_on->generation == f.generation)) continue;
+      f.waits_on = nullptr;
+      threadIdx = {t, 0, 0};
+      emu_running = &f;
+      emu_resume(f);
+      resumed = true;
+      running -= f.done;
+    }
+    if (!resumed) {
+      emu_report_deadlock(threads);
+      return false;
+    }
+  }
+  return true;
+}
+
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
 inline float __double2float_rz(double d) {  // round to nearest, then step back toward zero
@@ -76,38 +275,40 @@ inline unsigned short emu_half_from_float(float f) {
 inline unsigned short emu_half_from_double(double d) {
   _Float16 h = (_Float16)d; unsigned short b; std::memcpy(&b, &h, 2); return b;
 }
-template <typename... Args, std::size_t... I>
-void emu_call(void (*fn)(Args...), void** p, std::index_sequence<I...>) {
-  fn(*static_cast<std::remove_cv_t<std::remove_reference_t<Args>>*>(p[I])...);
-}
-// One host thread per CUDA thread of a block; the threads walk the blocks in order and meet
-// at a barrier between blocks (static "shared memory" is reused by the next block).
+template <typename... Args> struct emu_bound_kernel {
+  static inline void (*fn)(Args...) = nullptr;
+  static inline void** args = nullptr;
+  template <std::size_t... I> static void call(std::index_sequence<I...>) {
+    fn(*static_cast<std::remove_cv_t<std::remove_reference_t<Args>>*>(args[I])...);
+  }
+  static void run() { call(std::index_sequence_for<Args...>{}); }
+};
+// The blocks run one after another (static "shared memory" is reused by the next block).
+// 0: done; nonzero: the launch was abandoned, emu_error says why.
 template <typename... Args>
-void emu_run_grid(void (*fn)(Args...), void** p, unsigned gx, unsigned gy, unsigned bx) {
+int emu_run_grid(void (*fn)(Args...), void** p, unsigned gx, unsigned gy, unsigned bx) {
+  if (bx == 0 || bx > 1024) {
+    std::snprintf(emu_error, sizeof emu_error, "blockDim.x = %u (1 to 1024)", bx);
+    return 2;
+  }
+  if (!emu_reserve(bx)) {
+    std::snprintf(emu_error, sizeof emu_error, "no memory for %u fiber stacks", bx);
+    return 3;
+  }
+  emu_make_orders(bx);
+  emu_bound_kernel<Args...>::fn = fn;
+  emu_bound_kernel<Args...>::args = p;
+  emu_body = &emu_bound_kernel<Args...>::run;
   gridDim = {gx, gy, 1};
   blockDim = {bx, 1, 1};
-  std::barrier<> block_barrier(bx);
-  std::vector<std::barrier<>*> warps;
-  for (unsigned w = 0; w < (bx + 31) / 32; ++w) {
-    warps.push_back(new std::barrier<>(std::min(32u, bx - 32 * w)));
-    emu_warp_barrier[w] = warps.back();
-  }
-  emu_block_barrier = &block_barrier;
-  std::vector<std::thread> threads;
-  for (unsigned t = 0; t < bx; ++t) {
-    threads.emplace_back([=, &block_barrier] {
-      threadIdx = {t, 0, 0};
-      for (unsigned by = 0; by < gy; ++by)
-        for (unsigned b = 0; b < gx; ++b) {
-          blockIdx = {b, by, 0};
-          emu_call(fn, p, std::index_sequence_for<Args...>{});
-          block_barrier.arrive_and_wait();
-        }
-    });
-  }
-  for (auto& th : threads) th.join();
-  for (auto* w : warps) delete w;
+  for (unsigned by = 0; by < gy; ++by)
+    for (unsigned b = 0; b < gx; ++b) {
+      blockIdx = {b, by, 0};
+      if (!emu_run_block(bx, by * gx + b)) return 1;
+    }
+  return 0;
 }
+extern "C" const char* emu_last_error() { return emu_error; }
 """
 
 _KERNEL_NAME = re.compile(r'extern\s+"C"\s+void\s+(\w+)\s*\(')
@@ -133,10 +334,10 @@ def _build(code: str) -> ctypes.CDLL:
         names = _KERNEL_NAME.findall(pre)
         with open(src, "a", encoding="utf-8") as f:
             for name in names:
-                f.write(f'\nextern "C" void emu_launch_{name}(void** p, unsigned gx, '
-                        f'unsigned gy, unsigned bx) {{ emu_run_grid(&{name}, p, gx, gy, bx); }}')
+                f.write(f'\nextern "C" int emu_launch_{name}(void** p, unsigned gx, unsigned gy, '
+                        f'unsigned bx) {{ return emu_run_grid(&{name}, p, gx, gy, bx); }}')
         tmp = lib_path + f".{os.getpid()}.tmp"
-        subprocess.run(["g++", "-O1", "-shared", "-fPIC", "-pthread", *flags, src, "-o", tmp],
+        subprocess.run(["g++", "-O1", "-shared", "-fPIC", *flags, src, "-o", tmp],
                        check=True, capture_output=True, text=True)
         os.replace(tmp, lib_path)
     return ctypes.CDLL(lib_path)
@@ -159,7 +360,9 @@ def _c_arg(value):
 class _Function:
     def __init__(self, lib: ctypes.CDLL, name: str):
         self._fn = getattr(lib, f"emu_launch_{name}")
-        self._fn.restype = None
+        self._fn.restype = ctypes.c_int
+        self._last_error = lib.emu_last_error
+        self._last_error.restype = ctypes.c_char_p
         self.name = name
         self.launches: list = []
 
@@ -168,24 +371,29 @@ class _Function:
         cargs = [_c_arg(a) for a in args]
         pointers = (ctypes.c_void_p * len(cargs))(*[ctypes.addressof(c) for c in cargs])
         self.launches.append((tuple(grid[:2]), tuple(block)))
+        # cargs: the arguments, by value, as captured; self: names a failed launch
         run = (self._fn, pointers, ctypes.c_uint(grid[0]), ctypes.c_uint(grid[1]),
-               ctypes.c_uint(block[0]), cargs)  # cargs: the arguments, by value, as captured
+               ctypes.c_uint(block[0]), cargs, self)
         if _captured(lambda: _run_kernel(run)):
             return
         COUNTS["kernels"] += 1
         _run_kernel(run)
 
 
-# One kernel at a time in the process: a kernel's blocks run on host threads that share one
-# __syncthreads barrier and the static __shared__ arrays, so two kernels launched at once from
-# two threads (the thread ranks of a distributed test) would deadlock or mix their partial
+# One kernel at a time in the process: a kernel's fibers share the scheduler's state, the
+# barriers and the static __shared__ arrays, so two kernels launched at once from two threads
+# (the thread ranks of a distributed test) would corrupt each other or mix their partial
 # sums. A GPU runs them on streams of their own; taking turns here changes no value.
 _KERNEL_LOCK = threading.Lock()
 
 
 def _run_kernel(run) -> None:
     with _KERNEL_LOCK:
-        run[0](*run[1:5])
+        failed = run[0](*run[1:5])
+    if failed:
+        function = run[6]
+        raise RuntimeError(f"emulator: kernel {function.name} abandoned: "
+                           f"{function._last_error().decode()}")
 
 
 class _RawModule:
