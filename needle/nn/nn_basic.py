@@ -128,9 +128,26 @@ class Sequential(Module):
         self.modules = modules
 
     def forward(self, x: Tensor) -> Tensor:
-        for module in self.modules:
-            x = module(x)
+        modules = self.modules
+        last = len(modules) - 1
+        i = 0
+        while i <= last:
+            module = modules[i]
+            if i < last and _fuses_with_relu(module, modules[i + 1]):
+                # BatchNorm then ReLU: one node, the same values (BatchNorm1d.forward_relu)
+                x = module.forward_relu(x)
+                i += 2
+            else:
+                x = module(x)
+                i += 1
         return x
+
+
+def _fuses_with_relu(module, after) -> bool:
+    """``module`` is a plain BatchNorm1d/2d and ``after`` a plain ReLU: no subclass and no
+    per-instance ``forward`` that could see or change the value between them."""
+    return (type(after) is ReLU and type(module) in _RELU_FUSERS
+            and "forward" not in module.__dict__ and "forward" not in after.__dict__)
 
 
 def _kept_for(x: Tensor):
@@ -245,12 +262,34 @@ class BatchNorm1d(Module):
         replace_data(self.running_var, news[1])
 
     def forward(self, x: Tensor) -> Tensor:
+        return self._forward(x, False)
+
+    def forward_relu(self, x: Tensor) -> Tensor:
+        """``relu(self(x))``, the same values; in training mode on a device with the fused
+        kernels one graph node (``ops.batch_norm(..., relu=True)``), where the two modules
+        make two. ``nn.Sequential`` calls it for a BatchNorm followed by a ReLU.
+
+        Example:
+            >>> import numpy as np
+            >>> import needle as ndl
+            >>> from needle import nn
+            >>> bn, x = nn.BatchNorm1d(2), ndl.Tensor(np.array([[1.0, 4.0], [3.0, 2.0]]))
+            >>> bn.forward_relu(x).numpy().round(3).tolist()
+            [[0.0, 1.0], [1.0, 0.0]]
+        """
+        return self._forward(x, True)
+
+    def _forward(self, x: Tensor, relu: bool) -> Tensor:
         if x.ndim != 2 or x.shape[1] != self.dim:
             raise ShapeError(f"BatchNorm1d: expected input (batch, {self.dim}), got shape "
                              f"{x.shape}")
         n, d = x.shape
         if self.training and ops.batch_norm_has_kernel(x):
-            return self._fused(x)
+            return self._fused(x, relu)
+        y = self._composed(x, n, d)
+        return ops.relu(y) if relu else y
+
+    def _composed(self, x: Tensor, n: int, d: int) -> Tensor:
         if self.training:
             mean = ops.summation(x, axes=(0,)) / n
             xc = x - ops.broadcast_to(ops.reshape(mean, (1, d)), x.shape)
@@ -264,10 +303,10 @@ class BatchNorm1d(Module):
         b = ops.broadcast_to(ops.reshape(self.bias, (1, d)), x.shape)
         return w * (xc / std) + b
 
-    def _fused(self, x: Tensor) -> Tensor:
+    def _fused(self, x: Tensor, relu: bool = False) -> Tensor:
         # one graph node and two kernels (ops.batch_norm) instead of ~12 nodes and ~30 kernels;
         # the same statistics and running-average update as the composed path above
-        y, mean, var = ops.batch_norm_arrays(x, self.weight, self.bias, self.eps)
+        y, mean, var = ops.batch_norm_arrays(x, self.weight, self.bias, self.eps, relu)
         self._update_running(mean, var)
         return y
 
@@ -278,20 +317,24 @@ class BatchNorm2d(BatchNorm1d):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def _forward(self, x: Tensor, relu: bool) -> Tensor:
         if x.ndim != 4:
             raise ShapeError(f"BatchNorm2d: expected an NCHW input, got shape {x.shape}")
         if x.shape[1] != self.dim:  # before the composed path would name BatchNorm1d's rows
             raise ShapeError(f"BatchNorm2d: expected {self.dim} channels (axis 1), got "
                              f"shape {x.shape}")
         if self.training and ops.batch_norm_has_kernel(x):
-            return self._fused(x)  # statistics over N, H, W straight from NCHW: no transposes
+            # statistics over N, H, W straight from NCHW: no transposes
+            return self._fused(x, relu)
         s = x.shape
         rows = ops.transpose(ops.transpose(x, (1, 2)), (2, 3))  # N, H, W, C
-        y = super().forward(ops.reshape(rows, (s[0] * s[2] * s[3], s[1])))
+        y = super()._forward(ops.reshape(rows, (s[0] * s[2] * s[3], s[1])), False)
         y = ops.reshape(y, (s[0], s[2], s[3], s[1]))
-        return ops.transpose(ops.transpose(y, (2, 3)), (1, 2))
+        y = ops.transpose(ops.transpose(y, (2, 3)), (1, 2))
+        return ops.relu(y) if relu else y
 
+
+_RELU_FUSERS = (BatchNorm1d, BatchNorm2d)  # exact types: see _fuses_with_relu
 
 class LayerNorm1d(Module):
     """Normalise each row over its last axis (biased variance), then scale and shift.

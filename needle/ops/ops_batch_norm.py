@@ -97,23 +97,17 @@ def _empty(shape: tuple, like):
     return _alloc(shape, like._device, like._handle.dtype, "batch_norm")
 
 
-def _forward_arrays(x, w, b, n, c, s, eps):
-    """(y, mean, var, invstd) as arrays, by the kernel or composed from array ops."""
+def _forward_arrays(x, w, b, n, c, s, eps, relu: bool = False):
+    """(y, mean, var, invstd) as arrays, by the kernel or composed from array ops; with
+    ``relu``, ``y`` is ``max(y, 0)`` (in the kernel where the backend fuses it)."""
     mod = _kernel_module(x)
+    if relu:
+        if mod is not None and getattr(mod, "batch_norm_fuses_relu", False):
+            return _forward_kernel(mod, x, w, b, n, c, s, eps, True)
+        y, mean, var, invstd = _forward_arrays(x, w, b, n, c, s, eps)
+        return A.maximum(y, 0), mean, var, invstd  # what nn.ReLU computes
     if mod is not None:
-        # A channels-last buffer is (N*d1*..., C) rows: the kernel's S = 1 case, no copy,
-        # and y keeps that layout (the next convolution reads it without a transpose).
-        last = _channels_last(x)
-        rows = (n * s, c, 1) if last is not None else (n, c, s)
-        if last is None:  # row-major: y is a compact array of x's shape, no view needed
-            x = x.compact()
-            y = _empty(x._shape, x)
-        else:
-            y = _empty((n * c * s,), x)
-        mean, var, invstd = _empty((c,), x), _empty((c,), x), _empty((c,), x)
-        mod.batch_norm_forward(x._handle, A.compact(w)._handle, A.compact(b)._handle, y._handle,
-                               mean._handle, var._handle, invstd._handle, *rows, float(eps))
-        return (y if last is None else _like(y, x)), mean, var, invstd
+        return _forward_kernel(mod, x, w, b, n, c, s, eps, False)
     count = n * s
     xs = A.reshape(A.compact(x), (n, c, s))
     mean = A.reduce_sum(xs, (0, 2)) / count
@@ -126,23 +120,51 @@ def _forward_arrays(x, w, b, n, c, s, eps):
     return A.reshape(y, tuple(x.shape)), mean, var, invstd
 
 
-def _backward_arrays(dy, x, w, mean, invstd, n, c, s):
+def _forward_kernel(mod, x, w, b, n, c, s, eps, relu: bool):
+    """:func:`_forward_arrays` through the backend's ``batch_norm_forward``."""
+    # A channels-last buffer is (N*d1*..., C) rows: the kernel's S = 1 case, no copy, and y
+    # keeps that layout (the next convolution reads it without a transpose).
+    last = _channels_last(x)
+    rows = (n * s, c, 1) if last is not None else (n, c, s)
+    if last is None:  # row-major: y is a compact array of x's shape, no view needed
+        x = x.compact()
+        y = _empty(x._shape, x)
+    else:
+        y = _empty((n * c * s,), x)
+    mean, var, invstd = _empty((c,), x), _empty((c,), x), _empty((c,), x)
+    extra = {"relu": True} if relu else {}
+    mod.batch_norm_forward(x._handle, A.compact(w)._handle, A.compact(b)._handle, y._handle,
+                           mean._handle, var._handle, invstd._handle, *rows, float(eps),
+                           **extra)
+    return (y if last is None else _like(y, x)), mean, var, invstd
+
+
+def _backward_arrays(dy, x, w, mean, invstd, n, c, s, out=None):
     """(dx, dw, db) as arrays, by the kernel or composed from array ops; dx has ``x``'s
-    layout."""
+    layout. ``out``: the output of a batch norm fused with a ReLU, whose mask ``dy`` takes
+    first (as ``nn.ReLU``'s backward does)."""
     mod = _kernel_module(x)
+    if out is not None and (mod is None or not getattr(mod, "batch_norm_fuses_relu", False)):
+        dy, out = A.relu_grad(dy, out), None
     if mod is not None:
+        extra = ()  # the ReLU's output, positional: a buffer (needle.compile records it)
         last = _channels_last(x)
         if last is not None:
             rows = (n * s, c, 1)
             dy = dy.permute(last).compact()  # no copy when dy has x's layout
+            if out is not None:
+                extra = (out.permute(last).compact()._handle,)
             dx = _empty((n * c * s,), x)
         else:
             rows = (n, c, s)
             x, dy = x.compact(), dy.compact()
+            if out is not None:
+                extra = (out.compact()._handle,)
             dx = _empty(x._shape, x)  # compact in x's shape: no view needed
         dw, db = _empty((c,), x), _empty((c,), x)
         mod.batch_norm_backward(dy._handle, x._handle, A.compact(w)._handle, mean._handle,
-                                invstd._handle, dx._handle, dw._handle, db._handle, *rows)
+                                invstd._handle, dx._handle, dw._handle, db._handle, *rows,
+                                *extra)
         return (dx if last is None else _like(dx, x)), dw, db
     full, per = (n, c, s), (1, c, 1)
     count = n * s
@@ -164,12 +186,19 @@ class FusedBatchNorm(TensorOp):
     arrays of C values; :func:`batch_norm` hands ``var`` to its caller and drops it): the
     plain backward reads ``mean`` and ``invstd`` instead of reducing ``x`` again, and the
     module updates its running statistics from ``mean`` and ``var``.
+
+    ``relu=True``: ``y = max(batch_norm(x), 0)`` in the same node, bit for bit
+    ``nn.ReLU`` after the batch norm (the ReLU's node, kernels and buffers saved where the
+    backend fuses it into its batch-norm kernels); the output is saved for the ReLU's mask.
     """
 
     save_inputs = (0, 1)
 
-    def __init__(self, eps: float = 1e-5):
+    def __init__(self, eps: float = 1e-5, relu: bool = False):
         self.eps = float(eps)
+        self.relu = bool(relu)
+        if self.relu:
+            self.save_output = True  # the mask of the ReLU's backward is read from y
         self.mean = self.var = self.invstd = None
 
     def compute(self, x, w, b):
@@ -177,7 +206,8 @@ class FusedBatchNorm(TensorOp):
         if A.size_of(b.shape) != c:
             raise ShapeError(f"batch_norm: bias must have one value per channel, expected {c}, "
                              f"got shape {tuple(b.shape)}")
-        y, self.mean, self.var, self.invstd = _forward_arrays(x, w, b, n, c, s, self.eps)
+        y, self.mean, self.var, self.invstd = _forward_arrays(x, w, b, n, c, s, self.eps,
+                                                              self.relu)
         return y
 
     def held_arrays(self) -> tuple:
@@ -187,11 +217,12 @@ class FusedBatchNorm(TensorOp):
         self.mean = self.var = self.invstd = None
 
     def plain_gradient(self, out_grad, node):
-        x, w = node.saved_tensors
+        x, w, *out = node.saved_tensors
         xd = x.cached_data
         n, c, s = _layout("batch_norm", xd.shape, A.size_of(w.shape))
         dx, dw, db = _backward_arrays(out_grad.cached_data, xd, w.cached_data, self.mean,
-                                      self.invstd, n, c, s)
+                                      self.invstd, n, c, s,
+                                      out[0].realize_cached_data() if out else None)
         need = [t.requires_grad for t in node.inputs]
         b_shape = tuple(node.inputs[2].shape)
         return (_leaf(dx) if need[0] else None,
@@ -201,6 +232,9 @@ class FusedBatchNorm(TensorOp):
     def gradient(self, out_grad, node):
         # create_graph: differentiable ops, the statistics recomputed from x
         x, w, b = node.inputs
+        if self.relu:  # nn.ReLU's gradient: out >= 0, so sign(out) is the mask x > 0
+            out = node.saved_tensors[2]
+            out_grad = out_grad * _leaf(A.sign(out.realize_cached_data()))
         shape = tuple(x.shape)
         n, c, s = _layout("batch_norm", shape, A.size_of(w.shape))
         count = n * s
@@ -221,26 +255,27 @@ class FusedBatchNorm(TensorOp):
         return dx, reshape(dw, tuple(w.shape)), reshape(db, tuple(b.shape))
 
 
-def batch_norm(x, weight, bias, eps: float = 1e-5):
+def batch_norm(x, weight, bias, eps: float = 1e-5, relu: bool = False):
     """Training-mode batch norm over axis 1: ``(y, batch_mean, batch_var)``.
 
     ``x`` is ``(N, C)`` or ``(N, C, ...)``; ``weight`` and ``bias`` hold C values. The
     statistics are over every axis but 1, the variance biased (divided by the count), and
-    come back as constant Tensors of shape ``(C,)`` (for running averages).
+    come back as constant Tensors of shape ``(C,)`` (for running averages). ``relu``:
+    ``y = max(y, 0)`` in the same node (see :class:`FusedBatchNorm`).
 
     Raises:
         ShapeError: fewer than 2 dims, no values per channel, or weight/bias sizes that are
             not C.
     """
-    y, mean, var = batch_norm_arrays(x, weight, bias, eps)
+    y, mean, var = batch_norm_arrays(x, weight, bias, eps, relu)
     return y, _leaf(mean), _leaf(var)
 
 
-def batch_norm_arrays(x, weight, bias, eps: float = 1e-5):
+def batch_norm_arrays(x, weight, bias, eps: float = 1e-5, relu: bool = False):
     """:func:`batch_norm` with the statistics as arrays, not Tensors: ``(y, mean, var)``
     (what ``BatchNorm1d``/``2d`` read for their running averages, two Tensors fewer per
     call)."""
-    op = FusedBatchNorm(eps)
+    op = FusedBatchNorm(eps, relu)
     y = op(x, weight, bias)
     var, op.var = op.var, None  # backward needs mean and invstd only: the caller owns var
     return y, op.mean, var

@@ -206,6 +206,13 @@ __device__ __forceinline__ A nan_min(A a, A b) {
   return (a != a || a < b) ? a : b;
 }
 
+// relu's backward from its output r: g * sign(r), with sign(+-0) = r itself and sign(NaN) =
+// NaN (elementwise.cu's ewise_relu_grad; batch_norm.cu's kernels fused with a ReLU).
+template <typename A>
+__device__ __forceinline__ A relu_grad_step(A g, A r) {
+  return g * (r > A(0) ? A(1) : (r < A(0) ? A(-1) : r));
+}
+
 // ---- block-wide reductions (reduce.cu's row reductions, fused.cu's softmax rows) ----------
 // +inf without <math.h>'s INFINITY macro (not always defined under NVRTC).
 template <typename A> __device__ __forceinline__ A inf_value();

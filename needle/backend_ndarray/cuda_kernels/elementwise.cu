@@ -128,9 +128,7 @@ struct OpTanhGrad {
 };
 struct OpReluGrad {
   template <typename A>
-  static __device__ A apply(A g, A r) {
-    return g * (r > A(0) ? A(1) : (r < A(0) ? A(-1) : r));
-  }
+  static __device__ A apply(A g, A r) { return relu_grad_step(g, r); }
 };
 
 // ---- unary functors ----
