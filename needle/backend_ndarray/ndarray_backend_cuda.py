@@ -76,19 +76,41 @@ class Array:
         if size.__class__ is not int or not 0 <= size <= _MAX_ELEMENTS[itemsize]:
             L.check_buffer_bytes("cuda Array", size, itemsize)  # raises, or size is an int-like
             size = int(size)
-        self.itemsize = itemsize
-        self.size = size
-        self.dtype = dtype
-        # A zero-size array still owns a real (one-element) buffer so ptr() is a valid address.
-        allocate = runtime._allocator or runtime.get_allocator()
-        owner = self._owner = allocate((size or 1) * itemsize)
-        self._ptr = int(owner.ptr)
+        _fill(self, size, dtype, itemsize)
 
     def ptr(self) -> int:
         return self._ptr
 
     def __repr__(self) -> str:
         return f"cuda.Array(size={self.size}, dtype={self.dtype}, ptr={self._ptr:#x})"
+
+
+def _fill(a: Array, size: int, dtype: str, itemsize: int) -> Array:
+    a.itemsize = itemsize
+    a.size = size
+    a.dtype = dtype
+    # A zero-size array still owns a real (one-element) buffer so ptr() is a valid address.
+    allocate = runtime._allocator or runtime.get_allocator()
+    owner = a._owner = allocate((size or 1) * itemsize)
+    a._ptr = int(owner.ptr)
+    return a
+
+
+_new_object = object.__new__
+
+
+def new_array(size: int, dtype: str) -> Array:
+    """``Array(size, dtype)`` without the call through the class (every kernel output comes
+    here: NDArray's allocation asks for it by this name); the same checks.
+
+    Example (on a GPU, or under the tests' emulator):
+        >>> new_array(4, "float32").size  # doctest: +SKIP
+        4
+    """
+    itemsize = _ITEMSIZE.get(dtype)
+    if itemsize is None or size.__class__ is not int or not 0 <= size <= _MAX_ELEMENTS[itemsize]:
+        return Array(size, dtype)  # a dtype to resolve, or a size to check: the full path
+    return _fill(_new_object(Array), size, dtype, itemsize)
 
 
 # CuPy has no bfloat16 arrays: its views of bfloat16 buffers hold the raw two bytes.
@@ -900,12 +922,14 @@ def _program_template(code: tuple, n_in: int, n_out: int, n_scalars: int) -> np.
 # fixed order), then an elementwise pass: two launches forward, two backward.
 _BN_STATS = L.KernelSpec(_BN, "batch_norm_stats", ("a",) * 4 + ("i64",) * 3 + ("scalar",),
                          grid="rows", dtypes=_FLOATS)
-_BN_APPLY = L.KernelSpec(_BN, "batch_norm_apply", ("a",) * 6 + ("i64",) * 3, grid="indexed",
+_BN_APPLY = L.KernelSpec(_BN, "batch_norm_apply", ("a",) * 6 + ("i64",) * 4, grid="indexed",
                          dtypes=_FLOATS)
-_BN_GRAD_STATS = L.KernelSpec(_BN, "batch_norm_grad_stats", ("a",) * 6 + ("i64",) * 3,
+_BN_GRAD_STATS = L.KernelSpec(_BN, "batch_norm_grad_stats", ("a",) * 7 + ("i64",) * 4,
                               grid="rows", dtypes=_FLOATS)
-_BN_GRAD_INPUT = L.KernelSpec(_BN, "batch_norm_grad_input", ("a",) * 8 + ("i64",) * 3,
+_BN_GRAD_INPUT = L.KernelSpec(_BN, "batch_norm_grad_input", ("a",) * 9 + ("i64",) * 4,
                               grid="indexed", dtypes=_FLOATS)
+# ops.batch_norm(..., relu=True) passes relu= / relu_out= to the two entry points below
+batch_norm_fuses_relu = True
 
 
 def _bn_sizes(op: str, n, c, s) -> tuple:
@@ -916,9 +940,10 @@ def _bn_sizes(op: str, n, c, s) -> tuple:
 
 
 def batch_norm_forward(x: Array, w: Array, b: Array, y: Array, mean: Array, var: Array,
-                       invstd: Array, n, c, s, eps) -> None:
+                       invstd: Array, n, c, s, eps, relu: bool = False) -> None:
     """Training-mode batch norm of ``x`` viewed as (n, c, s): per-channel ``mean``, biased
-    ``var``, ``invstd = 1/sqrt(var + eps)`` and ``y = w (x - mean) invstd + b``."""
+    ``var``, ``invstd = 1/sqrt(var + eps)`` and ``y = w (x - mean) invstd + b``; with
+    ``relu``, ``max(y, 0)`` (rounded as ``scalar_maximum``)."""
     op = "batch_norm_forward"
     n, c, s = _bn_sizes(op, n, c, s)
     if not float(eps) >= 0:
@@ -931,25 +956,32 @@ def batch_norm_forward(x: Array, w: Array, b: Array, y: Array, mean: Array, var:
     if total == 0:
         return
     runtime.launch(_BN_STATS, y.dtype, c, x, mean, var, invstd, n, c, s, eps)
-    runtime.launch(_BN_APPLY, y.dtype, total, x, w, b, mean, invstd, y, n, c, s)
+    runtime.launch(_BN_APPLY, y.dtype, total, x, w, b, mean, invstd, y, n, c, s,
+                   1 if relu else 0)
 
 
 def batch_norm_backward(dy: Array, x: Array, w: Array, mean: Array, invstd: Array, dx: Array,
-                        dw: Array, db: Array, n, c, s) -> None:
+                        dw: Array, db: Array, n, c, s, relu_out: Array | None = None) -> None:
     """``db = sum dy``, ``dw = sum dy xhat`` per channel and ``dx = w invstd (dy - db/m -
-    xhat dw/m)`` (``m = n s``) from the statistics the forward pass saved."""
+    xhat dw/m)`` (``m = n s``) from the statistics the forward pass saved. ``relu_out``: the
+    output of a forward with ``relu``; ``dy`` is masked by it first (as ``ewise_relu_grad``)."""
     op = "batch_norm_backward"
     n, c, s = _bn_sizes(op, n, c, s)
     total = n * c * s
-    _fused_checks(op, dx, {"dy": (dy, total), "x": (x, total), "w": (w, c),
-                           "mean": (mean, c), "invstd": (invstd, c), "dx": (dx, total),
-                           "dw": (dw, c), "db": (db, c)}, (dy, x, w, mean, invstd))
-    _same_dtype(op, dx, dy, x, w, mean, invstd, dw, db)
+    arrays = {"dy": (dy, total), "x": (x, total), "w": (w, c), "mean": (mean, c),
+              "invstd": (invstd, c), "dx": (dx, total), "dw": (dw, c), "db": (db, c)}
+    inputs = (dy, x, w, mean, invstd)
+    if relu_out is not None:
+        arrays["relu_out"] = (relu_out, total)
+        inputs += (relu_out,)
+    _fused_checks(op, dx, arrays, inputs)
+    _same_dtype(op, dx, *inputs, dw, db)
     if total == 0:
         return
-    runtime.launch(_BN_GRAD_STATS, dx.dtype, c, dy, x, mean, invstd, dw, db, n, c, s)
-    runtime.launch(_BN_GRAD_INPUT, dx.dtype, total, dy, x, w, mean, invstd, dw, db, dx, n, c,
-                   s)
+    relu, r = (0, dy) if relu_out is None else (1, relu_out)
+    runtime.launch(_BN_GRAD_STATS, dx.dtype, c, dy, x, mean, invstd, r, dw, db, n, c, s, relu)
+    runtime.launch(_BN_GRAD_INPUT, dx.dtype, total, dy, x, w, mean, invstd, dw, db, r, dx, n,
+                   c, s, relu)
 
 
 def _same_dtype(op: str, out: Array, *inputs: Array) -> None:
