@@ -76,41 +76,19 @@ class Array:
         if size.__class__ is not int or not 0 <= size <= _MAX_ELEMENTS[itemsize]:
             L.check_buffer_bytes("cuda Array", size, itemsize)  # raises, or size is an int-like
             size = int(size)
-        _fill(self, size, dtype, itemsize)
+        self.itemsize = itemsize
+        self.size = size
+        self.dtype = dtype
+        # A zero-size array still owns a real (one-element) buffer so ptr() is a valid address.
+        allocate = runtime._allocator or runtime.get_allocator()
+        owner = self._owner = allocate((size or 1) * itemsize)
+        self._ptr = int(owner.ptr)
 
     def ptr(self) -> int:
         return self._ptr
 
     def __repr__(self) -> str:
         return f"cuda.Array(size={self.size}, dtype={self.dtype}, ptr={self._ptr:#x})"
-
-
-def _fill(a: Array, size: int, dtype: str, itemsize: int) -> Array:
-    a.itemsize = itemsize
-    a.size = size
-    a.dtype = dtype
-    # A zero-size array still owns a real (one-element) buffer so ptr() is a valid address.
-    allocate = runtime._allocator or runtime.get_allocator()
-    owner = a._owner = allocate((size or 1) * itemsize)
-    a._ptr = int(owner.ptr)
-    return a
-
-
-_new_object = object.__new__
-
-
-def new_array(size: int, dtype: str) -> Array:
-    """``Array(size, dtype)`` without the call through the class (every kernel output comes
-    here: NDArray's allocation asks for it by this name); the same checks.
-
-    Example (on a GPU, or under the tests' emulator):
-        >>> new_array(4, "float32").size  # doctest: +SKIP
-        4
-    """
-    itemsize = _ITEMSIZE.get(dtype)
-    if itemsize is None or size.__class__ is not int or not 0 <= size <= _MAX_ELEMENTS[itemsize]:
-        return Array(size, dtype)  # a dtype to resolve, or a size to check: the full path
-    return _fill(_new_object(Array), size, dtype, itemsize)
 
 
 # CuPy has no bfloat16 arrays: its views of bfloat16 buffers hold the raw two bytes.

@@ -15,7 +15,6 @@ from cuda_checks import *  # noqa: F401,F403 - the shared test functions
 from cuda_checks import put
 
 import needle.backend_ndarray as nd
-from needle._core.errors import DTypeError
 from needle.backend_ndarray import ndarray_backend_cuda as B
 from needle.backend_ndarray._cuda import launch as L
 from needle.backend_ndarray._cuda import runtime
@@ -67,16 +66,6 @@ def test_allocator_seam(backend, emulated):
         assert calls == [80] and a.ptr() % 256 == 0
         B.Array(0, "float16")
         assert calls[-1] == 2  # zero-size arrays still own one element
-        # new_array, NDArray's cheaper call: the same buffer, the same checks on odd input
-        b = B.new_array(10, "float64")
-        assert calls[-1] == 80 and (b.size, b.dtype, b.itemsize) == (10, "float64", 8)
-        c = B.new_array(np.int64(3), np.dtype("float32"))
-        assert calls[-1] == 12 and (c.size, c.dtype) == (3, "float32")
-        assert B.new_array(0, "float16").ptr() % 256 == 0 and calls[-1] == 2
-        with pytest.raises(DTypeError, match="unsupported dtype"):
-            B.new_array(4, "int8")
-        with pytest.raises(ValueError):
-            B.new_array(-1, "float32")
     finally:
         B.set_allocator(None)
 
