@@ -1,0 +1,156 @@
+"""The CUDA emulator's scheduler: fibers, barriers, warp shuffles, deadlocks, grid indexing.
+
+Small kernels compiled through ``_cuda_emulator._RawModule`` check what the backend's kernels
+rely on: a block-wide tree with ``__syncthreads`` and a warp tree with ``__shfl_down_sync``
+give exact sums for full and partial blocks and warps, a missing barrier shows as a wrong
+result, a barrier that only some threads reach raises RuntimeError instead of hanging, and
+``blockIdx.y`` walks a two-dimensional grid.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from _cuda_emulator import _RawModule, compiler_available
+
+pytestmark = pytest.mark.skipif(not compiler_available(), reason="g++ not found")
+
+KERNELS = r"""
+// Interleaved pairs: in each round a reader's partner writes nothing, so one barrier a
+// round suffices for any blockDim.
+extern "C" __global__ void tree_sum(const long long* in, long long* out) {
+  __shared__ long long s[1024];
+  const unsigned t = threadIdx.x;
+  s[t] = in[blockIdx.x * blockDim.x + t];
+  __syncthreads();
+  for (unsigned stride = 1; stride < blockDim.x; stride *= 2) {
+    if (t % (2 * stride) == 0 && t + stride < blockDim.x) s[t] += s[t + stride];
+    __syncthreads();
+  }
+  if (t == 0) out[blockIdx.x] = s[0];
+}
+
+extern "C" __global__ void tree_sum_without_barrier(const long long* in, long long* out) {
+  __shared__ long long s[1024];
+  const unsigned t = threadIdx.x;
+  s[t] = in[t];
+  __syncthreads();
+  for (unsigned stride = 1; stride < blockDim.x; stride *= 2) {
+    if (t % (2 * stride) == 0 && t + stride < blockDim.x) s[t] += s[t + stride];
+  }
+  if (t == 0) out[0] = s[0];
+}
+
+// Lanes past the end of a partial warp hold nothing: each lane adds only real partners.
+extern "C" __global__ void warp_sums(const long long* in, long long* out) {
+  const unsigned t = threadIdx.x, lane = t & 31u;
+  const unsigned lanes = min(32u, blockDim.x - (t & ~31u));
+  long long v = in[t];
+  for (int delta = 16; delta > 0; delta >>= 1) {
+    const long long other = __shfl_down_sync(0xffffffffu, v, delta);
+    if (lane + delta < lanes) v += other;
+  }
+  if (lane == 0) out[t >> 5] = v;
+}
+
+extern "C" __global__ void grid_ids(long long* out) {
+  const long long i = ((long long)blockIdx.y * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
+  out[i] = blockIdx.y * 1000000LL + blockIdx.x * 1000LL + threadIdx.x;
+}
+
+extern "C" __global__ void half_block_barrier(long long* out) {
+  if (threadIdx.x < blockDim.x / 2) __syncthreads();
+  out[threadIdx.x] = 1;
+}
+
+extern "C" __global__ void divergent_shuffle(long long* out) {
+  long long v = threadIdx.x;
+  if (threadIdx.x % 2 == 0) v = __shfl_down_sync(0xffffffffu, v, 1);
+  out[threadIdx.x] = v;
+}
+"""
+
+_MODULE = _RawModule(KERNELS)
+
+
+def _launch(name: str, grid, block, *arrays) -> None:
+    """Run kernel ``name`` on host arrays (their addresses stand for device pointers)."""
+    pointers = [np.uint64(a.ctypes.data) for a in arrays]
+    _MODULE.get_function(name)(grid, block, pointers)
+
+
+def _values(n: int, seed: int) -> np.ndarray:
+    """Distinct large integers: a stale or lost partial sum changes the exact total."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(1 << 40, 1 << 50, size=n, dtype=np.int64)
+
+
+@pytest.mark.parametrize("threads", [1, 33, 256, 1024])
+def test_block_tree_sum_with_barriers_is_exact(threads):
+    blocks = 3
+    x = _values(blocks * threads, threads)
+    out = np.zeros(blocks, np.int64)
+    _launch("tree_sum", (blocks,), (threads,), x, out)
+    np.testing.assert_array_equal(out, x.reshape(blocks, threads).sum(axis=1))
+
+
+@pytest.mark.parametrize("threads", [256, 1024])
+def test_a_tree_without_its_barrier_comes_out_wrong(threads):
+    """The scheduler interleaves threads so that a missing __syncthreads loses partial sums,
+    as a GPU would, rather than hiding the race behind a lucky order."""
+    x = _values(threads, threads + 1)
+    out = np.zeros(1, np.int64)
+    _launch("tree_sum_without_barrier", (1,), (threads,), x, out)
+    assert out[0] != x.sum()
+
+
+@pytest.mark.parametrize("threads", [1, 5, 32, 33, 70, 1024])
+def test_warp_shuffle_sums_full_and_partial_warps_exactly(threads):
+    x = _values(threads, 7 * threads)  # partial sums pass 2**53: shuffles move all 8 bytes
+    warps = -(-threads // 32)
+    out = np.zeros(warps, np.int64)
+    _launch("warp_sums", (1,), (threads,), x, out)
+    padded = np.concatenate([x, np.zeros(warps * 32 - threads, np.int64)])
+    np.testing.assert_array_equal(out, padded.reshape(warps, 32).sum(axis=1))
+
+
+def test_block_index_walks_both_grid_dimensions():
+    gx, gy, threads = 3, 4, 64
+    out = np.full(gx * gy * threads, -1, np.int64)
+    _launch("grid_ids", (gx, gy), (threads,), out)
+    by, bx, t = np.meshgrid(np.arange(gy), np.arange(gx), np.arange(threads), indexing="ij")
+    np.testing.assert_array_equal(out, (by * 1000000 + bx * 1000 + t).ravel())
+
+
+_DEADLOCK_SCRIPT = textwrap.dedent("""
+    import sys
+    import numpy as np
+    sys.path.insert(0, {here!r})
+    import test_cuda_emulator_scheduler as s
+    out = np.zeros(64, np.int64)
+    try:
+        s._launch({kernel!r}, (1,), (64,), out)
+    except RuntimeError as e:
+        print("raised:", e)
+    x = s._values(64, 1)
+    total = np.zeros(1, np.int64)
+    s._launch("tree_sum", (1,), (64,), x, total)  # the emulator still works afterwards
+    print("next launch right:", bool(total[0] == x.sum()))
+""")
+
+
+@pytest.mark.parametrize("kernel", ["half_block_barrier", "divergent_shuffle"])
+def test_a_barrier_only_some_threads_reach_raises(kernel):
+    """In a subprocess with a timeout: a hang fails the test instead of stalling the run."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = _DEADLOCK_SCRIPT.format(here=here, kernel=kernel)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert f"raised: emulator: kernel {kernel} abandoned: deadlock in block (0, 0)" in run.stdout
+    assert "next launch right: True" in run.stdout
+    assert "deadlock" in run.stderr
