@@ -77,6 +77,7 @@ struct emu_fiber {
 constexpr std::size_t EMU_STACK_BYTES = 64 << 10;
 inline std::vector<emu_fiber> emu_fibers;  // grown to the largest block; stacks are reused
 inline emu_fiber* emu_running = nullptr;
+inline unsigned emu_unfinished = 0;  // fibers of the block that have not returned
 inline void (*emu_body)() = nullptr;       // the launch's kernel, bound to its arguments
 inline char emu_error[512];
 [[noreturn]] void emu_fiber_main();
@@ -139,6 +140,7 @@ inline void emu_yield(emu_fiber& f) { swapcontext(&f.context, &emu_scheduler_con
 [[noreturn]] void emu_fiber_main() {
   emu_body();
   emu_running->done = true;
+  --emu_unfinished;
   emu_yield(*emu_running);
   __builtin_unreachable();
 }
@@ -182,28 +184,27 @@ template <typename A> A __shfl_down_sync(unsigned, A v, int delta) {
   return r;
 }
 
-// Each pass over a block visits its threads in one of EMU_ORDERS fixed pseudo-random orders:
-// whichever way data flows between threads, a missing barrier lets some reader run before
-// its writer. The orders depend only on blockDim, so a launch replays the same interleaving.
+// Fixed pseudo-random visiting orders (EMU_ORDERS permutations of the block's warps, and of
+// a warp's lanes): whichever way data flows between threads, a missing barrier lets some
+// reader run before its writer. They depend only on blockDim, so a launch replays the same
+// interleaving.
 constexpr unsigned EMU_ORDERS = 8;
-inline std::vector<unsigned> emu_orders;
-inline unsigned emu_orders_for = 0;
-inline void emu_make_orders(unsigned threads) {
-  if (emu_orders_for == threads) return;
-  emu_orders.resize((std::size_t)EMU_ORDERS * threads);
+inline void emu_make_orders(std::vector<unsigned>& orders, unsigned n) {
+  if (orders.size() == (std::size_t)EMU_ORDERS * n) return;
+  orders.resize((std::size_t)EMU_ORDERS * n);
   std::uint64_t s = 0x9E3779B97F4A7C15ull;
   for (unsigned k = 0; k < EMU_ORDERS; ++k) {
-    unsigned* order = &emu_orders[(std::size_t)k * threads];
-    for (unsigned i = 0; i < threads; ++i) order[i] = i;
-    for (unsigned i = threads - 1; i > 0; --i) {
+    unsigned* order = &orders[(std::size_t)k * n];
+    for (unsigned i = 0; i < n; ++i) order[i] = i;
+    for (unsigned i = n - 1; i > 0; --i) {
       s ^= s << 13;
       s ^= s >> 7;
       s ^= s << 17;
       std::swap(order[i], order[s % (i + 1)]);
     }
   }
-  emu_orders_for = threads;
 }
+inline std::vector<unsigned> emu_warp_orders, emu_lane_orders;
 
 inline void emu_report_deadlock(unsigned threads) {
   unsigned at_block = 0, at_warp = 0, returned = 0;
@@ -220,8 +221,35 @@ inline void emu_report_deadlock(unsigned threads) {
   std::fprintf(stderr, "emulator: %s\n", emu_error);
 }
 
-// Round robin: each pass resumes every runnable fiber until it waits or returns; a pass that
-// resumes none while some have not returned is a deadlock (a barrier in divergent code).
+inline bool emu_resume_if_runnable(unsigned t) {
+  emu_fiber& f = emu_fibers[t];
+  if (f.done || (f.waits_on != nullptr && f.waits_on->generation == f.generation)) return false;
+  f.waits_on = nullptr;
+  threadIdx = {t, 0, 0};
+  emu_running = &f;
+  emu_resume(f);
+  return true;
+}
+
+// Sweeps warp w's lanes, each sweep in the next order, until none can go on: a warp gets as
+// far ahead of the others as the block's barrier lets it, as a GPU's warps may, so a barrier
+// that only guards against a warp running ahead is missed loudly too. Returns the resumptions.
+inline unsigned emu_run_warp(unsigned w, unsigned threads, unsigned& sweep) {
+  unsigned resumed = 0;
+  for (;;) {
+    const unsigned* lanes = &emu_lane_orders[(std::size_t)(sweep++ % EMU_ORDERS) * 32];
+    unsigned now = 0;
+    for (unsigned k = 0; k < 32; ++k) {
+      const unsigned t = 32 * w + lanes[k];
+      now += t < threads && emu_resume_if_runnable(t);
+    }
+    if (now == 0) return resumed;
+    resumed += now;
+  }
+}
+
+// Round robin over the warps: a pass that resumes no fiber while some have not returned is
+// a deadlock (a barrier in divergent code).
 inline bool emu_run_block(unsigned threads, unsigned first_order) {
   for (unsigned t = 0; t < threads; ++t) {
     emu_fiber& f = emu_fibers[t];
@@ -229,28 +257,20 @@ inline bool emu_run_block(unsigned threads, unsigned first_order) {
     f.waits_on = nullptr;
     emu_prepare(f);
   }
+  const unsigned warps = (threads + 31) / 32;
   emu_block_barrier.arrived = 0;
   emu_block_barrier.expected = threads;
-  for (unsigned w = 0; w < (threads + 31) / 32; ++w) {
+  for (unsigned w = 0; w < warps; ++w) {
     emu_warp_barrier[w].arrived = 0;
     emu_warp_barrier[w].expected = std::min(32u, threads - 32 * w);
   }
-  unsigned running = threads;
-  for (unsigned pass = first_order; running > 0; ++pass) {
-    const unsigned* order = &emu_orders[(std::size_t)(pass % EMU_ORDERS) * threads];
-    bool resumed = false;
-    for (unsigned k = 0; k < threads; ++k) {
-      const unsigned t = order[k];
-      emu_fiber& f = emu_fibers[t];
-      if (f.done || (f.waits_on != nullptr && f.waits_on->generation == f.generation)) continue;
-      f.waits_on = nullptr;
-      threadIdx = {t, 0, 0};
-      emu_running = &f;
-      emu_resume(f);
-      resumed = true;
-      running -= f.done;
-    }
-    if (!resumed) {
+  emu_unfinished = threads;
+  unsigned sweep = first_order;
+  for (unsigned pass = first_order; emu_unfinished > 0; ++pass) {
+    const unsigned* order = &emu_warp_orders[(std::size_t)(pass % EMU_ORDERS) * warps];
+    unsigned resumed = 0;
+    for (unsigned k = 0; k < warps; ++k) resumed += emu_run_warp(order[k], threads, sweep);
+    if (resumed == 0) {
       emu_report_deadlock(threads);
       return false;
     }
@@ -295,7 +315,8 @@ int emu_run_grid(void (*fn)(Args...), void** p, unsigned gx, unsigned gy, unsign
     std::snprintf(emu_error, sizeof emu_error, "no memory for %u fiber stacks", bx);
     return 3;
   }
-  emu_make_orders(bx);
+  emu_make_orders(emu_warp_orders, (bx + 31) / 32);
+  emu_make_orders(emu_lane_orders, 32);
   emu_bound_kernel<Args...>::fn = fn;
   emu_bound_kernel<Args...>::args = p;
   emu_body = &emu_bound_kernel<Args...>::run;

@@ -57,6 +57,33 @@ extern "C" __global__ void warp_sums(const long long* in, long long* out) {
   if (lane == 0) out[t >> 5] = v;
 }
 
+// Each warp's sum of a row goes through shared memory to thread 0. Without the trailing
+// barrier a warp that runs ahead rewrites its partial for the next row before thread 0 reads.
+template <bool TRAILING_BARRIER>
+__device__ void row_sums(const long long* in, long long* out, long long rows) {
+  __shared__ long long partials[32];
+  const unsigned t = threadIdx.x;
+  for (long long r = 0; r < rows; ++r) {
+    long long v = in[r * blockDim.x + t];
+    for (int delta = 16; delta > 0; delta >>= 1) v += __shfl_down_sync(0xffffffffu, v, delta);
+    if (t % 32 == 0) partials[t / 32] = v;
+    __syncthreads();
+    if (t == 0) {
+      long long sum = 0;
+      for (unsigned w = 0; w < blockDim.x / 32; ++w) sum += partials[w];
+      out[r] = sum;
+    }
+    if (TRAILING_BARRIER) __syncthreads();
+  }
+}
+extern "C" __global__ void row_sums_guarded(const long long* in, long long* out, long long rows) {
+  row_sums<true>(in, out, rows);
+}
+extern "C" __global__ void row_sums_unguarded(const long long* in, long long* out,
+                                              long long rows) {
+  row_sums<false>(in, out, rows);
+}
+
 extern "C" __global__ void grid_ids(long long* out) {
   const long long i = ((long long)blockIdx.y * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
   out[i] = blockIdx.y * 1000000LL + blockIdx.x * 1000LL + threadIdx.x;
@@ -77,10 +104,10 @@ extern "C" __global__ void divergent_shuffle(long long* out) {
 _MODULE = _RawModule(KERNELS)
 
 
-def _launch(name: str, grid, block, *arrays) -> None:
-    """Run kernel ``name`` on host arrays (their addresses stand for device pointers)."""
-    pointers = [np.uint64(a.ctypes.data) for a in arrays]
-    _MODULE.get_function(name)(grid, block, pointers)
+def _launch(name: str, grid, block, *args) -> None:
+    """Run kernel ``name``; a host array's address stands for a device pointer."""
+    args = [np.uint64(a.ctypes.data) if isinstance(a, np.ndarray) else a for a in args]
+    _MODULE.get_function(name)(grid, block, args)
 
 
 def _values(n: int, seed: int) -> np.ndarray:
@@ -116,6 +143,18 @@ def test_warp_shuffle_sums_full_and_partial_warps_exactly(threads):
     _launch("warp_sums", (1,), (threads,), x, out)
     padded = np.concatenate([x, np.zeros(warps * 32 - threads, np.int64)])
     np.testing.assert_array_equal(out, padded.reshape(warps, 32).sum(axis=1))
+
+
+@pytest.mark.parametrize(("kernel", "exact"), [("row_sums_guarded", True),
+                                               ("row_sums_unguarded", False)])
+def test_a_warp_running_ahead_shows_a_missing_trailing_barrier(kernel, exact):
+    """Warps are not kept in step: one may reach the next row's barrier before warp 0 has
+    read this row's partials, so a barrier that only stops that is needed here too."""
+    rows, threads = 4, 256
+    x = _values(rows * threads, 3)
+    out = np.zeros(rows, np.int64)
+    _launch(kernel, (1,), (threads,), x, out, np.int64(rows))
+    assert np.array_equal(out, x.reshape(rows, threads).sum(axis=1)) == exact
 
 
 def test_block_index_walks_both_grid_dimensions():
