@@ -5,12 +5,14 @@ A tiny stand-in for the parts of CuPy that ``needle.backend_ndarray._cuda.runtim
 (C++20), after a shim header that maps the CUDA built-ins to host code. A launch runs on the
 calling host thread: its blocks one after another, each CUDA thread of a block a fiber (a
 64 KiB stack of its own, kept for the next launches; a hand-written x86-64 context switch,
-``swapcontext`` elsewhere). A round-robin scheduler resumes every runnable fiber until it
-returns or waits at a barrier: ``__syncthreads`` waits for the block's barrier,
-``__shfl_down_sync`` exchanges values through a per-warp buffer between two waits at its
-warp's barrier, and a waiting fiber runs again once the barrier's generation has passed.
-Each pass visits the threads in one of a few fixed pseudo-random orders, so a missing barrier
-lets some thread read before another writes, whichever way the data flows, and every run of a
+``swapcontext`` elsewhere), so a launch costs microseconds, not the creation of a host thread
+per CUDA thread. A fiber runs until it returns or waits at a barrier: ``__syncthreads`` waits
+for the block's barrier, ``__shfl_down_sync`` exchanges values through a per-warp buffer
+between two waits at its warp's barrier, and a waiting fiber is runnable again once the
+barrier's generation has passed. The scheduler takes the warps round robin and runs each as
+far as it can go before the next, as far ahead of the others as the block's barrier lets it;
+warps and lanes are visited in a few fixed pseudo-random orders. So a missing barrier lets
+some thread read before another writes, whichever way the data flows, and every run of a
 launch interleaves the same way. A pass that can resume no fiber while some have not returned
 is a deadlock (a barrier in divergent code): the launch is abandoned and raises RuntimeError.
 ``__shared__`` arrays are static. So every index computation, bound guard, barrier and
@@ -36,6 +38,7 @@ import numpy as np
 
 SHIM = r"""
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -306,7 +309,7 @@ template <typename... Args> struct emu_bound_kernel {
 // The blocks run one after another (static "shared memory" is reused by the next block).
 // 0: done; nonzero: the launch was abandoned, emu_error says why.
 template <typename... Args>
-int emu_run_grid(void (*fn)(Args...), void** p, unsigned gx, unsigned gy, unsigned bx) {
+int emu_run_grid_alone(void (*fn)(Args...), void** p, unsigned gx, unsigned gy, unsigned bx) {
   if (bx == 0 || bx > 1024) {
     std::snprintf(emu_error, sizeof emu_error, "blockDim.x = %u (1 to 1024)", bx);
     return 2;
@@ -328,6 +331,20 @@ int emu_run_grid(void (*fn)(Args...), void** p, unsigned gx, unsigned gy, unsign
       if (!emu_run_block(bx, by * gx + b)) return 1;
     }
   return 0;
+}
+// Python's _KERNEL_LOCK serialises launches, but each copy of the emulator module loaded
+// under another name has a lock of its own, while they share this library's fibers.
+inline std::atomic<bool> emu_busy{false};
+template <typename... Args>
+int emu_run_grid(void (*fn)(Args...), void** p, unsigned gx, unsigned gy, unsigned bx) {
+  if (emu_busy.exchange(true)) {
+    std::snprintf(emu_error, sizeof emu_error, "another kernel of its module is running");
+    std::fprintf(stderr, "emulator: %s\n", emu_error);
+    return 4;
+  }
+  const int failed = emu_run_grid_alone(fn, p, gx, gy, bx);
+  emu_busy = false;
+  return failed;
 }
 extern "C" const char* emu_last_error() { return emu_error; }
 """

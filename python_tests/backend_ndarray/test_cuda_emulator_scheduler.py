@@ -8,10 +8,12 @@ result, a barrier that only some threads reach raises RuntimeError instead of ha
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import numpy as np
 import pytest
@@ -87,6 +89,13 @@ extern "C" __global__ void row_sums_unguarded(const long long* in, long long* ou
 extern "C" __global__ void grid_ids(long long* out) {
   const long long i = ((long long)blockIdx.y * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
   out[i] = blockIdx.y * 1000000LL + blockIdx.x * 1000LL + threadIdx.x;
+}
+
+// Holds its module busy until the host sets *go.
+extern "C" __global__ void wait_for_host(long long* started, const long long* go) {
+  *started = 1;
+  while (*(volatile const long long*)go == 0) {
+  }
 }
 
 extern "C" __global__ void half_block_barrier(long long* out) {
@@ -193,3 +202,27 @@ def test_a_barrier_only_some_threads_reach_raises(kernel):
     assert f"raised: emulator: kernel {kernel} abandoned: deadlock in block (0, 0)" in run.stdout
     assert "next launch right: True" in run.stdout
     assert "deadlock" in run.stderr
+
+
+def test_two_copies_of_the_emulator_never_run_one_library_at_once():
+    """Each copy of the emulator module has its own _KERNEL_LOCK while the copies share one
+    compiled library: a second launch while a first runs is refused, not interleaved."""
+    spec = importlib.util.spec_from_file_location(
+        "_needle_cuda_emulator_second_copy",
+        os.path.join(os.path.dirname(os.path.abspath(__file__)), "_cuda_emulator.py"))
+    copy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(copy)
+    started, go = np.zeros(1, np.int64), np.zeros(1, np.int64)
+    first = threading.Thread(target=_launch, args=("wait_for_host", (1,), (1,), started, go))
+    first.start()
+    try:
+        while not started[0] and first.is_alive():
+            first.join(0.001)
+        second = copy._RawModule(KERNELS).get_function("tree_sum")
+        x, out = np.ones(1, np.int64), np.zeros(1, np.int64)
+        with pytest.raises(RuntimeError, match="another kernel of its module is running"):
+            second((1,), (1,), [np.uint64(x.ctypes.data), np.uint64(out.ctypes.data)])
+    finally:
+        go[0] = 1
+        first.join(60)
+    assert started[0] == 1 and not first.is_alive()
