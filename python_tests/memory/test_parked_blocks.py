@@ -90,3 +90,64 @@ def test_a_recorded_parked_reuse_emits_the_events_of_an_allocation():
     assert [(e.kind, e.nbytes, e.requested, e.allocated_bytes, e.new_segment)
             for e in events] == [("free", 1024, 1000, 0, False),
                                  ("alloc", 1024, 1000, 1024, False)]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_statistics_equal_counting_each_event(seed):
+    """Through trusted and public calls, retags and peak resets in any order, the counters
+    and every peak (total, requested, per category) equal a model that counts each event."""
+    import random
+
+    from needle.memory.categories import category
+
+    rng = random.Random(seed)
+    alloc = CachingAllocator("logged")
+    cats = ("activation", "gradient", "other")
+    model = {"cur": 0, "peak": 0, "req": 0, "peak_req": 0}
+    rows = {c: {"current": 0, "peak": 0, "current_requested": 0, "peak_requested": 0}
+            for c in cats}
+
+    def count(cat, size, nbytes):
+        model["cur"] += size
+        model["req"] += nbytes
+        model["peak"] = max(model["peak"], model["cur"])
+        model["peak_req"] = max(model["peak_req"], model["req"])
+        row = rows[cat]
+        row["current"] += size
+        row["current_requested"] += nbytes
+        row["peak"] = max(row["peak"], row["current"])
+        row["peak_requested"] = max(row["peak_requested"], row["current_requested"])
+
+    live = []
+    for step in range(1500):
+        roll = rng.random()
+        if roll < 0.5 or not live:
+            nbytes = rng.choice((0, 100, 512, 1000, 3000, 70_000, 2 * MiB + 5))
+            cat = rng.choice(cats)
+            with category(cat):
+                trusted = rng.random() < 0.8
+                block = (alloc._allocate_trusted if trusted else alloc.allocate)(nbytes)
+            live.append((block, trusted))
+            count(cat, block.size, nbytes)
+        elif roll < 0.95:
+            block, trusted = live.pop(rng.randrange(len(live)))
+            count(block.category, -block.size, -block.requested)
+            (alloc._release_trusted if trusted else alloc.release)(block)
+        elif roll < 0.98:
+            block, _ = rng.choice(live)
+            new = rng.choice(cats)
+            if new != block.category:
+                count(block.category, -block.size, -block.requested)
+                count(new, block.size, block.requested)
+            alloc.retag(block, new)
+        else:
+            alloc.reset_peak()
+            model["peak"], model["peak_req"] = model["cur"], model["req"]
+            for row in rows.values():
+                row["peak"], row["peak_requested"] = row["current"], row["current_requested"]
+        if step % 97 == 0 or step == 1499:
+            st = alloc.stats()
+            assert (st["allocated_bytes"], st["peak_bytes"], st["requested_bytes"],
+                    st["peak_requested_bytes"]) == (model["cur"], model["peak"], model["req"],
+                                                    model["peak_req"]), step
+            assert {c: st["by_category"][c] for c in cats} == rows, step
