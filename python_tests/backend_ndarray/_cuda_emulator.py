@@ -80,7 +80,7 @@ struct emu_fiber {
 constexpr std::size_t EMU_STACK_BYTES = 64 << 10;
 inline std::vector<emu_fiber> emu_fibers;  // grown to the largest block; stacks are reused
 inline emu_fiber* emu_running = nullptr;
-inline unsigned emu_unfinished = 0;  // fibers of the block that have not returned
+inline unsigned emu_unfinished = 0;        // fibers of the block that have not returned
 inline void (*emu_body)() = nullptr;       // the launch's kernel, bound to its arguments
 inline char emu_error[512];
 [[noreturn]] void emu_fiber_main();
