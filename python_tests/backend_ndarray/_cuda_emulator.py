@@ -47,7 +47,10 @@ SHIM = r"""
 #include <unistd.h>
 #include <utility>
 #include <vector>
-#if !defined(__x86_64__)
+// NEEDLE_EMU_UCONTEXT: the portable switch on x86-64 too (to check it where it is not used)
+#if defined(__x86_64__) && !defined(NEEDLE_EMU_UCONTEXT)
+#define EMU_ASM_SWITCH 1
+#else
 #include <ucontext.h>
 #endif
 #define __device__
@@ -71,7 +74,7 @@ struct emu_fiber {
   const emu_barrier* waits_on = nullptr;  // null: runnable
   unsigned generation = 0;                // of waits_on when this fiber arrived
   bool done = false;
-#if defined(__x86_64__)
+#if EMU_ASM_SWITCH
   void* sp = nullptr;
 #else
   ucontext_t context;
@@ -85,7 +88,7 @@ inline void (*emu_body)() = nullptr;       // the launch's kernel, bound to its 
 inline char emu_error[512];
 [[noreturn]] void emu_fiber_main();
 
-#if defined(__x86_64__)
+#if EMU_ASM_SWITCH
 // A context switch saves what the SysV ABI makes callee-saved (six registers, the stack
 // pointer) and nothing else: no signal mask syscall as swapcontext makes.
 extern "C" {  // not `extern "C" void`: _KERNEL_NAME would take it for a kernel

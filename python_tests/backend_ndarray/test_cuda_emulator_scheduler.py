@@ -17,7 +17,7 @@ import threading
 
 import numpy as np
 import pytest
-from _cuda_emulator import _RawModule, compiler_available
+from _cuda_emulator import SHIM, _RawModule, compiler_available
 
 pytestmark = pytest.mark.skipif(not compiler_available(), reason="g++ not found")
 
@@ -226,3 +226,37 @@ def test_two_copies_of_the_emulator_never_run_one_library_at_once():
         go[0] = 1
         first.join(60)
     assert started[0] == 1 and not first.is_alive()
+
+
+_UCONTEXT_MAIN = r"""
+#include <cstdio>
+int main() {
+  static long long in[1024], out[32];
+  long long total = 0, first_warp = 0;
+  for (int i = 0; i < 1024; ++i) {
+    in[i] = (long long)i * 7919 + 3;
+    total += in[i];
+    if (i < 32) first_warp += in[i];
+  }
+  long long *pin = in, *pout = out;
+  void* args[2] = {&pin, &pout};
+  void* out_only[1] = {&pout};
+  const int tree = emu_run_grid(&tree_sum, args, 1, 1, 1024);
+  std::printf("tree %d %d\n", tree, out[0] == total);
+  const int warp = emu_run_grid(&warp_sums, args, 1, 1, 1024);
+  std::printf("warp %d %d\n", warp, out[0] == first_warp);
+  std::printf("deadlock %d\n", emu_run_grid(&half_block_barrier, out_only, 1, 1, 32));
+  const int again = emu_run_grid(&tree_sum, args, 1, 1, 1024);
+  std::printf("again %d %d\n", again, out[0] == total);
+}
+"""
+
+
+def test_the_portable_context_switch_runs_the_same_kernels(tmp_path):
+    """Off x86-64 the fibers switch with swapcontext: built here with NEEDLE_EMU_UCONTEXT."""
+    src, exe = tmp_path / "kernels.cpp", tmp_path / "kernels"
+    src.write_text(SHIM + KERNELS + _UCONTEXT_MAIN, encoding="utf-8")
+    subprocess.run(["g++", "-std=c++20", "-O1", "-w", "-DNEEDLE_EMU_UCONTEXT", str(src),
+                    "-o", str(exe)], check=True, capture_output=True, text=True)
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    assert run.stdout.split("\n")[:4] == ["tree 0 1", "warp 0 1", "deadlock 1", "again 0 1"]
