@@ -120,7 +120,7 @@ def _launch(name: str, grid, block, *args) -> None:
 
 
 def _values(n: int, seed: int) -> np.ndarray:
-    """Distinct large integers: a stale or lost partial sum changes the exact total."""
+    """Large random integers: a stale or lost partial sum changes the exact total."""
     rng = np.random.default_rng(seed)
     return rng.integers(1 << 40, 1 << 50, size=n, dtype=np.int64)
 
