@@ -1,7 +1,7 @@
 """The CUDA backend end to end on the host: real launcher, real .cu kernels, emulated GPU.
 
 ``_cuda_emulator.FakeCupy`` stands in for CuPy and compiles each kernel source with g++ and a
-shim of the CUDA built-ins (one host thread per CUDA thread, real barriers and warp shuffles).
+shim of the CUDA built-ins (each CUDA thread a fiber, real barriers and warp shuffles).
 Every kernel test of cuda_checks.py runs here, so that indexing, guards, reduction trees,
 argument packing and scalar casts are checked on machines without a GPU. Skipped when g++ is
 missing; on a GPU machine test_cuda_backend.py runs the same tests on the device.

@@ -27,8 +27,7 @@ ROW_CASES = ((5, 7, "small"), (9, 33, "warp"), (3, 1021, "warp"), (2, 1024, "war
 LEADING_CASES = ((5, 7), (200, 33), (300, 7), (300, 64), (300, 66), (1, 5), (4000, 300),
                  (65_536, 17))
 SMS = (114, 132)  # H100 PCIe, H100 SXM / H200
-# Every path in float32; the other dtypes on the unaligned warp, block and split paths (the
-# emulator runs one host thread per CUDA thread: each launch costs milliseconds).
+# Every path in float32; the other dtypes on the unaligned warp, block and split paths.
 ROW_PARAMS = ([("float32", *case) for case in ROW_CASES]
               + [(dt, *ROW_CASES[i]) for dt in ("float64", "float16") for i in (2, 5, 7)])
 NAN_PARAMS = ([("float32", *ROW_CASES[i]) for i in (1, 4, 7)]
