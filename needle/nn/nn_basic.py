@@ -336,6 +336,7 @@ class BatchNorm2d(BatchNorm1d):
 
 _RELU_FUSERS = (BatchNorm1d, BatchNorm2d)  # exact types: see _fuses_with_relu
 
+
 class LayerNorm1d(Module):
     """Normalise each row over its last axis (biased variance), then scale and shift.
 
