@@ -211,6 +211,26 @@ def test_split_reductions_are_deterministic(backend):
 
 
 @_emulated
+@pytest.mark.parametrize("grid", [1, 3])
+def test_leading_blocks_that_walk_several_column_blocks_give_the_same_bits(backend,
+                                                                          monkeypatch, grid):
+    """A grid smaller than the plan's (chunk, column block) pairs (the grid-stride loop of
+    the column kernels): every block reuses its shared partials for the next pair, and the
+    sums, maxima and minima are those of the full grid bit for bit."""
+    rng = np.random.default_rng(grid)
+    cases = [rng.uniform(-2, 2, (300, 4000)).astype(np.float32),  # 2 chunks x 4 column blocks
+             rng.uniform(-2, 2, (20_000, 60)).astype(np.float32)]  # 16 row lanes, 8 chunks
+    want = [[_sum_leading(x), _leading("max", x), _leading("min", x)] for x in cases]
+    monkeypatch.setattr(L, "MAX_GRID_X", grid)
+    for x, full in zip(cases, want, strict=True):
+        plan = L.plan_reduce_leading(*x.shape, x.itemsize, 0, _num_sms())
+        assert plan.blocks > grid and not plan.ordered, plan
+        got = [_sum_leading(x), _leading("max", x), _leading("min", x)]
+        for g, w in zip(got, full, strict=True):
+            np.testing.assert_array_equal(g, w)
+
+
+@_emulated
 def test_ndarray_reductions_of_views(backend):
     """NDArray on cuda(): sums, max and min over the last axis and leading axes of compact
     arrays (max and min over leading axes through the column kernels, no copy) and of
