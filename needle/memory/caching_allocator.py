@@ -176,6 +176,7 @@ class CachingAllocator:
         self.name = name
         self._factory = segment_factory or _numpy_segment
         self._lock = threading.RLock()
+        self._acquire, self._unlock = self._lock.acquire, self._lock.release  # the fast pair's
         self._depth = 0            # >0 while this thread is inside allocate/release/retag
         self._pending: list[Block] = []  # releases that arrived re-entrantly (GC inside a call)
         self._ids = itertools.count(1)
@@ -240,9 +241,15 @@ class CachingAllocator:
         (the CUDA backend's buffers: one call per NDArray, so the checks are the caller's).
         A parked block of the same rounded size is handed out first (the last one parked)."""
         key = (nbytes + _ROUND_UP) >> _ROUND_SHIFT or 1  # the parked key of _release_trusted
-        state = _CATEGORY_STATE  # categories.resolve(None), written out
-        cat = state.user_top or state.framework_top or state.op_category or _DEFAULT_CATEGORY
-        with self._lock:
+        # categories.resolve(None), written out: one read of the thread-local state (its
+        # fields from this thread's dict cost a third of three attribute reads)
+        fields = _CATEGORY_STATE.__dict__
+        cat = (fields["user_top"] or fields["framework_top"] or fields["op_category"]
+               or _DEFAULT_CATEGORY)
+        # acquire/release as bound methods: a `with` on the RLock costs twice as much
+        # (its __enter__ parses acquire's arguments), and this runs for every buffer
+        self._acquire()
+        try:
             stack = self._parked.get(key)
             if not stack or self._depth:
                 self._depth += 1
@@ -279,6 +286,8 @@ class CachingAllocator:
                 finally:
                     self._leave()
             return block
+        finally:
+            self._unlock()
 
     def _release_trusted(self, block: Block) -> None:
         """:meth:`release` for the owner of a block from :meth:`_allocate_trusted` (it
@@ -286,7 +295,8 @@ class CachingAllocator:
         if block.free:
             raise MemoryArgumentError(
                 f"release: expected a live block of allocator {self.name!r}, got {block!r}")
-        with self._lock:
+        self._acquire()  # not `with`: see _allocate_trusted
+        try:
             if self._depth:  # re-entered from a destructor: as release() does
                 self._pending.append(block)
                 return
@@ -314,6 +324,8 @@ class CachingAllocator:
             stack.append(block)
             if self._pending:
                 self._drain_pending()
+        finally:
+            self._unlock()
 
     def release(self, block: Block) -> None:
         """Return ``block`` to the cache.

@@ -95,13 +95,16 @@ def test_a_recorded_parked_reuse_emits_the_events_of_an_allocation():
 @pytest.mark.parametrize("seed", [0, 1])
 def test_statistics_equal_counting_each_event(seed):
     """Through trusted and public calls, retags and peak resets in any order, the counters
-    and every peak (total, requested, per category) equal a model that counts each event."""
+    and every peak (total, requested, per category) equal a model that counts each event;
+    each block's category follows resolve's order (user scope, framework scope, op default)."""
+    import contextlib
     import random
 
-    from needle.memory.categories import category
+    from needle.memory.categories import category, framework_category, thread_state
 
     rng = random.Random(seed)
-    alloc = CachingAllocator("logged")
+    alloc = CachingAllocator("counted")
+    state = thread_state()
     cats = ("activation", "gradient", "other")
     model = {"cur": 0, "peak": 0, "req": 0, "peak_req": 0}
     rows = {c: {"current": 0, "peak": 0, "current_requested": 0, "peak_requested": 0}
@@ -124,9 +127,22 @@ def test_statistics_equal_counting_each_event(seed):
         if roll < 0.5 or not live:
             nbytes = rng.choice((0, 100, 512, 1000, 3000, 70_000, 2 * MiB + 5))
             cat = rng.choice(cats)
-            with category(cat):
-                trusted = rng.random() < 0.8
+            trusted = rng.random() < 0.8
+            # resolve's order: a user scope > a framework scope > the op default
+            user = rng.random() < 0.6
+            framework = rng.random() < 0.5
+            state.op_category = "activation" if rng.random() < 0.5 else None
+            scopes = contextlib.ExitStack()
+            if framework:
+                scopes.enter_context(framework_category("gradient" if user else cat))
+            if user:
+                scopes.enter_context(category(cat))
+            with scopes:
                 block = (alloc._allocate_trusted if trusted else alloc.allocate)(nbytes)
+            if not user and not framework:
+                cat = state.op_category or "other"
+            state.op_category = None
+            assert block.category == cat, (user, framework, trusted)
             live.append((block, trusted))
             count(cat, block.size, nbytes)
         elif roll < 0.95:
@@ -151,3 +167,20 @@ def test_statistics_equal_counting_each_event(seed):
                     st["peak_requested_bytes"]) == (model["cur"], model["peak"], model["req"],
                                                     model["peak_req"]), step
             assert {c: st["by_category"][c] for c in cats} == rows, step
+
+
+def test_a_trusted_allocation_on_a_fresh_thread_reads_that_threads_categories():
+    """The category comes from the allocating thread's own state (a new thread starts outside
+    every scope), not from the thread that opened a scope."""
+    import threading
+
+    from needle.memory.categories import category
+
+    alloc = CachingAllocator("threads")
+    seen = []
+    with category("gradient"):
+        worker = threading.Thread(target=lambda: seen.append(alloc._allocate_trusted(100)))
+        worker.start()
+        worker.join(60)
+        here = alloc._allocate_trusted(100)
+    assert [b.category for b in seen] == ["other"] and here.category == "gradient"
