@@ -124,6 +124,10 @@ def main() -> None:
     except BaseException as exc:  # noqa: BLE001 - report any failure of the user's script
         traceback.print_exc()
         record = _exception_record(exc)
+    # The script has ended: a Ctrl-C the launcher repeats now (it signals again once its grace
+    # runs out, as on a loaded machine) only asks for what is happening anyway, and must not
+    # cut the status record short with a traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     sys.stdout.flush()
     sys.stderr.flush()
     record.update(rank=rank, time=time.time())
