@@ -31,6 +31,9 @@ class CMakeBuild(build_ext):
     """Configure and build with CMake, writing the module where setuptools expects it."""
 
     def build_extension(self, ext: Extension) -> None:
+        if not isinstance(ext, CMakeExtension):
+            super().build_extension(ext)  # a plain C extension: setuptools compiles it
+            return
         import pybind11
 
         target = Path(self.get_ext_fullpath(ext.name)).resolve()
@@ -54,7 +57,12 @@ class CMakeBuild(build_ext):
 
 
 setup(
-    ext_modules=[CMakeExtension("needle.backend_ndarray.ndarray_backend_cpu")],
+    ext_modules=[
+        CMakeExtension("needle.backend_ndarray.ndarray_backend_cpu"),
+        # the CUDA backend's per-buffer allocate/release pair (CPython C API, no CUDA)
+        Extension("needle.memory._trusted_pair", sources=["src/trusted_pair.c"],
+                  extra_compile_args=["-O2"]),
+    ],
     cmdclass={"build_ext": CMakeBuild},
     zip_safe=False,
 )

@@ -33,13 +33,13 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import threading
 from typing import Callable
 
 import numpy as np
 
 from . import timeline as _timeline
 from ._errors import MemoryArgumentError
+from ._pair_state import CategoryRow, RLock, Totals, row_dict
 from .categories import _DEFAULT as _DEFAULT_CATEGORY
 from .categories import CATEGORIES, check_category, resolve, thread_state
 
@@ -158,10 +158,6 @@ class Block:
         return f"Block(id={self.id}, offset={self.offset}, size={self.size}, {state})"
 
 
-def _new_category_row() -> dict[str, int]:
-    return {"current": 0, "peak": 0, "current_requested": 0, "peak_requested": 0}
-
-
 class CachingAllocator:
     """Caching allocator for one device (see the module docstring for the size classes).
 
@@ -175,7 +171,7 @@ class CachingAllocator:
                  segment_factory: Callable[[int], object] | None = None):
         self.name = name
         self._factory = segment_factory or _numpy_segment
-        self._lock = threading.RLock()
+        self._lock = RLock()  # the C pair's FastRLock when built: see _pair_state
         self._acquire, self._unlock = self._lock.acquire, self._lock.release  # the fast pair's
         self._depth = 0            # >0 while this thread is inside allocate/release/retag
         self._pending: list[Block] = []  # releases that arrived re-entrantly (GC inside a call)
@@ -190,19 +186,19 @@ class CachingAllocator:
         # _unpark coalesces them. No count of them is kept (the fast paths would pay an
         # update each): a key stays when its list empties, until _unpark clears them all.
         self._parked: dict[int, list[Block]] = {}
-        self._parks = 0  # blocks ever parked (num_frees counts them)
         self._limit: int | None = None  # refuse segments past this many reserved bytes
         self._reset_counters()
 
     def _reset_counters(self) -> None:
-        self._allocated = self._requested = self._reserved = 0
-        self._peak = self._peak_requested = self._peak_reserved = 0
+        # bytes and peaks of live blocks, and the parked pair's events: in objects the C pair
+        # (needle/memory/_trusted_pair) updates too. Parked reuses and parks are counted apart
+        # (one add on the fast path); stats() adds them to num_allocs and num_reused, and to
+        # num_frees
+        self._totals = Totals()
+        self._by_category = {c: CategoryRow() for c in CATEGORIES}
+        self._reserved = self._peak_reserved = 0
         self._num_allocs = self._num_frees = self._num_reused = 0
-        # allocations served by a parked block: counted apart (one add on the fast path),
-        # stats() adds them to num_allocs and num_reused (and the parks to num_frees)
-        self._num_parked_reuses = 0
         self._num_segment_allocs = self._num_segment_frees = 0
-        self._by_category = {c: _new_category_row() for c in CATEGORIES}
 
     # ---- public API -------------------------------------------------------------------
     def allocate(self, nbytes: int, dtype=None, category: str | None = None) -> Block:
@@ -260,25 +256,26 @@ class CachingAllocator:
             # Up to the event, nothing allocates a tracked object or calls out: no destructor
             # can run in the middle (release() defers those only while _depth is set).
             block = stack.pop()
-            self._num_parked_reuses += 1
+            totals = self._totals
+            totals.parked_reuses += 1
             block.free = False
             block.requested = nbytes
             block.category = cat
             size = block.size  # a large block may be bigger than its rounded request
-            allocated = self._allocated = self._allocated + size  # _allocate's statistics
-            if allocated > self._peak:
-                self._peak = allocated
-            requested = self._requested = self._requested + nbytes
-            if requested > self._peak_requested:
-                self._peak_requested = requested
+            allocated = totals.allocated = totals.allocated + size  # _allocate's statistics
+            if allocated > totals.peak:
+                totals.peak = allocated
+            requested = totals.requested = totals.requested + nbytes
+            if requested > totals.peak_requested:
+                totals.peak_requested = requested
             # _count written out: this runs for every eager cuda() buffer, one call fewer
             row = self._by_category[cat]
-            cur = row["current"] = row["current"] + size
-            if cur > row["peak"]:
-                row["peak"] = cur
-            req = row["current_requested"] = row["current_requested"] + nbytes
-            if req > row["peak_requested"]:
-                row["peak_requested"] = req
+            cur = row.current = row.current + size
+            if cur > row.peak:
+                row.peak = cur
+            req = row.current_requested = row.current_requested + nbytes
+            if req > row.peak_requested:
+                row.peak_requested = req
             if _timeline._RECORDERS:
                 self._depth += 1  # the recorder may allocate (and so run destructors)
                 try:
@@ -303,12 +300,13 @@ class CachingAllocator:
             block.free = True
             size = block.size
             nbytes = block.requested
-            self._parks += 1  # counted in num_frees (_release's statistics, written out)
-            self._allocated -= size
-            self._requested -= nbytes
+            totals = self._totals
+            totals.parks += 1  # counted in num_frees (_release's statistics, written out)
+            totals.allocated -= size
+            totals.requested -= nbytes
             row = self._by_category[block.category]
-            row["current"] -= size
-            row["current_requested"] -= nbytes
+            row.current -= size
+            row.current_requested -= nbytes
             if _timeline._RECORDERS:
                 self._depth += 1  # the recorder may allocate (and so run destructors)
                 try:
@@ -397,32 +395,34 @@ class CachingAllocator:
     def reset_peak(self) -> None:
         """Set every peak (total, requested, reserved, per category) to its current value."""
         with self._lock:
-            self._peak = self._allocated
-            self._peak_requested = self._requested
+            totals = self._totals
+            totals.peak = totals.allocated
+            totals.peak_requested = totals.requested
             self._peak_reserved = self._reserved
             for row in self._by_category.values():
-                row["peak"] = row["current"]
-                row["peak_requested"] = row["current_requested"]
+                row.peak = row.current
+                row.peak_requested = row.current_requested
 
     def stats(self) -> dict:
         """A snapshot of the statistics (see docs/memory.md for every field)."""
         with self._lock:
+            totals = self._totals
             return {
                 "device": self.name,
-                "allocated_bytes": self._allocated,
-                "requested_bytes": self._requested,
-                "peak_bytes": self._peak,
-                "peak_requested_bytes": self._peak_requested,
+                "allocated_bytes": totals.allocated,
+                "requested_bytes": totals.requested,
+                "peak_bytes": totals.peak,
+                "peak_requested_bytes": totals.peak_requested,
                 "reserved_bytes": self._reserved,
                 "peak_reserved_bytes": self._peak_reserved,
-                "cached_bytes": self._reserved - self._allocated,
-                "num_allocs": self._num_allocs + self._num_parked_reuses,
-                "num_frees": self._num_frees + self._parks,
-                "num_reused": self._num_reused + self._num_parked_reuses,
+                "cached_bytes": self._reserved - totals.allocated,
+                "num_allocs": self._num_allocs + totals.parked_reuses,
+                "num_frees": self._num_frees + totals.parks,
+                "num_reused": self._num_reused + totals.parked_reuses,
                 "num_segments": len(self._segments),
                 "num_segment_allocs": self._num_segment_allocs,
                 "num_segment_frees": self._num_segment_frees,
-                "by_category": {c: dict(r) for c, r in self._by_category.items()},
+                "by_category": {c: row_dict(r) for c, r in self._by_category.items()},
             }
 
     def set_limit(self, nbytes: int | None) -> int | None:
@@ -536,19 +536,20 @@ class CachingAllocator:
         block.category = cat
         size = block.size  # the whole block when a large one is not cut
         self._num_allocs += 1
-        self._allocated += size
-        self._requested += nbytes
-        if self._allocated > self._peak:
-            self._peak = self._allocated
-        if self._requested > self._peak_requested:
-            self._peak_requested = self._requested
+        totals = self._totals
+        allocated = totals.allocated = totals.allocated + size
+        if allocated > totals.peak:
+            totals.peak = allocated
+        requested = totals.requested = totals.requested + nbytes
+        if requested > totals.peak_requested:
+            totals.peak_requested = requested
         row = self._by_category[cat]  # _count, written out
-        cur = row["current"] = row["current"] + size
-        if cur > row["peak"]:
-            row["peak"] = cur
-        req = row["current_requested"] = row["current_requested"] + nbytes
-        if req > row["peak_requested"]:
-            row["peak_requested"] = req
+        cur = row.current = row.current + size
+        if cur > row.peak:
+            row.peak = cur
+        req = row.current_requested = row.current_requested + nbytes
+        if req > row.peak_requested:
+            row.peak_requested = req
         if _timeline._RECORDERS:
             self._emit("alloc", block, new_segment)
         return block
@@ -556,11 +557,12 @@ class CachingAllocator:
     def _release(self, block: Block) -> None:
         block.free = True
         self._num_frees += 1
-        self._allocated -= block.size
-        self._requested -= block.requested
+        totals = self._totals
+        totals.allocated -= block.size
+        totals.requested -= block.requested
         row = self._by_category[block.category]  # _count, written out (a release sets no peak)
-        row["current"] -= block.size
-        row["current_requested"] -= block.requested
+        row.current -= block.size
+        row.current_requested -= block.requested
         if _timeline._RECORDERS:
             self._emit("free", block, False)
         block.requested = 0
@@ -596,19 +598,19 @@ class CachingAllocator:
 
     def _count(self, cat: str, size: int, requested: int) -> None:
         row = self._by_category[cat]
-        cur = row["current"] = row["current"] + size
-        if cur > row["peak"]:
-            row["peak"] = cur
-        req = row["current_requested"] = row["current_requested"] + requested
-        if req > row["peak_requested"]:
-            row["peak_requested"] = req
+        cur = row.current = row.current + size
+        if cur > row.peak:
+            row.peak = cur
+        req = row.current_requested = row.current_requested + requested
+        if req > row.peak_requested:
+            row.peak_requested = req
 
     def _emit(self, kind: str, block: Block, new_segment: bool,
               prev_category: str | None = None) -> None:
         _timeline.emit(_timeline.Event(
             kind=kind, device=self.name, nbytes=block.size, requested=block.requested,
             category=block.category, op=_timeline.current_op(), block=block.id,
-            new_segment=new_segment, allocated_bytes=self._allocated,
+            new_segment=new_segment, allocated_bytes=self._totals.allocated,
             prev_category=prev_category))
 
     def _new_segment(self, pool: int, size: int, nbytes: int = 0, cat: str = "other") -> Block:
@@ -633,7 +635,7 @@ class CachingAllocator:
 
         raise out_of_memory_error({
             "device": self.name, "requested": nbytes, "block": size, "segment": seg_size,
-            "allocated": self._allocated, "reserved": self._reserved, "limit": self._limit,
+            "allocated": self._totals.allocated, "reserved": self._reserved, "limit": self._limit,
             "largest_free_block": max((s[-1] for s in self._free_sizes if s), default=0),
             "category": cat}, allocator=self)
 

@@ -56,15 +56,31 @@ def install_cuda_allocator(mod, segment_alloc) -> CachingAllocator:
     return alloc
 
 
-def _trusted_owner(alloc: CachingAllocator) -> type:
-    """``cls(nbytes)``: a :class:`DeviceBlock` over a new block of ``alloc`` in one call. The
-    backend passes an int >= 0 (the Array checked it): the trusted pair skips the checks."""
+def _trusted_owner(alloc: CachingAllocator):
+    """``fn(nbytes) -> owner``: an owner (``.ptr``, ``.block``) of a new block of ``alloc`` in
+    one call. The backend passes an int >= 0 (the Array checked it): the trusted pair skips
+    the checks. The C pair (``needle.memory._trusted_pair``, built with the package) serves a
+    parked block without running Python; without it, :func:`python_trusted_owner`."""
+    try:
+        from ._trusted_pair import TrustedPair
+    except ImportError:  # a source tree used without building: the same pair in Python
+        return python_trusted_owner(alloc)
+    from . import timeline
+    from .caching_allocator import BLOCK_ROUND, Block
+    from .categories import _DEFAULT, thread_state
+
+    return TrustedPair(alloc, Block, thread_state(), timeline, _DEFAULT, BLOCK_ROUND)
+
+
+def python_trusted_owner(alloc: CachingAllocator) -> type:
+    """The trusted owner in Python: a :class:`DeviceBlock` subclass whose ``cls(nbytes)``
+    allocates through ``alloc``'s trusted pair (the reference the C pair is tested against)."""
     allocate, release = alloc._allocate_trusted, alloc._release_trusted
 
     class TrustedDeviceBlock(DeviceBlock):
         __slots__ = ()
 
-        def __init__(self, nbytes: int):  # noqa: D107 - see _trusted_owner
+        def __init__(self, nbytes: int):  # noqa: D107 - see python_trusted_owner
             block = self.block = allocate(nbytes)
             self.ptr = block.segment.base + block.offset
 

@@ -73,20 +73,20 @@ def _count(fn) -> tuple[int, int]:
 #   autograd: the operator or op function, TensorOp.__call__, make_from_op, the op's compute,
 #             the release bookkeeping's track                                          5
 #   NDArray:  the operator, _ewise, the shape check, _alloc                             4
-#   buffer:   Array(), the allocator function, the owner, the trusted allocate, the
-#             category lookup, _allocate, the Block cut off a cached one               7
+#   buffer:   Array() (the C pair hands it a parked block: no frame)                    1
 #   launch:   the backend kernel, runtime.launch, prepare, the plan's converter, one
 #             ptr() per buffer (3)                                                      7
-#   release:  the owner's __del__, release, _release (coalescing written out)           3
-# = 26; the bound leaves 5 for a scalar argument's or an op's own extra helper. Before the
-# launch plans, the trusted allocation and the written-out cut and coalescing: ~59.
-FRAMES_PER_ELEMENTWISE_OP = 31
-# Bytecodes: ~20 a frame for call, arguments and return (26 frames: ~520), plus the bodies
-# that do work: the allocator's cut of a cached block with its exact statistics (~300), the
-# release with its coalescing (~200), the autograd node (~120), one launch's checks from its
-# compiled plan (~60) = ~1,200. Checking every launch argument one by one in a loop (~30
-# bytecodes an argument) costs more than the margin; before the launch plans ~1,600.
-BYTECODES_PER_ELEMENTWISE_OP = 1300
+#   release:  the owner parks its block in C: no frame                                  0
+# = 17-18; the bound leaves 4 for a scalar argument's or an op's own extra helper. With the
+# pair in Python (owner, trusted allocate, category lookup; __del__, release): 26; before
+# the launch plans, the trusted allocation and the written-out cut and coalescing: ~59.
+FRAMES_PER_ELEMENTWISE_OP = 22
+# Bytecodes: ~20 a frame for call, arguments and return (18 frames: ~360), plus the bodies
+# that do work: the autograd node (~120), one launch's checks from its compiled plan (~60),
+# Array's own (~60) = ~600. Checking every launch argument one by one in a loop (~30
+# bytecodes an argument) costs more than the margin; with the pair in Python ~1,200 (its
+# exact statistics ~250 a buffer), before the launch plans ~1,600.
+BYTECODES_PER_ELEMENTWISE_OP = 700
 
 
 @pytest.mark.parametrize("op", ["add", "mul_scalar", "relu"])
@@ -220,12 +220,12 @@ def _step_counts(step, alloc, monkeypatch) -> dict:
 
     monkeypatch.setattr(runtime, "function", lambda source, name: kernel)
     monkeypatch.setattr(runtime._cupy, "ndarray", ndarray)
-    before, parked = alloc.stats(), alloc._num_parked_reuses
+    before, parked = alloc.stats(), alloc._totals.parked_reuses
     step()
     after = alloc.stats()
     counts["buffers"] = after["num_allocs"] - before["num_allocs"]
     counts["freed"] = after["num_frees"] - before["num_frees"]
-    counts["parked_reuses"] = alloc._num_parked_reuses - parked
+    counts["parked_reuses"] = alloc._totals.parked_reuses - parked
     counts["new_segments"] = after["num_segment_allocs"] - before["num_segment_allocs"]
     monkeypatch.setattr(runtime._cupy, "ndarray", real_ndarray)
     return counts
@@ -270,10 +270,11 @@ def test_a_repeated_eager_step_reuses_parked_blocks_and_product_views(noop_cuda,
 # Python frames and bytecodes of needle's code in one warm eager ResNet9 step (batch 8): the
 # sum of the per-op paths above over ~25 forward ops, their backward, SGD and BatchNorm's
 # running statistics (~146 buffers, ~148 launches). Before parked blocks, kept product views,
-# kept view records, the layout and geometry caches and BatchNorm + ReLU as one node: 10,449
-# frames and 330,000 bytecodes (now ~5,710 and ~209,600; the bounds leave ~3%).
-RESNET9_STEP_FRAMES = 5_900
-RESNET9_STEP_BYTECODES = 216_000
+# kept view records, the layout and geometry caches, BatchNorm + ReLU as one node and the
+# allocate/release pair in C: 10,449 frames and 330,000 bytecodes (~5,710 and ~209,600 with
+# the pair in Python; now ~5,130 and ~170,700; the bounds leave ~3%).
+RESNET9_STEP_FRAMES = 5_300
+RESNET9_STEP_BYTECODES = 176_000
 
 
 def test_an_eager_resnet9_step_stays_within_its_python_budget(noop_cuda):
