@@ -25,4 +25,4 @@ bench:
 	$(PY) bench/bench_autograd.py
 
 clean:
-	rm -rf build *.egg-info needle/backend_ndarray/*.so
+	rm -rf build *.egg-info needle/backend_ndarray/*.so needle/memory/*.so

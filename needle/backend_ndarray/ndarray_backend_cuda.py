@@ -780,8 +780,9 @@ def ewise_program_many(launches, code, scalars) -> None:
             # the launcher's checks and grid once; its record check holds for every refill
             name, _, block, _ = L.prepare(_PROGRAM, dtype, n, (record, n))
             kernel = dtype, runtime.function(_PROGRAM.source, name), block
-        grid = (max(1, min(-(-n // _PROGRAM_PER_BLOCK), L.MAX_GRID_X)),)
-        kernel[1](grid, kernel[2], (record, np.int64(n)))
+        blocks = -(-n // _PROGRAM_PER_BLOCK)
+        grid = (blocks if 0 < blocks <= L.MAX_GRID_X else L.clamp_blocks(blocks),)
+        kernel[1](grid, kernel[2], (record, L.kernel_i64(n)))
 
 
 def _program_record(ins, outs, code: tuple, scalars, n, scratch=None) -> tuple | None:

@@ -515,11 +515,22 @@ def _batch_norm_both(n, c, s, dtype, seed):
         backend.batch_norm_backward(put(backend, dy, dt), xa, wa, stats[0], stats[2], *grads,
                                     n, c, s)
         results[backend] = [flat(backend, a) for a in [y] + stats + grads]
-    for got, want in zip(results[cpu], results[ref], strict=True):
-        assert_close(got, want, dtype, scale=float(n * s))
-    # the reference itself against the textbook formulas (float64)
     xs = x.reshape(n, c, s)
     mean, var = xs.mean(axis=(0, 2)), xs.var(axis=(0, 2))
+    for i, (got, want) in enumerate(zip(results[cpu], results[ref], strict=True)):
+        if i != 4:
+            assert_close(got, want, dtype, scale=float(n * s))
+    # dx = w rstd (dy - mean(dy) - xhat mean(dy xhat)) cancels: with few values per channel
+    # the bracket is a small difference of terms of size |dy|, and one rounding of x (eps |x|)
+    # moves xhat by eps |x| rstd, so dx's error grows like eps w |x| |dy| / (var + eps_bn).
+    # Two values 0.1 apart (var 0.0028) lose ~3e-4 in float32: beyond the plain bound.
+    cond = (np.abs(w) * np.abs(xs).max(axis=(0, 2))
+            * np.abs(dy.reshape(n, c, s)).max(axis=(0, 2)) / (var + 1e-5))
+    got, want = np.asarray(results[cpu][4], np.float64), np.asarray(results[ref][4])
+    plain = TOL[dtype] * max(float(n * s), float(np.abs(want).max(initial=0.0)), 1.0)
+    bound = plain + 8 * float(np.finfo(dtype).eps) * cond[None, :, None]
+    err = np.abs(got - want).reshape(n, c, s)
+    assert np.all(err <= bound), f"dx: max error {np.max(err / bound):.3g} x its bound"
     xhat = (xs - mean[None, :, None]) / np.sqrt(var[None, :, None] + 1e-5)
     y_ref = w[None, :, None] * xhat + b[None, :, None]
     np.testing.assert_allclose(results[ref][0], y_ref.reshape(-1), rtol=1e-10, atol=1e-10)

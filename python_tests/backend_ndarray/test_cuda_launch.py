@@ -101,6 +101,36 @@ def test_prepare_checks_and_casts():
         L.prepare(spec, "float16", 10, (np.zeros(10, np.float16), 2.5, out, 10))
 
 
+@pytest.mark.parametrize("path", ["fast", "checked"])
+def test_kernel_argument_scalars_are_kept_by_value_and_exact(path, monkeypatch):
+    """Addresses and sizes become NumPy scalars once per value (building one costs ~2,000
+    instructions), on the fast converter and on the checked path alike: the right type and
+    value every time, a new address or size its own scalar, the store bounded."""
+    monkeypatch.setattr(L, "_U64", {})  # the generated converters read the dicts they got
+    monkeypatch.setattr(L, "_I64", {})
+    spec = L.KernelSpec("elementwise.cu", "scalar_mul", ("a", "scalar", "a", "i64"))
+    if path == "checked":
+        spec._plans.clear()
+        L._launch_plan(spec, "float32", None)
+        name, params, scalar_type, per_block, _ = spec._plans[("float32", None)]
+        spec._plans[("float32", None)] = (name, params, scalar_type, per_block, None)
+    seen = {}
+    for ptr, n in ((0x100, 10), (0x300, 12), (0x100, 10), (0x200, 10), (2**63 + 0x100, 7)):
+        a, out = FakeBuffer(n, "float32", ptr), FakeBuffer(n, "float32", ptr + 0x40)
+        _, _, _, args = L.prepare(spec, "float32", n, (a, 2.5, out, n))
+        assert [type(x) for x in args] == [np.uint64, np.float32, np.uint64, np.int64]
+        assert (int(args[0]), int(args[2]), int(args[3])) == (ptr, ptr + 0x40, n)
+        first = seen.setdefault((ptr, n), args)
+        assert args[0] is first[0] and args[3] is first[3]  # kept, not made again
+    # a float or a bool size gives its np.int64 without standing in for an int later
+    assert type(L.kernel_i64(3.0)) is np.int64 and int(L.kernel_i64(3.0)) == 3
+    assert int(L.kernel_i64(True)) == 1 and 3.0 not in L._I64 and True not in L._I64
+    monkeypatch.setattr(L, "MAX_KEPT_SCALARS", 4)
+    values = [int(L.kernel_u64(0x1000 + i)) for i in range(10)]
+    assert values == [0x1000 + i for i in range(10)] and len(L._U64) <= 4
+    assert [int(L.kernel_i64(i)) for i in range(10)] == list(range(10)) and len(L._I64) <= 4
+
+
 def test_a_kernel_instantiated_for_some_dtypes_refuses_the_others():
     spec = L.KernelSpec("fused.cu", "embedding_forward", ("a", "a", "a", "i64", "i64", "i64"),
                         "indexed", dtypes=("float32", "float64"))

@@ -322,8 +322,10 @@ def prepare(spec: KernelSpec, dtype: str, work, args, src_dtype: str | None = No
             kernel_args = None
         if kernel_args is not None:
             if per_block and work.__class__ is int:
-                return name, (max(1, min(-(-work // per_block), MAX_GRID_X)),), _BLOCK, \
-                    kernel_args
+                # launch_config's 1-D grid, written out (max/min cost ~1,000 instructions each)
+                blocks = -(-work // per_block)
+                return name, (blocks if 0 < blocks <= MAX_GRID_X else clamp_blocks(blocks),), \
+                    _BLOCK, kernel_args
             return (name, *launch_config(spec.grid, work, dtype), kernel_args)
     return _prepare_checked(spec, dtype, work, args, plan)
 
@@ -347,11 +349,11 @@ def _prepare_checked(spec: KernelSpec, dtype: str, work, args, plan: tuple) -> t
             if sized and size < work:
                 raise ShapeError(f"{spec.base}: buffer too small, expected at least {work} "
                                  f"elements, got {size}")
-            kernel_args.append(np.uint64(ptr))
+            kernel_args.append(kernel_u64(ptr))
         elif kind == "scalar":
             kernel_args.append(scalar_type(arg))
         elif kind == "i64":
-            kernel_args.append(np.int64(arg))
+            kernel_args.append(kernel_i64(arg))
         elif kind == "view":
             kernel_args.append(view)
         elif kind == "record":  # a one-element structured array, passed by value
@@ -362,13 +364,47 @@ def _prepare_checked(spec: KernelSpec, dtype: str, work, args, plan: tuple) -> t
         else:
             raise ValueError(f"{spec.base}: unknown parameter kind {kind!r}")
     if per_block and work.__class__ is int:  # launch_config's 1-D grids, written out
-        return name, (max(1, min(-(-work // per_block), MAX_GRID_X)),), _BLOCK, \
-            tuple(kernel_args)
+        return name, (clamp_blocks(-(-work // per_block)),), _BLOCK, tuple(kernel_args)
     grid, block = launch_config(spec.grid, work, dtype)
     return name, grid, block, tuple(kernel_args)
 
 
 _POINTER_KINDS = frozenset(("a", "acc", "src"))
+
+
+def clamp_blocks(blocks: int) -> int:
+    """A 1-D grid's block count within CUDA's limits: at least 1, at most ``MAX_GRID_X``."""
+    return blocks if 0 < blocks <= MAX_GRID_X else (MAX_GRID_X if blocks > 0 else 1)
+
+# The NumPy scalars of kernel arguments, kept by value: making one (``np.uint64(ptr)``,
+# ``np.int64(n)``) goes through NumPy's array conversion, ~2,000 instructions, and an eager
+# step passes the same few hundred addresses and sizes every step (a parked buffer comes back
+# at its address). NumPy scalars are immutable, so one may serve every launch. Bounded.
+MAX_KEPT_SCALARS = 1 << 16
+_U64: dict = {}
+_I64: dict = {}
+
+
+def kernel_u64(value: int) -> np.uint64:
+    """``np.uint64(value)``, kept (see ``_U64``): a buffer address as a kernel argument."""
+    scalar = _U64.get(value)
+    if scalar is None:
+        if len(_U64) >= MAX_KEPT_SCALARS:
+            _U64.clear()
+        scalar = _U64[value] = np.uint64(value)
+    return scalar
+
+
+def kernel_i64(value) -> np.int64:
+    """``np.int64(value)``, kept (see ``_U64``): a size or count as a kernel argument."""
+    scalar = _I64.get(value)
+    if scalar is None or value.__class__ is not int:
+        scalar = np.int64(value)
+        if value.__class__ is int:  # 3.0 == 3 and True == 1: only ints are keys
+            if len(_I64) >= MAX_KEPT_SCALARS:
+                _I64.clear()
+            _I64[value] = scalar
+    return scalar
 _BLOCK = (THREADS_PER_BLOCK,)
 # Work items per block of the 1-D grid kinds (see launch_config).
 _PER_BLOCK = {"elementwise": THREADS_PER_BLOCK, "indexed": THREADS_PER_BLOCK,
@@ -410,7 +446,9 @@ def _fast_converter(spec: KernelSpec, params: tuple, scalar_type):
         if kind == "scalar":
             values.append(f"scalar({name})")
         elif kind == "i64":
-            values.append(f"i64({name})")
+            # kept scalars (see _U64): a dict read, and a call only for a new int
+            values.append(f"(i64s.get({name}) if {name}.__class__ is int else None) "
+                          f"or i64({name})")
         elif kind == "record":
             checks.append(f"isinstance({name}, ndarray) and {name}.shape == (1,) "
                           f"and {name}.dtype.names")
@@ -420,14 +458,15 @@ def _fast_converter(spec: KernelSpec, params: tuple, scalar_type):
                 checks.append(f"{name}.dtype == {expected!r}")
             if sized:
                 checks.append(f"{name}.size >= work")
-            values.append(f"u64({name}.ptr())")
+            values.append(f"(u64s.get(p{name} := {name}.ptr()) or u64(p{name}))")
     unpack = ", ".join(names) + ("," if len(names) == 1 else "")
     source = (f"def convert(args, work):\n"
               f"    {unpack} = args\n"
               f"    if {' and '.join(checks) or 'True'}:\n"
               f"        return ({', '.join(values)},)\n"
               f"    return None\n")
-    scope = {"u64": np.uint64, "i64": np.int64, "scalar": scalar_type, "ndarray": np.ndarray}
+    scope = {"u64": kernel_u64, "i64": kernel_i64, "u64s": _U64, "i64s": _I64,
+             "scalar": scalar_type, "ndarray": np.ndarray}
     exec(compile(source, f"<cuda launch {spec.base}>", "exec"), scope)  # noqa: S102
     return scope["convert"]
 
