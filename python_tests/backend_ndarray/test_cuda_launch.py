@@ -131,6 +131,24 @@ def test_kernel_argument_scalars_are_kept_by_value_and_exact(path, monkeypatch):
     assert [int(L.kernel_i64(i)) for i in range(10)] == list(range(10)) and len(L._I64) <= 4
 
 
+def test_a_buffer_with_only_ptr_takes_the_checked_path_with_the_same_arguments():
+    """The fast converter reads the address from the Array's ``_ptr`` field; a buffer that
+    only has ``ptr()`` is converted by the checked path, to the same arguments."""
+
+    class PtrOnly:
+        def __init__(self, size, dtype, ptr):
+            self.size, self.dtype, self._address = size, dtype, ptr
+
+        def ptr(self):
+            return self._address
+
+    spec = L.KernelSpec("elementwise.cu", "scalar_mul", ("a", "scalar", "a", "i64"))
+    for a, out in ((FakeBuffer(10, "float32", 0x500), FakeBuffer(10, "float32", 0x600)),
+                   (PtrOnly(10, "float32", 0x500), PtrOnly(10, "float32", 0x600))):
+        _, _, _, args = L.prepare(spec, "float32", 10, (a, 2.0, out, 10))
+        assert [int(x) for x in args] == [0x500, 2, 0x600, 10]
+
+
 def test_a_kernel_instantiated_for_some_dtypes_refuses_the_others():
     spec = L.KernelSpec("fused.cu", "embedding_forward", ("a", "a", "a", "i64", "i64", "i64"),
                         "indexed", dtypes=("float32", "float64"))

@@ -300,7 +300,8 @@ def prepare(spec: KernelSpec, dtype: str, work, args, src_dtype: str | None = No
     """Check and convert the arguments of one launch: ``(name, grid, block, kernel_args)``.
 
     Array arguments must be backend buffers (flat and contiguous by construction: they expose
-    ``ptr()``, ``dtype`` and ``size``) of the expected dtype; for elementwise kernels each must
+    ``ptr()``, ``dtype`` and ``size``; the fast path reads the address from ``_ptr``, which
+    must equal ``ptr()`` where present) of the expected dtype; for elementwise kernels each must
     hold at least ``work`` elements. What depends only on ``(spec, dtype, src_dtype)`` is
     worked out on the first launch and kept (the host cost of a launch is most of a
     small-kernel GPU step); the arguments are checked on every launch.
@@ -458,7 +459,10 @@ def _fast_converter(spec: KernelSpec, params: tuple, scalar_type):
                 checks.append(f"{name}.dtype == {expected!r}")
             if sized:
                 checks.append(f"{name}.size >= work")
-            values.append(f"(u64s.get(p{name} := {name}.ptr()) or u64(p{name}))")
+            # the address from the ``_ptr`` field the backend's Array keeps (what its ptr()
+            # returns) without a Python call; a buffer without one fails here and takes the
+            # checked path, which calls ptr()
+            values.append(f"(u64s.get(p{name} := {name}._ptr) or u64(p{name}))")
     unpack = ", ".join(names) + ("," if len(names) == 1 else "")
     source = (f"def convert(args, work):\n"
               f"    {unpack} = args\n"
