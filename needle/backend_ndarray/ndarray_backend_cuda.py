@@ -813,7 +813,8 @@ def _program_record(ins, outs, code: tuple, scalars, n, scratch=None) -> tuple |
     out_ptrs = list(map(_PTR_OF, outs))
     # which input (if any) each output shares its buffer with, in C (no Python step per
     # buffer): a pattern accepted before needs no check (an input given twice: every time)
-    where = dict(zip(in_ptrs, range(len(in_ptrs)), strict=True))
+    # (zip's strict=True, a keyword, takes its slow constructor: +0.2 us; equal lengths here)
+    where = dict(zip(in_ptrs, range(len(in_ptrs))))  # noqa: B905
     aliases = tuple(map(where.get, out_ptrs))
     if aliases not in in_place_ok or len(where) < len(in_ptrs):
         _check_aliases(code, in_ptrs, out_ptrs, aliases, in_place_ok)
