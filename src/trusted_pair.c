@@ -615,33 +615,22 @@ static int pair_init(TrustedPair *self, PyObject *args, PyObject *kwds) {
   return 0;
 }
 
+/* Every object field of TrustedPair, for traverse and clear. */
+#define PAIR_OBJECTS(X)                                                                  \
+  X(allocator) X(fields) X(totals) X(by_category) X(lock) X(slow_allocate) X(slow_release) \
+  X(block_type) X(state) X(timeline) X(default_category)
+
 static int pair_traverse(TrustedPair *self, visitproc visit, void *arg) {
-  Py_VISIT(self->allocator);
-  Py_VISIT(self->fields);
-  Py_VISIT(self->totals);
-  Py_VISIT(self->by_category);
-  Py_VISIT(self->lock);
-  Py_VISIT(self->slow_allocate);
-  Py_VISIT(self->slow_release);
-  Py_VISIT(self->block_type);
-  Py_VISIT(self->state);
-  Py_VISIT(self->timeline);
-  Py_VISIT(self->default_category);
+#define VISIT_FIELD(name) Py_VISIT(self->name);
+  PAIR_OBJECTS(VISIT_FIELD)
+#undef VISIT_FIELD
   return 0;
 }
 
 static int pair_clear(TrustedPair *self) {
-  Py_CLEAR(self->allocator);
-  Py_CLEAR(self->fields);
-  Py_CLEAR(self->totals);
-  Py_CLEAR(self->by_category);
-  Py_CLEAR(self->lock);
-  Py_CLEAR(self->slow_allocate);
-  Py_CLEAR(self->slow_release);
-  Py_CLEAR(self->block_type);
-  Py_CLEAR(self->state);
-  Py_CLEAR(self->timeline);
-  Py_CLEAR(self->default_category);
+#define CLEAR_FIELD(name) Py_CLEAR(self->name);
+  PAIR_OBJECTS(CLEAR_FIELD)
+#undef CLEAR_FIELD
   return 0;
 }
 

@@ -256,26 +256,12 @@ class CachingAllocator:
             # Up to the event, nothing allocates a tracked object or calls out: no destructor
             # can run in the middle (release() defers those only while _depth is set).
             block = stack.pop()
-            totals = self._totals
-            totals.parked_reuses += 1
+            self._totals.parked_reuses += 1
             block.free = False
             block.requested = nbytes
             block.category = cat
-            size = block.size  # a large block may be bigger than its rounded request
-            allocated = totals.allocated = totals.allocated + size  # _allocate's statistics
-            if allocated > totals.peak:
-                totals.peak = allocated
-            requested = totals.requested = totals.requested + nbytes
-            if requested > totals.peak_requested:
-                totals.peak_requested = requested
-            # _count written out: this runs for every eager cuda() buffer, one call fewer
-            row = self._by_category[cat]
-            cur = row.current = row.current + size
-            if cur > row.peak:
-                row.peak = cur
-            req = row.current_requested = row.current_requested + nbytes
-            if req > row.peak_requested:
-                row.peak_requested = req
+            # a large block may be bigger than its rounded request
+            self._charge(cat, block.size, nbytes)
             if _timeline._RECORDERS:
                 self._depth += 1  # the recorder may allocate (and so run destructors)
                 try:
@@ -534,22 +520,8 @@ class CachingAllocator:
         block.free = False
         block.requested = nbytes
         block.category = cat
-        size = block.size  # the whole block when a large one is not cut
         self._num_allocs += 1
-        totals = self._totals
-        allocated = totals.allocated = totals.allocated + size
-        if allocated > totals.peak:
-            totals.peak = allocated
-        requested = totals.requested = totals.requested + nbytes
-        if requested > totals.peak_requested:
-            totals.peak_requested = requested
-        row = self._by_category[cat]  # _count, written out
-        cur = row.current = row.current + size
-        if cur > row.peak:
-            row.peak = cur
-        req = row.current_requested = row.current_requested + nbytes
-        if req > row.peak_requested:
-            row.peak_requested = req
+        self._charge(cat, block.size, nbytes)  # the whole block when a large one is not cut
         if _timeline._RECORDERS:
             self._emit("alloc", block, new_segment)
         return block
@@ -595,6 +567,18 @@ class CachingAllocator:
             bucket = buckets[block.size] = {}
             bisect.insort(self._free_sizes[pool], block.size)
         bucket[block] = None
+
+    def _charge(self, cat: str, size: int, requested: int) -> None:
+        """Count a block handed out: the totals and ``cat``'s row, with their peaks (the C
+        pair counts a parked block's reuse the same way)."""
+        totals = self._totals
+        allocated = totals.allocated = totals.allocated + size
+        if allocated > totals.peak:
+            totals.peak = allocated
+        req = totals.requested = totals.requested + requested
+        if req > totals.peak_requested:
+            totals.peak_requested = req
+        self._count(cat, size, requested)
 
     def _count(self, cat: str, size: int, requested: int) -> None:
         row = self._by_category[cat]
