@@ -7,9 +7,8 @@ import threading
 
 import pytest
 
-_trusted_pair = pytest.importorskip(
-    "needle.memory._trusted_pair",
-    reason="built by `pip install -e .` (test_trusted_pair.py checks that it is)")
+from needle.memory import _trusted_pair  # built by `pip install -e .`: missing fails here
+
 FastRLock = _trusted_pair.FastRLock
 
 
