@@ -39,8 +39,9 @@ LIMITS: dict[str, int] = {
     "needle/autograd": 2470,  # 2353: detect_anomaly, the PyTorch reading habits
     "needle/backend_ndarray": 4300,  # 4224: the eager cuda() path keeps its views, checked
     # records and program records; ewise_program_many
-    "needle/backend_ndarray/_cuda": 740,  # 707: per-kernel launch plans with a compiled
-    # argument converter, vectorised and column reduction plans, the graph-capture seam
+    "needle/backend_ndarray/_cuda": 790,  # 776: per-kernel launch plans with a compiled
+    # argument converter, vectorised and column reduction plans, the graph-capture seam,
+    # kernel-argument scalars kept by value
     "needle/backend_ndarray/cuda_kernels": 1530,  # 1457: bfloat16, vectorised row and
     # column reductions (sum/max/min over leading axes)
     "needle/backend_numpy.py": 90,  # 83
