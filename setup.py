@@ -1,4 +1,6 @@
-"""Build logic only: compile ``src/`` with CMake into ``needle/backend_ndarray``.
+"""Build logic only: compile ``src/`` with CMake into ``needle/backend_ndarray`` (the C++ CPU
+backend), and ``src/trusted_pair.c`` with setuptools into ``needle/memory`` (the CUDA
+backend's per-buffer allocate/release pair; plain CPython C API).
 
 Package metadata lives in ``pyproject.toml``. Works for ``pip install -e .``, ``pip install .``
 (the module lands inside the built wheel) and ``python setup.py build_ext --inplace``.

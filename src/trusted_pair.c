@@ -45,7 +45,7 @@ static const char *const KEY_NAMES[N_KEYS] = {
     "__dict__", "base"};
 
 /* The counters the fast paths update: the allocator's `_totals` and the values of its
-   `_by_category` dict are these objects (needle/memory/_counters.py is the same in Python,
+   `_by_category` dict are these objects (needle/memory/_pair_state.py has the same in Python,
    for a tree built without this module). Plain C fields: an update is an add. */
 typedef struct {
   PyObject_HEAD
