@@ -371,11 +371,16 @@ def _prepare_checked(spec: KernelSpec, dtype: str, work, args, plan: tuple) -> t
 
 
 _POINTER_KINDS = frozenset(("a", "acc", "src"))
+_BLOCK = (THREADS_PER_BLOCK,)
+# Work items per block of the 1-D grid kinds (see launch_config).
+_PER_BLOCK = {"elementwise": THREADS_PER_BLOCK, "indexed": THREADS_PER_BLOCK,
+              "packed": THREADS_PER_BLOCK * PACK}
 
 
 def clamp_blocks(blocks: int) -> int:
     """A 1-D grid's block count within CUDA's limits: at least 1, at most ``MAX_GRID_X``."""
     return blocks if 0 < blocks <= MAX_GRID_X else (MAX_GRID_X if blocks > 0 else 1)
+
 
 # The NumPy scalars of kernel arguments, kept by value: making one (``np.uint64(ptr)``,
 # ``np.int64(n)``) goes through NumPy's array conversion, ~2,000 instructions, and an eager
@@ -406,10 +411,6 @@ def kernel_i64(value) -> np.int64:
                 _I64.clear()
             _I64[value] = scalar
     return scalar
-_BLOCK = (THREADS_PER_BLOCK,)
-# Work items per block of the 1-D grid kinds (see launch_config).
-_PER_BLOCK = {"elementwise": THREADS_PER_BLOCK, "indexed": THREADS_PER_BLOCK,
-              "packed": THREADS_PER_BLOCK * PACK}
 
 
 def _launch_plan(spec: KernelSpec, dtype: str, src_dtype: str | None) -> tuple:
