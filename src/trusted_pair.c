@@ -44,22 +44,35 @@ static const char *const KEY_NAMES[N_KEYS] = {
     "_parked", "_depth", "_pending", "_RECORDERS", "user_top", "framework_top", "op_category",
     "__dict__", "base"};
 
-/* The counters the fast paths update: the allocator's `_totals` and the values of its
-   `_by_category` dict are these objects (needle/memory/_pair_state.py has the same in Python,
-   for a tree built without this module). Plain C fields: an update is an add. */
-typedef struct {
-  PyObject_HEAD
-  long long allocated, requested, peak, peak_requested;
-  long long parked_reuses;  /* allocations served by a parked block */
-  long long parks;          /* releases that parked their block */
-} Totals;
-
+/* The counters the fast paths update: the allocator's `_all` (every live block), the values
+   of its `_by_category` dict, and its `_parking` are these objects
+   (needle/memory/_pair_state.py has the same in Python, for a tree built without this
+   module). Plain C fields: an update is an add. */
 typedef struct {
   PyObject_HEAD
   long long current, peak, current_requested, peak_requested;
 } CategoryRow;
 
-static PyTypeObject TotalsType, CategoryRowType;
+typedef struct {
+  PyObject_HEAD
+  long long parked_reuses;  /* allocations served by a parked block */
+  long long parks;          /* releases that parked their block */
+} ParkCounts;
+
+static PyTypeObject ParkCountsType, CategoryRowType;
+
+/* _pair_state.add_bytes / take_bytes */
+static inline void add_bytes(CategoryRow *row, long long size, long long requested) {
+  row->current += size;
+  if (row->current > row->peak) row->peak = row->current;
+  row->current_requested += requested;
+  if (row->current_requested > row->peak_requested) row->peak_requested = row->current_requested;
+}
+
+static inline void take_bytes(CategoryRow *row, long long size, long long requested) {
+  row->current -= size;
+  row->current_requested -= requested;
+}
 
 /* ---- FastRLock ------------------------------------------------------------------------ */
 
@@ -232,7 +245,8 @@ typedef struct {
   vectorcallfunc vectorcall;
   PyObject *allocator;     /* the CachingAllocator */
   PyObject *fields;        /* its __dict__ */
-  Totals *totals;          /* allocator._totals */
+  CategoryRow *all;        /* allocator._all */
+  ParkCounts *parking;     /* allocator._parking */
   PyObject *by_category;   /* allocator._by_category: name -> CategoryRow */
   FastRLock *lock;         /* allocator._lock */
   PyObject *slow_allocate; /* allocator._allocate_trusted / _release_trusted */
@@ -381,17 +395,9 @@ static PyObject *take_parked(TrustedPair *self, Py_ssize_t nbytes, PyObject *nby
   slot_set(block, self->offsets[F_FREE], Py_False);
   slot_set(block, self->offsets[F_REQUESTED], nbytes_obj);
   slot_set(block, self->offsets[F_CATEGORY], cat);
-  Totals *t = self->totals;
-  t->parked_reuses += 1;
-  t->allocated += size;
-  if (t->allocated > t->peak) t->peak = t->allocated;
-  t->requested += nbytes;
-  if (t->requested > t->peak_requested) t->peak_requested = t->requested;
-  CategoryRow *row = (CategoryRow *)row_obj;
-  row->current += size;
-  if (row->current > row->peak) row->peak = row->current;
-  row->current_requested += nbytes;
-  if (row->current_requested > row->peak_requested) row->peak_requested = row->current_requested;
+  self->parking->parked_reuses += 1;
+  add_bytes(self->all, size, nbytes);
+  add_bytes((CategoryRow *)row_obj, size, nbytes);
   return block;
 }
 
@@ -471,13 +477,9 @@ static int park(TrustedPair *self, PyObject *block) {
       !PyDict_CheckExact(parked))
     return PyErr_Occurred() ? -1 : 0;
   slot_set(block, self->offsets[F_FREE], Py_True);
-  Totals *t = self->totals;
-  t->parks += 1;
-  t->allocated -= size;
-  t->requested -= nbytes;
-  CategoryRow *row = (CategoryRow *)row_obj;
-  row->current -= size;
-  row->current_requested -= nbytes;
+  self->parking->parks += 1;
+  take_bytes(self->all, size, nbytes);
+  take_bytes((CategoryRow *)row_obj, size, nbytes);
   PyObject *zero = PyLong_FromLong(0);
   if (zero == NULL) return -1;
   slot_set(block, self->offsets[F_REQUESTED], zero);
@@ -561,15 +563,19 @@ static int pair_init(TrustedPair *self, PyObject *args, PyObject *kwds) {
       PyErr_SetString(PyExc_TypeError, "TrustedPair: expected the timeline module");
     return -1;
   }
-  PyObject *totals = PyObject_GetAttrString(allocator, "_totals");
+  PyObject *all = PyObject_GetAttrString(allocator, "_all");
+  PyObject *parking = PyObject_GetAttrString(allocator, "_parking");
   PyObject *by_category = PyObject_GetAttrString(allocator, "_by_category");
-  if (totals == NULL || by_category == NULL || !Py_IS_TYPE(totals, &TotalsType) ||
+  if (all == NULL || parking == NULL || by_category == NULL ||
+      !Py_IS_TYPE(all, &CategoryRowType) || !Py_IS_TYPE(parking, &ParkCountsType) ||
       !PyDict_CheckExact(by_category)) {
     if (!PyErr_Occurred())
       PyErr_Format(PyExc_TypeError,
-                   "TrustedPair: expected the allocator's _totals a %s and _by_category a "
-                   "dict, got %R and %R", TotalsType.tp_name, totals, by_category);
-    Py_XDECREF(totals);
+                   "TrustedPair: expected the allocator's _all a %s, _parking a %s and "
+                   "_by_category a dict, got %R, %R and %R", CategoryRowType.tp_name,
+                   ParkCountsType.tp_name, all, parking, by_category);
+    Py_XDECREF(all);
+    Py_XDECREF(parking);
     Py_XDECREF(by_category);
     Py_DECREF(fields);
     Py_DECREF(timeline_dict);
@@ -584,7 +590,8 @@ static int pair_init(TrustedPair *self, PyObject *args, PyObject *kwds) {
   PyObject *slow_allocate = PyObject_GetAttrString(allocator, "_allocate_trusted");
   PyObject *slow_release = PyObject_GetAttrString(allocator, "_release_trusted");
   if (!lock || !slow_allocate || !slow_release) {
-    Py_DECREF(totals);
+    Py_DECREF(all);
+    Py_DECREF(parking);
     Py_DECREF(by_category);
     Py_DECREF(fields);
     Py_DECREF(timeline_dict);
@@ -599,7 +606,8 @@ static int pair_init(TrustedPair *self, PyObject *args, PyObject *kwds) {
   Py_INCREF(default_category);
   Py_XSETREF(self->allocator, allocator);
   Py_XSETREF(self->fields, fields);
-  Py_XSETREF(self->totals, (Totals *)totals);
+  Py_XSETREF(self->all, (CategoryRow *)all);
+  Py_XSETREF(self->parking, (ParkCounts *)parking);
   Py_XSETREF(self->by_category, by_category);
   Py_XSETREF(self->lock, (FastRLock *)lock);
   Py_XSETREF(self->slow_allocate, slow_allocate);
@@ -617,8 +625,8 @@ static int pair_init(TrustedPair *self, PyObject *args, PyObject *kwds) {
 
 /* Every object field of TrustedPair, for traverse and clear. */
 #define PAIR_OBJECTS(X)                                                                  \
-  X(allocator) X(fields) X(totals) X(by_category) X(lock) X(slow_allocate) X(slow_release) \
-  X(block_type) X(state) X(timeline) X(default_category)
+  X(allocator) X(fields) X(all) X(parking) X(by_category) X(lock) X(slow_allocate)       \
+  X(slow_release) X(block_type) X(state) X(timeline) X(default_category)
 
 static int pair_traverse(TrustedPair *self, visitproc visit, void *arg) {
 #define VISIT_FIELD(name) Py_VISIT(self->name);
@@ -705,30 +713,26 @@ static PyTypeObject TrustedOwnerType = {
 
 #define COUNTER(type, name, doc) {#name, T_LONGLONG, offsetof(type, name), 0, doc}
 
-static PyMemberDef totals_members[] = {
-    COUNTER(Totals, allocated, "bytes in live blocks"),
-    COUNTER(Totals, requested, "bytes asked for by live blocks"),
-    COUNTER(Totals, peak, "most bytes in live blocks since the last reset_peak"),
-    COUNTER(Totals, peak_requested, "most bytes asked for since the last reset_peak"),
-    COUNTER(Totals, parked_reuses, "allocations served by a parked block"),
-    COUNTER(Totals, parks, "releases that parked their block"),
+static PyMemberDef park_members[] = {
+    COUNTER(ParkCounts, parked_reuses, "allocations served by a parked block"),
+    COUNTER(ParkCounts, parks, "releases that parked their block"),
     {NULL, 0, 0, 0, NULL}};
 
 static PyMemberDef row_members[] = {
-    COUNTER(CategoryRow, current, "bytes in live blocks of the category"),
+    COUNTER(CategoryRow, current, "bytes in live blocks (of the category, or all)"),
     COUNTER(CategoryRow, peak, "most of them since the last reset_peak"),
     COUNTER(CategoryRow, current_requested, "bytes asked for by them"),
     COUNTER(CategoryRow, peak_requested, "most of those since the last reset_peak"),
     {NULL, 0, 0, 0, NULL}};
 
-static PyTypeObject TotalsType = {
+static PyTypeObject ParkCountsType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "needle.memory._trusted_pair.Totals",
-    .tp_basicsize = sizeof(Totals),
+    .tp_name = "needle.memory._trusted_pair.ParkCounts",
+    .tp_basicsize = sizeof(ParkCounts),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Totals(): an allocator's byte and event counters, all 0.",
+    .tp_doc = "ParkCounts(): the parked pair's events, both 0.",
     .tp_new = PyType_GenericNew,
-    .tp_members = totals_members,
+    .tp_members = park_members,
 };
 
 static PyTypeObject CategoryRowType = {
@@ -736,7 +740,7 @@ static PyTypeObject CategoryRowType = {
     .tp_name = "needle.memory._trusted_pair.CategoryRow",
     .tp_basicsize = sizeof(CategoryRow),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "CategoryRow(): one memory category's byte counters, all 0.",
+    .tp_doc = "CategoryRow(): bytes of live blocks and their peaks, all 0.",
     .tp_new = PyType_GenericNew,
     .tp_members = row_members,
 };
@@ -753,18 +757,18 @@ PyMODINIT_FUNC PyInit__trusted_pair(void) {
   }
   if (PyType_Ready(&TrustedPairType) < 0 || PyType_Ready(&TrustedOwnerType) < 0 ||
       PyType_Ready(&FastRLockType) < 0 ||
-      PyType_Ready(&TotalsType) < 0 || PyType_Ready(&CategoryRowType) < 0)
+      PyType_Ready(&ParkCountsType) < 0 || PyType_Ready(&CategoryRowType) < 0)
     return NULL;
   PyObject *m = PyModule_Create(&module);
   if (m == NULL) return NULL;
   Py_INCREF(&TrustedPairType);
   Py_INCREF(&TrustedOwnerType);
-  Py_INCREF(&TotalsType);
+  Py_INCREF(&ParkCountsType);
   Py_INCREF(&FastRLockType);
   Py_INCREF(&CategoryRowType);
   if (PyModule_AddObject(m, "TrustedPair", (PyObject *)&TrustedPairType) < 0 ||
       PyModule_AddObject(m, "TrustedOwner", (PyObject *)&TrustedOwnerType) < 0 ||
-      PyModule_AddObject(m, "Totals", (PyObject *)&TotalsType) < 0 ||
+      PyModule_AddObject(m, "ParkCounts", (PyObject *)&ParkCountsType) < 0 ||
       PyModule_AddObject(m, "FastRLock", (PyObject *)&FastRLockType) < 0 ||
       PyModule_AddObject(m, "CategoryRow", (PyObject *)&CategoryRowType) < 0) {
     Py_DECREF(m);

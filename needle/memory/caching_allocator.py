@@ -39,7 +39,7 @@ import numpy as np
 
 from . import timeline as _timeline
 from ._errors import MemoryArgumentError
-from ._pair_state import CategoryRow, RLock, Totals, row_dict
+from ._pair_state import CategoryRow, ParkCounts, RLock, add_bytes, row_dict, take_bytes
 from .categories import _DEFAULT as _DEFAULT_CATEGORY
 from .categories import CATEGORIES, check_category, resolve, thread_state
 
@@ -190,12 +190,13 @@ class CachingAllocator:
         self._reset_counters()
 
     def _reset_counters(self) -> None:
-        # bytes and peaks of live blocks, and the parked pair's events: in objects the C pair
-        # (needle/memory/_trusted_pair) updates too. Parked reuses and parks are counted apart
-        # (one add on the fast path); stats() adds them to num_allocs and num_reused, and to
-        # num_frees
-        self._totals = Totals()
+        # bytes and peaks of live blocks (all of them, and per category) and the parked
+        # pair's events: in objects the C pair (needle/memory/_trusted_pair) updates too.
+        # Parked reuses and parks are counted apart (one add on the fast path); stats() adds
+        # them to num_allocs and num_reused, and to num_frees
+        self._all = CategoryRow()
         self._by_category = {c: CategoryRow() for c in CATEGORIES}
+        self._parking = ParkCounts()
         self._reserved = self._peak_reserved = 0
         self._num_allocs = self._num_frees = self._num_reused = 0
         self._num_segment_allocs = self._num_segment_frees = 0
@@ -242,8 +243,9 @@ class CachingAllocator:
         fields = _CATEGORY_STATE.__dict__
         cat = (fields["user_top"] or fields["framework_top"] or fields["op_category"]
                or _DEFAULT_CATEGORY)
-        # acquire/release as bound methods: a `with` on the RLock costs twice as much
-        # (its __enter__ parses acquire's arguments), and this runs for every buffer
+        # acquire/release as bound methods: one call each (without the C module this pair
+        # runs for every cuda() buffer, and a `with` on threading.RLock parses acquire's
+        # arguments)
         self._acquire()
         try:
             stack = self._parked.get(key)
@@ -256,7 +258,7 @@ class CachingAllocator:
             # Up to the event, nothing allocates a tracked object or calls out: no destructor
             # can run in the middle (release() defers those only while _depth is set).
             block = stack.pop()
-            self._totals.parked_reuses += 1
+            self._parking.parked_reuses += 1
             block.free = False
             block.requested = nbytes
             block.category = cat
@@ -286,13 +288,9 @@ class CachingAllocator:
             block.free = True
             size = block.size
             nbytes = block.requested
-            totals = self._totals
-            totals.parks += 1  # counted in num_frees (_release's statistics, written out)
-            totals.allocated -= size
-            totals.requested -= nbytes
-            row = self._by_category[block.category]
-            row.current -= size
-            row.current_requested -= nbytes
+            self._parking.parks += 1  # counted in num_frees (_release's statistics)
+            take_bytes(self._all, size, nbytes)
+            take_bytes(self._by_category[block.category], size, nbytes)
             if _timeline._RECORDERS:
                 self._depth += 1  # the recorder may allocate (and so run destructors)
                 try:
@@ -354,9 +352,9 @@ class CachingAllocator:
             old = block.category
             if old == new:
                 return
-            self._count(old, -block.size, -block.requested)
+            take_bytes(self._by_category[old], block.size, block.requested)
             block.category = new
-            self._count(new, block.size, block.requested)
+            add_bytes(self._by_category[new], block.size, block.requested)
             if _timeline._RECORDERS:
                 self._emit("retag", block, False, prev_category=old)
 
@@ -381,30 +379,27 @@ class CachingAllocator:
     def reset_peak(self) -> None:
         """Set every peak (total, requested, reserved, per category) to its current value."""
         with self._lock:
-            totals = self._totals
-            totals.peak = totals.allocated
-            totals.peak_requested = totals.requested
             self._peak_reserved = self._reserved
-            for row in self._by_category.values():
+            for row in (self._all, *self._by_category.values()):
                 row.peak = row.current
                 row.peak_requested = row.current_requested
 
     def stats(self) -> dict:
         """A snapshot of the statistics (see docs/memory.md for every field)."""
         with self._lock:
-            totals = self._totals
+            every, parking = self._all, self._parking
             return {
                 "device": self.name,
-                "allocated_bytes": totals.allocated,
-                "requested_bytes": totals.requested,
-                "peak_bytes": totals.peak,
-                "peak_requested_bytes": totals.peak_requested,
+                "allocated_bytes": every.current,
+                "requested_bytes": every.current_requested,
+                "peak_bytes": every.peak,
+                "peak_requested_bytes": every.peak_requested,
                 "reserved_bytes": self._reserved,
                 "peak_reserved_bytes": self._peak_reserved,
-                "cached_bytes": self._reserved - totals.allocated,
-                "num_allocs": self._num_allocs + totals.parked_reuses,
-                "num_frees": self._num_frees + totals.parks,
-                "num_reused": self._num_reused + totals.parked_reuses,
+                "cached_bytes": self._reserved - every.current,
+                "num_allocs": self._num_allocs + parking.parked_reuses,
+                "num_frees": self._num_frees + parking.parks,
+                "num_reused": self._num_reused + parking.parked_reuses,
                 "num_segments": len(self._segments),
                 "num_segment_allocs": self._num_segment_allocs,
                 "num_segment_frees": self._num_segment_frees,
@@ -529,12 +524,8 @@ class CachingAllocator:
     def _release(self, block: Block) -> None:
         block.free = True
         self._num_frees += 1
-        totals = self._totals
-        totals.allocated -= block.size
-        totals.requested -= block.requested
-        row = self._by_category[block.category]  # _count, written out (a release sets no peak)
-        row.current -= block.size
-        row.current_requested -= block.requested
+        take_bytes(self._all, block.size, block.requested)
+        take_bytes(self._by_category[block.category], block.size, block.requested)
         if _timeline._RECORDERS:
             self._emit("free", block, False)
         block.requested = 0
@@ -569,32 +560,17 @@ class CachingAllocator:
         bucket[block] = None
 
     def _charge(self, cat: str, size: int, requested: int) -> None:
-        """Count a block handed out: the totals and ``cat``'s row, with their peaks (the C
-        pair counts a parked block's reuse the same way)."""
-        totals = self._totals
-        allocated = totals.allocated = totals.allocated + size
-        if allocated > totals.peak:
-            totals.peak = allocated
-        req = totals.requested = totals.requested + requested
-        if req > totals.peak_requested:
-            totals.peak_requested = req
-        self._count(cat, size, requested)
-
-    def _count(self, cat: str, size: int, requested: int) -> None:
-        row = self._by_category[cat]
-        cur = row.current = row.current + size
-        if cur > row.peak:
-            row.peak = cur
-        req = row.current_requested = row.current_requested + requested
-        if req > row.peak_requested:
-            row.peak_requested = req
+        """Count a block handed out, in the all-blocks row and ``cat``'s (the C pair counts a
+        parked block's reuse the same way)."""
+        add_bytes(self._all, size, requested)
+        add_bytes(self._by_category[cat], size, requested)
 
     def _emit(self, kind: str, block: Block, new_segment: bool,
               prev_category: str | None = None) -> None:
         _timeline.emit(_timeline.Event(
             kind=kind, device=self.name, nbytes=block.size, requested=block.requested,
             category=block.category, op=_timeline.current_op(), block=block.id,
-            new_segment=new_segment, allocated_bytes=self._totals.allocated,
+            new_segment=new_segment, allocated_bytes=self._all.current,
             prev_category=prev_category))
 
     def _new_segment(self, pool: int, size: int, nbytes: int = 0, cat: str = "other") -> Block:
@@ -619,7 +595,7 @@ class CachingAllocator:
 
         raise out_of_memory_error({
             "device": self.name, "requested": nbytes, "block": size, "segment": seg_size,
-            "allocated": self._totals.allocated, "reserved": self._reserved, "limit": self._limit,
+            "allocated": self._all.current, "reserved": self._reserved, "limit": self._limit,
             "largest_free_block": max((s[-1] for s in self._free_sizes if s), default=0),
             "category": cat}, allocator=self)
 

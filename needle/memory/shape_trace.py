@@ -112,7 +112,7 @@ class _Simulated(CachingAllocator):
             self.sink.append(_timeline.Event(
                 kind=kind, device=self.name, nbytes=block.size, requested=block.requested,
                 category=block.category, op=None, block=block.id, new_segment=new_segment,
-                allocated_bytes=self._totals.allocated, prev_category=prev_category))
+                allocated_bytes=self._all.current, prev_category=prev_category))
 
 
 def _shape_only(args, depth: int = 0) -> bool:

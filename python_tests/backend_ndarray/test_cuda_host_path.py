@@ -220,12 +220,12 @@ def _step_counts(step, alloc, monkeypatch) -> dict:
 
     monkeypatch.setattr(runtime, "function", lambda source, name: kernel)
     monkeypatch.setattr(runtime._cupy, "ndarray", ndarray)
-    before, parked = alloc.stats(), alloc._totals.parked_reuses
+    before, parked = alloc.stats(), alloc._parking.parked_reuses
     step()
     after = alloc.stats()
     counts["buffers"] = after["num_allocs"] - before["num_allocs"]
     counts["freed"] = after["num_frees"] - before["num_frees"]
-    counts["parked_reuses"] = alloc._totals.parked_reuses - parked
+    counts["parked_reuses"] = alloc._parking.parked_reuses - parked
     counts["new_segments"] = after["num_segment_allocs"] - before["num_segment_allocs"]
     monkeypatch.setattr(runtime._cupy, "ndarray", real_ndarray)
     return counts

@@ -19,7 +19,7 @@ def test_a_parked_block_is_handed_out_again_with_exact_statistics():
     alloc._release_trusted(a)
     assert a.free and alloc.stats()["allocated_bytes"] == 3072
     again = alloc._allocate_trusted(900)  # rounds to 1,024 bytes like a: a itself comes back
-    assert again is a and alloc._totals.parked_reuses == 1
+    assert again is a and alloc._parking.parked_reuses == 1
     st = alloc.stats()
     assert (st["allocated_bytes"], st["requested_bytes"]) == (1024 + 3072, 900 + 3000)
     assert (st["peak_bytes"], st["peak_requested_bytes"]) == (1024 + 3072, 1000 + 3000)
@@ -86,7 +86,7 @@ def test_a_recorded_parked_reuse_emits_the_events_of_an_allocation():
         again = alloc._allocate_trusted(1000)  # parked, handed out again while recorded
     finally:
         timeline.remove_sink(entry)
-    assert again is a and alloc._totals.parked_reuses == 1
+    assert again is a and alloc._parking.parked_reuses == 1
     assert [(e.kind, e.nbytes, e.requested, e.allocated_bytes, e.new_segment)
             for e in events] == [("free", 1024, 1000, 0, False),
                                  ("alloc", 1024, 1000, 1024, False)]

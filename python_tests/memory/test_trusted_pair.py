@@ -26,8 +26,9 @@ def test_the_c_pair_is_built_and_installed_for_cuda():
     the Python pair silently (and every buffer would cost three times as much)."""
     alloc = CachingAllocator("c")
     assert isinstance(cuda_allocator._trusted_owner(alloc), _trusted_pair.TrustedPair)
-    assert type(alloc._totals) is _trusted_pair.Totals
-    assert {type(r) for r in alloc._by_category.values()} == {_trusted_pair.CategoryRow}
+    assert type(alloc._parking) is _trusted_pair.ParkCounts
+    assert {type(r) for r in (alloc._all, *alloc._by_category.values())} == \
+        {_trusted_pair.CategoryRow}
 
 
 class _Sink(list):
@@ -157,8 +158,8 @@ def test_the_c_pair_behaves_as_the_python_pair(seed):
                 timeline.remove_sink(entry)
         # an owner waits in drops until an event or a new segment comes (the same in both)
         twins.check(step)
-    totals = twins.allocs["c"]._totals
-    assert totals.parked_reuses > 40 and totals.parks > 40
+    parking = twins.allocs["c"]._parking
+    assert parking.parked_reuses > 40 and parking.parks > 40
     assert len(twins.sinks["c"]) > 100  # the recorded paths ran
     assert twins.dropped_in_segment["c"] == twins.dropped_in_segment["py"] > 3  # re-entrant
     twins.live.clear()
@@ -178,7 +179,7 @@ def test_an_owner_holds_its_address_until_dropped():
     del owner
     assert block.free and alloc.stats()["allocated_bytes"] == 0
     again = pair(900)  # the same rounded size: the parked block comes back, served in C
-    assert again.block is block and alloc._totals.parked_reuses == 1
+    assert again.block is block and alloc._parking.parked_reuses == 1
     assert block.requested == 900 and block.category == "other"
 
 
@@ -195,9 +196,9 @@ def test_a_pair_waits_for_a_thread_inside_the_allocator():
         worker.start()
         worker.join(0.5)
         assert worker.is_alive() and not done  # waiting on the lock
-        assert alloc._totals.parked_reuses == 0
+        assert alloc._parking.parked_reuses == 0
     worker.join(60)
-    assert len(done) == 1 and alloc._totals.parked_reuses == 1
+    assert len(done) == 1 and alloc._parking.parked_reuses == 1
 
 
 def test_a_pair_reads_the_calling_threads_categories():
@@ -236,7 +237,7 @@ def test_the_python_counters_have_the_c_counters_fields():
     attributes, so the allocator's code is the same either way."""
     from needle.memory import _pair_state
 
-    for py_cls, c_cls in ((_pair_state._PyTotals, _trusted_pair.Totals),
+    for py_cls, c_cls in ((_pair_state._PyParkCounts, _trusted_pair.ParkCounts),
                           (_pair_state._PyCategoryRow, _trusted_pair.CategoryRow)):
         c_fields = {m for m in dir(c_cls) if not m.startswith("_")}
         assert set(py_cls.__slots__) == c_fields
